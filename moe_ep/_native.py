@@ -1,0 +1,65 @@
+"""Loads the compiled extension `moe_ep._C` when it was built, and says why when it was not."""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def _load():
+    try:
+        from . import _C  # noqa: F401  (built by setup.py where CUDA is present)
+    except ImportError as exc:
+        return None, f"the CUDA extension moe_ep._C is not built ({exc})"
+    return _C, None
+
+
+def ops():
+    module, reason = _load()
+    if module is None:
+        raise RuntimeError(reason)
+    return module
+
+
+def has_kernels() -> bool:
+    """Compiled kernels are usable: the extension is built and a CUDA device is visible."""
+    module, _ = _load()
+    return module is not None and torch.cuda.is_available()
+
+
+def has_nvshmem() -> bool:
+    module, _ = _load()
+    return module is not None and bool(getattr(module, "WITH_NVSHMEM", False))
+
+
+def is_sm90_compiled() -> bool:
+    module, _ = _load()
+    return module is not None and bool(getattr(module, "SM90_COMPILED", False))
+
+
+def unavailable_reason() -> Optional[str]:
+    module, reason = _load()
+    if module is None:
+        return reason
+    if not torch.cuda.is_available():
+        return "the CUDA extension is built but no CUDA device is visible"
+    return None
+
+
+def backend_info() -> dict:
+    """Which backend runs CUDA tensors and why; CPU tensors always run on the portable backend."""
+    reason = unavailable_reason()
+    info = {
+        "cuda_kernels": reason is None,
+        "nvshmem": has_nvshmem(),
+        "sm90": is_sm90_compiled(),
+        "cuda_tensors_run_on": "cuda kernels" if reason is None else "portable backend (torch.distributed)",
+        "cpu_tensors_run_on": "portable backend (torch.distributed)",
+        "reason": reason or "extension loaded",
+    }
+    if reason is None and not info["nvshmem"]:
+        module, _ = _load()
+        info["nvshmem_reason"] = getattr(module, "NVSHMEM_REASON", "built without NVSHMEM")
+    return info

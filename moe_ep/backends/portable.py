@@ -1,0 +1,301 @@
+"""The portable backend: every stage written with torch ops and torch.distributed collectives.
+
+This is the executable specification of moe_ep. It runs on CPU tensors over gloo (and on CUDA tensors
+over NCCL, or over gloo by staging through host memory), and the CUDA kernels are tested bit for bit
+against it. Where an operation rounds, the order of operations here is the contract:
+
+* combine: per token, acc = 0.0f; acc += bias0; acc += bias1; then acc += row from rank r for every
+  rank r the token was sent to, in ascending r; all in float32; one rounding to the output dtype.
+* low-latency combine: per token, acc = 0.0f; for k ascending with topk_idx[k] >= 0:
+  acc = acc + (weight[k] * row[k]) with the product rounded to float32 before the sum (no FMA).
+
+Rows travel as raw bytes, so dtypes that a collective does not know (fp8, bf16 on gloo) move exactly.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import fp8
+from ..checks import FP8_BLOCK, FP8_DTYPE, expect
+from ..handles import DispatchHandle, LowLatencyHandle
+from ..sync import ArrivalGate
+
+
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_node: int):
+    """(num_tokens_per_rank, num_tokens_per_rdma_rank or None, num_tokens_per_expert, is_token_in_rank)."""
+    experts_per_rank = num_experts // num_ranks
+    num_tokens = topk_idx.shape[0]
+    valid = topk_idx >= 0
+    expert = topk_idx.clamp(min=0)
+    num_tokens_per_expert = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
+    num_tokens_per_expert.index_add_(0, expert[valid], torch.ones_like(expert[valid], dtype=torch.int32))
+    is_token_in_rank = torch.zeros(num_tokens, num_ranks, dtype=torch.bool, device=topk_idx.device)
+    rows = torch.arange(num_tokens, device=topk_idx.device).unsqueeze(1).expand_as(topk_idx)
+    is_token_in_rank[rows[valid], (expert // experts_per_rank)[valid]] = True
+    num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
+    num_tokens_per_rdma_rank = None
+    if ranks_per_node < num_ranks:
+        num_nodes = num_ranks // ranks_per_node
+        in_node = is_token_in_rank.view(num_tokens, num_nodes, ranks_per_node).any(-1)
+        num_tokens_per_rdma_rank = in_node.sum(0, dtype=torch.int32)
+    return num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank
+
+
+def pack_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """2-D tensors with equal row counts -> one uint8 matrix, a row of each part's bytes per token."""
+    return torch.cat([p.contiguous().view(torch.uint8).reshape(p.shape[0], math.prod(p.shape[1:]) * p.element_size())
+                      for p in parts], dim=1)
+
+
+def unpack_rows(rows: torch.Tensor, specs: Sequence[Tuple[torch.dtype, int]]) -> List[torch.Tensor]:
+    """Inverse of pack_rows: specs lists (dtype, columns) of each part in order."""
+    parts, offset = [], 0
+    for dtype, cols in specs:
+        nbytes = cols * torch.empty((), dtype=dtype).element_size()
+        parts.append(rows[:, offset:offset + nbytes].contiguous().view(dtype).reshape(rows.shape[0], cols))
+        offset += nbytes
+    return parts
+
+
+def row_specs(parts: Sequence[torch.Tensor]) -> List[Tuple[torch.dtype, int]]:
+    return [(p.dtype, p.shape[1]) for p in parts]
+
+
+@dataclass
+class _LowLatencyState:
+    send_token: torch.Tensor    # [M] source token of each message sent, in send order
+    send_slot: torch.Tensor     # [M] its top-k slot
+    send_counts: List[int]      # messages sent to each rank
+    recv_counts: List[int]      # messages received from each rank
+    arrival_expert: Optional[torch.Tensor] = None  # [M'] local expert of each received message
+    arrival_row: Optional[torch.Tensor] = None     # [M'] its row in recv_x[expert]
+
+
+class PortableBackend:
+    name = "portable"
+
+    def __init__(self, group: dist.ProcessGroup, ranks_per_node: int, gate: ArrivalGate):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.ranks_per_node = ranks_per_node
+        self.gate = gate
+        # gloo moves host memory only; NCCL moves device memory.
+        self.comm_on_host = dist.get_backend(group) == "gloo"
+
+    # ---------------------------------------------------------------- collectives on raw bytes
+    def _comm_device(self, like: torch.Tensor) -> torch.device:
+        return torch.device("cpu") if self.comm_on_host else like.device
+
+    def _exchange_rows(self, rows: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
+                       async_op: bool = False):
+        """All-to-all of uint8 rows: send_counts[r] rows to rank r, recv_counts[r] rows from it, in
+        rank order. Returns the received rows (and the pending work when async_op)."""
+        row_bytes = rows.shape[1]
+        device = rows.device
+        send = rows.to(self._comm_device(rows)).reshape(-1)
+        recv = torch.empty(sum(recv_counts) * row_bytes, dtype=torch.uint8, device=send.device)
+        work = dist.all_to_all_single(recv, send, [c * row_bytes for c in recv_counts],
+                                      [c * row_bytes for c in send_counts], group=self.group, async_op=async_op)
+
+        def result() -> torch.Tensor:
+            if work is not None:
+                work.wait()
+            return recv.view(-1, row_bytes).to(device)
+        return result if async_op else result()
+
+    def _all_gather_ints(self, values: torch.Tensor) -> torch.Tensor:
+        """[n] int64 from every rank -> [R, n]."""
+        local = values.to(torch.int64).to(self._comm_device(values))
+        gathered = [torch.empty_like(local) for _ in range(self.num_ranks)]
+        dist.all_gather(gathered, local, group=self.group)
+        return torch.stack(gathered).cpu()
+
+    def _all_to_all_ints(self, values: Sequence[int]) -> List[int]:
+        send = torch.tensor(list(values), dtype=torch.int64)
+        recv = torch.empty_like(send)
+        if not self.comm_on_host:
+            send, recv = send.cuda(), recv.cuda()
+        dist.all_to_all_single(recv, send, group=self.group)
+        return recv.tolist()
+
+    # ---------------------------------------------------------------- normal mode
+    def dispatch(self, x_parts: List[torch.Tensor], topk_idx: Optional[torch.Tensor],
+                 topk_weights: Optional[torch.Tensor], is_token_in_rank: Optional[torch.Tensor],
+                 num_tokens_per_rank: Optional[torch.Tensor], num_tokens_per_expert: Optional[torch.Tensor],
+                 expert_alignment: int, num_worst_tokens: int, handle: Optional[DispatchHandle],
+                 make_handle: Callable[..., DispatchHandle]):
+        self.gate.enter("dispatch")
+        num_tokens = x_parts[0].shape[0]
+        if handle is None:
+            num_experts = num_tokens_per_expert.shape[0]
+            local = num_experts // self.num_ranks
+            counts = self._all_gather_ints(torch.cat([num_tokens_per_rank, num_tokens_per_expert]))
+            recv_matrix = counts[:, : self.num_ranks]   # [src, dst]
+            if num_worst_tokens > 0:
+                totals = recv_matrix.sum(0)
+                over = [r for r in range(self.num_ranks) if totals[r] > num_worst_tokens]
+                expect(not over, ValueError,
+                       f"num_worst_tokens={num_worst_tokens} is too small: rank(s) {over} would receive "
+                       f"{[int(totals[r]) for r in over]} tokens")
+            expert_counts = counts[:, self.num_ranks + self.rank * local: self.num_ranks + (self.rank + 1) * local]
+            per_expert = expert_counts.sum(0).tolist()
+            recv_counts_list = [] if num_worst_tokens > 0 else [
+                -(-c // expert_alignment) * expert_alignment for c in per_expert]
+            handle = make_handle(num_tokens=num_tokens, is_token_in_rank=is_token_in_rank,
+                                 send_counts=recv_matrix[self.rank].tolist(),
+                                 recv_counts=recv_matrix[:, self.rank].tolist(), num_worst_tokens=num_worst_tokens)
+            cached = False
+        else:
+            cached = True
+        send_order = self._send_order(handle.is_token_in_rank)
+        parts = list(x_parts)
+        if not cached and topk_idx is not None:
+            parts += [topk_idx, topk_weights]
+        received = self._exchange_rows(pack_rows(parts)[send_order], handle.send_counts, handle.recv_counts)
+        outs = unpack_rows(received, row_specs(parts))
+        pad = handle.num_recv_rows - handle.num_recv_tokens
+        outs = [_pad_rows(t, pad, fill=0) for t in outs]
+        recv_x = outs[: len(x_parts)]
+        if cached:
+            return recv_x, None, None, None, None
+        recv_topk_idx = recv_topk_weights = None
+        if topk_idx is not None:
+            recv_topk_idx, recv_topk_weights = self._to_local_experts(outs[-2], outs[-1], num_experts)
+            recv_topk_idx[handle.num_recv_tokens:] = -1
+        return recv_x, recv_topk_idx, recv_topk_weights, recv_counts_list, handle
+
+    def _to_local_experts(self, idx: torch.Tensor, weights: torch.Tensor, num_experts: int):
+        local = num_experts // self.num_ranks
+        first = self.rank * local
+        is_local = (idx >= first) & (idx < first + local)
+        return (torch.where(is_local, idx - first, torch.full_like(idx, -1)),
+                torch.where(is_local, weights, torch.zeros_like(weights)))
+
+    @staticmethod
+    def _send_order(is_token_in_rank: torch.Tensor) -> torch.Tensor:
+        """Token indices in send order: destination rank major, token index minor."""
+        return is_token_in_rank.t().nonzero(as_tuple=True)[1]
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+                biases: List[torch.Tensor]):
+        self.gate.enter("combine")
+        valid = handle.num_recv_tokens
+        parts = [x[:valid]] + ([topk_weights[:valid]] if topk_weights is not None else [])
+        received = self._exchange_rows(pack_rows(parts), handle.recv_counts, handle.send_counts)
+        outs = unpack_rows(received, row_specs(parts))
+        send_order = self._send_order(handle.is_token_in_rank)
+        combined_x = self._reduce_by_rank(outs[0], send_order, handle, biases)
+        combined_w = None
+        if topk_weights is not None:
+            combined_w = self._reduce_by_rank(outs[1], send_order, handle, [])
+        return combined_x.to(x.dtype), combined_w
+
+    def _reduce_by_rank(self, rows: torch.Tensor, send_order: torch.Tensor, handle: DispatchHandle,
+                        biases: List[torch.Tensor]) -> torch.Tensor:
+        acc = torch.zeros(handle.num_tokens, rows.shape[1], dtype=torch.float32, device=rows.device)
+        for bias in biases:
+            acc += bias.float()
+        start = 0
+        for count in handle.send_counts:   # rank order: the summation order of the contract
+            tokens = send_order[start:start + count]
+            acc[tokens] += rows[start:start + count].float()
+            start += count
+        return acc
+
+    # ---------------------------------------------------------------- low-latency mode
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int,
+                             num_experts: int, stats: Optional[torch.Tensor], use_fp8: bool, round_scale: bool,
+                             use_ue8m0: bool, return_recv_hook: bool, handle: LowLatencyHandle):
+        self.gate.enter("low_latency_dispatch")
+        local = num_experts // self.num_ranks
+        hidden = x.shape[1]
+        token, slot = (topk_idx >= 0).nonzero(as_tuple=True)   # ordered by token, then slot
+        expert = topk_idx[token, slot]
+        order = torch.sort(expert // local, stable=True).indices
+        token, slot, expert = token[order], slot[order], expert[order]
+        send_counts = torch.bincount(expert // local, minlength=self.num_ranks).tolist()
+        if use_fp8:
+            token_parts = list(fp8.per_token_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0))
+        else:
+            token_parts = [x]
+        meta = torch.stack([expert % local, token], dim=1).to(torch.int32)
+        specs = row_specs(token_parts) + [(torch.int32, 2)]
+        payload = torch.cat([pack_rows(token_parts)[token], pack_rows([meta])], dim=1)
+        recv_counts = self._all_to_all_ints(send_counts)
+        pending = self._exchange_rows(payload, send_counts, recv_counts, async_op=True)
+
+        rows = num_max_tokens * self.num_ranks
+        recv_x = torch.zeros(local, rows, hidden, dtype=FP8_DTYPE if use_fp8 else x.dtype, device=x.device)
+        recv_scales = None
+        if use_fp8:
+            scale_cols = token_parts[1].shape[1]
+            recv_scales = torch.zeros(local, rows, scale_cols, dtype=token_parts[1].dtype, device=x.device)
+        recv_count = torch.zeros(local, dtype=torch.int32, device=x.device)
+        state = _LowLatencyState(token, slot, send_counts, recv_counts)
+        handle.backend_state = state
+
+        def receive():
+            parts = unpack_rows(pending(), specs)
+            arrival_expert = parts[-1][:, 0].long()
+            # Arrivals come grouped by source rank, each group in source token order; a stable sort
+            # by expert keeps that order within every expert.
+            by_expert = torch.sort(arrival_expert, stable=True).indices
+            counts = torch.bincount(arrival_expert, minlength=local)
+            starts = torch.cumsum(counts, 0) - counts
+            arrival_row = torch.empty_like(arrival_expert)
+            arrival_row[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device) - \
+                starts[arrival_expert[by_expert]]
+            recv_x[arrival_expert, arrival_row] = parts[0]
+            if recv_scales is not None:
+                recv_scales[arrival_expert, arrival_row] = parts[1]
+            recv_count.copy_(counts.to(torch.int32))
+            if stats is not None:
+                stats.add_(counts.to(stats.dtype))
+            state.arrival_expert, state.arrival_row = arrival_expert, arrival_row
+
+        hook = receive
+        if not return_recv_hook:
+            receive()
+            hook = None
+        recv = (recv_x, recv_scales) if use_fp8 else recv_x
+        return recv, recv_count, hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: LowLatencyHandle, return_recv_hook: bool, out: Optional[torch.Tensor]):
+        state: _LowLatencyState = handle.backend_state
+        expect(state is not None and state.arrival_expert is not None, RuntimeError,
+               "handle: its low_latency_dispatch has not received yet: call the dispatch's hook() first")
+        self.gate.enter("low_latency_combine")
+        rows = x[state.arrival_expert, state.arrival_row]
+        pending = self._exchange_rows(pack_rows([rows]), state.recv_counts, state.send_counts, async_op=True)
+        num_tokens, num_topk = topk_idx.shape
+        combined = out if out is not None else torch.empty(num_tokens, x.shape[2], dtype=torch.bfloat16,
+                                                           device=x.device)
+
+        def receive():
+            (returned,) = unpack_rows(pending(), [(x.dtype, x.shape[2])])
+            per_slot = torch.zeros(num_tokens, num_topk, x.shape[2], dtype=torch.float32, device=x.device)
+            per_slot[state.send_token, state.send_slot] = returned.float()
+            acc = torch.zeros(num_tokens, x.shape[2], dtype=torch.float32, device=x.device)
+            for k in range(num_topk):
+                take = (topk_idx[:, k] >= 0).unsqueeze(1)
+                acc = torch.where(take, acc + topk_weights[:, k:k + 1] * per_slot[:, k], acc)
+            combined.copy_(acc.to(combined.dtype))
+
+        hook = receive
+        if not return_recv_hook:
+            receive()
+            hook = None
+        return combined, hook
+
+
+def _pad_rows(t: torch.Tensor, pad: int, fill) -> torch.Tensor:
+    if pad == 0:
+        return t
+    return torch.cat([t, torch.full((pad, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)])

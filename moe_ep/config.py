@@ -1,0 +1,131 @@
+"""Kernel tuning knobs (Config), tuned defaults per rank count, and buffer sizes.
+
+The buffer sizes are computed from the region layouts in `csrc/kernels/buffer_layout.cuh`; the
+formulas here mirror it one to one and a GPU test checks that both give the same numbers. Every
+backend enforces them, so a program that runs on the portable backend runs unchanged on the kernels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .checks import check_int, expect
+
+# A host's NVLink domain as the intranode kernels address it (peers mapped over CUDA IPC).
+NUM_MAX_NVL_PEERS = 8
+# Top-k entries a normal-mode receive queue reserves per token (top-k idx int64 + weight float32).
+NUM_MAX_TOPK = 32
+# Low-latency messages carry a 16-byte header (source token, its top-k slot) in front of the row.
+LL_MESSAGE_HEADER_BYTES = 16
+ALIGNMENT_BYTES = 128
+FP8_BLOCK = 128
+
+
+def _align(n: int, to: int = ALIGNMENT_BYTES) -> int:
+    return -(-n // to) * to
+
+
+@dataclass
+class Config:
+    """Chunking of the normal-mode kernels. Positional order is deep_ep's."""
+    num_sms: int = 20
+    num_max_nvl_chunked_send_tokens: int = 6
+    num_max_nvl_chunked_recv_tokens: int = 256
+    num_max_rdma_chunked_send_tokens: int = 6
+    num_max_rdma_chunked_recv_tokens: int = 256
+
+    def __post_init__(self):
+        check_int("num_sms", self.num_sms, minimum=2, multiple_of=2)
+        for name in ("num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
+                     "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens"):
+            check_int(name, getattr(self, name), minimum=1)
+        expect(self.num_max_nvl_chunked_send_tokens < self.num_max_nvl_chunked_recv_tokens, ValueError,
+               "num_max_nvl_chunked_send_tokens must be smaller than num_max_nvl_chunked_recv_tokens, got "
+               f"{self.num_max_nvl_chunked_send_tokens} >= {self.num_max_nvl_chunked_recv_tokens}")
+        expect(self.num_max_rdma_chunked_send_tokens <= self.num_max_rdma_chunked_recv_tokens // 2, ValueError,
+               "num_max_rdma_chunked_send_tokens must be at most half of num_max_rdma_chunked_recv_tokens, "
+               f"got {self.num_max_rdma_chunked_send_tokens} and {self.num_max_rdma_chunked_recv_tokens}")
+
+    @property
+    def num_channels(self) -> int:
+        # Each channel uses one SM to send and one to receive.
+        return self.num_sms // 2
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        check_int("hidden_bytes", hidden_bytes, minimum=1)
+        check_int("num_ranks", num_ranks, minimum=1)
+        return NormalLayout(self, hidden_bytes, num_ranks).nvl_bytes
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        check_int("hidden_bytes", hidden_bytes, minimum=1)
+        check_int("num_ranks", num_ranks, minimum=1)
+        return NormalLayout(self, hidden_bytes, num_ranks).rdma_bytes
+
+
+class NormalLayout:
+    """Normal-mode buffer: per channel and peer, a ring of token slots plus head/tail counters."""
+
+    def __init__(self, config: Config, hidden_bytes: int, num_ranks: int):
+        nvl_peers = min(num_ranks, NUM_MAX_NVL_PEERS)
+        rdma_ranks = -(-num_ranks // NUM_MAX_NVL_PEERS)
+        # hidden_bytes counts 2 bytes per element; fp8 rows carry one float32 scale per 128 elements.
+        scale_bytes = (hidden_bytes // 2 // FP8_BLOCK) * 4
+        token_meta = 4 + NUM_MAX_TOPK * (8 + 4)  # source index, top-k ids and weights
+        slot_bytes = hidden_bytes + scale_bytes + token_meta
+        counters = config.num_channels * nvl_peers * (2 * rdma_ranks + 4) * 4
+        queues = config.num_channels * nvl_peers * config.num_max_nvl_chunked_recv_tokens * slot_bytes
+        self.nvl_bytes = _align(counters + queues)
+        if num_ranks <= NUM_MAX_NVL_PEERS:
+            self.rdma_bytes = 0
+        else:
+            rdma_queues = (config.num_channels * rdma_ranks * config.num_max_rdma_chunked_recv_tokens
+                           * slot_bytes * 2)  # send and receive sides
+            self.rdma_bytes = _align(rdma_queues + config.num_channels * rdma_ranks * 4 * 4)
+
+
+class LowLatencyLayout:
+    """Low-latency buffer: two identical halves used alternately, so that one call's receive buffers
+    stay valid while the next call is issued. Each half holds a send region, a receive region of one
+    slot per (local expert, source rank, token) and one counter per (local expert, source rank)."""
+
+    def __init__(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int):
+        # A bf16 row is the largest message: fp8 rows with their scales are smaller (H + H/32 < 2H).
+        dispatch_msg = _align(LL_MESSAGE_HEADER_BYTES + hidden * 2, 16)
+        combine_msg = _align(hidden * 2, 16)
+        slots = num_experts * num_max_dispatch_tokens_per_rank
+        self.dispatch_message_bytes = dispatch_msg
+        self.combine_message_bytes = combine_msg
+        self.send_bytes = _align(max(num_max_dispatch_tokens_per_rank * dispatch_msg, slots * combine_msg))
+        self.recv_bytes = _align(max(slots * dispatch_msg, slots * combine_msg))
+        self.signal_bytes = _align(num_experts * 4 * 2)  # dispatch counts and combine flags
+        self.half_bytes = self.send_bytes + self.recv_bytes + self.signal_bytes
+        self.total_bytes = 2 * self.half_bytes
+
+
+def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                               num_experts: int) -> int:
+    check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+    check_int("hidden", hidden, minimum=1)
+    check_int("num_ranks", num_ranks, minimum=1)
+    check_int("num_experts", num_experts, minimum=1)
+    return LowLatencyLayout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts).total_bytes
+
+
+# Defaults per rank count: (dispatch, combine). Starting points to be replaced by measured optima
+# (benchmarks/intranode sweep); any rank count not listed gets the generic entry.
+_DISPATCH_CONFIGS = {
+    2: (24, 256), 4: (6, 256), 8: (6, 256),
+}
+_COMBINE_CONFIGS = {
+    2: (10, 256), 4: (9, 256), 8: (4, 256),
+}
+_GENERIC = (6, 256)
+
+
+def dispatch_config(num_ranks: int, num_sms: int) -> Config:
+    send, recv = _DISPATCH_CONFIGS.get(num_ranks, _GENERIC)
+    return Config(num_sms, send, recv, 6, 128)
+
+
+def combine_config(num_ranks: int, num_sms: int) -> Config:
+    send, recv = _COMBINE_CONFIGS.get(num_ranks, _GENERIC)
+    return Config(num_sms, send, recv, 6, 128)

@@ -1,0 +1,174 @@
+"""Starting N ranks: long-lived rank processes for tests, demos and benchmarks.
+
+`RankPool(n)` spawns n processes, each with an initialised torch.distributed process group (gloo on
+CPU; on CUDA, gloo as well when several ranks share a GPU, since NCCL refuses that), and runs picklable
+module-level functions on all of them on request. Starting Python and torch once per rank and reusing
+the processes keeps a test suite over 2..8 ranks fast on a small machine.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import io
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional
+
+DEFAULT_CALL_TIMEOUT_S = 600.0
+# After one rank fails, how long the others get to finish before the pool is stopped.
+FAILURE_GRACE_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RankFailure:
+    """What a rank raised, carried back to the parent process."""
+    rank: int
+    type_name: str
+    message: str
+    traceback: str
+
+
+class RankError(RuntimeError):
+    def __init__(self, failures: List[RankFailure]):
+        self.failures = failures
+        first = failures[0]
+        super().__init__(f"{len(failures)} rank(s) failed; rank {first.rank}: {first.type_name}: {first.message}\n"
+                         f"{first.traceback}")
+
+
+def _rank_main(rank: int, num_ranks: int, port: int, backend: str, use_cuda: bool, env: Dict[str, str], conn):
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+    if use_cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks,
+                            timeout=timedelta(seconds=DEFAULT_CALL_TIMEOUT_S))
+    while True:
+        message = _recv(conn)
+        if message is None:
+            break
+        fn, args, kwargs = message
+        try:
+            reply = ("ok", fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+            reply = ("err", RankFailure(rank, type(exc).__name__, str(exc), traceback.format_exc()))
+        _send(conn, reply)
+    dist.destroy_process_group()
+
+
+# torch.save rather than multiprocessing's pickler, which would pass tensors through shared-memory
+# handles that live only as long as the sending rank keeps them (and plain pickle fails on fp8).
+def _send(conn, obj) -> None:
+    import torch
+    data = io.BytesIO()
+    torch.save(obj, data)
+    conn.send_bytes(data.getvalue())
+
+
+def _recv(conn):
+    import torch
+    return torch.load(io.BytesIO(conn.recv_bytes()), weights_only=False)
+
+
+class RankPool:
+    def __init__(self, num_ranks: int, use_cuda: bool = False, backend: Optional[str] = None,
+                 env: Optional[Dict[str, str]] = None):
+        if backend is None:
+            backend = "gloo"
+            if use_cuda:
+                import torch
+                # NCCL needs one GPU per rank; several ranks per GPU talk over gloo on the host side.
+                if torch.cuda.device_count() >= num_ranks:
+                    backend = "nccl"
+        self.num_ranks = num_ranks
+        self.backend = backend
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._conns, self._procs = [], []
+        for rank in range(num_ranks):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, args=(rank, num_ranks, port, backend, use_cuda, env or {}, child),
+                               daemon=True)
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+
+    def run(self, fn: Callable, *args, timeout_s: float = DEFAULT_CALL_TIMEOUT_S, **kwargs) -> List[Any]:
+        """fn(*args, **kwargs) on every rank; returns the per-rank results, or raises RankError."""
+        return self.run_per_rank(fn, [args] * self.num_ranks, timeout_s=timeout_s, **kwargs)
+
+    def run_per_rank(self, fn: Callable, args_per_rank, timeout_s: float = DEFAULT_CALL_TIMEOUT_S, **kwargs):
+        """Like run, with its own arguments for each rank. When a rank fails, the others may be stuck in
+        a collective it never joined: after a grace period the pool is stopped and all is reported."""
+        expect_alive = self.alive
+        if not expect_alive:
+            raise RuntimeError("this RankPool was stopped after a failure; start a new one")
+        for conn, args in zip(self._conns, args_per_rank):
+            _send(conn, (fn, tuple(args), kwargs))
+        name = getattr(fn, "__name__", str(fn))
+        results: Dict[int, Any] = {}
+        failures: List[RankFailure] = []
+        deadline = time.monotonic() + timeout_s
+        while len(results) < self.num_ranks:
+            for rank, (conn, proc) in enumerate(zip(self._conns, self._procs)):
+                if rank in results:
+                    continue
+                if conn.poll(0.05):
+                    status, value = _recv(conn)
+                    results[rank] = value
+                    if status == "err":
+                        failures.append(value)
+                        deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+                elif not proc.is_alive():
+                    results[rank] = None
+                    failures.append(RankFailure(rank, "RankLost", f"exited with code {proc.exitcode} in {name}", ""))
+            if len(results) < self.num_ranks and time.monotonic() > deadline:
+                for rank in range(self.num_ranks):
+                    if rank not in results:
+                        failures.append(RankFailure(rank, "RankLost", f"did not finish {name} in time", ""))
+                        results[rank] = None
+                self.close(force=True)
+        if failures:
+            failures.sort(key=lambda f: f.type_name == "RankLost")
+            raise RankError(failures)
+        return [results[r] for r in range(self.num_ranks)]
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def close(self, force: bool = False) -> None:
+        for conn, proc in zip(self._conns, self._procs):
+            if proc.is_alive() and not force:
+                try:
+                    _send(conn, None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=0 if force else 30)
+            if proc.is_alive():
+                proc.kill()
+        self._procs, self._conns = [], []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close(force=exc[0] is not None)
+        return False
+
+
+def run_on_ranks(fn: Callable, num_ranks: int, *args, use_cuda: bool = False, **kwargs) -> List[Any]:
+    """One-shot: start num_ranks processes, run fn on each, stop them."""
+    with RankPool(num_ranks, use_cuda=use_cuda) as pool:
+        return pool.run(fn, *args, **kwargs)

@@ -1,0 +1,33 @@
+import os
+import random
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from moe_ep.launch import RankPool  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def pools():
+    """pools(n): a RankPool of n CPU ranks over gloo, started on first use and kept for the session."""
+    started = {}
+
+    def get(num_ranks: int) -> RankPool:
+        if num_ranks not in started or not started[num_ranks].alive:
+            started[num_ranks] = RankPool(num_ranks)
+        return started[num_ranks]
+
+    yield get
+    for pool in started.values():
+        pool.close()
+
+
+@pytest.fixture
+def seed(request):
+    """A fresh seed per test (MOE_EP_TEST_SEED pins it); shown in the report so a failure can be replayed."""
+    value = int(os.environ.get("MOE_EP_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    request.node.user_properties.append(("seed", value))
+    print(f"seed={value}")
+    return value

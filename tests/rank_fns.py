@@ -1,0 +1,107 @@
+"""Functions the tests run on every rank of a RankPool (module level, so they can be pickled)."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import moe_ep
+from moe_ep import Buffer, Config, fp8
+
+from .problems import Problem, bias_for, expert_output, make_inputs
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if os.environ.get("MOE_EP_TEST_CUDA") == "1" \
+        else torch.device("cpu")
+
+
+def my_inputs(p: Problem):
+    inputs = make_inputs(p)[dist.get_rank()]
+    return {k: v.to(device()) for k, v in inputs.items()}
+
+
+def normal_buffer(hidden: int, **kwargs) -> Buffer:
+    num_ranks = dist.get_world_size()
+    nvl = max(Config().get_nvl_buffer_size_hint(hidden * 2, num_ranks),
+              Buffer.get_combine_config(num_ranks).get_nvl_buffer_size_hint(hidden * 2, num_ranks),
+              Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden * 2, num_ranks))
+    rdma = Config().get_rdma_buffer_size_hint(hidden * 2, num_ranks)
+    return Buffer(dist.group.WORLD, nvl, rdma, **kwargs)
+
+
+def low_latency_buffer(p: Problem) -> Buffer:
+    size = Buffer.get_low_latency_rdma_size_hint(p.max_tokens, p.hidden, p.num_ranks, p.num_experts)
+    return Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, num_qps_per_rank=p.local_experts)
+
+
+def cpu(t):
+    if t is None:
+        return None
+    if isinstance(t, (tuple, list)):
+        return type(t)(cpu(v) for v in t)
+    return t.cpu() if isinstance(t, torch.Tensor) else t
+
+
+def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 num_biases: int = 0, with_topk: bool = True):
+    """Layout, dispatch, cached dispatch, combine: everything a test compares, per rank."""
+    rank = dist.get_rank()
+    inp = my_inputs(p)
+    buffer = normal_buffer(p.hidden)
+    layout = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
+    per_rank, per_rdma, per_expert, in_rank, _ = layout
+    x = fp8.per_token_cast_to_fp8(inp["x"]) if use_fp8 else inp["x"]
+    topk = dict(topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"]) if with_topk else {}
+    recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens, **topk)
+    event.current_stream_wait()
+    cached = buffer.dispatch(x, handle=handle)
+    recv_bf16 = fp8.per_token_cast_back(*recv_x) if use_fp8 else recv_x
+    y = expert_output(recv_bf16, rank)
+    biases = [bias_for(p, rank, inp["x"].shape[0], i).to(device()) for i in range(num_biases)]
+    bias = None if num_biases == 0 else (biases[0] if num_biases == 1 else tuple(biases))
+    combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w, bias=bias)
+    return cpu(dict(layout=(per_rank, per_rdma, per_expert, in_rank), recv_x=recv_x, recv_idx=recv_idx,
+                    recv_w=recv_w, counts=counts, cached=cached[0], cached_rest=cached[1:5], y=y,
+                    combined=combined, combined_w=combined_w, num_recv_rows=handle.num_recv_rows))
+
+
+def low_latency_round(p: Problem, use_fp8: bool, round_scale: bool = False, use_ue8m0: bool = False,
+                      return_recv_hook: bool = False, zero_copy: bool = False, use_out: bool = False):
+    rank = dist.get_rank()
+    inp = my_inputs(p)
+    buffer = low_latency_buffer(p)
+    stats = torch.zeros(p.local_experts, dtype=torch.int32, device=device())
+    recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
+        inp["x"], inp["topk_idx"], p.max_tokens, p.num_experts, cumulative_local_expert_recv_stats=stats,
+        use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=return_recv_hook)
+    count_before_hook = recv_count.clone()
+    if return_recv_hook:
+        hook()
+    recv_bf16 = recv_x
+    if use_fp8:
+        recv_bf16 = fp8.per_token_cast_back(*recv_x)
+    y = expert_output(recv_bf16, rank)
+    # Rows past recv_count are not data: poison them, the combine must never read them.
+    for j, c in enumerate(recv_count.tolist()):
+        y[j, c:] = float("nan")
+    out = torch.full((inp["x"].shape[0], p.hidden), float("nan"), dtype=torch.bfloat16, device=device()) \
+        if use_out else None
+    x_arg = y
+    if zero_copy:
+        buffer.get_next_low_latency_combine_buffer(handle).copy_(y)
+        x_arg = torch.zeros_like(y)   # must be ignored: zero_copy reads the buffer
+    combined, _, combine_hook = buffer.low_latency_combine(
+        x_arg, inp["topk_idx"], inp["topk_weights"], handle, zero_copy=zero_copy,
+        return_recv_hook=return_recv_hook, out=out)
+    if return_recv_hook:
+        combine_hook()
+    return cpu(dict(recv_x=recv_x, recv_count=recv_count, count_before_hook=count_before_hook, stats=stats,
+                    y=y, combined=combined, out_is_result=out is not None and combined.data_ptr() == out.data_ptr()))
+
+
+def backend_info():
+    return moe_ep.backend_info()
