@@ -63,8 +63,8 @@ def expand_scales(scales: torch.Tensor, hidden: int, block: int = FP8_BLOCK) -> 
     check_tensor("scales", scales, dtypes=(torch.float32, torch.int32))
     if scales.dtype == torch.float32:
         return scales
-    exponent_bytes = scales.contiguous().view(torch.uint8)[..., : hidden // block]
-    return torch.ldexp(torch.ones((), device=scales.device), exponent_bytes.to(torch.int32) - 127)
+    exponents = scales.contiguous().view(torch.uint8)[..., : hidden // block].to(torch.int32) - 127
+    return torch.ldexp(torch.ones(exponents.shape, device=scales.device), exponents)
 
 
 def _cast_reference(x: torch.Tensor, block: int, round_scale: bool, use_ue8m0: bool):

@@ -105,3 +105,86 @@ def low_latency_round(p: Problem, use_fp8: bool, round_scale: bool = False, use_
 
 def backend_info():
     return moe_ep.backend_info()
+
+
+def skip_a_call(skipping_rank: int, phase: str, timeout_s: float):
+    """Every rank but skipping_rank makes the call `phase`; returns what each saw."""
+    os.environ["MOE_EP_TIMEOUT_S"] = str(timeout_s)
+    try:
+        p = Problem(11, dist.get_world_size(), dist.get_world_size() * 2, 128, 2, max_tokens=4)
+        inp = my_inputs(p)
+        buffer = low_latency_buffer(p) if phase.startswith("low_latency") else normal_buffer(p.hidden)
+        handle = None
+        if phase == "low_latency_combine":
+            recv, _, handle, _, _ = buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens,
+                                                                p.num_experts, use_fp8=False)
+        if dist.get_rank() == skipping_rank:
+            return "skipped"
+        try:
+            if phase == "dispatch":
+                per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
+                buffer.dispatch(inp["x"], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                num_tokens_per_expert=per_expert)
+            else:
+                buffer.low_latency_combine(recv, inp["topk_idx"], inp["topk_weights"], handle)
+        except Exception as exc:  # noqa: BLE001
+            return type(exc).__name__, str(exc)
+        return "returned"
+    finally:
+        del os.environ["MOE_EP_TIMEOUT_S"]
+
+
+def mismatched_calls():
+    """Rank 0 dispatches while rank 1 runs a low-latency dispatch."""
+    p = Problem(12, dist.get_world_size(), dist.get_world_size() * 2, 128, 2, max_tokens=4)
+    inp = my_inputs(p)
+    size = Buffer.get_low_latency_rdma_size_hint(p.max_tokens, p.hidden, p.num_ranks, p.num_experts)
+    nvl = Config().get_nvl_buffer_size_hint(p.hidden * 2, p.num_ranks)
+    buffer = Buffer(dist.group.WORLD, nvl, size, low_latency_mode=True)
+    try:
+        if dist.get_rank() == 0:
+            per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
+            buffer.dispatch(inp["x"], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert)
+        else:
+            buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens, p.num_experts)
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+    return "returned", ""
+
+
+def buffer_lifecycle():
+    """Raw buffer views, zero-copy staging cleanup, explicit destroy."""
+    p = Problem(13, dist.get_world_size(), dist.get_world_size() * 2, 128, 2, max_tokens=4)
+    inp = my_inputs(p)
+    size = Buffer.get_low_latency_rdma_size_hint(p.max_tokens, p.hidden, p.num_ranks, p.num_experts)
+    buffer = Buffer(dist.group.WORLD, 4096, size, low_latency_mode=True, explicitly_destroy=True)
+    view = buffer.get_local_buffer_tensor(torch.int32, (4, 8), offset=128)
+    view.fill_(7)
+    again = buffer.get_local_buffer_tensor(torch.int32, (4, 8), offset=128)
+    _, _, handle, _, _ = buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens, p.num_experts)
+    staging = buffer.get_next_low_latency_combine_buffer(handle)
+    staging.fill_(1.0)
+    buffer.clean_low_latency_buffer(p.max_tokens, p.hidden, p.num_experts)
+    cleaned = bool((staging == 0).all())
+    try:
+        buffer.get_local_buffer_tensor(torch.int32, (4096,))
+        too_big = "no error"
+    except ValueError as exc:
+        too_big = str(exc)
+    buffer.destroy()
+    try:
+        buffer.get_local_buffer_tensor(torch.int32, (1,))
+        after_destroy = "no error"
+    except RuntimeError as exc:
+        after_destroy = str(exc)
+    return dict(shared=bool((again == 7).all()), cleaned=cleaned, too_big=too_big, after_destroy=after_destroy,
+                comm_stream=buffer.get_comm_stream(), ranks_per_node=buffer.ranks_per_node)
+
+
+def layout_across_nodes(ranks_per_node: int):
+    p = Problem(14, dist.get_world_size(), dist.get_world_size() * 2, 128, 3, max_tokens=16)
+    inp = my_inputs(p)
+    buffer = Buffer(dist.group.WORLD, ranks_per_node=ranks_per_node)
+    per_rank, per_rdma, _, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
+    return inp["topk_idx"], per_rdma, in_rank

@@ -48,8 +48,14 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ra
 
 def pack_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """2-D tensors with equal row counts -> one uint8 matrix, a row of each part's bytes per token."""
-    return torch.cat([p.contiguous().view(torch.uint8).reshape(p.shape[0], math.prod(p.shape[1:]) * p.element_size())
-                      for p in parts], dim=1)
+    return torch.cat([_row_bytes(p) for p in parts], dim=1)
+
+
+def _row_bytes(t: torch.Tensor) -> torch.Tensor:
+    row_bytes = math.prod(t.shape[1:]) * t.element_size()
+    if t.numel() == 0:  # empty tensors may carry strides that a byte view rejects
+        return torch.empty(t.shape[0], row_bytes, dtype=torch.uint8, device=t.device)
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], row_bytes)
 
 
 def unpack_rows(rows: torch.Tensor, specs: Sequence[Tuple[torch.dtype, int]]) -> List[torch.Tensor]:

@@ -1,0 +1,193 @@
+// 1x128 per-token FP8 (e4m3) cast and cast-back. The arithmetic follows moe_ep/fp8.py step by step
+// (float32 amax, one IEEE division for the scale, one per element, round-to-nearest-even e4m3), so the
+// results are bitwise equal to the portable reference.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+
+#include "api.cuh"
+#include "cuda_check.cuh"
+
+namespace moe_ep {
+namespace fp8 {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kElemsPerLane = 8;                           // 16 bytes of bf16 per load
+constexpr int kLanesPerBlock = kBlock / kElemsPerLane;     // 16 lanes share one 128-column block
+constexpr int kGroupsPerCta = kThreads / kLanesPerBlock;
+constexpr int kUe8m0PerWord = 4;
+
+template <typename T>
+__device__ __forceinline__ void load8(const T* src, float (&v)[kElemsPerLane]);
+
+template <>
+__device__ __forceinline__ void load8<__nv_bfloat16>(const __nv_bfloat16* src, float (&v)[kElemsPerLane]) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(src);
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(pairs[i]);
+        v[2 * i] = f.x;
+        v[2 * i + 1] = f.y;
+    }
+}
+
+template <>
+__device__ __forceinline__ void load8<__half>(const __half* src, float (&v)[kElemsPerLane]) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(src);
+    const __half2* pairs = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __half22float2(pairs[i]);
+        v[2 * i] = f.x;
+        v[2 * i + 1] = f.y;
+    }
+}
+
+template <>
+__device__ __forceinline__ void load8<float>(const float* src, float (&v)[kElemsPerLane]) {
+    const float4 a = reinterpret_cast<const float4*>(src)[0];
+    const float4 b = reinterpret_cast<const float4*>(src)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+// Smallest power of two >= scale (scale is a positive normal float here).
+__device__ __forceinline__ float round_up_to_power_of_two(float scale) {
+    const unsigned bits = __float_as_uint(scale);
+    return (bits & 0x7FFFFFu) ? __uint_as_float((bits & 0x7F800000u) + 0x800000u) : scale;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x, int64_t num_groups, int hidden,
+                                                        bool round_scale, bool use_ue8m0, uint8_t* __restrict__ q,
+                                                        void* __restrict__ scales) {
+    const int blocks_per_row = hidden / kBlock;
+    const int lane = threadIdx.x % kLanesPerBlock;
+    for (int64_t g = static_cast<int64_t>(blockIdx.x) * kGroupsPerCta + threadIdx.x / kLanesPerBlock; g < num_groups;
+         g += static_cast<int64_t>(gridDim.x) * kGroupsPerCta) {
+        const int64_t row = g / blocks_per_row;
+        const int block = static_cast<int>(g % blocks_per_row);
+        const int64_t offset = row * hidden + static_cast<int64_t>(block) * kBlock + lane * kElemsPerLane;
+        float v[kElemsPerLane];
+        load8(x + offset, v);
+        float amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < kElemsPerLane; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+        for (int mask = kLanesPerBlock / 2; mask > 0; mask >>= 1)
+            amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, mask));
+        float scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kE4M3Max);
+        if (round_scale) scale = round_up_to_power_of_two(scale);
+        uint8_t out[kElemsPerLane];
+#pragma unroll
+        for (int i = 0; i < kElemsPerLane; ++i)
+            out[i] = __nv_cvt_float_to_fp8(__fdiv_rn(v[i], scale), __NV_SATFINITE, __NV_E4M3);
+        *reinterpret_cast<uint2*>(q + offset) = *reinterpret_cast<const uint2*>(out);
+        if (lane == 0) {
+            if (use_ue8m0) {
+                const int words = (blocks_per_row + kUe8m0PerWord - 1) / kUe8m0PerWord;
+                static_cast<uint8_t*>(scales)[row * words * kUe8m0PerWord + block] =
+                    static_cast<uint8_t>((__float_as_uint(scale) >> 23) & 0xFFu);
+            } else {
+                static_cast<float*>(scales)[row * blocks_per_row + block] = scale;
+            }
+        }
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void store8(T* dst, const float (&v)[kElemsPerLane]);
+
+template <>
+__device__ __forceinline__ void store8<__nv_bfloat16>(__nv_bfloat16* dst, const float (&v)[kElemsPerLane]) {
+    uint4 raw;
+    __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+    *reinterpret_cast<uint4*>(dst) = raw;
+}
+
+template <>
+__device__ __forceinline__ void store8<float>(float* dst, const float (&v)[kElemsPerLane]) {
+    reinterpret_cast<float4*>(dst)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(dst)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) cast_back_kernel(const uint8_t* __restrict__ q,
+                                                             const void* __restrict__ scales, bool scales_ue8m0,
+                                                             int64_t num_chunks, int hidden, T* __restrict__ out) {
+    const int blocks_per_row = hidden / kBlock;
+    const int chunks_per_row = hidden / kElemsPerLane;
+    for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < num_chunks;
+         c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int64_t row = c / chunks_per_row;
+        const int col = static_cast<int>(c % chunks_per_row) * kElemsPerLane;
+        const int block = col / kBlock;
+        float scale;
+        if (scales_ue8m0) {
+            const int words = (blocks_per_row + kUe8m0PerWord - 1) / kUe8m0PerWord;
+            const unsigned exponent = static_cast<const uint8_t*>(scales)[row * words * kUe8m0PerWord + block];
+            scale = __uint_as_float(exponent << 23);
+        } else {
+            scale = static_cast<const float*>(scales)[row * blocks_per_row + block];
+        }
+        const uint2 raw = *reinterpret_cast<const uint2*>(q + row * hidden + col);
+        const __nv_fp8_storage_t* bytes = reinterpret_cast<const __nv_fp8_storage_t*>(&raw);
+        float v[kElemsPerLane];
+#pragma unroll
+        for (int i = 0; i < kElemsPerLane; ++i)
+            v[i] = __fmul_rn(__half2float(__half(__nv_cvt_fp8_to_halfraw(bytes[i], __NV_E4M3))), scale);
+        store8(out + row * hidden + col, v);
+    }
+}
+
+int grid_for(int64_t work_items, int per_cta, int num_sms) {
+    // Enough CTAs to fill every SM a few times over; the kernels stride over the rest.
+    const int64_t needed = (work_items + per_cta - 1) / per_cta;
+    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(needed, static_cast<int64_t>(num_sms) * 8)));
+}
+
+}  // namespace
+
+void per_token_cast(const void* x, DType x_dtype, int num_tokens, int hidden, bool round_scale, bool use_ue8m0,
+                    uint8_t* x_fp8, void* scales, int num_sms, cudaStream_t stream) {
+    const int64_t groups = static_cast<int64_t>(num_tokens) * (hidden / kBlock);
+    if (groups == 0) return;
+    const int grid = grid_for(groups, kGroupsPerCta, num_sms);
+    switch (x_dtype) {
+        case DType::kBFloat16:
+            cast_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), groups, hidden,
+                                                       round_scale, use_ue8m0, x_fp8, scales);
+            break;
+        case DType::kFloat16:
+            cast_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const __half*>(x), groups, hidden, round_scale,
+                                                       use_ue8m0, x_fp8, scales);
+            break;
+        case DType::kFloat32:
+            cast_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const float*>(x), groups, hidden, round_scale,
+                                                       use_ue8m0, x_fp8, scales);
+            break;
+    }
+    MOE_EP_LAUNCH_CHECK("fp8 cast_kernel");
+}
+
+void per_token_cast_back(const uint8_t* x_fp8, const void* scales, bool scales_ue8m0, int num_tokens, int hidden,
+                         void* out, DType out_dtype, int num_sms, cudaStream_t stream) {
+    const int64_t chunks = static_cast<int64_t>(num_tokens) * (hidden / kElemsPerLane);
+    if (chunks == 0) return;
+    const int grid = grid_for(chunks, kThreads, num_sms);
+    if (out_dtype == DType::kFloat32)
+        cast_back_kernel<<<grid, kThreads, 0, stream>>>(x_fp8, scales, scales_ue8m0, chunks, hidden,
+                                                        static_cast<float*>(out));
+    else
+        cast_back_kernel<<<grid, kThreads, 0, stream>>>(x_fp8, scales, scales_ue8m0, chunks, hidden,
+                                                        static_cast<__nv_bfloat16*>(out));
+    MOE_EP_LAUNCH_CHECK("fp8 cast_back_kernel");
+}
+
+}  // namespace fp8
+}  // namespace moe_ep

@@ -1,0 +1,79 @@
+// Dispatch layout: who sends what where, in one pass over topk_idx.
+#include <algorithm>
+
+#include "api.cuh"
+#include "cuda_check.cuh"
+
+namespace moe_ep {
+namespace layout {
+namespace {
+
+constexpr int kThreads = 256;
+// The block-local histograms live in shared memory; past this many counters the launch would need
+// an opt-in above the default 48 KB per block.
+constexpr int kMaxCounters = 48 * 1024 / sizeof(int);
+
+// One thread per token. Each block counts into shared memory and adds its totals to global memory
+// once, so the global atomics scale with blocks, not with tokens.
+__global__ void __launch_bounds__(kThreads) layout_kernel(const int64_t* __restrict__ topk_idx, int num_tokens,
+                                                          int num_topk, int experts_per_rank, int num_ranks,
+                                                          int ranks_per_node, int num_nodes, int num_experts,
+                                                          int* __restrict__ counts, bool* __restrict__ in_rank) {
+    extern __shared__ int block_counts[];
+    const int num_counters = num_ranks + num_nodes + num_experts;
+    int* per_rank = block_counts;
+    int* per_node = per_rank + num_ranks;
+    int* per_expert = per_node + num_nodes;
+    for (int i = threadIdx.x; i < num_counters; i += blockDim.x) block_counts[i] = 0;
+    __syncthreads();
+
+    for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < num_tokens; t += gridDim.x * blockDim.x) {
+        const int64_t* ids = topk_idx + static_cast<int64_t>(t) * num_topk;
+        bool* row = in_rank + static_cast<int64_t>(t) * num_ranks;
+        for (int r = 0; r < num_ranks; ++r) row[r] = false;
+        for (int k = 0; k < num_topk; ++k) {
+            const int64_t expert = ids[k];
+            if (expert < 0) continue;
+            atomicAdd(&per_expert[expert], 1);
+            const int rank = static_cast<int>(expert / experts_per_rank);
+            const int node = rank / ranks_per_node;
+            // A token counts once per rank and once per node: only its first entry there counts.
+            bool first_in_rank = true, first_in_node = true;
+            for (int j = 0; j < k; ++j) {
+                if (ids[j] < 0) continue;
+                const int other = static_cast<int>(ids[j] / experts_per_rank);
+                first_in_rank &= other != rank;
+                first_in_node &= other / ranks_per_node != node;
+            }
+            if (first_in_rank) {
+                row[rank] = true;
+                atomicAdd(&per_rank[rank], 1);
+            }
+            if (num_nodes > 1 && first_in_node) atomicAdd(&per_node[node], 1);
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < num_counters; i += blockDim.x)
+        if (block_counts[i] != 0) atomicAdd(&counts[i], block_counts[i]);
+}
+
+}  // namespace
+
+void get_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
+                         int ranks_per_node, int* counts, bool* is_token_in_rank, int num_sms, cudaStream_t stream) {
+    const int num_nodes = num_ranks / ranks_per_node;
+    const int num_counters = num_ranks + num_nodes + num_experts;
+    if (num_counters > kMaxCounters)
+        throw std::runtime_error("moe_ep: get_dispatch_layout supports at most " + std::to_string(kMaxCounters) +
+                                 " ranks + nodes + experts, got " + std::to_string(num_counters));
+    MOE_EP_CUDA_CHECK(cudaMemsetAsync(counts, 0, sizeof(int) * num_counters, stream));
+    if (num_tokens == 0) return;
+    const int blocks = std::max(1, std::min((num_tokens + kThreads - 1) / kThreads, num_sms));
+    layout_kernel<<<blocks, kThreads, sizeof(int) * num_counters, stream>>>(
+        topk_idx, num_tokens, num_topk, num_experts / num_ranks, num_ranks, ranks_per_node, num_nodes, num_experts,
+        counts, is_token_in_rank);
+    MOE_EP_LAUNCH_CHECK("layout_kernel");
+}
+
+}  // namespace layout
+}  // namespace moe_ep

@@ -1,0 +1,103 @@
+"""moe_ep: pure Python everywhere; the CUDA extension moe_ep._C where torch has CUDA and nvcc exists.
+
+Environment:
+  MOE_EP_NO_CUDA=1      install pure Python even where CUDA is present
+  NVSHMEM_DIR=...       NVSHMEM install (include/, lib/); default: the nvidia-nvshmem-cu12/-cu13 wheel
+  TORCH_CUDA_ARCH_LIST  overrides the default targets (9.0, plus 8.0 for the kernels that allow it)
+  MAX_JOBS              parallel compile jobs (ninja)
+"""
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _say(message: str) -> None:
+    print(f"moe_ep setup: {message}", file=sys.stderr)
+
+
+def find_nvshmem():
+    """(include_dir, lib_dir, host_library_file) or None, and the reason when None."""
+    roots = []
+    if os.environ.get("NVSHMEM_DIR"):
+        roots.append(os.environ["NVSHMEM_DIR"])
+    try:
+        import nvidia.nvshmem as wheel  # nvidia-nvshmem-cu12 / -cu13 install this namespace package
+        roots.extend(wheel.__path__)
+    except ImportError:
+        pass
+    for root in roots:
+        include, lib = os.path.join(root, "include"), os.path.join(root, "lib")
+        # The wheels ship libnvshmem_host.so.3 without the unversioned name, so it is linked by file.
+        hosts = sorted(glob.glob(os.path.join(lib, "libnvshmem_host.so*")))
+        if os.path.exists(os.path.join(include, "nvshmem.h")) and hosts and \
+                os.path.exists(os.path.join(lib, "libnvshmem_device.a")):
+            return (include, lib, hosts[0]), None
+    if not roots:
+        return None, "NVSHMEM not found (set NVSHMEM_DIR or pip install nvidia-nvshmem-cu12/-cu13)"
+    return None, f"NVSHMEM incomplete under {roots} (need include/nvshmem.h, libnvshmem_host.so*, libnvshmem_device.a)"
+
+
+def cuda_extension():
+    """The extension and build command, or (None, why not)."""
+    if os.environ.get("MOE_EP_NO_CUDA") == "1":
+        return None, "MOE_EP_NO_CUDA=1"
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except ImportError:
+        return None, "torch is not installed yet (install torch first, then moe_ep with --no-build-isolation)"
+    if torch.version.cuda is None:
+        return None, f"torch {torch.__version__} is a CPU build"
+    if CUDA_HOME is None or not os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
+        return None, "nvcc not found (set CUDA_HOME)"
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(CUDA_HOME, "include", "cccl")]
+    sources = ["csrc/bindings.cpp", "csrc/kernels/layout.cu", "csrc/kernels/fp8.cu"]
+    define_macros, libraries, extra_link = [], [], []
+    if "9.0" in os.environ["TORCH_CUDA_ARCH_LIST"]:
+        define_macros.append(("MOE_EP_SM90_COMPILED", "1"))
+    nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-Xptxas=-v" if os.environ.get("MOE_EP_PTXAS_V") else "-lineinfo"]
+    nvshmem, nvshmem_reason = find_nvshmem()
+    if nvshmem is not None:
+        include, lib, host_library = nvshmem
+        include_dirs.append(include)
+        define_macros.append(("MOE_EP_WITH_NVSHMEM", "1"))
+        extra_link += [host_library, f"-Wl,-rpath,{lib}"]
+        sources.append("csrc/runtime_nvshmem.cpp")
+        _say(f"NVSHMEM from {lib}")
+    else:
+        define_macros.append(("MOE_EP_NVSHMEM_REASON", f'"{nvshmem_reason}"'))
+        _say(f"building without NVSHMEM: {nvshmem_reason}; internode and low-latency kernels are left out")
+    ext = CUDAExtension(
+        "moe_ep._C", sources, include_dirs=include_dirs, define_macros=define_macros, libraries=libraries,
+        extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags}, extra_link_args=extra_link)
+    return (ext, BuildExtension.with_options(use_ninja=True)), None
+
+
+built, reason = cuda_extension()
+if built is None:
+    _say(f"installing pure Python (portable backend only): {reason}")
+ext_modules = [built[0]] if built else []
+cmdclass = {"build_ext": built[1]} if built else {}
+
+setup(
+    name="moe_ep",
+    version="0.1.0",
+    description="Expert-parallel dispatch/combine for Mixture-of-Experts, call-compatible with deep_ep.Buffer",
+    packages=find_packages(include=["moe_ep", "moe_ep.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4"],
+    extras_require={
+        "test": ["pytest>=7", "numpy"],
+        "demo": ["rich"],
+        "cuda": ["pybind11", "ninja"],
+    },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

@@ -1,0 +1,176 @@
+"""Bad inputs: each case is a call that must raise before any communication, naming the argument."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moe_ep import Buffer, Config, EventOverlap, fp8
+
+from .problems import Problem
+from .rank_fns import low_latency_buffer, my_inputs, normal_buffer
+
+
+class Ctx:
+    """Valid objects each case spoils one thing of."""
+
+    def __init__(self, p: Problem):
+        self.p = p
+        inp = my_inputs(p)
+        self.x, self.idx, self.w = inp["x"], inp["topk_idx"], inp["topk_weights"]
+        self.buf = normal_buffer(p.hidden)
+        self.other = normal_buffer(p.hidden)
+        self.small = Buffer(dist.group.WORLD, num_nvl_bytes=1024)
+        self.ll = low_latency_buffer(p)
+        self.ll_small = Buffer(dist.group.WORLD, 0, 1024, low_latency_mode=True)
+        self.layout = self.buf.get_dispatch_layout(self.idx, p.num_experts)[:4]
+        self.handle = self.round(self.buf)
+        self.other_handle = self.round(self.other)
+        self.ll_handle = self.ll.low_latency_dispatch(self.x, self.idx, p.max_tokens, p.num_experts)[2]
+
+    def layout_kwargs(self, **override):
+        per_rank, _, per_expert, in_rank = self.layout
+        kw = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=self.idx, topk_weights=self.w)
+        kw.update(override)
+        return kw
+
+    def round(self, buffer: Buffer):
+        """A valid dispatch and combine; returns the handle."""
+        recv_x, _, _, _, handle, _ = buffer.dispatch(self.x, **self.layout_kwargs())
+        buffer.combine(recv_x, handle)
+        return handle
+
+    def ll_round(self):
+        recv, _, handle, _, _ = self.ll.low_latency_dispatch(self.x, self.idx, self.p.max_tokens, self.p.num_experts,
+                                                             use_fp8=False)
+        self.ll.low_latency_combine(recv, self.idx, self.w, handle)
+
+
+def _bad_id(c: Ctx, value: int):
+    idx = c.idx.clone()
+    if idx.numel():
+        idx[0, 0] = value
+    else:  # a zero-token rank still gets a bad id in a one-row tensor
+        idx = torch.full((1, c.p.num_topk), value, dtype=torch.int64)
+    return idx
+
+
+def _ll_x(c: Ctx, rows: int, hidden: int):
+    return torch.zeros(rows, hidden, dtype=torch.bfloat16, device=c.x.device)
+
+
+# (name, exception type, text the message must contain, call)
+CASES = [
+    ("x dtype", TypeError, "x: expected dtype", lambda c: c.buf.dispatch(c.x.half(), **c.layout_kwargs())),
+    ("x rank", ValueError, "x: expected 2 dimensions", lambda c: c.buf.dispatch(c.x[None], **c.layout_kwargs())),
+    ("x not a tensor", TypeError, "x: expected a tensor or a pair (x_fp8, scales)", lambda c: c.buf.dispatch([[1.0]], **c.layout_kwargs())),
+    ("layout topk_idx dtype", TypeError, "topk_idx: expected dtype torch.int64",
+     lambda c: c.buf.get_dispatch_layout(c.idx.int(), c.p.num_experts)),
+    ("num_experts not a multiple of ranks", ValueError, "num_experts: must be a multiple",
+     lambda c: c.buf.get_dispatch_layout(c.idx, c.p.num_experts + 1)),
+    ("expert id too large", ValueError, "topk_idx: expert ids must be -1 or in",
+     lambda c: c.buf.get_dispatch_layout(_bad_id(c, c.p.num_experts), c.p.num_experts)),
+    ("expert id below -1", ValueError, "topk_idx: expert ids must be -1 or in",
+     lambda c: c.buf.get_dispatch_layout(_bad_id(c, -2), c.p.num_experts)),
+    ("is_token_in_rank shape", ValueError, "is_token_in_rank: expected shape",
+     lambda c: c.buf.dispatch(c.x, **c.layout_kwargs(is_token_in_rank=c.layout[3][:, :1]))),
+    ("num_tokens_per_rank dtype", TypeError, "num_tokens_per_rank: expected dtype torch.int32",
+     lambda c: c.buf.dispatch(c.x, **c.layout_kwargs(num_tokens_per_rank=c.layout[0].long()))),
+    ("num_tokens_per_rank inconsistent", ValueError, "num_tokens_per_rank: disagrees with is_token_in_rank",
+     lambda c: c.buf.dispatch(c.x, **c.layout_kwargs(num_tokens_per_rank=c.layout[0] + 1))),
+    ("layout missing", ValueError, "is_token_in_rank: required when no handle",
+     lambda c: c.buf.dispatch(c.x, **c.layout_kwargs(is_token_in_rank=None))),
+    ("weights without ids", ValueError, "topk_idx, topk_weights: pass both or neither",
+     lambda c: c.buf.dispatch(c.x, **c.layout_kwargs(topk_idx=None))),
+    ("weights dtype", TypeError, "topk_weights: expected dtype torch.float32",
+     lambda c: c.buf.dispatch(c.x, **c.layout_kwargs(topk_weights=c.w.half()))),
+    ("top-k too large", ValueError, "topk_idx: top-k must be in",
+     lambda c: c.buf.dispatch(c.x, **c.layout_kwargs(topk_idx=c.idx.repeat(1, 20), topk_weights=c.w.repeat(1, 20)))),
+    ("fp8 hidden not multiple of 128", ValueError, "x[0]: fp8 hidden size must be a multiple of 128",
+     lambda c: c.buf.dispatch((c.x[:, :64].to(torch.float8_e4m3fn), c.w[:, :0]), **c.layout_kwargs())),
+    ("fp8 scales shape", ValueError, "x[1]: expected shape",
+     lambda c: c.buf.dispatch((c.x.to(torch.float8_e4m3fn), torch.ones(c.x.shape[0], 1)), **c.layout_kwargs())),
+    ("expert_alignment", ValueError, "expert_alignment: expected an int >= 1",
+     lambda c: c.buf.dispatch(c.x, expert_alignment=0, **c.layout_kwargs())),
+    ("num_worst_tokens", ValueError, "num_worst_tokens: expected an int >= 0",
+     lambda c: c.buf.dispatch(c.x, num_worst_tokens=-1, **c.layout_kwargs())),
+    ("config type", TypeError, "config: expected a moe_ep.Config",
+     lambda c: c.buf.dispatch(c.x, config={"num_sms": 20}, **c.layout_kwargs())),
+    ("nvl buffer too small", ValueError, "num_nvl_bytes=1024 is too small for dispatch",
+     lambda c: c.small.dispatch(c.x, **c.layout_kwargs())),
+    ("allocate_on_comm_stream alone", ValueError, "allocate_on_comm_stream=True needs previous_event",
+     lambda c: c.buf.dispatch(c.x, allocate_on_comm_stream=True, **c.layout_kwargs())),
+    ("previous_event type", TypeError, "previous_event: expected an EventOverlap",
+     lambda c: c.buf.dispatch(c.x, previous_event=object(), **c.layout_kwargs())),
+    ("cached dispatch with top-k", ValueError, "topk_idx: must be None for a cached dispatch",
+     lambda c: c.buf.dispatch(c.x, handle=c.handle, topk_idx=c.idx)),
+    ("cached dispatch with other tokens", ValueError, "x: the handle's layout is for",
+     lambda c: c.buf.dispatch(torch.cat([c.x, c.x[:1] if c.x.shape[0] else torch.zeros(1, c.p.hidden,
+                              dtype=c.x.dtype)]), handle=c.handle)),
+    ("foreign handle", ValueError, "handle: it was made by another Buffer",
+     lambda c: c.buf.combine(torch.zeros(c.other_handle.num_recv_rows, c.p.hidden, dtype=torch.bfloat16),
+                             c.other_handle)),
+    ("handle type", TypeError, "handle: expected the handle returned by dispatch",
+     lambda c: c.buf.combine(c.x, handle=(1, 2, 3))),
+    ("combine rows", ValueError, "x: expected shape",
+     lambda c: c.buf.combine(torch.zeros(c.handle.num_recv_rows + 1, c.p.hidden, dtype=torch.bfloat16), c.handle)),
+    ("bias shape", ValueError, "bias[0]: expected shape",
+     lambda c: c.buf.combine(torch.zeros(c.handle.num_recv_rows, c.p.hidden, dtype=torch.bfloat16), c.handle,
+                             bias=torch.zeros(c.handle.num_tokens + 1, c.p.hidden, dtype=torch.bfloat16))),
+    ("three biases", ValueError, "bias: expected None, one tensor or two",
+     lambda c: c.buf.combine(torch.zeros(c.handle.num_recv_rows, c.p.hidden, dtype=torch.bfloat16), c.handle,
+                             bias=(c.x, c.x, c.x))),
+    ("low-latency on a normal buffer", RuntimeError, "low_latency_dispatch needs a Buffer created with low_latency_mode",
+     lambda c: c.buf.low_latency_dispatch(c.x, c.idx, c.p.max_tokens, c.p.num_experts)),
+    ("rdma buffer too small", ValueError, "num_rdma_bytes=1024 is too small for low_latency_dispatch",
+     lambda c: c.ll_small.low_latency_dispatch(c.x, c.idx, c.p.max_tokens, c.p.num_experts)),
+    ("too many tokens", ValueError, "exceed num_max_dispatch_tokens_per_rank",
+     lambda c: c.ll.low_latency_dispatch(_ll_x(c, c.p.max_tokens + 1, c.p.hidden),
+                                         torch.zeros(c.p.max_tokens + 1, 1, dtype=torch.int64), c.p.max_tokens,
+                                         c.p.num_experts)),
+    ("low-latency fp8 hidden", ValueError, "x: hidden must be a multiple of 128 for fp8 dispatch",
+     lambda c: c.ll.low_latency_dispatch(_ll_x(c, 1, 64), torch.zeros(1, 1, dtype=torch.int64), c.p.max_tokens,
+                                         c.p.num_experts)),
+    ("ue8m0 without round_scale", ValueError, "use_ue8m0=True needs use_fp8=True and round_scale=True",
+     lambda c: c.ll.low_latency_dispatch(c.x, c.idx, c.p.max_tokens, c.p.num_experts, use_ue8m0=True)),
+    ("low-latency expert id", ValueError, "topk_idx: expert ids must be -1 or in",
+     lambda c: c.ll.low_latency_dispatch(_ll_x(c, 1, c.p.hidden), _bad_id(c, c.p.num_experts)[:1], c.p.max_tokens,
+                                         c.p.num_experts)),
+    ("stats shape", ValueError, "cumulative_local_expert_recv_stats: expected shape",
+     lambda c: c.ll.low_latency_dispatch(c.x, c.idx, c.p.max_tokens, c.p.num_experts,
+                                         cumulative_local_expert_recv_stats=torch.zeros(1000, dtype=torch.int32))),
+    ("low-latency combine weights", ValueError, "topk_weights: expected shape",
+     lambda c: c.ll.low_latency_combine(
+         torch.zeros(c.p.local_experts, c.p.num_ranks * c.p.max_tokens, c.p.hidden, dtype=torch.bfloat16),
+         c.idx, c.w[:, :1], c.ll_handle)),
+    ("low-latency combine x", ValueError, "x: expected shape",
+     lambda c: c.ll.low_latency_combine(torch.zeros(1, 1, c.p.hidden, dtype=torch.bfloat16), c.idx, c.w,
+                                        c.ll_handle)),
+    ("normal handle to low-latency combine", TypeError, "handle: expected the handle returned by low_latency_dispatch",
+     lambda c: c.ll.low_latency_combine(c.x, c.idx, c.w, c.handle)),
+    ("set_num_sms odd", ValueError, "new_num_sms: expected a multiple of 2", lambda c: Buffer.set_num_sms(7)),
+    ("Config chunks", ValueError, "num_max_nvl_chunked_send_tokens must be smaller",
+     lambda c: Config(20, 300, 256)),
+    ("group type", TypeError, "group: expected a torch.distributed ProcessGroup", lambda c: Buffer("world")),
+    ("cast-back hidden", ValueError, "x_fp8: the last dimension must be a multiple of block=128",
+     lambda c: fp8.per_token_cast_back(torch.zeros(2, 100, dtype=torch.float8_e4m3fn), torch.ones(2, 1))),
+    ("EventOverlap wait on wrong object", TypeError, "previous_event: expected an EventOverlap",
+     lambda c: c.buf.get_dispatch_layout(c.idx, c.p.num_experts, previous_event="event")),
+]
+
+
+def run_cases(p: Problem):
+    """Runs every case on this rank; after each, a valid round proves the Buffer still works."""
+    c = Ctx(p)
+    outcomes = []
+    for name, exc_type, text, call in CASES:
+        try:
+            call(c)
+            outcome = (name, "no exception", "")
+        except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
+            outcome = (name, type(exc).__name__, str(exc))
+        outcomes.append(outcome)
+        c.round(c.buf)
+        c.ll_round()
+    assert isinstance(EventOverlap(), EventOverlap)
+    return outcomes

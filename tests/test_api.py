@@ -1,0 +1,87 @@
+"""The parts of the API around the data path: configs, size hints, events, lifetime, backend info."""
+import pytest
+import torch
+
+import moe_ep
+from moe_ep import Buffer, Config, EventOverlap
+
+from . import rank_fns
+
+
+def test_module_exports_the_deep_ep_names():
+    assert moe_ep.topk_idx_t is torch.int64
+    assert isinstance(moe_ep.__version__, str)
+    for name in ("Buffer", "Config", "EventOverlap", "fp8", "backend_info"):
+        assert hasattr(moe_ep, name)
+
+
+def test_backend_info_says_why_without_the_extension():
+    info = moe_ep.backend_info()
+    assert info["cpu_tensors_run_on"].startswith("portable")
+    if not info["cuda_kernels"]:
+        assert info["reason"] and "portable" in info["cuda_tensors_run_on"]
+        assert Buffer.is_sm90_compiled() is False
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 3, 4, 5, 8, 16, 24, 64])
+def test_configs_exist_for_any_rank_count_and_hints_grow_with_hidden(num_ranks):
+    for config in (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)):
+        assert config.num_sms == Buffer.num_sms
+        small = config.get_nvl_buffer_size_hint(2048, num_ranks)
+        large = config.get_nvl_buffer_size_hint(14336, num_ranks)
+        assert 0 < small < large and large % 128 == 0
+        rdma = config.get_rdma_buffer_size_hint(14336, num_ranks)
+        assert (rdma > 0) == (num_ranks > 8)
+
+
+def test_low_latency_hint_covers_both_halves_of_the_buffer():
+    hint = Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256)
+    # At least two receive regions of one bf16 row per (expert, token) slot.
+    assert hint >= 2 * 256 * 128 * 7168 * 2
+    assert hint < 4 * 2 * 256 * 128 * 7168 * 2
+    assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 288) > hint
+
+
+def test_set_num_sms_changes_the_default_configs():
+    before = Buffer.num_sms
+    try:
+        Buffer.set_num_sms(24)
+        assert Buffer.get_dispatch_config(8).num_sms == 24
+    finally:
+        Buffer.set_num_sms(before)
+
+
+def test_config_positional_order_is_deep_eps():
+    c = Config(24, 8, 256, 6, 128)
+    assert (c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens,
+            c.num_max_rdma_chunked_send_tokens, c.num_max_rdma_chunked_recv_tokens) == (24, 8, 256, 6, 128)
+
+
+def test_event_overlap_on_cpu_is_an_empty_event():
+    event = Buffer.capture()
+    assert isinstance(event, EventOverlap)
+    with event:
+        pass
+    event.current_stream_wait()
+    assert EventOverlap(None, [torch.zeros(1)]).extra_tensors[0].numel() == 1
+
+
+def test_buffer_views_cleanup_and_destroy(pools):
+    for res in pools(2).run(rank_fns.buffer_lifecycle):
+        assert res["shared"], "two views of the same bytes see the same data"
+        assert res["cleaned"], "clean_low_latency_buffer zeroes the staging buffer"
+        assert "exceed the nvl buffer of 4096 bytes" in res["too_big"]
+        assert "destroyed" in res["after_destroy"]
+        assert res["comm_stream"] is None or not torch.cuda.is_available()
+        assert res["ranks_per_node"] == 2, "both ranks run on this host"
+
+
+def test_layout_counts_tokens_once_per_node(pools):
+    for topk_idx, per_rdma, in_rank in pools(4).run(rank_fns.layout_across_nodes, 2):
+        experts_per_node = 2 * 2
+        want = torch.zeros(2, dtype=torch.int32)
+        for row in topk_idx.tolist():
+            for node in {e // experts_per_node for e in row if e >= 0}:
+                want[node] += 1
+        assert torch.equal(per_rdma, want)
+        assert torch.equal(in_rank.view(-1, 2, 2).any(-1).sum(0, dtype=torch.int32), want)

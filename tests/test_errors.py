@@ -1,0 +1,42 @@
+"""Bad input raises a clear exception before any communication and leaves the Buffer usable; a rank
+that never arrives is named in a TimeoutError."""
+import pytest
+
+from . import bad_inputs, rank_fns
+from .problems import Problem
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_bad_inputs_raise_named_errors_and_leave_the_buffer_usable(pools, seed, num_ranks):
+    p = Problem(seed, num_ranks, num_ranks * 2, 256, 2, max_tokens=8)
+    results = pools(num_ranks).run(bad_inputs.run_cases, p)
+    assert len(bad_inputs.CASES) >= 20
+    for rank, outcomes in enumerate(results):
+        for (name, exc_type, text, _), (got_name, got_type, message) in zip(bad_inputs.CASES, outcomes):
+            assert got_name == name
+            assert got_type == exc_type.__name__, f"rank {rank}, {name}: raised {got_type}: {message}"
+            assert text in message, f"rank {rank}, {name}: message {message!r} lacks {text!r}"
+
+
+def test_missing_rank_is_named_in_a_timeout(pools):
+    results = pools(4).run(rank_fns.skip_a_call, 1, "dispatch", 1.5)
+    for rank, outcome in enumerate(results):
+        if rank == 1:
+            assert outcome == "skipped"
+        else:
+            assert outcome[0] == "TimeoutError", outcome
+            assert "rank(s) 1 did not arrive at dispatch" in outcome[1]
+
+
+def test_missing_rank_in_low_latency_combine(pools):
+    results = pools(3).run(rank_fns.skip_a_call, 2, "low_latency_combine", 1.5)
+    for rank in (0, 1):
+        assert results[rank][0] == "TimeoutError"
+        assert "rank(s) 2 did not arrive at low_latency_combine" in results[rank][1]
+
+
+def test_ranks_in_different_calls_are_reported(pools):
+    results = pools(2).run(rank_fns.mismatched_calls)
+    for rank, (exc_type, message) in enumerate(results):
+        assert exc_type == "RuntimeError"
+        assert "ranks disagree on the call" in message
