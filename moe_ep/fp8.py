@@ -49,13 +49,19 @@ def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor, block: int = 
                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Inverse of per_token_cast_to_fp8 (up to the quantisation error); scales float32 or UE8M0 int32."""
     check_tensor("x_fp8", x_fp8, dtype=FP8_DTYPE)
-    expect(x_fp8.dim() >= 1 and x_fp8.shape[-1] % block == 0, ValueError,
+    hidden = x_fp8.shape[-1] if x_fp8.dim() else 0
+    expect(x_fp8.dim() >= 1 and hidden % block == 0, ValueError,
            f"x_fp8: the last dimension must be a multiple of block={block}, got shape {tuple(x_fp8.shape)}")
-    scales = expand_scales(scales, x_fp8.shape[-1], block)
-    expect(scales.shape == (*x_fp8.shape[:-1], x_fp8.shape[-1] // block), ValueError,
-           f"scales: expected shape {(*x_fp8.shape[:-1], x_fp8.shape[-1] // block)}, got {tuple(scales.shape)}")
+    check_tensor("scales", scales, dtypes=(torch.float32, torch.int32), device=x_fp8.device)
+    columns = hidden // block if scales.dtype == torch.float32 else num_ue8m0_words(hidden, block)
+    expect(scales.shape == (*x_fp8.shape[:-1], columns), ValueError,
+           f"scales: expected shape {(*x_fp8.shape[:-1], columns)}, got {tuple(scales.shape)}")
+    if x_fp8.is_cuda and x_fp8.dim() == 2 and block == FP8_BLOCK and out_dtype in (torch.bfloat16, torch.float32):
+        from . import _native
+        if _native.has_kernels():
+            return _native.ops().fp8_cast_back(x_fp8, scales, out_dtype)
     blocks = x_fp8.float().unflatten(-1, (-1, block))
-    return (blocks * scales.unsqueeze(-1)).flatten(-2).to(out_dtype)
+    return (blocks * expand_scales(scales, hidden, block).unsqueeze(-1)).flatten(-2).to(out_dtype)
 
 
 def expand_scales(scales: torch.Tensor, hidden: int, block: int = FP8_BLOCK) -> torch.Tensor:
@@ -70,7 +76,8 @@ def expand_scales(scales: torch.Tensor, hidden: int, block: int = FP8_BLOCK) -> 
 def _cast_reference(x: torch.Tensor, block: int, round_scale: bool, use_ue8m0: bool):
     blocks = x.float().unflatten(-1, (-1, block))
     amax = blocks.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
-    scale = amax / FP8_MAX
+    # A tensor divisor: torch on CUDA turns division by a Python scalar into a reciprocal multiply.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     if round_scale:
         scale = _next_power_of_two(scale)
     x_fp8 = (blocks / scale.unsqueeze(-1)).flatten(-2).to(FP8_DTYPE)

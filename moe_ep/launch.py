@@ -7,8 +7,12 @@ the processes keeps a test suite over 2..8 ranks fast on a small machine.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import io
 import socket
 import time
@@ -83,13 +87,15 @@ def _recv(conn):
 class RankPool:
     def __init__(self, num_ranks: int, use_cuda: bool = False, backend: Optional[str] = None,
                  env: Optional[Dict[str, str]] = None):
+        self._exit = contextlib.ExitStack()
+        env = dict(env or {})
+        shares_gpu = use_cuda and ranks_share_a_gpu(num_ranks)
         if backend is None:
-            backend = "gloo"
-            if use_cuda:
-                import torch
-                # NCCL needs one GPU per rank; several ranks per GPU talk over gloo on the host side.
-                if torch.cuda.device_count() >= num_ranks:
-                    backend = "nccl"
+            # NCCL needs one GPU per rank; several ranks per GPU talk over gloo on the host side.
+            backend = "gloo" if not use_cuda or shares_gpu else "nccl"
+        if shares_gpu:
+            from .mps import private_mps_daemon
+            env = self._exit.enter_context(private_mps_daemon(env))
         self.num_ranks = num_ranks
         self.backend = backend
         ctx = mp.get_context("spawn")
@@ -97,7 +103,7 @@ class RankPool:
         self._conns, self._procs = [], []
         for rank in range(num_ranks):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(rank, num_ranks, port, backend, use_cuda, env or {}, child),
+            proc = ctx.Process(target=_rank_main, args=(rank, num_ranks, port, backend, use_cuda, env, child),
                                daemon=True)
             proc.start()
             self._conns.append(parent)
@@ -159,6 +165,7 @@ class RankPool:
             if proc.is_alive():
                 proc.kill()
         self._procs, self._conns = [], []
+        self._exit.close()
 
     def __enter__(self):
         return self
@@ -168,7 +175,43 @@ class RankPool:
         return False
 
 
+def ranks_share_a_gpu(num_ranks: int) -> bool:
+    import torch
+    return torch.cuda.is_available() and num_ranks > torch.cuda.device_count()
+
+
 def run_on_ranks(fn: Callable, num_ranks: int, *args, use_cuda: bool = False, **kwargs) -> List[Any]:
     """One-shot: start num_ranks processes, run fn on each, stop them."""
     with RankPool(num_ranks, use_cuda=use_cuda) as pool:
         return pool.run(fn, *args, **kwargs)
+
+
+def main(argv=None) -> int:
+    """`python -m moe_ep.launch --nproc N script.py [args]`: N local ranks with torchrun's environment
+    (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), under a private MPS daemon when more
+    ranks than GPUs share this host. For several hosts use torchrun; see README."""
+    parser = argparse.ArgumentParser(prog="python -m moe_ep.launch", description=main.__doc__)
+    parser.add_argument("--nproc", type=int, required=True, help="ranks to start on this host")
+    parser.add_argument("--mps", choices=["auto", "on", "off"], default="auto",
+                        help="auto: start MPS when ranks outnumber GPUs")
+    parser.add_argument("script")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    opts = parser.parse_args(argv)
+    env = dict(os.environ, WORLD_SIZE=str(opts.nproc), LOCAL_WORLD_SIZE=str(opts.nproc),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    with contextlib.ExitStack() as stack:
+        if opts.mps == "on" or (opts.mps == "auto" and ranks_share_a_gpu(opts.nproc)):
+            from .mps import private_mps_daemon
+            env = stack.enter_context(private_mps_daemon(env))
+        procs = [subprocess.Popen([sys.executable, opts.script, *opts.args],
+                                  env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(opts.nproc)]
+        codes = [p.wait() for p in procs]
+    failed = [r for r, c in enumerate(codes) if c != 0]
+    if failed:
+        print(f"moe_ep.launch: rank(s) {failed} failed with exit codes {[codes[r] for r in failed]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

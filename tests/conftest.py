@@ -24,6 +24,26 @@ def pools():
         pool.close()
 
 
+@pytest.fixture(scope="session")
+def gpu_pools():
+    """gpu_pools(n): n ranks with CUDA tensors, all on the visible GPUs (under a private MPS daemon
+    when they share one), gloo for the host side where NCCL cannot serve."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    started = {}
+
+    def get(num_ranks: int) -> RankPool:
+        if num_ranks not in started or not started[num_ranks].alive:
+            started[num_ranks] = RankPool(num_ranks, use_cuda=True, backend="gloo",
+                                          env={"MOE_EP_TEST_CUDA": "1"})
+        return started[num_ranks]
+
+    yield get
+    for pool in started.values():
+        pool.close()
+
+
 @pytest.fixture
 def seed(request):
     """A fresh seed per test (MOE_EP_TEST_SEED pins it); shown in the report so a failure can be replayed."""

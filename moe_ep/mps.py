@@ -1,0 +1,62 @@
+"""A private CUDA MPS daemon for several ranks on one GPU.
+
+Without MPS the kernels of different processes on one GPU are time-sliced, so a spin-wait on a flag
+another rank sets costs milliseconds per round trip instead of microseconds (measured on an H200:
+4.5 ms against 1.5 us for an NVSHMEM ping-pong). The daemon must run before the rank processes touch
+CUDA; its pipe directory travels to them through the environment.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from contextlib import contextmanager
+from typing import Dict, Iterator, Optional
+
+# What several NVSHMEM PEs on one GPU need, and what the shared machines require (no NVLink multicast).
+MULTI_PE_ENV = {
+    "NVSHMEM_REMOTE_TRANSPORT": "none",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "NVSHMEM_DISABLE_NCCL": "1",
+    "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "1",
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+}
+
+
+def mps_control_binary() -> Optional[str]:
+    found = shutil.which("nvidia-cuda-mps-control")
+    if found:
+        return found
+    fallback = "/usr/local/nvidia/bin/nvidia-cuda-mps-control"
+    return fallback if os.access(fallback, os.X_OK) else None
+
+
+def mps_active() -> bool:
+    """An MPS daemon this process would connect to is already running (ours or the user's)."""
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    return os.path.exists(os.path.join(pipe, "control"))
+
+
+@contextmanager
+def private_mps_daemon(env: Optional[Dict[str, str]] = None) -> Iterator[Dict[str, str]]:
+    """Starts a daemon in fresh directories unless one is active; yields the environment for ranks
+    (also applied to os.environ while the context is open); stops the daemon on exit."""
+    env = dict(env) if env is not None else os.environ
+    for key, value in MULTI_PE_ENV.items():
+        env.setdefault(key, value)
+    binary = mps_control_binary()
+    if binary is None or mps_active():
+        yield env
+        return
+    pipe, log = tempfile.mkdtemp(prefix="mps-pipe."), tempfile.mkdtemp(prefix="mps-log.")
+    env["CUDA_MPS_PIPE_DIRECTORY"], env["CUDA_MPS_LOG_DIRECTORY"] = pipe, log
+    daemon_env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_LOG_DIRECTORY": log}
+    subprocess.run([binary, "-d"], env=daemon_env, check=True)
+    try:
+        yield env
+    finally:
+        subprocess.run([binary], input=b"quit\n", env=daemon_env, check=False,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        shutil.rmtree(pipe, ignore_errors=True)

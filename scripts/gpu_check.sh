@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Everything a GPU machine call needs, in one go: build the extension, run the GPU tests and the GPU
+# benchmarks, write logs and a summary. Writes into ${OUT:-out}/.
+#   usage: bash scripts/gpu_check.sh [pytest -k expression]
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-$ROOT/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY=${PYTHON:-python3}
+summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
+: > "$OUT/summary.txt"
+summary "gpu_check $(date -u +%FT%TZ) on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
+summary "torch $($PY -c 'import torch; print(torch.__version__)')"
+
+t0=$(date +%s)
+if ! $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
+  summary "BUILD FAILED (tail of build.log follows)"; tail -40 "$OUT/build.log"; exit 1
+fi
+summary "build: ok in $(( $(date +%s) - t0 )) s; $($PY -c 'import moe_ep, json; print(json.dumps(moe_ep.backend_info()))')"
+
+t0=$(date +%s)
+$PY -m pytest -q -x tests/test_gpu_kernels.py ${1:+-k "$1"} > "$OUT/gpu_tests.log" 2>&1
+status=$?
+summary "gpu tests: $(tail -1 "$OUT/gpu_tests.log") in $(( $(date +%s) - t0 )) s"
+[[ $status -ne 0 ]] && tail -60 "$OUT/gpu_tests.log"
+
+if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
+  $PY -m benchmarks.bench_layout --json "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_layout.txt" | tee -a "$OUT/summary.txt"
+  $PY -m benchmarks.bench_fp8 --json "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_fp8.txt" | tee -a "$OUT/summary.txt"
+fi
+exit $status
