@@ -48,7 +48,7 @@ def rank_bench(args):
     ours = buffer.get_dispatch_layout(topk_idx, args.experts)
     ref = torch_layout(topk_idx, args.experts, num_ranks)
     same = all(torch.equal(a, b) for a, b in zip((ours[0], ours[2], ours[3]), (ref[0], ref[2], ref[3])))
-    return dict(rank=rank, kernel_us=kernel, call_us=call, torch_kernel_us=torch_kernel, torch_call_us=torch_call,
+    return dict(rank=rank, mps=bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")), kernel_us=kernel, call_us=call, torch_kernel_us=torch_kernel, torch_call_us=torch_call,
                 same_as_torch=same)
 
 
@@ -60,6 +60,16 @@ def main():
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--json", help="append one JSON line per rank count here")
     args = parser.parse_args()
+    # The kernel alone, in this process with no other rank on the GPU: the figure to hold to the goal.
+    g = torch.Generator().manual_seed(0)
+    topk_idx = torch.rand(args.tokens, args.experts, generator=g).topk(args.topk, dim=1).indices.cuda()
+    for num_ranks in args.ranks:
+        solo = cuda_kernel_us(lambda: _native.ops().get_dispatch_layout(topk_idx, args.experts, num_ranks, num_ranks))
+        solo_torch = cuda_kernel_us(lambda: torch_layout(topk_idx, args.experts, num_ranks))
+        print(f"solo process, layout for {num_ranks} ranks: kernel {solo:.1f} us, torch ops {solo_torch:.1f} us")
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(dict(bench="layout_solo", ranks=num_ranks, kernel_us=solo, torch_us=solo_torch)) + "\n")
     print(f"{'ranks':>5} {'kernel us':>10} {'call us':>9} {'torch kernels us':>17} {'torch call us':>14} "
           f"{'speedup (call)':>15} same")
     for num_ranks in args.ranks:
@@ -68,6 +78,8 @@ def main():
         worst = {k: max(r[k] for r in rows) for k in ("kernel_us", "call_us", "torch_kernel_us", "torch_call_us")}
         med = {k: sorted(r[k] for r in rows)[len(rows) // 2] for k in worst}
         same = all(r["same_as_torch"] for r in rows)
+        if not all(r["mps"] for r in rows) and num_ranks > torch.cuda.device_count():
+            print("warning: ranks share a GPU without MPS; their kernels are time-sliced")
         print(f"{num_ranks:>5} {med['kernel_us']:>10.1f} {med['call_us']:>9.1f} {med['torch_kernel_us']:>17.1f} "
               f"{med['torch_call_us']:>14.1f} {med['torch_call_us'] / med['call_us']:>14.1f}x {same}")
         if args.json:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from . import _native
 from .backends.portable import PortableBackend, dispatch_layout
 from .checks import (FP8_BLOCK, check_expert_ids, check_fp8_pair, check_int, check_tensor,
-                     debug_checks_enabled, expect)
+                     debug_checks_enabled)
 from .config import (NUM_MAX_NVL_PEERS, NUM_MAX_TOPK, Config, combine_config, dispatch_config,
                      low_latency_rdma_size_hint)
 from .events import EventOverlap, capture_current_stream, wait_previous
@@ -44,10 +44,10 @@ class Buffer:
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
                  comm=None, *, ranks_per_node: Optional[int] = None):
-        expect(isinstance(group, dist.ProcessGroup), TypeError,
-               f"group: expected a torch.distributed ProcessGroup, got {type(group).__name__}"
-               + (" (moe_ep bootstraps through a process group; comm= is accepted but unused)"
-                  if comm is not None else ""))
+        if not (isinstance(group, dist.ProcessGroup)):
+            raise TypeError(f"group: expected a torch.distributed ProcessGroup, got {type(group).__name__}"
+            + (" (moe_ep bootstraps through a process group; comm= is accepted but unused)"
+            if comm is not None else ""))
         check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
         check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
         check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
@@ -55,7 +55,8 @@ class Buffer:
                            ("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
                            ("allow_mnnvl", allow_mnnvl), ("use_fabric", use_fabric),
                            ("enable_shrink", enable_shrink)):
-            expect(isinstance(flag, bool), TypeError, f"{name}: expected a bool, got {type(flag).__name__}")
+            if not (isinstance(flag, bool)):
+                raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
         self.group = group
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
@@ -80,12 +81,12 @@ class Buffer:
             dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
             ranks_per_node = hosts.count(hosts[self.rank])
             contiguous = all(hosts[r] == hosts[r - r % ranks_per_node] for r in range(self.group_size))
-            expect(self.group_size % ranks_per_node == 0 and contiguous, ValueError,
-                   "ranks_per_node: the group's ranks are not spread evenly and contiguously over hosts "
-                   f"(hosts by rank: {hosts}); pass ranks_per_node explicitly")
+            if not (self.group_size % ranks_per_node == 0 and contiguous):
+                raise ValueError("ranks_per_node: the group's ranks are not spread evenly and contiguously over hosts "
+                f"(hosts by rank: {hosts}); pass ranks_per_node explicitly")
         check_int("ranks_per_node", ranks_per_node, minimum=1)
-        expect(self.group_size % ranks_per_node == 0, ValueError,
-               f"ranks_per_node: must divide the group size {self.group_size}, got {ranks_per_node}")
+        if not (self.group_size % ranks_per_node == 0):
+            raise ValueError(f"ranks_per_node: must divide the group size {self.group_size}, got {ranks_per_node}")
         return ranks_per_node
 
     # ------------------------------------------------------------------ static helpers
@@ -119,15 +120,16 @@ class Buffer:
 
     # ------------------------------------------------------------------ lifetime and raw buffers
     def destroy(self) -> None:
-        expect(self.explicitly_destroy, RuntimeError,
-               "destroy() is for Buffers created with explicitly_destroy=True; others are freed by the GC")
+        if not (self.explicitly_destroy):
+            raise RuntimeError("destroy() is for Buffers created with explicitly_destroy=True; others are freed by the GC")
         self._check_alive()
         self._local_buffers.clear()
         self._ll_combine_buffers = [None, None]
         self._destroyed = True
 
     def _check_alive(self) -> None:
-        expect(not self._destroyed, RuntimeError, "this Buffer was destroyed; create a new one")
+        if not (not self._destroyed):
+            raise RuntimeError("this Buffer was destroyed; create a new one")
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -140,9 +142,9 @@ class Buffer:
         check_int("offset", offset, minimum=0)
         element = torch.empty((), dtype=dtype).element_size()
         count = (num_bytes - offset) // element if size is None else int(torch.Size(size).numel())
-        expect(offset + count * element <= num_bytes, ValueError,
-               f"size/offset: {count} elements of {dtype} at byte {offset} exceed the "
-               f"{'rdma' if use_rdma_buffer else 'nvl'} buffer of {num_bytes} bytes")
+        if not (offset + count * element <= num_bytes):
+            raise ValueError(f"size/offset: {count} elements of {dtype} at byte {offset} exceed the "
+            f"{'rdma' if use_rdma_buffer else 'nvl'} buffer of {num_bytes} bytes")
         key = bool(use_rdma_buffer)
         if key not in self._local_buffers:
             self._local_buffers[key] = torch.zeros(num_bytes, dtype=torch.uint8, device=self._device())
@@ -157,12 +159,12 @@ class Buffer:
 
     # ------------------------------------------------------------------ shared checks
     def _check_events(self, previous_event, async_finish, allocate_on_comm_stream) -> None:
-        expect(isinstance(async_finish, bool), TypeError,
-               f"async_finish: expected a bool, got {type(async_finish).__name__}")
-        expect(previous_event is None or isinstance(previous_event, EventOverlap), TypeError,
-               f"previous_event: expected an EventOverlap or None, got {type(previous_event).__name__}")
-        expect(not allocate_on_comm_stream or (previous_event is not None and async_finish), ValueError,
-               "allocate_on_comm_stream=True needs previous_event (an EventOverlap) and async_finish=True")
+        if not (isinstance(async_finish, bool)):
+            raise TypeError(f"async_finish: expected a bool, got {type(async_finish).__name__}")
+        if not (previous_event is None or isinstance(previous_event, EventOverlap)):
+            raise TypeError(f"previous_event: expected an EventOverlap or None, got {type(previous_event).__name__}")
+        if not (not allocate_on_comm_stream or (previous_event is not None and async_finish)):
+            raise ValueError("allocate_on_comm_stream=True needs previous_event (an EventOverlap) and async_finish=True")
 
     def _finish(self, async_finish: bool, tensors) -> EventOverlap:
         if async_finish:
@@ -177,26 +179,26 @@ class Buffer:
 
     def _check_num_experts(self, num_experts) -> int:
         check_int("num_experts", num_experts, minimum=1)
-        expect(num_experts % self.group_size == 0, ValueError,
-               f"num_experts: must be a multiple of the group size {self.group_size}, got {num_experts}")
+        if not (num_experts % self.group_size == 0):
+            raise ValueError(f"num_experts: must be a multiple of the group size {self.group_size}, got {num_experts}")
         return num_experts
 
     def _check_nvl_size(self, hidden_bytes: int, config: Config, call: str) -> None:
         needed = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)
-        expect(self.num_nvl_bytes >= needed, ValueError,
-               f"num_nvl_bytes={self.num_nvl_bytes} is too small for {call} with {hidden_bytes} bytes per "
-               f"row on {self.group_size} ranks: need >= {needed} (Config.get_nvl_buffer_size_hint)")
+        if not (self.num_nvl_bytes >= needed):
+            raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for {call} with {hidden_bytes} bytes per "
+            f"row on {self.group_size} ranks: need >= {needed} (Config.get_nvl_buffer_size_hint)")
         if self.group_size > NUM_MAX_NVL_PEERS:
             needed = config.get_rdma_buffer_size_hint(hidden_bytes, self.group_size)
-            expect(self.num_rdma_bytes >= needed, ValueError,
-                   f"num_rdma_bytes={self.num_rdma_bytes} is too small for {call} with {hidden_bytes} bytes "
-                   f"per row on {self.group_size} ranks: need >= {needed} (Config.get_rdma_buffer_size_hint)")
+            if not (self.num_rdma_bytes >= needed):
+                raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for {call} with {hidden_bytes} bytes "
+                f"per row on {self.group_size} ranks: need >= {needed} (Config.get_rdma_buffer_size_hint)")
 
     def _check_handle(self, handle, kind: type, call: str):
-        expect(isinstance(handle, kind), TypeError,
-               f"handle: expected the handle returned by {call}, got {type(handle).__name__}")
-        expect(handle.buffer_serial == self.serial, ValueError,
-               "handle: it was made by another Buffer; pass the handle this Buffer returned")
+        if not (isinstance(handle, kind)):
+            raise TypeError(f"handle: expected the handle returned by {call}, got {type(handle).__name__}")
+        if not (handle.buffer_serial == self.serial):
+            raise ValueError("handle: it was made by another Buffer; pass the handle this Buffer returned")
         return handle
 
     # ------------------------------------------------------------------ layout
@@ -242,17 +244,18 @@ class Buffer:
         check_int("num_worst_tokens", num_worst_tokens, minimum=0)
         self._check_events(previous_event, async_finish, allocate_on_comm_stream)
         config = self.get_dispatch_config(self.group_size) if config is None else config
-        expect(isinstance(config, Config), TypeError, f"config: expected a moe_ep.Config, got {type(config).__name__}")
+        if not (isinstance(config, Config)):
+            raise TypeError(f"config: expected a moe_ep.Config, got {type(config).__name__}")
         self._check_nvl_size(hidden * max(x_parts[0].element_size(), 2), config, "dispatch")
         if handle is not None:
             self._check_handle(handle, DispatchHandle, "dispatch")
             for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
                                 ("num_tokens_per_expert", num_tokens_per_expert), ("topk_idx", topk_idx),
                                 ("topk_weights", topk_weights)):
-                expect(value is None, ValueError,
-                       f"{name}: must be None for a cached dispatch (handle given): the handle fixes the layout")
-            expect(num_tokens == handle.num_tokens, ValueError,
-                   f"x: the handle's layout is for {handle.num_tokens} tokens, got {num_tokens}")
+                if not (value is None):
+                    raise ValueError(f"{name}: must be None for a cached dispatch (handle given): the handle fixes the layout")
+            if not (num_tokens == handle.num_tokens):
+                raise ValueError(f"x: the handle's layout is for {handle.num_tokens} tokens, got {num_tokens}")
         else:
             self._check_layout_args(num_tokens, device, num_tokens_per_rank, num_tokens_per_rdma_rank,
                                     is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights)
@@ -272,8 +275,8 @@ class Buffer:
                            is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights) -> None:
         for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
                             ("num_tokens_per_expert", num_tokens_per_expert)):
-            expect(value is not None, ValueError,
-                   f"{name}: required when no handle is given (take it from get_dispatch_layout)")
+            if not (value is not None):
+                raise ValueError(f"{name}: required when no handle is given (take it from get_dispatch_layout)")
         check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32,
                      shape=(self.group_size,), device=device)
         check_tensor("is_token_in_rank", is_token_in_rank, dtype=torch.bool,
@@ -283,23 +286,23 @@ class Buffer:
         if num_tokens_per_rdma_rank is not None:
             check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtype=torch.int32,
                          shape=(self.group_size // self.ranks_per_node,), device=device)
-        expect((topk_idx is None) == (topk_weights is None), ValueError,
-               "topk_idx, topk_weights: pass both or neither")
+        if not ((topk_idx is None) == (topk_weights is None)):
+            raise ValueError("topk_idx, topk_weights: pass both or neither")
         if topk_idx is not None:
             check_tensor("topk_idx", topk_idx, dtype=topk_idx_t, ndim=2, device=device)
             num_topk = topk_idx.shape[1]
-            expect(topk_idx.shape[0] == num_tokens, ValueError,
-                   f"topk_idx: expected {num_tokens} rows (one per token of x), got {topk_idx.shape[0]}")
-            expect(1 <= num_topk <= NUM_MAX_TOPK, ValueError,
-                   f"topk_idx: top-k must be in [1, {NUM_MAX_TOPK}], got {num_topk}")
+            if not (topk_idx.shape[0] == num_tokens):
+                raise ValueError(f"topk_idx: expected {num_tokens} rows (one per token of x), got {topk_idx.shape[0]}")
+            if not (1 <= num_topk <= NUM_MAX_TOPK):
+                raise ValueError(f"topk_idx: top-k must be in [1, {NUM_MAX_TOPK}], got {num_topk}")
             check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(num_tokens, num_topk), device=device)
         if self._check_data(is_token_in_rank):
             if topk_idx is not None:
                 check_expert_ids("topk_idx", topk_idx, num_experts)
             sent = is_token_in_rank.sum(0, dtype=torch.int32)
-            expect(torch.equal(sent, num_tokens_per_rank), ValueError,
-                   f"num_tokens_per_rank: disagrees with is_token_in_rank (whose column sums are {sent.tolist()}, "
-                   f"got {num_tokens_per_rank.tolist()}); pass both from the same get_dispatch_layout")
+            if not (torch.equal(sent, num_tokens_per_rank)):
+                raise ValueError(f"num_tokens_per_rank: disagrees with is_token_in_rank (whose column sums are {sent.tolist()}, "
+                f"got {num_tokens_per_rank.tolist()}); pass both from the same get_dispatch_layout")
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, ...], None] = None, config: Optional[Config] = None,
@@ -311,12 +314,13 @@ class Buffer:
         check_tensor("x", x, dtypes=HIDDEN_DTYPES, shape=(handle.num_recv_rows, None))
         self._check_events(previous_event, async_finish, allocate_on_comm_stream)
         config = self.get_combine_config(self.group_size) if config is None else config
-        expect(isinstance(config, Config), TypeError, f"config: expected a moe_ep.Config, got {type(config).__name__}")
+        if not (isinstance(config, Config)):
+            raise TypeError(f"config: expected a moe_ep.Config, got {type(config).__name__}")
         self._check_nvl_size(x.shape[1] * max(x.element_size(), 2), config, "combine")
         if topk_weights is not None:
             check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2, device=x.device)
-            expect(topk_weights.shape[0] == x.shape[0], ValueError,
-                   f"topk_weights: expected {x.shape[0]} rows (one per row of x), got {topk_weights.shape[0]}")
+            if not (topk_weights.shape[0] == x.shape[0]):
+                raise ValueError(f"topk_weights: expected {x.shape[0]} rows (one per row of x), got {topk_weights.shape[0]}")
         biases = self._split_bias(bias, handle.num_tokens, x)
         wait_previous(previous_event)
         combined_x, combined_w = self._portable.combine(x, handle, topk_weights, biases)
@@ -327,20 +331,21 @@ class Buffer:
         if bias is None:
             return []
         biases = list(bias) if isinstance(bias, (tuple, list)) else [bias]
-        expect(len(biases) <= 2, ValueError, f"bias: expected None, one tensor or two, got {len(biases)}")
+        if not (len(biases) <= 2):
+            raise ValueError(f"bias: expected None, one tensor or two, got {len(biases)}")
         for i, b in enumerate(biases):
             check_tensor(f"bias[{i}]", b, dtype=x.dtype, shape=(num_tokens, x.shape[1]), device=x.device)
         return biases
 
     # ------------------------------------------------------------------ low-latency mode
     def _check_low_latency(self, call: str, num_max_tokens: int, hidden: int, num_experts: int) -> None:
-        expect(self.low_latency_mode, RuntimeError,
-               f"{call} needs a Buffer created with low_latency_mode=True")
+        if not (self.low_latency_mode):
+            raise RuntimeError(f"{call} needs a Buffer created with low_latency_mode=True")
         needed = low_latency_rdma_size_hint(num_max_tokens, hidden, self.group_size, num_experts)
-        expect(self.num_rdma_bytes >= needed, ValueError,
-               f"num_rdma_bytes={self.num_rdma_bytes} is too small for {call} with {num_max_tokens} tokens per "
-               f"rank, hidden {hidden}, {self.group_size} ranks and {num_experts} experts: need >= {needed} "
-               "(Buffer.get_low_latency_rdma_size_hint)")
+        if not (self.num_rdma_bytes >= needed):
+            raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for {call} with {num_max_tokens} tokens per "
+            f"rank, hidden {hidden}, {self.group_size} ranks and {num_experts} experts: need >= {needed} "
+            "(Buffer.get_low_latency_rdma_size_hint)")
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
@@ -353,27 +358,28 @@ class Buffer:
         check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
         self._check_num_experts(num_experts)
         self._check_low_latency("low_latency_dispatch", num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        expect(num_tokens <= num_max_dispatch_tokens_per_rank, ValueError,
-               f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}")
-        expect(hidden % (FP8_BLOCK if use_fp8 else 8) == 0, ValueError,
-               f"x: hidden must be a multiple of {FP8_BLOCK if use_fp8 else 8} "
-               f"{'for fp8 dispatch' if use_fp8 else '(16-byte rows)'}, got {hidden}")
+        if not (num_tokens <= num_max_dispatch_tokens_per_rank):
+            raise ValueError(f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}")
+        if not (hidden % (FP8_BLOCK if use_fp8 else 8) == 0):
+            raise ValueError(f"x: hidden must be a multiple of {FP8_BLOCK if use_fp8 else 8} "
+            f"{'for fp8 dispatch' if use_fp8 else '(16-byte rows)'}, got {hidden}")
         check_tensor("topk_idx", topk_idx, dtype=topk_idx_t, ndim=2, device=x.device)
-        expect(topk_idx.shape[0] == num_tokens, ValueError,
-               f"topk_idx: expected {num_tokens} rows (one per token of x), got {topk_idx.shape[0]}")
-        expect(1 <= topk_idx.shape[1] <= NUM_MAX_TOPK, ValueError,
-               f"topk_idx: top-k must be in [1, {NUM_MAX_TOPK}], got {topk_idx.shape[1]}")
+        if not (topk_idx.shape[0] == num_tokens):
+            raise ValueError(f"topk_idx: expected {num_tokens} rows (one per token of x), got {topk_idx.shape[0]}")
+        if not (1 <= topk_idx.shape[1] <= NUM_MAX_TOPK):
+            raise ValueError(f"topk_idx: top-k must be in [1, {NUM_MAX_TOPK}], got {topk_idx.shape[1]}")
         local = num_experts // self.group_size
         if cumulative_local_expert_recv_stats is not None:
             check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
                          dtype=torch.int32, shape=(local,), device=x.device)
-        expect(not use_ue8m0 or (use_fp8 and round_scale), ValueError,
-               "use_ue8m0=True needs use_fp8=True and round_scale=True (UE8M0 holds power-of-two scales)")
+        if not (not use_ue8m0 or (use_fp8 and round_scale)):
+            raise ValueError("use_ue8m0=True needs use_fp8=True and round_scale=True (UE8M0 holds power-of-two scales)")
         for name, flag in (("use_fp8", use_fp8), ("round_scale", round_scale), ("use_ue8m0", use_ue8m0),
                            ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
-            expect(isinstance(flag, bool), TypeError, f"{name}: expected a bool, got {type(flag).__name__}")
-        expect(not (async_finish and return_recv_hook), ValueError,
-               "async_finish and return_recv_hook: choose one (the hook already defers the receive)")
+            if not (isinstance(flag, bool)):
+                raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+        if not (not (async_finish and return_recv_hook)):
+            raise ValueError("async_finish and return_recv_hook: choose one (the hook already defers the receive)")
         if self._check_data(x):
             check_expert_ids("topk_idx", topk_idx, num_experts)
         handle = LowLatencyHandle(self.serial, num_max_dispatch_tokens_per_rank, hidden, num_experts,
@@ -400,8 +406,8 @@ class Buffer:
                      device=x.device)
         if out is not None:
             check_tensor("out", out, dtype=torch.bfloat16, shape=(handle.num_tokens, handle.hidden), device=x.device)
-        expect(not (async_finish and return_recv_hook), ValueError,
-               "async_finish and return_recv_hook: choose one (the hook already defers the receive)")
+        if not (not (async_finish and return_recv_hook)):
+            raise ValueError("async_finish and return_recv_hook: choose one (the hook already defers the receive)")
         if zero_copy:
             x = self.get_next_low_latency_combine_buffer(handle)
         self._ll_next ^= 1

@@ -20,43 +20,39 @@ def debug_checks_enabled() -> bool:
     return os.environ.get("MOE_EP_DEBUG", "0") not in ("", "0", "false", "False")
 
 
-def expect(cond: bool, exc: type, message: str) -> None:
-    if not cond:
-        raise exc(message)
-
-
 def check_tensor(name: str, t, *, dtype=None, dtypes: Optional[Sequence[torch.dtype]] = None,
                  ndim: Optional[int] = None, shape: Optional[Sequence[Optional[int]]] = None,
                  device: Optional[torch.device] = None) -> torch.Tensor:
-    """Type, dtype, rank, shape (None entries are free) and device of one tensor argument."""
-    expect(isinstance(t, torch.Tensor), TypeError,
-           f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    allowed = [dtype] if dtype is not None else dtypes
-    if allowed is not None:
-        expect(t.dtype in allowed, TypeError,
-               f"{name}: expected dtype {' or '.join(str(d) for d in allowed)}, got {t.dtype}")
+    """Type, dtype, rank, shape (None entries are free) and device of one tensor argument.
+    Messages are built only on failure: this runs on every call of the hot path."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
     if shape is not None:
         ndim = len(shape)
-    if ndim is not None:
-        expect(t.dim() == ndim, ValueError, f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
     if shape is not None:
         for axis, want in enumerate(shape):
-            expect(want is None or t.shape[axis] == want, ValueError,
-                   f"{name}: expected shape {_fmt_shape(shape)}, got {tuple(t.shape)}")
-    if device is not None:
-        expect(t.device == device, ValueError,
-               f"{name}: expected a tensor on {device} (the device of x), got one on {t.device}")
+            if want is not None and t.shape[axis] != want:
+                raise ValueError(f"{name}: expected shape {_fmt_shape(shape)}, got {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (the device of x), got one on {t.device}")
     return t
 
 
 def check_int(name: str, value, *, minimum: Optional[int] = None, multiple_of: Optional[int] = None) -> int:
-    expect(isinstance(value, int) and not isinstance(value, bool), TypeError,
-           f"{name}: expected an int, got {type(value).__name__}")
+    if not (isinstance(value, int) and not isinstance(value, bool)):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
     if minimum is not None:
-        expect(value >= minimum, ValueError, f"{name}: expected an int >= {minimum}, got {value}")
+        if not (value >= minimum):
+            raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
     if multiple_of is not None:
-        expect(value % multiple_of == 0, ValueError,
-               f"{name}: expected a multiple of {multiple_of}, got {value}")
+        if not (value % multiple_of == 0):
+            raise ValueError(f"{name}: expected a multiple of {multiple_of}, got {value}")
     return value
 
 
@@ -65,18 +61,19 @@ def check_expert_ids(name: str, topk_idx: torch.Tensor, num_experts: int) -> Non
     if topk_idx.numel() == 0:
         return
     lo, hi = int(topk_idx.min()), int(topk_idx.max())
-    expect(lo >= -1 and hi < num_experts, ValueError,
-           f"{name}: expert ids must be -1 or in [0, {num_experts}), got values in [{lo}, {hi}]")
+    if not (lo >= -1 and hi < num_experts):
+        raise ValueError(f"{name}: expert ids must be -1 or in [0, {num_experts}), got values in [{lo}, {hi}]")
 
 
 def check_fp8_pair(name: str, x) -> tuple:
     """The fp8 form of a hidden-state argument: (e4m3 [N, H], float32 scales [N, H/128])."""
-    expect(len(x) == 2, TypeError, f"{name}: expected a tensor or a pair (x_fp8, scales), got {len(x)} items")
+    if not (len(x) == 2):
+        raise TypeError(f"{name}: expected a tensor or a pair (x_fp8, scales), got {len(x)} items")
     x_fp8, scales = x
     check_tensor(f"{name}[0]", x_fp8, dtype=FP8_DTYPE, ndim=2)
     num_tokens, hidden = x_fp8.shape
-    expect(hidden % FP8_BLOCK == 0, ValueError,
-           f"{name}[0]: fp8 hidden size must be a multiple of {FP8_BLOCK}, got {hidden}")
+    if not (hidden % FP8_BLOCK == 0):
+        raise ValueError(f"{name}[0]: fp8 hidden size must be a multiple of {FP8_BLOCK}, got {hidden}")
     check_tensor(f"{name}[1]", scales, dtype=torch.float32,
                  shape=(num_tokens, hidden // FP8_BLOCK), device=x_fp8.device)
     return x_fp8, scales

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .checks import check_int, expect
+from .checks import check_int
 
 # A host's NVLink domain as the intranode kernels address it (peers mapped over CUDA IPC).
 NUM_MAX_NVL_PEERS = 8
@@ -38,12 +38,12 @@ class Config:
         for name in ("num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
                      "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens"):
             check_int(name, getattr(self, name), minimum=1)
-        expect(self.num_max_nvl_chunked_send_tokens < self.num_max_nvl_chunked_recv_tokens, ValueError,
-               "num_max_nvl_chunked_send_tokens must be smaller than num_max_nvl_chunked_recv_tokens, got "
-               f"{self.num_max_nvl_chunked_send_tokens} >= {self.num_max_nvl_chunked_recv_tokens}")
-        expect(self.num_max_rdma_chunked_send_tokens <= self.num_max_rdma_chunked_recv_tokens // 2, ValueError,
-               "num_max_rdma_chunked_send_tokens must be at most half of num_max_rdma_chunked_recv_tokens, "
-               f"got {self.num_max_rdma_chunked_send_tokens} and {self.num_max_rdma_chunked_recv_tokens}")
+        if not (self.num_max_nvl_chunked_send_tokens < self.num_max_nvl_chunked_recv_tokens):
+            raise ValueError("num_max_nvl_chunked_send_tokens must be smaller than num_max_nvl_chunked_recv_tokens, got "
+            f"{self.num_max_nvl_chunked_send_tokens} >= {self.num_max_nvl_chunked_recv_tokens}")
+        if not (self.num_max_rdma_chunked_send_tokens <= self.num_max_rdma_chunked_recv_tokens // 2):
+            raise ValueError("num_max_rdma_chunked_send_tokens must be at most half of num_max_rdma_chunked_recv_tokens, "
+            f"got {self.num_max_rdma_chunked_send_tokens} and {self.num_max_rdma_chunked_recv_tokens}")
 
     @property
     def num_channels(self) -> int:

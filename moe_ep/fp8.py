@@ -16,7 +16,7 @@ from typing import Tuple
 
 import torch
 
-from .checks import FP8_BLOCK, FP8_DTYPE, check_int, check_tensor, expect
+from .checks import FP8_BLOCK, FP8_DTYPE, check_int, check_tensor
 
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
@@ -33,11 +33,11 @@ def per_token_cast_to_fp8(x: torch.Tensor, block: int = FP8_BLOCK, round_scale: 
     check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=2)
     check_int("block", block, minimum=1)
     hidden = x.shape[1]
-    expect(hidden % block == 0, ValueError,
-           f"x: the hidden size must be a multiple of block={block} for fp8, got {hidden} "
-           "(moe_ep does not pad silently)")
-    expect(not use_ue8m0 or round_scale, ValueError,
-           "use_ue8m0=True needs round_scale=True (UE8M0 can only hold power-of-two scales)")
+    if not (hidden % block == 0):
+        raise ValueError(f"x: the hidden size must be a multiple of block={block} for fp8, got {hidden} "
+        "(moe_ep does not pad silently)")
+    if not (not use_ue8m0 or round_scale):
+        raise ValueError("use_ue8m0=True needs round_scale=True (UE8M0 can only hold power-of-two scales)")
     if x.is_cuda and block == FP8_BLOCK:
         from . import _native
         if _native.has_kernels():
@@ -50,12 +50,12 @@ def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor, block: int = 
     """Inverse of per_token_cast_to_fp8 (up to the quantisation error); scales float32 or UE8M0 int32."""
     check_tensor("x_fp8", x_fp8, dtype=FP8_DTYPE)
     hidden = x_fp8.shape[-1] if x_fp8.dim() else 0
-    expect(x_fp8.dim() >= 1 and hidden % block == 0, ValueError,
-           f"x_fp8: the last dimension must be a multiple of block={block}, got shape {tuple(x_fp8.shape)}")
+    if not (x_fp8.dim() >= 1 and hidden % block == 0):
+        raise ValueError(f"x_fp8: the last dimension must be a multiple of block={block}, got shape {tuple(x_fp8.shape)}")
     check_tensor("scales", scales, dtypes=(torch.float32, torch.int32), device=x_fp8.device)
     columns = hidden // block if scales.dtype == torch.float32 else num_ue8m0_words(hidden, block)
-    expect(scales.shape == (*x_fp8.shape[:-1], columns), ValueError,
-           f"scales: expected shape {(*x_fp8.shape[:-1], columns)}, got {tuple(scales.shape)}")
+    if not (scales.shape == (*x_fp8.shape[:-1], columns)):
+        raise ValueError(f"scales: expected shape {(*x_fp8.shape[:-1], columns)}, got {tuple(scales.shape)}")
     if x_fp8.is_cuda and x_fp8.dim() == 2 and block == FP8_BLOCK and out_dtype in (torch.bfloat16, torch.float32):
         from . import _native
         if _native.has_kernels():

@@ -116,8 +116,7 @@ class RankPool:
     def run_per_rank(self, fn: Callable, args_per_rank, timeout_s: float = DEFAULT_CALL_TIMEOUT_S, **kwargs):
         """Like run, with its own arguments for each rank. When a rank fails, the others may be stuck in
         a collective it never joined: after a grace period the pool is stopped and all is reported."""
-        expect_alive = self.alive
-        if not expect_alive:
+        if not self.alive:
             raise RuntimeError("this RankPool was stopped after a failure; start a new one")
         for conn, args in zip(self._conns, args_per_rank):
             _send(conn, (fn, tuple(args), kwargs))

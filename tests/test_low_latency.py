@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from . import rank_fns
-from .problems import (Problem, expert_output, make_inputs, ref_low_latency_combine, ref_low_latency_recv,
+from .problems import (Problem, make_inputs, ref_low_latency_combine, ref_low_latency_recv,
                        ref_low_latency_slots)
 
 RANKS = [2, 3, 4, 8]

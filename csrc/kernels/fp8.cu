@@ -15,20 +15,24 @@ namespace fp8 {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kElemsPerLane = 8;                           // 16 bytes of bf16 per load
-constexpr int kLanesPerBlock = kBlock / kElemsPerLane;     // 16 lanes share one 128-column block
+// Each lane takes 16 elements (two 16-byte loads of bf16 in flight, one 16-byte fp8 store), so eight
+// lanes share one 128-column block and reduce its amax with three shuffles.
+constexpr int kElemsPerLane = 16;
+constexpr int kLanesPerBlock = kBlock / kElemsPerLane;
 constexpr int kGroupsPerCta = kThreads / kLanesPerBlock;
 constexpr int kUe8m0PerWord = 4;
 
 template <typename T>
-__device__ __forceinline__ void load8(const T* src, float (&v)[kElemsPerLane]);
+__device__ __forceinline__ void load_lane(const T* src, float (&v)[kElemsPerLane]);
 
 template <>
-__device__ __forceinline__ void load8<__nv_bfloat16>(const __nv_bfloat16* src, float (&v)[kElemsPerLane]) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(src);
-    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+__device__ __forceinline__ void load_lane<__nv_bfloat16>(const __nv_bfloat16* src, float (&v)[kElemsPerLane]) {
+    uint4 raw[kElemsPerLane / 8];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int c = 0; c < kElemsPerLane / 8; ++c) raw[c] = reinterpret_cast<const uint4*>(src)[c];
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(raw);
+#pragma unroll
+    for (int i = 0; i < kElemsPerLane / 2; ++i) {
         const float2 f = __bfloat1622float2(pairs[i]);
         v[2 * i] = f.x;
         v[2 * i + 1] = f.y;
@@ -36,11 +40,13 @@ __device__ __forceinline__ void load8<__nv_bfloat16>(const __nv_bfloat16* src, f
 }
 
 template <>
-__device__ __forceinline__ void load8<__half>(const __half* src, float (&v)[kElemsPerLane]) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(src);
-    const __half2* pairs = reinterpret_cast<const __half2*>(&raw);
+__device__ __forceinline__ void load_lane<__half>(const __half* src, float (&v)[kElemsPerLane]) {
+    uint4 raw[kElemsPerLane / 8];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int c = 0; c < kElemsPerLane / 8; ++c) raw[c] = reinterpret_cast<const uint4*>(src)[c];
+    const __half2* pairs = reinterpret_cast<const __half2*>(raw);
+#pragma unroll
+    for (int i = 0; i < kElemsPerLane / 2; ++i) {
         const float2 f = __half22float2(pairs[i]);
         v[2 * i] = f.x;
         v[2 * i + 1] = f.y;
@@ -48,10 +54,13 @@ __device__ __forceinline__ void load8<__half>(const __half* src, float (&v)[kEle
 }
 
 template <>
-__device__ __forceinline__ void load8<float>(const float* src, float (&v)[kElemsPerLane]) {
-    const float4 a = reinterpret_cast<const float4*>(src)[0];
-    const float4 b = reinterpret_cast<const float4*>(src)[1];
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+__device__ __forceinline__ void load_lane<float>(const float* src, float (&v)[kElemsPerLane]) {
+    float4 raw[kElemsPerLane / 4];
+#pragma unroll
+    for (int c = 0; c < kElemsPerLane / 4; ++c) raw[c] = reinterpret_cast<const float4*>(src)[c];
+#pragma unroll
+    for (int c = 0; c < kElemsPerLane / 4; ++c)
+        v[4 * c] = raw[c].x, v[4 * c + 1] = raw[c].y, v[4 * c + 2] = raw[c].z, v[4 * c + 3] = raw[c].w;
 }
 
 // Smallest power of two >= scale (scale is a positive normal float here).
@@ -72,7 +81,7 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
         const int block = static_cast<int>(g % blocks_per_row);
         const int64_t offset = row * hidden + static_cast<int64_t>(block) * kBlock + lane * kElemsPerLane;
         float v[kElemsPerLane];
-        load8(x + offset, v);
+        load_lane(x + offset, v);
         float amax = 0.f;
 #pragma unroll
         for (int i = 0; i < kElemsPerLane; ++i) amax = fmaxf(amax, fabsf(v[i]));
@@ -81,11 +90,11 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
             amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, mask));
         float scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kE4M3Max);
         if (round_scale) scale = round_up_to_power_of_two(scale);
-        uint8_t out[kElemsPerLane];
+        alignas(16) uint8_t out[kElemsPerLane];
 #pragma unroll
         for (int i = 0; i < kElemsPerLane; ++i)
             out[i] = __nv_cvt_float_to_fp8(__fdiv_rn(v[i], scale), __NV_SATFINITE, __NV_E4M3);
-        *reinterpret_cast<uint2*>(q + offset) = *reinterpret_cast<const uint2*>(out);
+        *reinterpret_cast<uint4*>(q + offset) = *reinterpret_cast<const uint4*>(out);
         if (lane == 0) {
             if (use_ue8m0) {
                 const int words = (blocks_per_row + kUe8m0PerWord - 1) / kUe8m0PerWord;
@@ -98,11 +107,13 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
     }
 }
 
+constexpr int kBackElems = 8;  // cast-back: 8 fp8 bytes in, 16 or 32 bytes out per thread
+
 template <typename T>
-__device__ __forceinline__ void store8(T* dst, const float (&v)[kElemsPerLane]);
+__device__ __forceinline__ void store_back(T* dst, const float (&v)[kBackElems]);
 
 template <>
-__device__ __forceinline__ void store8<__nv_bfloat16>(__nv_bfloat16* dst, const float (&v)[kElemsPerLane]) {
+__device__ __forceinline__ void store_back<__nv_bfloat16>(__nv_bfloat16* dst, const float (&v)[kBackElems]) {
     uint4 raw;
     __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
 #pragma unroll
@@ -111,7 +122,7 @@ __device__ __forceinline__ void store8<__nv_bfloat16>(__nv_bfloat16* dst, const 
 }
 
 template <>
-__device__ __forceinline__ void store8<float>(float* dst, const float (&v)[kElemsPerLane]) {
+__device__ __forceinline__ void store_back<float>(float* dst, const float (&v)[kBackElems]) {
     reinterpret_cast<float4*>(dst)[0] = make_float4(v[0], v[1], v[2], v[3]);
     reinterpret_cast<float4*>(dst)[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
@@ -121,11 +132,11 @@ __global__ void __launch_bounds__(kThreads) cast_back_kernel(const uint8_t* __re
                                                              const void* __restrict__ scales, bool scales_ue8m0,
                                                              int64_t num_chunks, int hidden, T* __restrict__ out) {
     const int blocks_per_row = hidden / kBlock;
-    const int chunks_per_row = hidden / kElemsPerLane;
+    const int chunks_per_row = hidden / kBackElems;
     for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < num_chunks;
          c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
         const int64_t row = c / chunks_per_row;
-        const int col = static_cast<int>(c % chunks_per_row) * kElemsPerLane;
+        const int col = static_cast<int>(c % chunks_per_row) * kBackElems;
         const int block = col / kBlock;
         float scale;
         if (scales_ue8m0) {
@@ -137,11 +148,11 @@ __global__ void __launch_bounds__(kThreads) cast_back_kernel(const uint8_t* __re
         }
         const uint2 raw = *reinterpret_cast<const uint2*>(q + row * hidden + col);
         const __nv_fp8_storage_t* bytes = reinterpret_cast<const __nv_fp8_storage_t*>(&raw);
-        float v[kElemsPerLane];
+        float v[kBackElems];
 #pragma unroll
-        for (int i = 0; i < kElemsPerLane; ++i)
+        for (int i = 0; i < kBackElems; ++i)
             v[i] = __fmul_rn(__half2float(__half(__nv_cvt_fp8_to_halfraw(bytes[i], __NV_E4M3))), scale);
-        store8(out + row * hidden + col, v);
+        store_back(out + row * hidden + col, v);
     }
 }
 
@@ -177,7 +188,7 @@ void per_token_cast(const void* x, DType x_dtype, int num_tokens, int hidden, bo
 
 void per_token_cast_back(const uint8_t* x_fp8, const void* scales, bool scales_ue8m0, int num_tokens, int hidden,
                          void* out, DType out_dtype, int num_sms, cudaStream_t stream) {
-    const int64_t chunks = static_cast<int64_t>(num_tokens) * (hidden / kElemsPerLane);
+    const int64_t chunks = static_cast<int64_t>(num_tokens) * (hidden / kBackElems);
     if (chunks == 0) return;
     const int grid = grid_for(chunks, kThreads, num_sms);
     if (out_dtype == DType::kFloat32)

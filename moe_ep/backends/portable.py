@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .. import fp8
-from ..checks import FP8_BLOCK, FP8_DTYPE, expect
+from ..checks import FP8_DTYPE
 from ..handles import DispatchHandle, LowLatencyHandle
 from ..sync import ArrivalGate
 
@@ -63,7 +63,9 @@ def unpack_rows(rows: torch.Tensor, specs: Sequence[Tuple[torch.dtype, int]]) ->
     parts, offset = [], 0
     for dtype, cols in specs:
         nbytes = cols * torch.empty((), dtype=dtype).element_size()
-        parts.append(rows[:, offset:offset + nbytes].contiguous().view(dtype).reshape(rows.shape[0], cols))
+        # A copy, not .contiguous(): a one-row slice is "contiguous" at an offset a wider dtype rejects.
+        part = rows[:, offset:offset + nbytes].clone(memory_format=torch.contiguous_format)
+        parts.append(part.view(dtype).reshape(rows.shape[0], cols))
         offset += nbytes
     return parts
 
@@ -146,9 +148,9 @@ class PortableBackend:
             if num_worst_tokens > 0:
                 totals = recv_matrix.sum(0)
                 over = [r for r in range(self.num_ranks) if totals[r] > num_worst_tokens]
-                expect(not over, ValueError,
-                       f"num_worst_tokens={num_worst_tokens} is too small: rank(s) {over} would receive "
-                       f"{[int(totals[r]) for r in over]} tokens")
+                if not (not over):
+                    raise ValueError(f"num_worst_tokens={num_worst_tokens} is too small: rank(s) {over} would receive "
+                    f"{[int(totals[r]) for r in over]} tokens")
             expert_counts = counts[:, self.num_ranks + self.rank * local: self.num_ranks + (self.rank + 1) * local]
             per_expert = expert_counts.sum(0).tolist()
             recv_counts_list = [] if num_worst_tokens > 0 else [
@@ -275,8 +277,8 @@ class PortableBackend:
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, return_recv_hook: bool, out: Optional[torch.Tensor]):
         state: _LowLatencyState = handle.backend_state
-        expect(state is not None and state.arrival_expert is not None, RuntimeError,
-               "handle: its low_latency_dispatch has not received yet: call the dispatch's hook() first")
+        if not (state is not None and state.arrival_expert is not None):
+            raise RuntimeError("handle: its low_latency_dispatch has not received yet: call the dispatch's hook() first")
         self.gate.enter("low_latency_combine")
         rows = x[state.arrival_expert, state.arrival_row]
         pending = self._exchange_rows(pack_rows([rows]), state.recv_counts, state.send_counts, async_op=True)
