@@ -34,6 +34,7 @@ def main():
     state = {"i": 0}
 
     def rotate():
+        # Advances at capture time: the captured graph walks through all input sets in turn.
         state["i"] = (state["i"] + 1) % NUM_SETS
         return state["i"]
 

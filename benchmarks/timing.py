@@ -6,20 +6,32 @@ import time
 from typing import Callable, List
 
 
-def cuda_kernel_us(fn: Callable[[], object], iters: int = 200, warmup: int = 20) -> float:
-    """Median device time of fn in microseconds, from CUDA events around each call."""
+def cuda_kernel_us(fn: Callable[[], object], calls: int = 50, replays: int = 20) -> float:
+    """Median device time of one call of fn, in microseconds, with the launch overhead taken out:
+    `calls` calls are captured in one CUDA graph and each replay is timed with events. Timing single
+    launches with events would measure the host's launch rate for kernels of a few microseconds."""
     import torch
-    for _ in range(warmup):
-        fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # warm-up outside the graph: allocator, lazy module loading
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
     torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+    samples = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(samples)
 
 
 def host_call_us(fn: Callable[[], object], iters: int = 200, warmup: int = 20, sync: Callable[[], None] = None) -> float:

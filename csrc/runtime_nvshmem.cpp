@@ -7,9 +7,9 @@
 namespace moe_ep {
 
 std::string nvshmem_version() {
-    int major = 0, minor = 0;
-    nvshmem_info_get_version(&major, &minor);
-    return std::to_string(major) + "." + std::to_string(minor);
+    int major = 0, minor = 0, patch = 0;
+    nvshmemx_vendor_get_version_info(&major, &minor, &patch);
+    return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(patch);
 }
 
 }  // namespace moe_ep

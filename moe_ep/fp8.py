@@ -6,9 +6,10 @@ all-zero block gets a finite scale. `round_scale` rounds the scale up to a power
 the quantised value exact to rescale; `use_ue8m0` stores such a scale as its 8-bit biased exponent
 and packs four of them into one int32 (block b in byte b % 4 of word b // 4, little end first).
 
-The arithmetic is fixed so that the CUDA kernel reproduces it bit for bit: amax in float32, the scale
-as one float32 division, each element divided (not multiplied by a reciprocal) by the scale, then
-rounded to nearest-even e4m3.
+The arithmetic is fixed so that the CUDA kernel reproduces it bit for bit, and it is the convention of
+DeepEP's and transformer-engine's references: amax in float32; scale = amax / 448 and, per block, the
+inverse 448 / amax (each one float32 division; with round_scale the inverse is 1 / scale, exact for a
+power of two); each element multiplied by the inverse, then rounded to nearest-even e4m3.
 """
 from __future__ import annotations
 
@@ -76,11 +77,15 @@ def expand_scales(scales: torch.Tensor, hidden: int, block: int = FP8_BLOCK) -> 
 def _cast_reference(x: torch.Tensor, block: int, round_scale: bool, use_ue8m0: bool):
     blocks = x.float().unflatten(-1, (-1, block))
     amax = blocks.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
-    # A tensor divisor: torch on CUDA turns division by a Python scalar into a reciprocal multiply.
-    scale = amax / torch.full_like(amax, FP8_MAX)
+    # Tensor operands: torch on CUDA turns division by a Python scalar into a reciprocal multiply.
+    fp8_max = torch.full_like(amax, FP8_MAX)
+    scale = amax / fp8_max
     if round_scale:
         scale = _next_power_of_two(scale)
-    x_fp8 = (blocks / scale.unsqueeze(-1)).flatten(-2).to(FP8_DTYPE)
+        inverse = torch.ones_like(scale) / scale
+    else:
+        inverse = fp8_max / amax
+    x_fp8 = (blocks * inverse.unsqueeze(-1)).flatten(-2).to(FP8_DTYPE)
     if not use_ue8m0:
         return x_fp8, scale
     return x_fp8, _pack_ue8m0(scale)

@@ -39,6 +39,8 @@ def low_latency_buffer(p: Problem) -> Buffer:
 def cpu(t):
     if t is None:
         return None
+    if isinstance(t, dict):
+        return {k: cpu(v) for k, v in t.items()}
     if isinstance(t, (tuple, list)):
         return type(t)(cpu(v) for v in t)
     return t.cpu() if isinstance(t, torch.Tensor) else t

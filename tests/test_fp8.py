@@ -17,10 +17,12 @@ def _reference(x: torch.Tensor, round_scale: bool):
             block = row[b * 128:(b + 1) * 128]
             amax = max(np.float32(np.abs(block).max()), np.float32(1e-4))
             scale = np.float32(amax) / np.float32(448.0)
+            inverse = np.float32(448.0) / np.float32(amax)
             if round_scale:
                 scale = np.float32(2.0 ** math.ceil(math.log2(scale)))
+                inverse = np.float32(1.0) / scale
             scales[i, b] = scale
-            q[i, b * 128:(b + 1) * 128] = block / scale
+            q[i, b * 128:(b + 1) * 128] = block * inverse
     return torch.from_numpy(q).to(torch.float8_e4m3fn), torch.from_numpy(scales)
 
 

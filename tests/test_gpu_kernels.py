@@ -24,6 +24,8 @@ def _random_topk(g, num_tokens, num_topk, num_experts, drop=0.25):
 @pytest.mark.parametrize("num_tokens,num_topk,num_experts,num_ranks,ranks_per_node", [
     (0, 8, 256, 8, 8), (1, 1, 8, 2, 2), (4096, 8, 256, 8, 8), (4096, 8, 256, 16, 8), (777, 6, 96, 24, 4),
     (3000, 16, 1024, 64, 8), (513, 4, 12, 3, 1),
+    # past one block's worth of tokens (many blocks, zeroed counts), with and without rank masks
+    (20000, 8, 256, 8, 4), (9000, 6, 160, 80, 8),
 ])
 def test_layout_kernel_equals_portable(seed, num_tokens, num_topk, num_experts, num_ranks, ranks_per_node):
     g = torch.Generator().manual_seed(seed)
@@ -86,4 +88,4 @@ def test_backend_info_reports_the_kernels(gpu_pools):
     assert info["cuda_kernels"] is True
     assert info["sm90"] is True
     if _native.has_nvshmem():
-        assert _native.ops().nvshmem_version().startswith("3.")
+        assert _native.ops().nvshmem_version().startswith("3."), "the nvidia-nvshmem wheel is NVSHMEM 3"

@@ -1,6 +1,7 @@
 // 1x128 per-token FP8 (e4m3) cast and cast-back. The arithmetic follows moe_ep/fp8.py step by step
-// (float32 amax, one IEEE division for the scale, one per element, round-to-nearest-even e4m3), so the
-// results are bitwise equal to the portable reference.
+// (float32 amax; scale = amax / 448 and inverse = 448 / amax, or 1 / scale when rounded to a power of
+// two; each element times the inverse, round-to-nearest-even e4m3), so the results are bitwise equal to
+// the portable reference. Explicit _rn intrinsics keep the compiler from fusing or approximating.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -88,12 +89,17 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
 #pragma unroll
         for (int mask = kLanesPerBlock / 2; mask > 0; mask >>= 1)
             amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, mask));
-        float scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kE4M3Max);
-        if (round_scale) scale = round_up_to_power_of_two(scale);
+        amax = fmaxf(amax, kAmaxFloor);
+        float scale = __fdiv_rn(amax, kE4M3Max);
+        float inverse = __fdiv_rn(kE4M3Max, amax);
+        if (round_scale) {
+            scale = round_up_to_power_of_two(scale);
+            inverse = __fdiv_rn(1.f, scale);
+        }
         alignas(16) uint8_t out[kElemsPerLane];
 #pragma unroll
         for (int i = 0; i < kElemsPerLane; ++i)
-            out[i] = __nv_cvt_float_to_fp8(__fdiv_rn(v[i], scale), __NV_SATFINITE, __NV_E4M3);
+            out[i] = __nv_cvt_float_to_fp8(__fmul_rn(v[i], inverse), __NV_SATFINITE, __NV_E4M3);
         *reinterpret_cast<uint4*>(q + offset) = *reinterpret_cast<const uint4*>(out);
         if (lane == 0) {
             if (use_ue8m0) {
