@@ -15,6 +15,7 @@ summary "gpu_check $(date -u +%FT%TZ) on $(nvidia-smi --query-gpu=name,driver_ve
 summary "torch $($PY -c 'import torch; print(torch.__version__)')"
 
 t0=$(date +%s)
+# A carried build (build/ and the .so, see README) is reused: setup.py rebuilds only what changed.
 if ! $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
   summary "BUILD FAILED (tail of build.log follows)"; tail -40 "$OUT/build.log"; exit 1
 fi
@@ -27,6 +28,7 @@ summary "gpu tests: $(tail -1 "$OUT/gpu_tests.log") in $(( $(date +%s) - t0 )) s
 [[ $status -ne 0 ]] && tail -60 "$OUT/gpu_tests.log"
 
 if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
+  $PY -m benchmarks.profile_layout_call 2>&1 | tee -a "$OUT/summary.txt"
   $PY -m benchmarks.bench_layout --json "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_layout.txt" | tee -a "$OUT/summary.txt"
   $PY -m benchmarks.bench_fp8 --json "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_fp8.txt" | tee -a "$OUT/summary.txt"
 fi

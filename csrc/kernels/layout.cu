@@ -8,12 +8,9 @@ namespace moe_ep {
 namespace layout {
 namespace {
 
+// Many small blocks rather than one large one: with a thread per token the work is latency-bound, and
+// one 1024-thread block took 13.6 us for 4096 tokens where 32 blocks of 128 took 5.5 us (H200).
 constexpr int kThreads = 128;
-// Up to this many tokens a single block of kSingleBlockThreads does the whole layout and writes the
-// final counts itself: one launch, no memset, no global atomics (the common case: a few thousand
-// tokens per rank). Larger inputs spread over many blocks that add into zeroed counts.
-constexpr int kSingleBlockThreads = 1024;
-constexpr int kSingleBlockMaxTokens = 8192;
 // The block-local histograms live in shared memory; past this many counters the launch would need
 // an opt-in above the default 48 KB per block.
 constexpr int kMaxCounters = 48 * 1024 / sizeof(int);
@@ -72,7 +69,7 @@ __device__ __forceinline__ void count_token(const int64_t* ids, int num_topk, in
 // One thread per token. Each block counts into shared memory and adds its totals to global memory
 // once, so the global atomics scale with blocks, not with tokens.
 template <bool kUseMask>
-__global__ void __launch_bounds__(kSingleBlockThreads) layout_kernel(const int64_t* __restrict__ topk_idx, int num_tokens,
+__global__ void __launch_bounds__(kThreads) layout_kernel(const int64_t* __restrict__ topk_idx, int num_tokens,
                                                           int num_topk, int experts_per_rank, int num_ranks,
                                                           int ranks_per_node, int num_nodes, int num_experts,
                                                           int* __restrict__ counts, bool* __restrict__ in_rank) {
@@ -88,12 +85,8 @@ __global__ void __launch_bounds__(kSingleBlockThreads) layout_kernel(const int64
                               ranks_per_node, num_nodes, per_rank, per_node, per_expert,
                               in_rank + static_cast<int64_t>(t) * num_ranks);
     __syncthreads();
-    if (gridDim.x == 1) {
-        for (int i = threadIdx.x; i < num_counters; i += blockDim.x) counts[i] = block_counts[i];
-    } else {
-        for (int i = threadIdx.x; i < num_counters; i += blockDim.x)
-            if (block_counts[i] != 0) atomicAdd(&counts[i], block_counts[i]);
-    }
+    for (int i = threadIdx.x; i < num_counters; i += blockDim.x)
+        if (block_counts[i] != 0) atomicAdd(&counts[i], block_counts[i]);
 }
 
 }  // namespace
@@ -105,11 +98,11 @@ void get_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, 
     if (num_counters > kMaxCounters)
         throw std::runtime_error("moe_ep: get_dispatch_layout supports at most " + std::to_string(kMaxCounters) +
                                  " ranks + nodes + experts, got " + std::to_string(num_counters));
-    const bool single_block = num_tokens <= kSingleBlockMaxTokens;
-    const int blocks = single_block ? 1 : std::min((num_tokens + kThreads - 1) / kThreads, num_sms);
-    if (!single_block) MOE_EP_CUDA_CHECK(cudaMemsetAsync(counts, 0, sizeof(int) * num_counters, stream));
+    MOE_EP_CUDA_CHECK(cudaMemsetAsync(counts, 0, sizeof(int) * num_counters, stream));
+    if (num_tokens == 0) return;
+    const int blocks = std::max(1, std::min((num_tokens + kThreads - 1) / kThreads, num_sms));
     const auto kernel = num_ranks <= kMaskRanks ? layout_kernel<true> : layout_kernel<false>;
-    kernel<<<blocks, single_block ? kSingleBlockThreads : kThreads, sizeof(int) * num_counters, stream>>>(
+    kernel<<<blocks, kThreads, sizeof(int) * num_counters, stream>>>(
         topk_idx, num_tokens, num_topk, num_experts / num_ranks, num_ranks, ranks_per_node, num_nodes, num_experts,
         counts, is_token_in_rank);
     MOE_EP_LAUNCH_CHECK("layout_kernel");
