@@ -4,8 +4,9 @@ Every rank holds E/R experts (a tiny two-layer MLP each). The tokens of every ra
 top-k experts; moe_ep moves them to the experts' ranks and back; the result is compared with the same
 MoE layer computed densely on one rank from the same seed.
 
-    python examples/demo.py                 # 4 ranks on CPU (gloo)
-    python examples/demo.py --device cuda   # CUDA tensors (ranks share the GPUs; see moe_ep.launch)
+    python examples/demo.py                 # 4 ranks on CPU (gloo), started by the script itself
+    python examples/demo.py --device cuda   # CUDA tensors (ranks share the GPUs, under MPS)
+    torchrun --nproc-per-node 4 examples/demo.py   # or any torchrun launch, one or several nodes
 """
 from __future__ import annotations
 
@@ -101,6 +102,22 @@ def print_table(rows, args):
             print(" | ".join(f"{c:>12}" for c in line))
 
 
+def run_under_torchrun(args):
+    """One rank of a torchrun job: gloo on CPU, NCCL with one GPU per rank; rank 0 gets every row."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    backend = "gloo"
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        backend = "nccl" if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) <= torch.cuda.device_count() else "gloo"
+    dist.init_process_group(backend)
+    args.ranks = dist.get_world_size()
+    row = moe_step(args)
+    rows = [None] * args.ranks
+    dist.all_gather_object(rows, row)
+    dist.destroy_process_group()
+    return rows if row["rank"] == 0 else None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4)
@@ -113,8 +130,13 @@ def main():
     args = parser.parse_args()
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    with RankPool(args.ranks, use_cuda=args.device == "cuda") as pool:
-        rows = pool.run(moe_step, args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:   # started by torchrun / moe_ep.launch
+        rows = run_under_torchrun(args)
+        if rows is None:
+            return
+    else:
+        with RankPool(args.ranks, use_cuda=args.device == "cuda") as pool:
+            rows = pool.run(moe_step, args)
     print_table(rows, args)
     worst = max(r["rel_error"] for r in rows)
     # bf16 rounding of the expert outputs on the way back bounds the error at a few 1e-3.

@@ -23,8 +23,10 @@ def ops():
     return module
 
 
+@functools.lru_cache(maxsize=None)
 def has_kernels() -> bool:
-    """Compiled kernels are usable: the extension is built and a CUDA device is visible."""
+    """Compiled kernels are usable: the extension is built and a CUDA device is visible (asked once:
+    this sits on every call's path)."""
     module, _ = _load()
     return module is not None and torch.cuda.is_available()
 

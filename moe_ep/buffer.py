@@ -67,6 +67,7 @@ class Buffer:
         self.ranks_per_node = self._resolve_ranks_per_node(ranks_per_node)
         self.serial = next_buffer_serial()
         self.timeout_s = timeout_seconds()
+        self.debug_checks = debug_checks_enabled()
         self._portable = PortableBackend(group, self.ranks_per_node,
                                          ArrivalGate(group, self.serial, self.timeout_s))
         self._destroyed = False
@@ -174,8 +175,9 @@ class Buffer:
 
     def _check_data(self, x: torch.Tensor) -> bool:
         """Data-dependent checks ride on the host synchronisation of the portable backend and of CPU
-        tensors; the kernels' no-sync paths run them only under MOE_EP_DEBUG=1."""
-        return not x.is_cuda or not _native.has_kernels() or debug_checks_enabled()
+        tensors; the kernels' no-sync paths run them only under MOE_EP_DEBUG=1 (read when the Buffer
+        is created)."""
+        return not x.is_cuda or self.debug_checks or not _native.has_kernels()
 
     def _check_num_experts(self, num_experts) -> int:
         check_int("num_experts", num_experts, minimum=1)
