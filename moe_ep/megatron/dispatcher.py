@@ -1,0 +1,152 @@
+"""A megatron-core token dispatcher on moe_ep.Buffer (`moe_token_dispatcher_type="deepep"`).
+
+The six phases follow megatron's MoETokenDispatcher contract, so its overlap schedulers can interleave
+one micro-batch's communication with another's compute. Communication state lives in one small object
+(`_CommState`) per dispatcher. Autograd: the backward of dispatch is a combine over the same handle,
+the backward of combine is a cached dispatch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+from megatron.core.transformer.moe.moe_utils import permute, unpermute
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+from ..buffer import Buffer
+
+
+@dataclass
+class _CommState:
+    """What one dispatch leaves for its combine and for the post-processing between them."""
+    buffer: Optional[Buffer] = None
+    handle: object = None
+    recv_topk_idx: Optional[torch.Tensor] = None
+    tokens_per_expert: Optional[List[int]] = None
+
+
+def _buffer_for(group, hidden_bytes: int, current: Optional[Buffer]) -> Buffer:
+    """A Buffer of the group large enough for rows of hidden_bytes (reused while it is)."""
+    size = group.size()
+    nvl = max(Buffer.get_dispatch_config(size).get_nvl_buffer_size_hint(hidden_bytes, size),
+              Buffer.get_combine_config(size).get_nvl_buffer_size_hint(hidden_bytes, size))
+    rdma = max(Buffer.get_dispatch_config(size).get_rdma_buffer_size_hint(hidden_bytes, size),
+               Buffer.get_combine_config(size).get_rdma_buffer_size_hint(hidden_bytes, size))
+    if current is not None and current.group is group and current.num_nvl_bytes >= nvl \
+            and current.num_rdma_bytes >= rdma:
+        return current
+    return Buffer(group, nvl, rdma)
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, topk_idx, num_experts, state: _CommState):
+        buffer = state.buffer
+        per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+        recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
+            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+        state.handle, state.recv_topk_idx, state.tokens_per_expert = handle, recv_idx, counts
+        ctx.state = state
+        ctx.handle = handle
+        return recv_x, recv_w
+
+    @staticmethod
+    def backward(ctx, grad_recv_x, grad_recv_w):
+        state = ctx.state
+        # Entries of other ranks' experts were constants (0) in the forward: no gradient flows there.
+        grad_recv_w = torch.where(state.recv_topk_idx >= 0, grad_recv_w, 0).float()
+        grad_x, grad_w, _ = state.buffer.combine(grad_recv_x.contiguous(), ctx.handle, topk_weights=grad_recv_w)
+        return grad_x, grad_w, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, state: _CommState):
+        combined, _, _ = state.buffer.combine(x.contiguous(), state.handle)
+        ctx.buffer, ctx.handle = state.buffer, state.handle
+        return combined
+
+    @staticmethod
+    def backward(ctx, grad):
+        recv_grad = ctx.buffer.dispatch(grad.contiguous(), handle=ctx.handle)[0]
+        return recv_grad, None
+
+
+class MoEEPTokenDispatcher(MoETokenDispatcher):
+    """Token dispatcher for `moe_token_dispatcher_type="deepep"`: one moe_ep.Buffer over the TPxEP
+    group; tokens routed to the experts of a TP group go to every rank of that group."""
+
+    def __init__(self, num_local_experts: int, local_expert_indices: List[int], config, pg_collection=None):
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = local_expert_indices
+        self.group = self.tp_ep_group
+        self.num_experts = self.tp_size * config.num_moe_experts
+        self.router_topk = self.tp_size * config.moe_router_topk
+        num_sms = getattr(config, "moe_deepep_num_sms", None)
+        if num_sms:
+            Buffer.set_num_sms(num_sms)
+        self._state = _CommState()
+
+    # ---------------------------------------------------------------- dispatch
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        self.hidden_shape = hidden_states.shape
+        hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        num_tokens = hidden_states.shape[0]
+        world = self.tp_size * self.ep_size
+        # Expand [tokens, experts] to the TPxEP group: every TP rank of an expert's group gets the token.
+        routing_map = routing_map.reshape(num_tokens, self.ep_size, 1, self.num_local_experts) \
+            .expand(-1, -1, self.tp_size, -1).reshape(num_tokens, world * self.num_local_experts)
+        probs = probs.reshape(num_tokens, self.ep_size, 1, self.num_local_experts) \
+            .expand(-1, -1, self.tp_size, -1).reshape(num_tokens, world * self.num_local_experts)
+        # Routed entries first: the k largest of the masked probabilities; unrouted slots (dropped by
+        # capacity) become -1 with weight 0.
+        masked = probs.masked_fill(~routing_map, -1.0)
+        token_probs, token_idx = torch.topk(masked, min(self.router_topk, masked.shape[1]), dim=-1)
+        routed = token_probs >= 0
+        self._topk_idx = torch.where(routed, token_idx, -1)
+        token_probs = torch.where(routed, token_probs, 0.0)
+        self._probs_dtype = probs.dtype
+        return hidden_states, token_probs.float()
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        hidden_bytes = hidden_states.shape[1] * max(hidden_states.element_size(), 2)
+        self._state.buffer = _buffer_for(self.group, hidden_bytes, self._state.buffer)
+        return _Dispatch.apply(hidden_states, probs, self._topk_idx, self.num_experts, self._state)
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        state = self._state
+        routing_map, expert_probs = self._local_multihot(state.recv_topk_idx, probs)
+        tokens_per_expert = torch.tensor(state.tokens_per_expert, dtype=torch.long)
+        self.hidden_shape_before_permute = hidden_states.shape
+        self.local_routing_map = routing_map
+        permuted, permuted_probs, self.reversed_mapping = permute(
+            hidden_states, routing_map, probs=expert_probs, num_out_tokens=int(tokens_per_expert.sum()))
+        if self.config.moe_router_dtype == "fp64":
+            permuted_probs = permuted_probs.to(torch.float64)
+        return permuted, tokens_per_expert, permuted_probs
+
+    def _local_multihot(self, recv_topk_idx: torch.Tensor, recv_probs: torch.Tensor):
+        """[rows, K] local ids (-1 elsewhere) and weights -> [rows, L] routing map and probabilities."""
+        rows = recv_topk_idx.shape[0]
+        valid = recv_topk_idx >= 0
+        slot = recv_topk_idx.clamp(min=0)
+        routing_map = torch.zeros(rows, self.num_local_experts, dtype=torch.bool, device=recv_topk_idx.device)
+        routing_map.scatter_(1, slot, valid)
+        # Scatter-add keeps the autograd path from the dispatched weights to the expert probabilities.
+        expert_probs = torch.zeros(rows, self.num_local_experts, dtype=recv_probs.dtype, device=recv_probs.device)
+        expert_probs = expert_probs.scatter_add(1, slot, torch.where(valid, recv_probs, 0))
+        return routing_map, expert_probs
+
+    # ---------------------------------------------------------------- combine
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        return unpermute(hidden_states, self.reversed_mapping, restore_shape=self.hidden_shape_before_permute,
+                         routing_map=self.local_routing_map)
+
+    def token_combine(self, hidden_states: torch.Tensor):
+        return _Combine.apply(hidden_states, self._state)
+
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        return hidden_states.view(self.hidden_shape)

@@ -1,0 +1,55 @@
+"""Make `moe_token_dispatcher_type="deepep"` build a MoELayer with moe_ep's dispatcher, without forking
+megatron: MoELayer picks its dispatcher with a fixed if/elif, so its constructor is wrapped once."""
+from __future__ import annotations
+
+import functools
+
+DISPATCHER_TYPE = "deepep"
+# The cheapest built-in dispatcher to construct (no streams, no buffers); replaced right after.
+_PLACEHOLDER_TYPE = "allgather"
+
+
+def register() -> None:
+    """Idempotent. Called on `import moe_ep.megatron`."""
+    from megatron.core.transformer.moe import moe_layer
+
+    original = moe_layer.MoELayer.__init__
+    if getattr(original, "_moe_ep_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *args, **kwargs):
+        if config.moe_token_dispatcher_type != DISPATCHER_TYPE:
+            return original(self, config, submodules, layer_number, pg_collection, *args, **kwargs)
+        from .dispatcher import MoEEPTokenDispatcher
+        if pg_collection is None:
+            pg_collection = moe_layer.get_default_pg_collection()
+        overlap = config.moe_shared_expert_overlap
+        config.moe_token_dispatcher_type, config.moe_shared_expert_overlap = _PLACEHOLDER_TYPE, False
+        try:
+            original(self, config, submodules, layer_number, pg_collection, *args, **kwargs)
+        finally:
+            config.moe_token_dispatcher_type, config.moe_shared_expert_overlap = DISPATCHER_TYPE, overlap
+        self.token_dispatcher = MoEEPTokenDispatcher(self.num_local_experts, self.local_expert_indices,
+                                                     config=config, pg_collection=pg_collection)
+        if overlap and self.shared_experts is not None:
+            self.shared_expert_overlap = True
+            self.token_dispatcher.set_shared_experts(self.shared_experts)
+
+    __init__._moe_ep_wrapped = True
+    moe_layer.MoELayer.__init__ = __init__
+
+
+def add_arguments(parser):
+    """An `extra_args_provider` for Megatron-LM's argument parser: adds `deepep` to
+    --moe-token-dispatcher-type and moe_ep's own options."""
+    for action in parser._actions:
+        if "--moe-token-dispatcher-type" in action.option_strings and action.choices is not None:
+            if DISPATCHER_TYPE not in action.choices:
+                action.choices = list(action.choices) + [DISPATCHER_TYPE]
+    group = parser.add_argument_group("moe_ep")
+    group.add_argument("--moe-ep-num-sms", type=int, default=None,
+                       help="SMs moe_ep's normal kernels may use (even); default: moe_ep's tuned value")
+    group.add_argument("--moe-ep-timeout-s", type=float, default=None,
+                       help="seconds to wait for a peer before raising TimeoutError (MOE_EP_TIMEOUT_S)")
+    return parser
