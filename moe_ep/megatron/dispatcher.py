@@ -133,9 +133,10 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         rows = recv_topk_idx.shape[0]
         valid = recv_topk_idx >= 0
         slot = recv_topk_idx.clamp(min=0)
-        routing_map = torch.zeros(rows, self.num_local_experts, dtype=torch.bool, device=recv_topk_idx.device)
-        routing_map.scatter_(1, slot, valid)
-        # Scatter-add keeps the autograd path from the dispatched weights to the expert probabilities.
+        # Adds, not plain scatters: the -1 entries land on slot 0 too and must not overwrite a real one.
+        hits = torch.zeros(rows, self.num_local_experts, dtype=torch.int32, device=recv_topk_idx.device)
+        routing_map = hits.scatter_add(1, slot, valid.to(torch.int32)) > 0
+        # Scatter-add also keeps the autograd path from the dispatched weights to the expert probabilities.
         expert_probs = torch.zeros(rows, self.num_local_experts, dtype=recv_probs.dtype, device=recv_probs.device)
         expert_probs = expert_probs.scatter_add(1, slot, torch.where(valid, recv_probs, 0))
         return routing_map, expert_probs

@@ -1,0 +1,74 @@
+"""Running megatron-core's MoE pieces on CPU ranks: stand-ins for the torch.cuda helpers that megatron
+calls unconditionally (streams, events, current device). Installed only inside test rank processes."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class _NoOpStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def record_event(self, event=None):
+        return _NoOpEvent()
+
+    def synchronize(self):
+        pass
+
+    def __eq__(self, other):
+        return isinstance(other, _NoOpStream)
+
+    def __hash__(self):
+        return 0
+
+
+class _NoOpEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+def install_cpu_stand_ins() -> None:
+    if torch.cuda.is_available():
+        return
+    torch.cuda.Stream = _NoOpStream
+    torch.cuda.Event = _NoOpEvent
+    torch.cuda.current_stream = lambda device=None: _NoOpStream()
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None
+
+
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron's maybe_move_tensor_to_cpu converts only CUDA tensors to numpy; on CPU its all-to-all
+    then receives split sizes as tensors, which torch.distributed refuses."""
+    if torch.is_tensor(tensor):
+        tensor = tensor.cpu()
+        if as_numpy:
+            tensor = tensor.numpy()
+    return tensor
+
+
+def install_megatron_cpu_patches() -> None:
+    install_cpu_stand_ins()
+    if torch.cuda.is_available():
+        return
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    moe_utils.maybe_move_tensor_to_cpu = _host_copy
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
