@@ -72,3 +72,7 @@ def install_megatron_cpu_patches() -> None:
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
     moe_utils.maybe_move_tensor_to_cpu = _host_copy
     token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
+    # megatron-core 0.16.1's router reads te_general_gemm, which is only bound when transformer-engine
+    # imports (NameError otherwise).
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

@@ -24,18 +24,19 @@ def _setup(num_experts: int, topk: int, hidden: int, dispatcher_type: str, **con
 
 
 def _dispatcher(config, pg, num_experts):
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher, MoEFlexTokenDispatcher
     from moe_ep.megatron import MoEEPTokenDispatcher
     world, rank = dist.get_world_size(), dist.get_rank()
     local = num_experts // world
-    cls = MoEEPTokenDispatcher if config.moe_token_dispatcher_type == "deepep" else MoEAlltoAllTokenDispatcher
+    cls = {"deepep": MoEEPTokenDispatcher, "alltoall": MoEAlltoAllTokenDispatcher,
+           "flex": MoEFlexTokenDispatcher}[config.moe_token_dispatcher_type]
     return cls(local, [rank * local + i for i in range(local)], config=config, pg_collection=pg)
 
 
 def moe_forward_backward(seed: int, num_experts: int, topk: int, hidden: int, dispatcher_type: str,
-                         num_tokens: int):
+                         num_tokens: int, **config_kw):
     """Router -> dispatcher phases -> toy experts -> combine; returns output and gradients."""
-    config, pg = _setup(num_experts, topk, hidden, dispatcher_type)
+    config, pg = _setup(num_experts, topk, hidden, dispatcher_type, **config_kw)
     rank, world = dist.get_rank(), dist.get_world_size()
     local = num_experts // world
     dispatcher = _dispatcher(config, pg, num_experts)
@@ -74,3 +75,50 @@ def moe_forward_backward(seed: int, num_experts: int, topk: int, hidden: int, di
     return dict(out=out.detach(), grad_x=x.grad, grad_logits=logits.grad, ref_out=dense.detach(),
                 ref_grad_x=x_ref.grad, ref_grad_logits=logits_ref.grad,
                 tokens_per_expert=tokens_per_expert.tolist())
+
+
+def flex_on_moe_ep(seed: int, num_experts: int, topk: int, hidden: int, num_tokens: int):
+    """megatron's own flex dispatcher with backend "deepep", running on moe_ep via install_as_deep_ep."""
+    install_megatron_cpu_patches()
+    from moe_ep.megatron import install_as_deep_ep
+    install_as_deep_ep()
+    return moe_forward_backward(seed, num_experts, topk, hidden, "flex", num_tokens,
+                                moe_flex_dispatcher_backend="deepep")
+
+
+def build_moe_layer(num_experts: int, topk: int, hidden: int):
+    """TransformerConfig(moe_token_dispatcher_type="deepep") -> an MoELayer with moe_ep's dispatcher."""
+    config, _ = _setup(num_experts, topk, hidden, "deepep", ffn_hidden_size=2 * hidden)
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=dist.get_world_size())
+    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    spec = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
+    layer = build_module(spec, config=config, pg_collection=pg) if not callable(spec) or hasattr(spec, "module") \
+        else spec(config=config, pg_collection=pg)
+    x = torch.randn(6, 2, hidden, requires_grad=True)
+    out, _ = layer(x)
+    out.sum().backward()
+    return type(layer.token_dispatcher).__name__, tuple(out.shape), bool(torch.isfinite(x.grad).all())
+
+
+def group_limited_layout(seed: int, num_experts: int, topk: int, ranks_per_node: int, group_topk: int):
+    """megatron's group-limited routing with groups = nodes, then moe_ep's layout of the result."""
+    install_megatron_cpu_patches()
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    from moe_ep import Buffer
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(seed + dist.get_rank())
+    logits = torch.randn(64, num_experts, generator=g)
+    probs, routing_map = topk_routing_with_score_function(
+        logits, topk, num_groups=world // ranks_per_node, group_topk=group_topk, score_function="sigmoid")
+    topk_idx = routing_map.float().topk(topk, dim=1).indices
+    buffer = Buffer(dist.group.WORLD, ranks_per_node=ranks_per_node)
+    _, per_node, _, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+    nodes_per_token = in_rank.view(-1, world // ranks_per_node, ranks_per_node).any(-1).sum(-1)
+    return int(nodes_per_token.max()), int(per_node.sum()), int(nodes_per_token.sum())

@@ -20,3 +20,26 @@ def test_deepep_dispatcher_matches_dense_layer_and_alltoall(pools, seed, num_ran
             torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"rank {rank} {key} vs alltoall: {m}")
         assert a["tokens_per_expert"] == b["tokens_per_expert"]
+
+
+def test_flex_dispatcher_runs_on_moe_ep_through_install_as_deep_ep(pools, seed):
+    results = pools(2).run(megatron_fns.flex_on_moe_ep, seed % 10000, 4, 2, 32, 12)
+    for rank, res in enumerate(results):
+        for key in ("out", "grad_x", "grad_logits"):
+            torch.testing.assert_close(res[key], res["ref_" + key], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"rank {rank} {key}: {m}")
+
+
+def test_transformer_config_with_deepep_builds_an_moe_layer_on_moe_ep(pools):
+    for name, shape, finite in pools(2).run(megatron_fns.build_moe_layer, 4, 2, 32):
+        assert name == "MoEEPTokenDispatcher"
+        assert shape == (6, 2, 32) and finite
+
+
+@pytest.mark.parametrize("group_topk", [1, 2])
+def test_group_limited_routing_reaches_at_most_group_topk_nodes(pools, seed, group_topk):
+    # 4 ranks as 4 "nodes" of one rank each: groups = nodes, 4 experts per node, top-4.
+    for max_nodes, per_node_total, token_nodes in pools(4).run(megatron_fns.group_limited_layout,
+                                                              seed % 10000, 16, 4, 1, group_topk):
+        assert max_nodes <= group_topk
+        assert per_node_total == token_nodes, "num_tokens_per_rdma_rank counts each token once per node"
