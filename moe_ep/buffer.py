@@ -6,6 +6,7 @@ on the compiled kernels where they are built, and on the portable backend otherw
 """
 from __future__ import annotations
 
+import os
 import socket
 from typing import List, Optional, Tuple, Union
 
@@ -34,7 +35,7 @@ class Buffer:
     `enable_shrink` and `num_qps_per_rank` tune transports moe_ep chooses by itself; they are accepted
     and checked for type only. `comm` (an mpi4py communicator in deep_ep) is accepted but unused: moe_ep
     bootstraps through `group`. (ext) `ranks_per_node`: ranks that share a host's NVLink domain;
-    default: the group's ranks on this host, found by comparing host names.
+    default: env MOE_EP_RANKS_PER_NODE, else the group's ranks on this host, found by host names.
     """
 
     num_sms = 20
@@ -77,6 +78,11 @@ class Buffer:
 
     # ------------------------------------------------------------------ construction helpers
     def _resolve_ranks_per_node(self, ranks_per_node: Optional[int]) -> int:
+        if ranks_per_node is None and os.environ.get("MOE_EP_RANKS_PER_NODE"):
+            raw = os.environ["MOE_EP_RANKS_PER_NODE"]
+            if not raw.isdigit():
+                raise ValueError(f"MOE_EP_RANKS_PER_NODE: expected a positive integer, got {raw!r}")
+            ranks_per_node = int(raw)
         if ranks_per_node is None:
             hosts = [None] * self.group_size
             dist.all_gather_object(hosts, socket.gethostname(), group=self.group)

@@ -198,6 +198,8 @@ def main(argv=None) -> int:
     opts = parser.parse_args(argv)
     env = dict(os.environ, WORLD_SIZE=str(opts.nproc), LOCAL_WORLD_SIZE=str(opts.nproc),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    # As torchrun does: ranks sharing the host's cores would otherwise oversubscribe them.
+    env.setdefault("OMP_NUM_THREADS", "1")
     with contextlib.ExitStack() as stack:
         if opts.mps == "on" or (opts.mps == "auto" and ranks_share_a_gpu(opts.nproc)):
             from .mps import private_mps_daemon

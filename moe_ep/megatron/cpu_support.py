@@ -1,5 +1,6 @@
-"""Running megatron-core's MoE pieces on CPU ranks: stand-ins for the torch.cuda helpers that megatron
-calls unconditionally (streams, events, current device). Installed only inside test rank processes."""
+"""Running megatron-core's MoE layers on CPU ranks (gloo): stand-ins for the torch.cuda helpers megatron
+calls unconditionally (streams, events, current device) and two host-side fixes. For tests, the CPU demo
+and CPU training examples; `enable_cpu_execution()` does nothing where CUDA is available."""
 from __future__ import annotations
 
 import contextlib
@@ -65,7 +66,7 @@ def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
     return tensor
 
 
-def install_megatron_cpu_patches() -> None:
+def enable_cpu_execution() -> None:
     install_cpu_stand_ins()
     if torch.cuda.is_available():
         return

@@ -1,0 +1,97 @@
+"""Train the same GPT-MoE config with megatron's `alltoall` dispatcher and with moe_ep's `deepep`
+dispatcher, then print step time, tokens/s and losses side by side and plot them.
+
+    python examples/compare_dispatchers.py --config configs/tiny_cpu.yaml --nproc 4 --plot out/compare.png
+
+Each run starts --nproc ranks on this host with `python -m moe_ep.launch` (which starts MPS when ranks
+share a GPU), or a torchrun job when --torchrun-args is given (e.g. "--nnodes 2 --node-rank 0 ...").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DISPATCHERS = ("alltoall", "deepep")
+
+
+def run(dispatcher: str, args, log_path: str) -> list:
+    if args.torchrun_args:
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
+                    *args.torchrun_args.split()]
+    else:
+        launcher = [sys.executable, "-m", "moe_ep.launch", "--nproc", str(args.nproc)]
+    cmd = [*launcher, os.path.join(ROOT, "examples", "train_moe.py"), "--config", args.config,
+           "--dispatcher", dispatcher, "--json-log", log_path]
+    if args.steps:
+        cmd += ["--steps", str(args.steps)]
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    with open(log_path) as f:
+        return [json.loads(line) for line in f]
+
+
+def summarize(logs: dict, warmup: int) -> list:
+    rows = []
+    for name, log in logs.items():
+        timed = log[warmup:] or log
+        rows.append(dict(dispatcher=name, step_ms=statistics.mean(r["step_time_s"] for r in timed) * 1e3,
+                         tokens_per_s=statistics.mean(r["tokens_per_s"] for r in timed), final_loss=log[-1]["loss"]))
+    return rows
+
+
+def plot(logs: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, log in logs.items():
+        steps = [r["step"] for r in log]
+        ax_loss.plot(steps, [r["loss"] for r in log], label=name)
+        ax_time.plot(steps, [r["step_time_s"] * 1e3 for r in log], label=name)
+    ax_loss.set(xlabel="step", ylabel="loss", title="training loss")
+    ax_time.set(xlabel="step", ylabel="ms", title="step time")
+    for ax in (ax_loss, ax_time):
+        ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=os.path.join(ROOT, "configs", "tiny_cpu.yaml"))
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
+    parser.add_argument("--torchrun-args", default="", help="extra torchrun arguments, e.g. multi-node")
+    parser.add_argument("--plot", default=os.path.join(ROOT, "out", "compare_dispatchers.png"))
+    parser.add_argument("--json", help="write the summary here")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = {d: run(d, args, os.path.join(tmp, f"{d}.jsonl")) for d in DISPATCHERS}
+    rows = summarize(logs, args.warmup)
+    max_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(logs["alltoall"], logs["deepep"]))
+    print(f"\n{'dispatcher':<10} {'step ms':>9} {'tokens/s':>10} {'final loss':>11}")
+    for r in rows:
+        print(f"{r['dispatcher']:<10} {r['step_ms']:>9.1f} {r['tokens_per_s']:>10.0f} {r['final_loss']:>11.5f}")
+    speed = rows[0]["step_ms"] / rows[1]["step_ms"]
+    print(f"max |loss difference| over {len(logs['deepep'])} steps: {max_diff:.3e}; "
+          f"deepep step time = {1 / speed:.2f}x alltoall's")
+    try:
+        plot(logs, args.plot)
+        print(f"plot: {args.plot}")
+    except ImportError:
+        print("plot skipped: matplotlib is not installed")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(rows=rows, max_loss_diff=max_diff), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Train a GPT-MoE built with megatron-core, with moe_ep's dispatcher or megatron's own.
+
+Every rank is one expert-parallel rank (EP = world size, TP = PP = 1) and one data-parallel replica of the
+dense layers. Launch with torchrun, on CPU (gloo) or GPUs (NCCL, one GPU per rank; gloo when ranks
+share a GPU, under MPS via `python -m moe_ep.launch`):
+
+    torchrun --nproc-per-node 4 examples/train_moe.py --config configs/tiny_cpu.yaml
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint host0:29500 examples/train_moe.py --config configs/mixtral_8x7b_like.yaml
+
+Writes one JSON line per step (loss, step time, tokens/s) to --json-log.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML file with model/data/train sections")
+    parser.add_argument("--dispatcher", choices=["deepep", "alltoall", "allgather"],
+                        help="overrides model.moe_token_dispatcher_type")
+    parser.add_argument("--steps", type=int, help="overrides train.steps")
+    parser.add_argument("--ranks-per-node", type=int, help="moe_ep: ranks sharing a node (default: by host name)")
+    parser.add_argument("--json-log", help="JSON lines, one per step (rank 0)")
+    return parser.parse_args(argv)
+
+
+def init_distributed(use_cuda: bool) -> None:
+    backend = "gloo"
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) <= torch.cuda.device_count():
+            backend = "nccl"
+    dist.init_process_group(backend)
+
+
+def build_model(model_cfg: dict, data_cfg: dict, use_cuda: bool, seed: int):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=dist.get_world_size())
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
+    config = TransformerConfig(**model_cfg, expert_model_parallel_size=dist.get_world_size(),
+                               use_cpu_initialization=not use_cuda, moe_router_dtype="fp32",
+                               bf16=use_cuda, params_dtype=torch.bfloat16 if use_cuda else torch.float32)
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    model = GPTModel(config, spec, vocab_size=data_cfg["vocab_size"], max_sequence_length=data_cfg["seq_length"])
+    return model.cuda() if use_cuda else model
+
+
+def batch(step: int, rank: int, data_cfg: dict, device):
+    """Synthetic sequences with a learnable rule (next = 3 * token + 1 mod vocab), different per rank."""
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    b, s, v = data_cfg["micro_batch_size"], data_cfg["seq_length"], data_cfg["vocab_size"]
+    start = torch.randint(0, v, (b, 1), generator=g)
+    tokens = [start]
+    for _ in range(s):
+        tokens.append((tokens[-1] * 3 + 1) % v)
+    seq = torch.cat(tokens, dim=1)
+    input_ids, labels = seq[:, :-1].to(device), seq[:, 1:].to(device)
+    position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
+    causal = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool, device=device), diagonal=1)
+    return input_ids, position_ids, causal, labels
+
+
+def average_dense_gradients(model) -> None:
+    """Data-parallel all-reduce of the non-expert gradients (expert weights are sharded across EP)."""
+    world = dist.get_world_size()
+    for param in model.parameters():
+        if param.grad is not None and getattr(param, "allreduce", True):
+            dist.all_reduce(param.grad)
+            param.grad /= world
+
+
+def train(args) -> list:
+    with open(args.config) as f:
+        cfg = yaml.safe_load(f)
+    model_cfg, data_cfg, train_cfg = dict(cfg["model"]), cfg["data"], cfg["train"]
+    if args.dispatcher:
+        model_cfg["moe_token_dispatcher_type"] = args.dispatcher
+    steps = args.steps or train_cfg["steps"]
+    use_cuda = torch.cuda.is_available()
+    init_distributed(use_cuda)
+    import moe_ep.megatron  # noqa: F401  (registers moe_token_dispatcher_type="deepep")
+    from moe_ep.megatron.cpu_support import enable_cpu_execution
+    enable_cpu_execution()
+    if args.ranks_per_node:
+        os.environ["MOE_EP_RANKS_PER_NODE"] = str(args.ranks_per_node)
+    rank = dist.get_rank()
+    torch.manual_seed(train_cfg["seed"])
+    model = build_model(model_cfg, data_cfg, use_cuda, train_cfg["seed"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg["lr"])
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    tokens_per_step = data_cfg["micro_batch_size"] * data_cfg["seq_length"] * dist.get_world_size()
+    progress = None
+    if rank == 0:
+        try:
+            from tqdm import tqdm
+            progress = tqdm(total=steps, desc=f"{model_cfg['moe_token_dispatcher_type']:>9}", unit="step")
+        except ImportError:
+            pass
+    log = []
+    for step in range(steps):
+        if use_cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        input_ids, position_ids, mask, labels = batch(step, rank, data_cfg, device)
+        loss = model(input_ids, position_ids, mask, labels=labels).float().mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        average_dense_gradients(model)
+        optimizer.step()
+        if use_cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        record = dict(step=step, loss=mean_loss.item() / dist.get_world_size(), step_time_s=elapsed,
+                      tokens_per_s=tokens_per_step / elapsed)
+        log.append(record)
+        if progress is not None:
+            progress.set_postfix(loss=f"{record['loss']:.4f}")
+            progress.update()
+    if progress is not None:
+        progress.close()
+    if rank == 0 and args.json_log:
+        with open(args.json_log, "w") as f:
+            for record in log:
+                f.write(json.dumps(record) + "\n")
+    dist.destroy_process_group()
+    return log
+
+
+if __name__ == "__main__":
+    train(parse_args())
