@@ -27,6 +27,20 @@ status=$?
 summary "gpu tests: $(tail -1 "$OUT/gpu_tests.log") in $(( $(date +%s) - t0 )) s"
 [[ $status -ne 0 ]] && tail -60 "$OUT/gpu_tests.log"
 
+# megatron-core: the CPU integration tests on this machine's Python, then the dispatcher comparison at
+# EP=1 on the GPU. A carried wheel (.whl/megatron_core-*.whl, see README) is installed first.
+if ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --target /tmp/mcore .whl/megatron_core-*.whl && export PYTHONPATH=/tmp/mcore${PYTHONPATH:+:$PYTHONPATH}
+fi
+if $PY -c "import megatron.core" 2>/dev/null; then
+  summary "megatron-core $($PY -c 'import megatron.core as m; print(m.__version__)' 2>/dev/null)"
+  $PY -m pytest -q tests/test_megatron.py > "$OUT/megatron_tests.log" 2>&1
+  summary "megatron tests (CPU ranks): $(tail -1 "$OUT/megatron_tests.log")"
+  [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]] && $PY examples/compare_dispatchers.py --config configs/single_gpu_small.yaml \
+    --nproc 1 --steps 30 --warmup 5 --plot "$OUT/compare_ep1.png" --json "$OUT/compare_ep1.json" 2>&1 \
+    | grep -v "step/s" | tail -6 | tee -a "$OUT/summary.txt"
+fi
+
 if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
   $PY -m benchmarks.profile_layout_call 2>&1 | tee -a "$OUT/summary.txt"
   $PY -m benchmarks.bench_layout --json "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_layout.txt" | tee -a "$OUT/summary.txt"

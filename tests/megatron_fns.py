@@ -8,7 +8,7 @@ from moe_ep.megatron.cpu_support import enable_cpu_execution
 
 
 def _setup(num_experts: int, topk: int, hidden: int, dispatcher_type: str, **config_kw):
-    enable_cpu_execution()
+    enable_cpu_execution(force=True)
     import moe_ep.megatron  # noqa: F401  (registers the "deepep" type)
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -79,7 +79,7 @@ def moe_forward_backward(seed: int, num_experts: int, topk: int, hidden: int, di
 
 def flex_on_moe_ep(seed: int, num_experts: int, topk: int, hidden: int, num_tokens: int):
     """megatron's own flex dispatcher with backend "deepep", running on moe_ep via install_as_deep_ep."""
-    enable_cpu_execution()
+    enable_cpu_execution(force=True)
     from moe_ep.megatron import install_as_deep_ep
     install_as_deep_ep()
     return moe_forward_backward(seed, num_experts, topk, hidden, "flex", num_tokens,
@@ -109,7 +109,7 @@ def build_moe_layer(num_experts: int, topk: int, hidden: int):
 
 def group_limited_layout(seed: int, num_experts: int, topk: int, ranks_per_node: int, group_topk: int):
     """megatron's group-limited routing with groups = nodes, then moe_ep's layout of the result."""
-    enable_cpu_execution()
+    enable_cpu_execution(force=True)
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
     from moe_ep import Buffer
     world = dist.get_world_size()

@@ -46,8 +46,6 @@ class _NoOpEvent:
 
 
 def install_cpu_stand_ins() -> None:
-    if torch.cuda.is_available():
-        return
     torch.cuda.Stream = _NoOpStream
     torch.cuda.Event = _NoOpEvent
     torch.cuda.current_stream = lambda device=None: _NoOpStream()
@@ -66,10 +64,12 @@ def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
     return tensor
 
 
-def enable_cpu_execution() -> None:
-    install_cpu_stand_ins()
-    if torch.cuda.is_available():
+def enable_cpu_execution(force: bool = False) -> None:
+    """Lets megatron-core's MoE code run on CPU tensors. Without `force` it does nothing where CUDA is
+    available; `force=True` (CPU ranks on a GPU machine, as in the tests) patches all the same."""
+    if torch.cuda.is_available() and not force:
         return
+    install_cpu_stand_ins()
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
     moe_utils.maybe_move_tensor_to_cpu = _host_copy
     token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
