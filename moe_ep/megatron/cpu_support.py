@@ -70,6 +70,10 @@ def enable_cpu_execution(force: bool = False) -> None:
     if torch.cuda.is_available() and not force:
         return
     install_cpu_stand_ins()
+    # megatron wraps small functions in torch.compile; with the stand-ins above, TorchDynamo's device
+    # probing breaks, and on CPU ranks compilation buys nothing.
+    import torch._dynamo
+    torch._dynamo.config.disable = True
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
     moe_utils.maybe_move_tensor_to_cpu = _host_copy
     token_dispatcher.maybe_move_tensor_to_cpu = _host_copy

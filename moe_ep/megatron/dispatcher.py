@@ -122,8 +122,9 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         tokens_per_expert = torch.tensor(state.tokens_per_expert, dtype=torch.long)
         self.hidden_shape_before_permute = hidden_states.shape
         self.local_routing_map = routing_map
+        # megatron-core 0.16 returns three values, 0.19 five (with padding info we do not use).
         permuted, permuted_probs, self.reversed_mapping = permute(
-            hidden_states, routing_map, probs=expert_probs, num_out_tokens=int(tokens_per_expert.sum()))
+            hidden_states, routing_map, probs=expert_probs, num_out_tokens=int(tokens_per_expert.sum()))[:3]
         if self.config.moe_router_dtype == "fp64":
             permuted_probs = permuted_probs.to(torch.float64)
         return permuted, tokens_per_expert, permuted_probs
