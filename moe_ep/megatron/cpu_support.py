@@ -72,8 +72,8 @@ def enable_cpu_execution(force: bool = False) -> None:
     install_cpu_stand_ins()
     # megatron wraps small functions in torch.compile; with the stand-ins above, TorchDynamo's device
     # probing breaks, and on CPU ranks compilation buys nothing.
-    import torch._dynamo
-    torch._dynamo.config.disable = True
+    from torch import _dynamo
+    _dynamo.config.disable = True
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
     moe_utils.maybe_move_tensor_to_cpu = _host_copy
     token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
