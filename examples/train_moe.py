@@ -55,10 +55,11 @@ def build_model(model_cfg: dict, data_cfg: dict, use_cuda: bool, seed: int):
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=dist.get_world_size())
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
     config = TransformerConfig(**model_cfg, expert_model_parallel_size=dist.get_world_size(),
-                               use_cpu_initialization=not use_cuda, moe_router_dtype="fp32",
-                               bf16=use_cuda, params_dtype=torch.bfloat16 if use_cuda else torch.float32)
+                               use_cpu_initialization=not use_cuda, moe_router_dtype="fp32")
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     model = GPTModel(config, spec, vocab_size=data_cfg["vocab_size"], max_sequence_length=data_cfg["seq_length"])
+    # float32 parameters everywhere (TF32 matrix products on the GPU): the comparison is about the
+    # dispatchers, and megatron's bf16 wrapper needs the rest of its training loop.
     return model.cuda() if use_cuda else model
 
 
@@ -94,6 +95,7 @@ def train(args) -> list:
         model_cfg["moe_token_dispatcher_type"] = args.dispatcher
     steps = args.steps or train_cfg["steps"]
     use_cuda = torch.cuda.is_available()
+    torch.backends.cuda.matmul.allow_tf32 = True
     init_distributed(use_cuda)
     import moe_ep.megatron  # noqa: F401  (registers moe_token_dispatcher_type="deepep")
     from moe_ep.megatron.cpu_support import enable_cpu_execution
