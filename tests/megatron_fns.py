@@ -7,39 +7,49 @@ import torch.distributed as dist
 from moe_ep.megatron.cpu_support import enable_cpu_execution
 
 
-def _setup(num_experts: int, topk: int, hidden: int, dispatcher_type: str, **config_kw):
+def _setup(num_experts: int, topk: int, hidden: int, dispatcher_type: str, tp: int = 1, **config_kw):
+    """Groups laid out as megatron does: rank = ep_rank * tp + tp_rank (expert TP fastest)."""
     enable_cpu_execution(force=True)
     import moe_ep.megatron  # noqa: F401  (registers the "deepep" type)
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_config import TransformerConfig
     world, rank = dist.get_world_size(), dist.get_rank()
-    singles = [dist.new_group([r]) for r in range(world)]
+    ep = world // tp
+    tp_groups = [dist.new_group([e * tp + t for t in range(tp)]) for e in range(ep)]
+    ep_groups = [dist.new_group([e * tp + t for e in range(ep)]) for t in range(tp)]
     pg = ProcessGroupCollection()
-    pg.ep, pg.tp_ep, pg.expt_tp, pg.tp = dist.group.WORLD, dist.group.WORLD, singles[rank], singles[rank]
+    pg.tp_ep = dist.group.WORLD
+    pg.ep, pg.expt_tp, pg.tp = ep_groups[rank % tp], tp_groups[rank // tp], tp_groups[rank // tp]
     config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=4, num_moe_experts=num_experts,
                                moe_router_topk=topk, moe_token_dispatcher_type=dispatcher_type,
-                               expert_model_parallel_size=world, use_cpu_initialization=True,
+                               expert_model_parallel_size=ep, use_cpu_initialization=True,
                                moe_router_dtype="fp32", **config_kw)
     return config, pg
 
 
-def _dispatcher(config, pg, num_experts):
+def _dispatcher(config, pg, num_experts, tp: int = 1):
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher, MoEFlexTokenDispatcher
     from moe_ep.megatron import MoEEPTokenDispatcher
-    world, rank = dist.get_world_size(), dist.get_rank()
-    local = num_experts // world
+    ep_rank = dist.get_rank() // tp
+    local = num_experts // (dist.get_world_size() // tp)
     cls = {"deepep": MoEEPTokenDispatcher, "alltoall": MoEAlltoAllTokenDispatcher,
            "flex": MoEFlexTokenDispatcher}[config.moe_token_dispatcher_type]
-    return cls(local, [rank * local + i for i in range(local)], config=config, pg_collection=pg)
+    return cls(local, [ep_rank * local + i for i in range(local)], config=config, pg_collection=pg)
 
 
 def moe_forward_backward(seed: int, num_experts: int, topk: int, hidden: int, dispatcher_type: str,
-                         num_tokens: int, **config_kw):
-    """Router -> dispatcher phases -> toy experts -> combine; returns output and gradients."""
-    config, pg = _setup(num_experts, topk, hidden, dispatcher_type, **config_kw)
+                         num_tokens: int, tp: int = 1, pad_for_fp8: bool = False, **config_kw):
+    """Router -> dispatcher phases -> toy experts -> combine; returns output and gradients. With tp > 1
+    each rank of an expert's TP group holds a share of its weight (shares sum to the weight), so the
+    combined output is the whole expert's."""
+    config, pg = _setup(num_experts, topk, hidden, dispatcher_type, tp=tp, **config_kw)
+    if pad_for_fp8:   # set after construction: fp8 itself would need transformer-engine
+        config.fp8, config.fp8_recipe, config.moe_router_padding_for_quantization = "e4m3", "delayed", True
     rank, world = dist.get_rank(), dist.get_world_size()
-    local = num_experts // world
-    dispatcher = _dispatcher(config, pg, num_experts)
+    ep_rank, tp_rank = rank // tp, rank % tp
+    local = num_experts // (world // tp)
+    share = (tp_rank + 1) / (tp * (tp + 1) / 2)
+    dispatcher = _dispatcher(config, pg, num_experts, tp)
     g = torch.Generator().manual_seed(seed)
     weights = torch.randn(num_experts, hidden, hidden, generator=g) / hidden ** 0.5
     g.manual_seed(seed * 31 + rank + 1)
@@ -57,7 +67,8 @@ def moe_forward_backward(seed: int, num_experts: int, topk: int, hidden: int, di
     outs, start = [], 0
     for j, count in enumerate(tokens_per_expert.tolist()):
         rows = slice(start, start + count)
-        outs.append((h[rows] @ weights[rank * local + j]) * p[rows].unsqueeze(1).to(h.dtype))
+        expert = ep_rank * local + j
+        outs.append((h[rows] @ (weights[expert] * share)) * p[rows].unsqueeze(1).to(h.dtype))
         start += count
     y = torch.cat(outs) if outs else h[:0]
     y = dispatcher.combine_preprocess(y)

@@ -43,3 +43,22 @@ def test_group_limited_routing_reaches_at_most_group_topk_nodes(pools, seed, gro
                                                               seed % 10000, 16, 4, 1, group_topk):
         assert max_nodes <= group_topk
         assert per_node_total == token_nodes, "num_tokens_per_rdma_rank counts each token once per node"
+
+
+def test_tensor_and_expert_parallel_groups(pools, seed):
+    """TP=2 x EP=2 on 4 ranks: tokens reach both TP ranks of their experts' group; outputs equal the
+    dense layer."""
+    for rank, res in enumerate(pools(4).run(megatron_fns.moe_forward_backward, seed % 10000, 4, 2, 32, "deepep",
+                                            16, tp=2)):
+        for key in ("out", "grad_x", "grad_logits"):
+            torch.testing.assert_close(res[key], res["ref_" + key], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"rank {rank} {key}: {m}")
+
+
+def test_padding_for_quantization_aligns_expert_rows(pools, seed):
+    for rank, res in enumerate(pools(2).run(megatron_fns.moe_forward_backward, seed % 10000, 4, 2, 32, "deepep",
+                                            40, pad_for_fp8=True)):
+        assert all(n % 16 == 0 for n in res["tokens_per_expert"]), res["tokens_per_expert"]
+        for key in ("out", "grad_x", "grad_logits"):
+            torch.testing.assert_close(res[key], res["ref_" + key], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"rank {rank} {key}: {m}")

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
-from megatron.core.transformer.moe.moe_utils import permute, unpermute
+from megatron.core.transformer.moe.moe_utils import (get_align_size_for_quantization, pad_routing_map, permute,
+                                                     unpermute)
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from ..buffer import Buffer
@@ -120,6 +121,8 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         state = self._state
         routing_map, expert_probs = self._local_multihot(state.recv_topk_idx, probs)
         tokens_per_expert = torch.tensor(state.tokens_per_expert, dtype=torch.long)
+        if self.config.moe_router_padding_for_quantization:
+            routing_map, tokens_per_expert = self._pad_for_quantization(routing_map, tokens_per_expert)
         self.hidden_shape_before_permute = hidden_states.shape
         self.local_routing_map = routing_map
         # megatron-core 0.16 returns three values, 0.19 five (with padding info we do not use).
@@ -128,6 +131,16 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         if self.config.moe_router_dtype == "fp64":
             permuted_probs = permuted_probs.to(torch.float64)
         return permuted, tokens_per_expert, permuted_probs
+
+    def _pad_for_quantization(self, routing_map: torch.Tensor, tokens_per_expert: torch.Tensor):
+        """Rounds every expert's rows up to the fp8/fp4 GEMM alignment by routing extra received tokens
+        to it with probability 0 (they add nothing to the output). Where too few tokens arrived for
+        that, the map is left as it is and megatron's expert MLP pads explicitly."""
+        multiple = get_align_size_for_quantization(self.config)
+        target = (tokens_per_expert + multiple - 1) // multiple * multiple
+        if not bool((target <= routing_map.shape[0]).all()):
+            return routing_map, tokens_per_expert
+        return pad_routing_map(routing_map, multiple), target
 
     def _local_multihot(self, recv_topk_idx: torch.Tensor, recv_probs: torch.Tensor):
         """[rows, K] local ids (-1 elsewhere) and weights -> [rows, L] routing map and probabilities."""
