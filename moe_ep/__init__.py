@@ -1,4 +1,5 @@
 """moe_ep: expert-parallel dispatch and combine for Mixture-of-Experts, call-compatible with deep_ep.Buffer."""
+
 from . import fp8
 from ._native import backend_info
 from .buffer import Buffer, topk_idx_t

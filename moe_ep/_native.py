@@ -1,4 +1,5 @@
 """Loads the compiled extension `moe_ep._C` when it was built, and says why when it was not."""
+
 from __future__ import annotations
 
 import functools

@@ -4,6 +4,7 @@ The Buffer checks every argument where the user's data enters, keeps the handles
 each stage to a backend: CPU tensors run on the portable backend (torch.distributed); CUDA tensors run
 on the compiled kernels where they are built, and on the portable backend otherwise.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,10 +16,8 @@ import torch.distributed as dist
 
 from . import _native
 from .backends.portable import PortableBackend, dispatch_layout
-from .checks import (FP8_BLOCK, check_expert_ids, check_fp8_pair, check_int, check_tensor,
-                     debug_checks_enabled)
-from .config import (NUM_MAX_NVL_PEERS, NUM_MAX_TOPK, Config, combine_config, dispatch_config,
-                     low_latency_rdma_size_hint)
+from .checks import FP8_BLOCK, check_expert_ids, check_fp8_pair, check_int, check_tensor, debug_checks_enabled
+from .config import NUM_MAX_NVL_PEERS, NUM_MAX_TOPK, Config, combine_config, dispatch_config, low_latency_rdma_size_hint
 from .events import EventOverlap, capture_current_stream, wait_previous
 from .handles import DispatchHandle, LowLatencyHandle
 from .sync import ArrivalGate, next_buffer_serial, timeout_seconds
@@ -40,23 +39,43 @@ class Buffer:
 
     num_sms = 20
 
-    def __init__(self, group: dist.ProcessGroup, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
-                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
-                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
-                 comm=None, *, ranks_per_node: Optional[int] = None):
-        if not (isinstance(group, dist.ProcessGroup)):
-            raise TypeError(f"group: expected a torch.distributed ProcessGroup, got {type(group).__name__}"
-            + (" (moe_ep bootstraps through a process group; comm= is accepted but unused)"
-            if comm is not None else ""))
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        use_fabric: bool = False,
+        explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
+        comm=None,
+        *,
+        ranks_per_node: Optional[int] = None,
+    ):
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(
+                f"group: expected a torch.distributed ProcessGroup, got {type(group).__name__}"
+                + (
+                    " (moe_ep bootstraps through a process group; comm= is accepted but unused)"
+                    if comm is not None
+                    else ""
+                )
+            )
         check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
         check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
         check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
-        for name, flag in (("low_latency_mode", low_latency_mode), ("explicitly_destroy", explicitly_destroy),
-                           ("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
-                           ("allow_mnnvl", allow_mnnvl), ("use_fabric", use_fabric),
-                           ("enable_shrink", enable_shrink)):
-            if not (isinstance(flag, bool)):
+        for name, flag in (
+            ("low_latency_mode", low_latency_mode),
+            ("explicitly_destroy", explicitly_destroy),
+            ("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
+            ("allow_mnnvl", allow_mnnvl),
+            ("use_fabric", use_fabric),
+            ("enable_shrink", enable_shrink),
+        ):
+            if not isinstance(flag, bool):
                 raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
         self.group = group
         self.rank = dist.get_rank(group)
@@ -69,8 +88,7 @@ class Buffer:
         self.serial = next_buffer_serial()
         self.timeout_s = timeout_seconds()
         self.debug_checks = debug_checks_enabled()
-        self._portable = PortableBackend(group, self.ranks_per_node,
-                                         ArrivalGate(group, self.serial, self.timeout_s))
+        self._portable = PortableBackend(group, self.ranks_per_node, ArrivalGate(group, self.serial, self.timeout_s))
         self._destroyed = False
         self._local_buffers = {}
         self._ll_combine_buffers: List[Optional[torch.Tensor]] = [None, None]
@@ -89,10 +107,12 @@ class Buffer:
             ranks_per_node = hosts.count(hosts[self.rank])
             contiguous = all(hosts[r] == hosts[r - r % ranks_per_node] for r in range(self.group_size))
             if not (self.group_size % ranks_per_node == 0 and contiguous):
-                raise ValueError("ranks_per_node: the group's ranks are not spread evenly and contiguously over hosts "
-                f"(hosts by rank: {hosts}); pass ranks_per_node explicitly")
+                raise ValueError(
+                    "ranks_per_node: the group's ranks are not spread evenly and contiguously over hosts "
+                    f"(hosts by rank: {hosts}); pass ranks_per_node explicitly"
+                )
         check_int("ranks_per_node", ranks_per_node, minimum=1)
-        if not (self.group_size % ranks_per_node == 0):
+        if self.group_size % ranks_per_node != 0:
             raise ValueError(f"ranks_per_node: must divide the group size {self.group_size}, got {ranks_per_node}")
         return ranks_per_node
 
@@ -117,8 +137,9 @@ class Buffer:
         return combine_config(num_ranks, Buffer.num_sms)
 
     @staticmethod
-    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                                       num_experts: int) -> int:
+    def get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
         return low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     @staticmethod
@@ -127,35 +148,40 @@ class Buffer:
 
     # ------------------------------------------------------------------ lifetime and raw buffers
     def destroy(self) -> None:
-        if not (self.explicitly_destroy):
-            raise RuntimeError("destroy() is for Buffers created with explicitly_destroy=True; others are freed by the GC")
+        if not self.explicitly_destroy:
+            raise RuntimeError(
+                "destroy() is for Buffers created with explicitly_destroy=True; others are freed by the GC"
+            )
         self._check_alive()
         self._local_buffers.clear()
         self._ll_combine_buffers = [None, None]
         self._destroyed = True
 
     def _check_alive(self) -> None:
-        if not (not self._destroyed):
+        if not not self._destroyed:
             raise RuntimeError("this Buffer was destroyed; create a new one")
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
-    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
-                                use_rdma_buffer: bool = False) -> torch.Tensor:
+    def get_local_buffer_tensor(
+        self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0, use_rdma_buffer: bool = False
+    ) -> torch.Tensor:
         """A typed view of this rank's own communication buffer (raw bytes, for tests and tools)."""
         self._check_alive()
         num_bytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
         check_int("offset", offset, minimum=0)
         element = torch.empty((), dtype=dtype).element_size()
         count = (num_bytes - offset) // element if size is None else int(torch.Size(size).numel())
-        if not (offset + count * element <= num_bytes):
-            raise ValueError(f"size/offset: {count} elements of {dtype} at byte {offset} exceed the "
-            f"{'rdma' if use_rdma_buffer else 'nvl'} buffer of {num_bytes} bytes")
+        if offset + count * element > num_bytes:
+            raise ValueError(
+                f"size/offset: {count} elements of {dtype} at byte {offset} exceed the "
+                f"{'rdma' if use_rdma_buffer else 'nvl'} buffer of {num_bytes} bytes"
+            )
         key = bool(use_rdma_buffer)
         if key not in self._local_buffers:
             self._local_buffers[key] = torch.zeros(num_bytes, dtype=torch.uint8, device=self._device())
-        view = self._local_buffers[key][offset:offset + count * element].view(dtype)
+        view = self._local_buffers[key][offset : offset + count * element].view(dtype)
         return view if size is None else view.view(size)
 
     def get_comm_stream(self):
@@ -166,12 +192,14 @@ class Buffer:
 
     # ------------------------------------------------------------------ shared checks
     def _check_events(self, previous_event, async_finish, allocate_on_comm_stream) -> None:
-        if not (isinstance(async_finish, bool)):
+        if not isinstance(async_finish, bool):
             raise TypeError(f"async_finish: expected a bool, got {type(async_finish).__name__}")
         if not (previous_event is None or isinstance(previous_event, EventOverlap)):
             raise TypeError(f"previous_event: expected an EventOverlap or None, got {type(previous_event).__name__}")
-        if not (not allocate_on_comm_stream or (previous_event is not None and async_finish)):
-            raise ValueError("allocate_on_comm_stream=True needs previous_event (an EventOverlap) and async_finish=True")
+        if allocate_on_comm_stream and (previous_event is None or not async_finish):
+            raise ValueError(
+                "allocate_on_comm_stream=True needs previous_event (an EventOverlap) and async_finish=True"
+            )
 
     def _finish(self, async_finish: bool, tensors) -> EventOverlap:
         if async_finish:
@@ -187,32 +215,41 @@ class Buffer:
 
     def _check_num_experts(self, num_experts) -> int:
         check_int("num_experts", num_experts, minimum=1)
-        if not (num_experts % self.group_size == 0):
+        if num_experts % self.group_size != 0:
             raise ValueError(f"num_experts: must be a multiple of the group size {self.group_size}, got {num_experts}")
         return num_experts
 
     def _check_nvl_size(self, hidden_bytes: int, config: Config, call: str) -> None:
         needed = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)
-        if not (self.num_nvl_bytes >= needed):
-            raise ValueError(f"num_nvl_bytes={self.num_nvl_bytes} is too small for {call} with {hidden_bytes} bytes per "
-            f"row on {self.group_size} ranks: need >= {needed} (Config.get_nvl_buffer_size_hint)")
+        if self.num_nvl_bytes < needed:
+            raise ValueError(
+                f"num_nvl_bytes={self.num_nvl_bytes} is too small for {call} with {hidden_bytes} bytes per "
+                f"row on {self.group_size} ranks: need >= {needed} (Config.get_nvl_buffer_size_hint)"
+            )
         if self.group_size > NUM_MAX_NVL_PEERS:
             needed = config.get_rdma_buffer_size_hint(hidden_bytes, self.group_size)
-            if not (self.num_rdma_bytes >= needed):
-                raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for {call} with {hidden_bytes} bytes "
-                f"per row on {self.group_size} ranks: need >= {needed} (Config.get_rdma_buffer_size_hint)")
+            if self.num_rdma_bytes < needed:
+                raise ValueError(
+                    f"num_rdma_bytes={self.num_rdma_bytes} is too small for {call} with {hidden_bytes} bytes "
+                    f"per row on {self.group_size} ranks: need >= {needed} (Config.get_rdma_buffer_size_hint)"
+                )
 
     def _check_handle(self, handle, kind: type, call: str):
-        if not (isinstance(handle, kind)):
+        if not isinstance(handle, kind):
             raise TypeError(f"handle: expected the handle returned by {call}, got {type(handle).__name__}")
-        if not (handle.buffer_serial == self.serial):
+        if handle.buffer_serial != self.serial:
             raise ValueError("handle: it was made by another Buffer; pass the handle this Buffer returned")
         return handle
 
     # ------------------------------------------------------------------ layout
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
-                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                            allocate_on_comm_stream: bool = False):
+    def get_dispatch_layout(
+        self,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         self._check_alive()
         check_tensor("topk_idx", topk_idx, dtype=topk_idx_t, ndim=2)
         self._check_num_experts(num_experts)
@@ -221,8 +258,9 @@ class Buffer:
             check_expert_ids("topk_idx", topk_idx, num_experts)
         wait_previous(previous_event)
         if topk_idx.is_cuda and _native.has_kernels():
-            outs = _native.ops().get_dispatch_layout(topk_idx.contiguous(), num_experts, self.group_size,
-                                                     self.ranks_per_node)
+            outs = _native.ops().get_dispatch_layout(
+                topk_idx.contiguous(), num_experts, self.group_size, self.ranks_per_node
+            )
         else:
             outs = dispatch_layout(topk_idx, num_experts, self.group_size, self.ranks_per_node)
         return (*outs, self._finish(async_finish, [topk_idx, *outs]))
@@ -234,15 +272,23 @@ class Buffer:
         check_tensor("x", x, dtypes=HIDDEN_DTYPES, ndim=2)
         return [x]
 
-    def dispatch(self, x: XLike, handle: Optional[DispatchHandle] = None,
-                 num_tokens_per_rank: Optional[torch.Tensor] = None,
-                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
-                 is_token_in_rank: Optional[torch.Tensor] = None,
-                 num_tokens_per_expert: Optional[torch.Tensor] = None,
-                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
-                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
-                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False):
+    def dispatch(
+        self,
+        x: XLike,
+        handle: Optional[DispatchHandle] = None,
+        num_tokens_per_rank: Optional[torch.Tensor] = None,
+        num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+        is_token_in_rank: Optional[torch.Tensor] = None,
+        num_tokens_per_expert: Optional[torch.Tensor] = None,
+        topk_idx: Optional[torch.Tensor] = None,
+        topk_weights: Optional[torch.Tensor] = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         """-> (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)"""
         self._check_alive()
         x_parts = self._split_x(x)
@@ -252,54 +298,96 @@ class Buffer:
         check_int("num_worst_tokens", num_worst_tokens, minimum=0)
         self._check_events(previous_event, async_finish, allocate_on_comm_stream)
         config = self.get_dispatch_config(self.group_size) if config is None else config
-        if not (isinstance(config, Config)):
+        if not isinstance(config, Config):
             raise TypeError(f"config: expected a moe_ep.Config, got {type(config).__name__}")
         self._check_nvl_size(hidden * max(x_parts[0].element_size(), 2), config, "dispatch")
         if handle is not None:
             self._check_handle(handle, DispatchHandle, "dispatch")
-            for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
-                                ("num_tokens_per_expert", num_tokens_per_expert), ("topk_idx", topk_idx),
-                                ("topk_weights", topk_weights)):
-                if not (value is None):
-                    raise ValueError(f"{name}: must be None for a cached dispatch (handle given): the handle fixes the layout")
-            if not (num_tokens == handle.num_tokens):
+            for name, value in (
+                ("num_tokens_per_rank", num_tokens_per_rank),
+                ("is_token_in_rank", is_token_in_rank),
+                ("num_tokens_per_expert", num_tokens_per_expert),
+                ("topk_idx", topk_idx),
+                ("topk_weights", topk_weights),
+            ):
+                if value is not None:
+                    raise ValueError(
+                        f"{name}: must be None for a cached dispatch (handle given): the handle fixes the layout"
+                    )
+            if num_tokens != handle.num_tokens:
                 raise ValueError(f"x: the handle's layout is for {handle.num_tokens} tokens, got {num_tokens}")
         else:
-            self._check_layout_args(num_tokens, device, num_tokens_per_rank, num_tokens_per_rdma_rank,
-                                    is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights)
+            self._check_layout_args(
+                num_tokens,
+                device,
+                num_tokens_per_rank,
+                num_tokens_per_rdma_rank,
+                is_token_in_rank,
+                num_tokens_per_expert,
+                topk_idx,
+                topk_weights,
+            )
         wait_previous(previous_event)
 
         def make_handle(**fields) -> DispatchHandle:
             return DispatchHandle(buffer_serial=self.serial, **fields)
 
         recv_x, recv_idx, recv_weights, counts, new_handle = self._portable.dispatch(
-            x_parts, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
-            expert_alignment, num_worst_tokens, handle, make_handle)
+            x_parts,
+            topk_idx,
+            topk_weights,
+            is_token_in_rank,
+            num_tokens_per_rank,
+            num_tokens_per_expert,
+            expert_alignment,
+            num_worst_tokens,
+            handle,
+            make_handle,
+        )
         recv = tuple(recv_x) if len(recv_x) == 2 else recv_x[0]
         event = self._finish(async_finish, [*x_parts, *recv_x])
         return recv, recv_idx, recv_weights, counts, new_handle, event
 
-    def _check_layout_args(self, num_tokens, device, num_tokens_per_rank, num_tokens_per_rdma_rank,
-                           is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights) -> None:
-        for name, value in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
-                            ("num_tokens_per_expert", num_tokens_per_expert)):
-            if not (value is not None):
+    def _check_layout_args(
+        self,
+        num_tokens,
+        device,
+        num_tokens_per_rank,
+        num_tokens_per_rdma_rank,
+        is_token_in_rank,
+        num_tokens_per_expert,
+        topk_idx,
+        topk_weights,
+    ) -> None:
+        for name, value in (
+            ("num_tokens_per_rank", num_tokens_per_rank),
+            ("is_token_in_rank", is_token_in_rank),
+            ("num_tokens_per_expert", num_tokens_per_expert),
+        ):
+            if value is None:
                 raise ValueError(f"{name}: required when no handle is given (take it from get_dispatch_layout)")
-        check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32,
-                     shape=(self.group_size,), device=device)
-        check_tensor("is_token_in_rank", is_token_in_rank, dtype=torch.bool,
-                     shape=(num_tokens, self.group_size), device=device)
+        check_tensor(
+            "num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(self.group_size,), device=device
+        )
+        check_tensor(
+            "is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(num_tokens, self.group_size), device=device
+        )
         check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32, ndim=1, device=device)
         num_experts = self._check_num_experts(num_tokens_per_expert.shape[0])
         if num_tokens_per_rdma_rank is not None:
-            check_tensor("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dtype=torch.int32,
-                         shape=(self.group_size // self.ranks_per_node,), device=device)
-        if not ((topk_idx is None) == (topk_weights is None)):
+            check_tensor(
+                "num_tokens_per_rdma_rank",
+                num_tokens_per_rdma_rank,
+                dtype=torch.int32,
+                shape=(self.group_size // self.ranks_per_node,),
+                device=device,
+            )
+        if (topk_idx is None) != (topk_weights is None):
             raise ValueError("topk_idx, topk_weights: pass both or neither")
         if topk_idx is not None:
             check_tensor("topk_idx", topk_idx, dtype=topk_idx_t, ndim=2, device=device)
             num_topk = topk_idx.shape[1]
-            if not (topk_idx.shape[0] == num_tokens):
+            if topk_idx.shape[0] != num_tokens:
                 raise ValueError(f"topk_idx: expected {num_tokens} rows (one per token of x), got {topk_idx.shape[0]}")
             if not (1 <= num_topk <= NUM_MAX_TOPK):
                 raise ValueError(f"topk_idx: top-k must be in [1, {NUM_MAX_TOPK}], got {num_topk}")
@@ -308,27 +396,38 @@ class Buffer:
             if topk_idx is not None:
                 check_expert_ids("topk_idx", topk_idx, num_experts)
             sent = is_token_in_rank.sum(0, dtype=torch.int32)
-            if not (torch.equal(sent, num_tokens_per_rank)):
-                raise ValueError(f"num_tokens_per_rank: disagrees with is_token_in_rank (whose column sums are {sent.tolist()}, "
-                f"got {num_tokens_per_rank.tolist()}); pass both from the same get_dispatch_layout")
+            if not torch.equal(sent, num_tokens_per_rank):
+                raise ValueError(
+                    f"num_tokens_per_rank: disagrees with is_token_in_rank (whose column sums are {sent.tolist()}, "
+                    f"got {num_tokens_per_rank.tolist()}); pass both from the same get_dispatch_layout"
+                )
 
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
-                bias: Union[torch.Tensor, Tuple[torch.Tensor, ...], None] = None, config: Optional[Config] = None,
-                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False):
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: Optional[torch.Tensor] = None,
+        bias: Union[torch.Tensor, Tuple[torch.Tensor, ...], None] = None,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         """-> (combined_x [N, H], combined_topk_weights or None, event)"""
         self._check_alive()
         self._check_handle(handle, DispatchHandle, "dispatch")
         check_tensor("x", x, dtypes=HIDDEN_DTYPES, shape=(handle.num_recv_rows, None))
         self._check_events(previous_event, async_finish, allocate_on_comm_stream)
         config = self.get_combine_config(self.group_size) if config is None else config
-        if not (isinstance(config, Config)):
+        if not isinstance(config, Config):
             raise TypeError(f"config: expected a moe_ep.Config, got {type(config).__name__}")
         self._check_nvl_size(x.shape[1] * max(x.element_size(), 2), config, "combine")
         if topk_weights is not None:
             check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2, device=x.device)
-            if not (topk_weights.shape[0] == x.shape[0]):
-                raise ValueError(f"topk_weights: expected {x.shape[0]} rows (one per row of x), got {topk_weights.shape[0]}")
+            if topk_weights.shape[0] != x.shape[0]:
+                raise ValueError(
+                    f"topk_weights: expected {x.shape[0]} rows (one per row of x), got {topk_weights.shape[0]}"
+                )
         biases = self._split_bias(bias, handle.num_tokens, x)
         wait_previous(previous_event)
         combined_x, combined_w = self._portable.combine(x, handle, topk_weights, biases)
@@ -339,7 +438,7 @@ class Buffer:
         if bias is None:
             return []
         biases = list(bias) if isinstance(bias, (tuple, list)) else [bias]
-        if not (len(biases) <= 2):
+        if len(biases) > 2:
             raise ValueError(f"bias: expected None, one tensor or two, got {len(biases)}")
         for i, b in enumerate(biases):
             check_tensor(f"bias[{i}]", b, dtype=x.dtype, shape=(num_tokens, x.shape[1]), device=x.device)
@@ -347,18 +446,29 @@ class Buffer:
 
     # ------------------------------------------------------------------ low-latency mode
     def _check_low_latency(self, call: str, num_max_tokens: int, hidden: int, num_experts: int) -> None:
-        if not (self.low_latency_mode):
+        if not self.low_latency_mode:
             raise RuntimeError(f"{call} needs a Buffer created with low_latency_mode=True")
         needed = low_latency_rdma_size_hint(num_max_tokens, hidden, self.group_size, num_experts)
-        if not (self.num_rdma_bytes >= needed):
-            raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} is too small for {call} with {num_max_tokens} tokens per "
-            f"rank, hidden {hidden}, {self.group_size} ranks and {num_experts} experts: need >= {needed} "
-            "(Buffer.get_low_latency_rdma_size_hint)")
+        if self.num_rdma_bytes < needed:
+            raise ValueError(
+                f"num_rdma_bytes={self.num_rdma_bytes} is too small for {call} with {num_max_tokens} tokens per "
+                f"rank, hidden {hidden}, {self.group_size} ranks and {num_experts} experts: need >= {needed} "
+                "(Buffer.get_low_latency_rdma_size_hint)"
+            )
 
-    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
-                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False):
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ):
         """-> (recv_x, recv_count, handle, event, hook)"""
         self._check_alive()
         check_tensor("x", x, dtype=torch.bfloat16, ndim=2)
@@ -366,61 +476,99 @@ class Buffer:
         check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
         self._check_num_experts(num_experts)
         self._check_low_latency("low_latency_dispatch", num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        if not (num_tokens <= num_max_dispatch_tokens_per_rank):
-            raise ValueError(f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}")
-        if not (hidden % (FP8_BLOCK if use_fp8 else 8) == 0):
-            raise ValueError(f"x: hidden must be a multiple of {FP8_BLOCK if use_fp8 else 8} "
-            f"{'for fp8 dispatch' if use_fp8 else '(16-byte rows)'}, got {hidden}")
+        if num_tokens > num_max_dispatch_tokens_per_rank:
+            raise ValueError(
+                f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}"
+            )
+        if hidden % (FP8_BLOCK if use_fp8 else 8) != 0:
+            raise ValueError(
+                f"x: hidden must be a multiple of {FP8_BLOCK if use_fp8 else 8} "
+                f"{'for fp8 dispatch' if use_fp8 else '(16-byte rows)'}, got {hidden}"
+            )
         check_tensor("topk_idx", topk_idx, dtype=topk_idx_t, ndim=2, device=x.device)
-        if not (topk_idx.shape[0] == num_tokens):
+        if topk_idx.shape[0] != num_tokens:
             raise ValueError(f"topk_idx: expected {num_tokens} rows (one per token of x), got {topk_idx.shape[0]}")
         if not (1 <= topk_idx.shape[1] <= NUM_MAX_TOPK):
             raise ValueError(f"topk_idx: top-k must be in [1, {NUM_MAX_TOPK}], got {topk_idx.shape[1]}")
         local = num_experts // self.group_size
         if cumulative_local_expert_recv_stats is not None:
-            check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                         dtype=torch.int32, shape=(local,), device=x.device)
-        if not (not use_ue8m0 or (use_fp8 and round_scale)):
+            check_tensor(
+                "cumulative_local_expert_recv_stats",
+                cumulative_local_expert_recv_stats,
+                dtype=torch.int32,
+                shape=(local,),
+                device=x.device,
+            )
+        if use_ue8m0 and not (use_fp8 and round_scale):
             raise ValueError("use_ue8m0=True needs use_fp8=True and round_scale=True (UE8M0 holds power-of-two scales)")
-        for name, flag in (("use_fp8", use_fp8), ("round_scale", round_scale), ("use_ue8m0", use_ue8m0),
-                           ("async_finish", async_finish), ("return_recv_hook", return_recv_hook)):
-            if not (isinstance(flag, bool)):
+        for name, flag in (
+            ("use_fp8", use_fp8),
+            ("round_scale", round_scale),
+            ("use_ue8m0", use_ue8m0),
+            ("async_finish", async_finish),
+            ("return_recv_hook", return_recv_hook),
+        ):
+            if not isinstance(flag, bool):
                 raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
-        if not (not (async_finish and return_recv_hook)):
+        if not not (async_finish and return_recv_hook):
             raise ValueError("async_finish and return_recv_hook: choose one (the hook already defers the receive)")
         if self._check_data(x):
             check_expert_ids("topk_idx", topk_idx, num_experts)
-        handle = LowLatencyHandle(self.serial, num_max_dispatch_tokens_per_rank, hidden, num_experts,
-                                  num_tokens, topk_idx.shape[1], x.device)
+        handle = LowLatencyHandle(
+            self.serial, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_tokens, topk_idx.shape[1], x.device
+        )
         recv_x, recv_count, hook = self._portable.low_latency_dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
-            use_fp8, round_scale, use_ue8m0, return_recv_hook, handle)
+            x,
+            topk_idx,
+            num_max_dispatch_tokens_per_rank,
+            num_experts,
+            cumulative_local_expert_recv_stats,
+            use_fp8,
+            round_scale,
+            use_ue8m0,
+            return_recv_hook,
+            handle,
+        )
         return recv_x, recv_count, handle, self._finish(async_finish, [x, recv_count]), hook
 
-    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            handle: LowLatencyHandle, zero_copy: bool = False, async_finish: bool = False,
-                            return_recv_hook: bool = False, out: Optional[torch.Tensor] = None):
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: Optional[torch.Tensor] = None,
+    ):
         """-> (combined_x [N, H] bf16, event, hook)"""
         self._check_alive()
         self._check_handle(handle, LowLatencyHandle, "low_latency_dispatch")
         local = handle.num_experts // self.group_size
         rows = self.group_size * handle.num_max_dispatch_tokens_per_rank
-        self._check_low_latency("low_latency_combine", handle.num_max_dispatch_tokens_per_rank, handle.hidden,
-                                handle.num_experts)
+        self._check_low_latency(
+            "low_latency_combine", handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
+        )
         check_tensor("x", x, dtype=torch.bfloat16, shape=(local, rows, handle.hidden))
-        check_tensor("topk_idx", topk_idx, dtype=topk_idx_t, shape=(handle.num_tokens, handle.num_topk),
-                     device=x.device)
-        check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(handle.num_tokens, handle.num_topk),
-                     device=x.device)
+        check_tensor(
+            "topk_idx", topk_idx, dtype=topk_idx_t, shape=(handle.num_tokens, handle.num_topk), device=x.device
+        )
+        check_tensor(
+            "topk_weights",
+            topk_weights,
+            dtype=torch.float32,
+            shape=(handle.num_tokens, handle.num_topk),
+            device=x.device,
+        )
         if out is not None:
             check_tensor("out", out, dtype=torch.bfloat16, shape=(handle.num_tokens, handle.hidden), device=x.device)
-        if not (not (async_finish and return_recv_hook)):
+        if not not (async_finish and return_recv_hook):
             raise ValueError("async_finish and return_recv_hook: choose one (the hook already defers the receive)")
         if zero_copy:
             x = self.get_next_low_latency_combine_buffer(handle)
         self._ll_next ^= 1
-        combined, hook = self._portable.low_latency_combine(x, topk_idx, topk_weights, handle,
-                                                            return_recv_hook, out)
+        combined, hook = self._portable.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook, out)
         return combined, self._finish(async_finish, [x, combined]), hook
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
@@ -428,8 +576,11 @@ class Buffer:
         expert outputs here to skip one copy."""
         self._check_alive()
         self._check_handle(handle, LowLatencyHandle, "low_latency_dispatch")
-        shape = (handle.num_experts // self.group_size, self.group_size * handle.num_max_dispatch_tokens_per_rank,
-                 handle.hidden)
+        shape = (
+            handle.num_experts // self.group_size,
+            self.group_size * handle.num_max_dispatch_tokens_per_rank,
+            handle.hidden,
+        )
         current = self._ll_combine_buffers[self._ll_next]
         if current is None or tuple(current.shape) != shape:
             current = torch.zeros(shape, dtype=torch.bfloat16, device=handle.device)

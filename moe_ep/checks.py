@@ -4,6 +4,7 @@ Every public call validates its inputs here, before any rank communicates, so th
 raises on the rank that passed it and leaves the Buffer usable. Messages name the argument, what was
 expected and what was given.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,9 +21,16 @@ def debug_checks_enabled() -> bool:
     return os.environ.get("MOE_EP_DEBUG", "0") not in ("", "0", "false", "False")
 
 
-def check_tensor(name: str, t, *, dtype=None, dtypes: Optional[Sequence[torch.dtype]] = None,
-                 ndim: Optional[int] = None, shape: Optional[Sequence[Optional[int]]] = None,
-                 device: Optional[torch.device] = None) -> torch.Tensor:
+def check_tensor(
+    name: str,
+    t,
+    *,
+    dtype=None,
+    dtypes: Optional[Sequence[torch.dtype]] = None,
+    ndim: Optional[int] = None,
+    shape: Optional[Sequence[Optional[int]]] = None,
+    device: Optional[torch.device] = None,
+) -> torch.Tensor:
     """Type, dtype, rank, shape (None entries are free) and device of one tensor argument.
     Messages are built only on failure: this runs on every call of the hot path."""
     if not isinstance(t, torch.Tensor):
@@ -48,10 +56,10 @@ def check_int(name: str, value, *, minimum: Optional[int] = None, multiple_of: O
     if not (isinstance(value, int) and not isinstance(value, bool)):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
     if minimum is not None:
-        if not (value >= minimum):
+        if value < minimum:
             raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
     if multiple_of is not None:
-        if not (value % multiple_of == 0):
+        if value % multiple_of != 0:
             raise ValueError(f"{name}: expected a multiple of {multiple_of}, got {value}")
     return value
 
@@ -67,15 +75,16 @@ def check_expert_ids(name: str, topk_idx: torch.Tensor, num_experts: int) -> Non
 
 def check_fp8_pair(name: str, x) -> tuple:
     """The fp8 form of a hidden-state argument: (e4m3 [N, H], float32 scales [N, H/128])."""
-    if not (len(x) == 2):
+    if len(x) != 2:
         raise TypeError(f"{name}: expected a tensor or a pair (x_fp8, scales), got {len(x)} items")
     x_fp8, scales = x
     check_tensor(f"{name}[0]", x_fp8, dtype=FP8_DTYPE, ndim=2)
     num_tokens, hidden = x_fp8.shape
-    if not (hidden % FP8_BLOCK == 0):
+    if hidden % FP8_BLOCK != 0:
         raise ValueError(f"{name}[0]: fp8 hidden size must be a multiple of {FP8_BLOCK}, got {hidden}")
-    check_tensor(f"{name}[1]", scales, dtype=torch.float32,
-                 shape=(num_tokens, hidden // FP8_BLOCK), device=x_fp8.device)
+    check_tensor(
+        f"{name}[1]", scales, dtype=torch.float32, shape=(num_tokens, hidden // FP8_BLOCK), device=x_fp8.device
+    )
     return x_fp8, scales
 
 

@@ -4,6 +4,7 @@ The buffer sizes are computed from the region layouts in `csrc/kernels/buffer_la
 formulas here mirror it one to one and a GPU test checks that both give the same numbers. Every
 backend enforces them, so a program that runs on the portable backend runs unchanged on the kernels.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ def _align(n: int, to: int = ALIGNMENT_BYTES) -> int:
 @dataclass
 class Config:
     """Chunking of the normal-mode kernels. Positional order is deep_ep's."""
+
     num_sms: int = 20
     num_max_nvl_chunked_send_tokens: int = 6
     num_max_nvl_chunked_recv_tokens: int = 256
@@ -35,15 +37,23 @@ class Config:
 
     def __post_init__(self):
         check_int("num_sms", self.num_sms, minimum=2, multiple_of=2)
-        for name in ("num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
-                     "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens"):
+        for name in (
+            "num_max_nvl_chunked_send_tokens",
+            "num_max_nvl_chunked_recv_tokens",
+            "num_max_rdma_chunked_send_tokens",
+            "num_max_rdma_chunked_recv_tokens",
+        ):
             check_int(name, getattr(self, name), minimum=1)
-        if not (self.num_max_nvl_chunked_send_tokens < self.num_max_nvl_chunked_recv_tokens):
-            raise ValueError("num_max_nvl_chunked_send_tokens must be smaller than num_max_nvl_chunked_recv_tokens, got "
-            f"{self.num_max_nvl_chunked_send_tokens} >= {self.num_max_nvl_chunked_recv_tokens}")
-        if not (self.num_max_rdma_chunked_send_tokens <= self.num_max_rdma_chunked_recv_tokens // 2):
-            raise ValueError("num_max_rdma_chunked_send_tokens must be at most half of num_max_rdma_chunked_recv_tokens, "
-            f"got {self.num_max_rdma_chunked_send_tokens} and {self.num_max_rdma_chunked_recv_tokens}")
+        if self.num_max_nvl_chunked_send_tokens >= self.num_max_nvl_chunked_recv_tokens:
+            raise ValueError(
+                "num_max_nvl_chunked_send_tokens must be smaller than num_max_nvl_chunked_recv_tokens, got "
+                f"{self.num_max_nvl_chunked_send_tokens} >= {self.num_max_nvl_chunked_recv_tokens}"
+            )
+        if self.num_max_rdma_chunked_send_tokens > self.num_max_rdma_chunked_recv_tokens // 2:
+            raise ValueError(
+                "num_max_rdma_chunked_send_tokens must be at most half of num_max_rdma_chunked_recv_tokens, "
+                f"got {self.num_max_rdma_chunked_send_tokens} and {self.num_max_rdma_chunked_recv_tokens}"
+            )
 
     @property
     def num_channels(self) -> int:
@@ -77,8 +87,9 @@ class NormalLayout:
         if num_ranks <= NUM_MAX_NVL_PEERS:
             self.rdma_bytes = 0
         else:
-            rdma_queues = (config.num_channels * rdma_ranks * config.num_max_rdma_chunked_recv_tokens
-                           * slot_bytes * 2)  # send and receive sides
+            rdma_queues = (
+                config.num_channels * rdma_ranks * config.num_max_rdma_chunked_recv_tokens * slot_bytes * 2
+            )  # send and receive sides
             self.rdma_bytes = _align(rdma_queues + config.num_channels * rdma_ranks * 4 * 4)
 
 
@@ -101,8 +112,9 @@ class LowLatencyLayout:
         self.total_bytes = 2 * self.half_bytes
 
 
-def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                               num_experts: int) -> int:
+def low_latency_rdma_size_hint(
+    num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+) -> int:
     check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
     check_int("hidden", hidden, minimum=1)
     check_int("num_ranks", num_ranks, minimum=1)
@@ -113,10 +125,14 @@ def low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: in
 # Defaults per rank count: (dispatch, combine). Starting points to be replaced by measured optima
 # (benchmarks/intranode sweep); any rank count not listed gets the generic entry.
 _DISPATCH_CONFIGS = {
-    2: (24, 256), 4: (6, 256), 8: (6, 256),
+    2: (24, 256),
+    4: (6, 256),
+    8: (6, 256),
 }
 _COMBINE_CONFIGS = {
-    2: (10, 256), 4: (9, 256), 8: (4, 256),
+    2: (10, 256),
+    4: (9, 256),
+    8: (4, 256),
 }
 _GENERIC = (6, 256)
 

@@ -4,6 +4,7 @@ On CUDA it wraps a torch.cuda.Event recorded on the communication stream and kee
 communication still reads or writes alive until the caller waits. On CPU (portable backend) every call
 completes before it returns, so the event is empty and waiting is free.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -12,8 +13,9 @@ import torch
 
 
 class EventOverlap:
-    def __init__(self, event: Optional["torch.cuda.Event"] = None,
-                 extra_tensors: Optional[Iterable[torch.Tensor]] = None):
+    def __init__(
+        self, event: Optional["torch.cuda.Event"] = None, extra_tensors: Optional[Iterable[torch.Tensor]] = None
+    ):
         self.event = event
         # Held only so the caching allocator cannot reuse memory a pending kernel still touches.
         self.extra_tensors = tuple(extra_tensors) if extra_tensors is not None else None

@@ -11,6 +11,7 @@ DeepEP's and transformer-engine's references: amax in float32; scale = amax / 44
 inverse 448 / amax (each one float32 division; with round_scale the inverse is 1 / scale, exact for a
 power of two); each element multiplied by the inverse, then rounded to nearest-even e4m3.
 """
+
 from __future__ import annotations
 
 from typing import Tuple
@@ -28,37 +29,45 @@ def num_ue8m0_words(hidden: int, block: int = FP8_BLOCK) -> int:
     return -(-(hidden // block) // UE8M0_PER_WORD)
 
 
-def per_token_cast_to_fp8(x: torch.Tensor, block: int = FP8_BLOCK, round_scale: bool = False,
-                          use_ue8m0: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+def per_token_cast_to_fp8(
+    x: torch.Tensor, block: int = FP8_BLOCK, round_scale: bool = False, use_ue8m0: bool = False
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """x [N, H] (bf16/fp16/fp32) -> (e4m3 [N, H], scales [N, H/block] float32, or int32 UE8M0 words)."""
     check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=2)
     check_int("block", block, minimum=1)
     hidden = x.shape[1]
-    if not (hidden % block == 0):
-        raise ValueError(f"x: the hidden size must be a multiple of block={block} for fp8, got {hidden} "
-        "(moe_ep does not pad silently)")
-    if not (not use_ue8m0 or round_scale):
+    if hidden % block != 0:
+        raise ValueError(
+            f"x: the hidden size must be a multiple of block={block} for fp8, got {hidden} "
+            "(moe_ep does not pad silently)"
+        )
+    if use_ue8m0 and not round_scale:
         raise ValueError("use_ue8m0=True needs round_scale=True (UE8M0 can only hold power-of-two scales)")
     if x.is_cuda and block == FP8_BLOCK:
         from . import _native
+
         if _native.has_kernels():
             return _native.ops().fp8_cast(x.contiguous(), round_scale, use_ue8m0)
     return _cast_reference(x, block, round_scale, use_ue8m0)
 
 
-def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor, block: int = FP8_BLOCK,
-                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def per_token_cast_back(
+    x_fp8: torch.Tensor, scales: torch.Tensor, block: int = FP8_BLOCK, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """Inverse of per_token_cast_to_fp8 (up to the quantisation error); scales float32 or UE8M0 int32."""
     check_tensor("x_fp8", x_fp8, dtype=FP8_DTYPE)
     hidden = x_fp8.shape[-1] if x_fp8.dim() else 0
     if not (x_fp8.dim() >= 1 and hidden % block == 0):
-        raise ValueError(f"x_fp8: the last dimension must be a multiple of block={block}, got shape {tuple(x_fp8.shape)}")
+        raise ValueError(
+            f"x_fp8: the last dimension must be a multiple of block={block}, got shape {tuple(x_fp8.shape)}"
+        )
     check_tensor("scales", scales, dtypes=(torch.float32, torch.int32), device=x_fp8.device)
     columns = hidden // block if scales.dtype == torch.float32 else num_ue8m0_words(hidden, block)
-    if not (scales.shape == (*x_fp8.shape[:-1], columns)):
+    if scales.shape != (*x_fp8.shape[:-1], columns):
         raise ValueError(f"scales: expected shape {(*x_fp8.shape[:-1], columns)}, got {tuple(scales.shape)}")
     if x_fp8.is_cuda and x_fp8.dim() == 2 and block == FP8_BLOCK and out_dtype in (torch.bfloat16, torch.float32):
         from . import _native
+
         if _native.has_kernels():
             return _native.ops().fp8_cast_back(x_fp8, scales, out_dtype)
     blocks = x_fp8.float().unflatten(-1, (-1, block))

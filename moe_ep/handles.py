@@ -3,6 +3,7 @@
 Handles are opaque to callers. Each records which Buffer made it, so that a handle passed to another
 Buffer, or with tensors of another layout, is refused with a clear message.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,11 +15,11 @@ import torch
 @dataclass
 class DispatchHandle:
     buffer_serial: int
-    num_tokens: int                    # N on this rank when the layout was made
-    is_token_in_rank: torch.Tensor     # [N, R] bool: which ranks each local token was sent to
-    send_counts: List[int]             # tokens sent to each rank (= num_tokens_per_rank)
-    recv_counts: List[int]             # tokens received from each rank, in receive order
-    num_worst_tokens: int              # > 0: receive tensors were padded to this many rows
+    num_tokens: int  # N on this rank when the layout was made
+    is_token_in_rank: torch.Tensor  # [N, R] bool: which ranks each local token was sent to
+    send_counts: List[int]  # tokens sent to each rank (= num_tokens_per_rank)
+    recv_counts: List[int]  # tokens received from each rank, in receive order
+    num_worst_tokens: int  # > 0: receive tensors were padded to this many rows
     # Filled by the backend that ran the dispatch (e.g. device-side prefix sums for the kernels).
     backend_state: Optional[object] = None
 

@@ -5,6 +5,7 @@ CPU; on CUDA, gloo as well when several ranks share a GPU, since NCCL refuses th
 module-level functions on all of them on request. Starting Python and torch once per rank and reusing
 the processes keeps a test suite over 2..8 ranks fast on a small machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,6 +36,7 @@ def free_port() -> int:
 @dataclass
 class RankFailure:
     """What a rank raised, carried back to the parent process."""
+
     rank: int
     type_name: str
     message: str
@@ -45,18 +47,26 @@ class RankError(RuntimeError):
     def __init__(self, failures: List[RankFailure]):
         self.failures = failures
         first = failures[0]
-        super().__init__(f"{len(failures)} rank(s) failed; rank {first.rank}: {first.type_name}: {first.message}\n"
-                         f"{first.traceback}")
+        super().__init__(
+            f"{len(failures)} rank(s) failed; rank {first.rank}: {first.type_name}: {first.message}\n"
+            f"{first.traceback}"
+        )
 
 
 def _rank_main(rank: int, num_ranks: int, port: int, backend: str, use_cuda: bool, env: Dict[str, str], conn):
     os.environ.update(env)
     import torch
     import torch.distributed as dist
+
     if use_cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks,
-                            timeout=timedelta(seconds=DEFAULT_CALL_TIMEOUT_S))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=num_ranks,
+        timeout=timedelta(seconds=DEFAULT_CALL_TIMEOUT_S),
+    )
     while True:
         message = _recv(conn)
         if message is None:
@@ -74,6 +84,7 @@ def _rank_main(rank: int, num_ranks: int, port: int, backend: str, use_cuda: boo
 # handles that live only as long as the sending rank keeps them (and plain pickle fails on fp8).
 def _send(conn, obj) -> None:
     import torch
+
     data = io.BytesIO()
     torch.save(obj, data)
     conn.send_bytes(data.getvalue())
@@ -81,12 +92,18 @@ def _send(conn, obj) -> None:
 
 def _recv(conn):
     import torch
+
     return torch.load(io.BytesIO(conn.recv_bytes()), weights_only=False)
 
 
 class RankPool:
-    def __init__(self, num_ranks: int, use_cuda: bool = False, backend: Optional[str] = None,
-                 env: Optional[Dict[str, str]] = None):
+    def __init__(
+        self,
+        num_ranks: int,
+        use_cuda: bool = False,
+        backend: Optional[str] = None,
+        env: Optional[Dict[str, str]] = None,
+    ):
         self._exit = contextlib.ExitStack()
         env = dict(env or {})
         shares_gpu = use_cuda and ranks_share_a_gpu(num_ranks)
@@ -95,6 +112,7 @@ class RankPool:
             backend = "gloo" if not use_cuda or shares_gpu else "nccl"
         if shares_gpu:
             from .mps import private_mps_daemon
+
             env = self._exit.enter_context(private_mps_daemon(env))
         self.num_ranks = num_ranks
         self.backend = backend
@@ -103,8 +121,9 @@ class RankPool:
         self._conns, self._procs = [], []
         for rank in range(num_ranks):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(rank, num_ranks, port, backend, use_cuda, env, child),
-                               daemon=True)
+            proc = ctx.Process(
+                target=_rank_main, args=(rank, num_ranks, port, backend, use_cuda, env, child), daemon=True
+            )
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)
@@ -176,6 +195,7 @@ class RankPool:
 
 def ranks_share_a_gpu(num_ranks: int) -> bool:
     import torch
+
     return torch.cuda.is_available() and num_ranks > torch.cuda.device_count()
 
 
@@ -191,21 +211,30 @@ def main(argv=None) -> int:
     ranks than GPUs share this host. For several hosts use torchrun; see README."""
     parser = argparse.ArgumentParser(prog="python -m moe_ep.launch", description=main.__doc__)
     parser.add_argument("--nproc", type=int, required=True, help="ranks to start on this host")
-    parser.add_argument("--mps", choices=["auto", "on", "off"], default="auto",
-                        help="auto: start MPS when ranks outnumber GPUs")
+    parser.add_argument(
+        "--mps", choices=["auto", "on", "off"], default="auto", help="auto: start MPS when ranks outnumber GPUs"
+    )
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     opts = parser.parse_args(argv)
-    env = dict(os.environ, WORLD_SIZE=str(opts.nproc), LOCAL_WORLD_SIZE=str(opts.nproc),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env = dict(
+        os.environ,
+        WORLD_SIZE=str(opts.nproc),
+        LOCAL_WORLD_SIZE=str(opts.nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
     # As torchrun does: ranks sharing the host's cores would otherwise oversubscribe them.
     env.setdefault("OMP_NUM_THREADS", "1")
     with contextlib.ExitStack() as stack:
         if opts.mps == "on" or (opts.mps == "auto" and ranks_share_a_gpu(opts.nproc)):
             from .mps import private_mps_daemon
+
             env = stack.enter_context(private_mps_daemon(env))
-        procs = [subprocess.Popen([sys.executable, opts.script, *opts.args],
-                                  env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(opts.nproc)]
+        procs = [
+            subprocess.Popen([sys.executable, opts.script, *opts.args], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+            for r in range(opts.nproc)
+        ]
         codes = [p.wait() for p in procs]
     failed = [r for r, c in enumerate(codes) if c != 0]
     if failed:

@@ -5,6 +5,7 @@ process group's key-value store and waits, with a deadline, for all the others. 
 arrive in time is then named in a TimeoutError on every rank that did, instead of a collective that
 hangs for the process group's timeout (30 minutes by default) and reports nothing useful.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -45,8 +46,9 @@ class ArrivalGate:
         self.num_ranks = dist.get_world_size(group)
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
-        self._store = dist.PrefixStore(f"moe_ep/{group.group_name}/{serial}",
-                                       dist.distributed_c10d._get_default_store())
+        self._store = dist.PrefixStore(
+            f"moe_ep/{group.group_name}/{serial}", dist.distributed_c10d._get_default_store()
+        )
         self._calls = itertools.count()
 
     def enter(self, phase: str) -> None:
@@ -62,14 +64,16 @@ class ArrivalGate:
             raise TimeoutError(
                 f"moe_ep: rank(s) {_fmt_ranks(missing)} did not arrive at {phase} (call #{call} of this Buffer) "
                 f"within {self.timeout_s:g} s; rank {self.rank} waited. Raise MOE_EP_TIMEOUT_S if the peer is "
-                "only slow; after this error the Buffer's ranks are out of step: create a new Buffer.") from None
+                "only slow; after this error the Buffer's ranks are out of step: create a new Buffer."
+            ) from None
         phases = [p.decode() for p in self._store.multi_get(keys)]
         others = {r: p for r, p in enumerate(phases) if p != phase}
         if others:
             raise RuntimeError(
                 f"moe_ep: ranks disagree on the call: rank {self.rank} is in {phase}, but "
                 + ", ".join(f"rank {r} is in {p}" for r, p in others.items())
-                + ". Every rank of the group must make the same sequence of Buffer calls.")
+                + ". Every rank of the group must make the same sequence of Buffer calls."
+            )
         if call >= 2:
             # Every rank set its key for this call only after passing call - 1, so nobody reads
             # call - 2 any more.

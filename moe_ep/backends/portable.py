@@ -11,6 +11,7 @@ against it. Where an operation rounds, the order of operations here is the contr
 
 Rows travel as raw bytes, so dtypes that a collective does not know (fp8, bf16 on gloo) move exactly.
 """
+
 from __future__ import annotations
 
 import math
@@ -64,7 +65,7 @@ def unpack_rows(rows: torch.Tensor, specs: Sequence[Tuple[torch.dtype, int]]) ->
     for dtype, cols in specs:
         nbytes = cols * torch.empty((), dtype=dtype).element_size()
         # A copy, not .contiguous(): a one-row slice is "contiguous" at an offset a wider dtype rejects.
-        part = rows[:, offset:offset + nbytes].clone(memory_format=torch.contiguous_format)
+        part = rows[:, offset : offset + nbytes].clone(memory_format=torch.contiguous_format)
         parts.append(part.view(dtype).reshape(rows.shape[0], cols))
         offset += nbytes
     return parts
@@ -76,12 +77,12 @@ def row_specs(parts: Sequence[torch.Tensor]) -> List[Tuple[torch.dtype, int]]:
 
 @dataclass
 class _LowLatencyState:
-    send_token: torch.Tensor    # [M] source token of each message sent, in send order
-    send_slot: torch.Tensor     # [M] its top-k slot
-    send_counts: List[int]      # messages sent to each rank
-    recv_counts: List[int]      # messages received from each rank
+    send_token: torch.Tensor  # [M] source token of each message sent, in send order
+    send_slot: torch.Tensor  # [M] its top-k slot
+    send_counts: List[int]  # messages sent to each rank
+    recv_counts: List[int]  # messages received from each rank
     arrival_expert: Optional[torch.Tensor] = None  # [M'] local expert of each received message
-    arrival_row: Optional[torch.Tensor] = None     # [M'] its row in recv_x[expert]
+    arrival_row: Optional[torch.Tensor] = None  # [M'] its row in recv_x[expert]
 
 
 class PortableBackend:
@@ -100,21 +101,29 @@ class PortableBackend:
     def _comm_device(self, like: torch.Tensor) -> torch.device:
         return torch.device("cpu") if self.comm_on_host else like.device
 
-    def _exchange_rows(self, rows: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
-                       async_op: bool = False):
+    def _exchange_rows(
+        self, rows: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], async_op: bool = False
+    ):
         """All-to-all of uint8 rows: send_counts[r] rows to rank r, recv_counts[r] rows from it, in
         rank order. Returns the received rows (and the pending work when async_op)."""
         row_bytes = rows.shape[1]
         device = rows.device
         send = rows.to(self._comm_device(rows)).reshape(-1)
         recv = torch.empty(sum(recv_counts) * row_bytes, dtype=torch.uint8, device=send.device)
-        work = dist.all_to_all_single(recv, send, [c * row_bytes for c in recv_counts],
-                                      [c * row_bytes for c in send_counts], group=self.group, async_op=async_op)
+        work = dist.all_to_all_single(
+            recv,
+            send,
+            [c * row_bytes for c in recv_counts],
+            [c * row_bytes for c in send_counts],
+            group=self.group,
+            async_op=async_op,
+        )
 
         def result() -> torch.Tensor:
             if work is not None:
                 work.wait()
             return recv.view(-1, row_bytes).to(device)
+
         return result if async_op else result()
 
     def _all_gather_ints(self, values: torch.Tensor) -> torch.Tensor:
@@ -133,31 +142,46 @@ class PortableBackend:
         return recv.tolist()
 
     # ---------------------------------------------------------------- normal mode
-    def dispatch(self, x_parts: List[torch.Tensor], topk_idx: Optional[torch.Tensor],
-                 topk_weights: Optional[torch.Tensor], is_token_in_rank: Optional[torch.Tensor],
-                 num_tokens_per_rank: Optional[torch.Tensor], num_tokens_per_expert: Optional[torch.Tensor],
-                 expert_alignment: int, num_worst_tokens: int, handle: Optional[DispatchHandle],
-                 make_handle: Callable[..., DispatchHandle]):
+    def dispatch(
+        self,
+        x_parts: List[torch.Tensor],
+        topk_idx: Optional[torch.Tensor],
+        topk_weights: Optional[torch.Tensor],
+        is_token_in_rank: Optional[torch.Tensor],
+        num_tokens_per_rank: Optional[torch.Tensor],
+        num_tokens_per_expert: Optional[torch.Tensor],
+        expert_alignment: int,
+        num_worst_tokens: int,
+        handle: Optional[DispatchHandle],
+        make_handle: Callable[..., DispatchHandle],
+    ):
         self.gate.enter("dispatch")
         num_tokens = x_parts[0].shape[0]
         if handle is None:
             num_experts = num_tokens_per_expert.shape[0]
             local = num_experts // self.num_ranks
             counts = self._all_gather_ints(torch.cat([num_tokens_per_rank, num_tokens_per_expert]))
-            recv_matrix = counts[:, : self.num_ranks]   # [src, dst]
+            recv_matrix = counts[:, : self.num_ranks]  # [src, dst]
             if num_worst_tokens > 0:
                 totals = recv_matrix.sum(0)
                 over = [r for r in range(self.num_ranks) if totals[r] > num_worst_tokens]
-                if not (not over):
-                    raise ValueError(f"num_worst_tokens={num_worst_tokens} is too small: rank(s) {over} would receive "
-                    f"{[int(totals[r]) for r in over]} tokens")
-            expert_counts = counts[:, self.num_ranks + self.rank * local: self.num_ranks + (self.rank + 1) * local]
+                if not not over:
+                    raise ValueError(
+                        f"num_worst_tokens={num_worst_tokens} is too small: rank(s) {over} would receive "
+                        f"{[int(totals[r]) for r in over]} tokens"
+                    )
+            expert_counts = counts[:, self.num_ranks + self.rank * local : self.num_ranks + (self.rank + 1) * local]
             per_expert = expert_counts.sum(0).tolist()
-            recv_counts_list = [] if num_worst_tokens > 0 else [
-                -(-c // expert_alignment) * expert_alignment for c in per_expert]
-            handle = make_handle(num_tokens=num_tokens, is_token_in_rank=is_token_in_rank,
-                                 send_counts=recv_matrix[self.rank].tolist(),
-                                 recv_counts=recv_matrix[:, self.rank].tolist(), num_worst_tokens=num_worst_tokens)
+            recv_counts_list = (
+                [] if num_worst_tokens > 0 else [-(-c // expert_alignment) * expert_alignment for c in per_expert]
+            )
+            handle = make_handle(
+                num_tokens=num_tokens,
+                is_token_in_rank=is_token_in_rank,
+                send_counts=recv_matrix[self.rank].tolist(),
+                recv_counts=recv_matrix[:, self.rank].tolist(),
+                num_worst_tokens=num_worst_tokens,
+            )
             cached = False
         else:
             cached = True
@@ -175,23 +199,26 @@ class PortableBackend:
         recv_topk_idx = recv_topk_weights = None
         if topk_idx is not None:
             recv_topk_idx, recv_topk_weights = self._to_local_experts(outs[-2], outs[-1], num_experts)
-            recv_topk_idx[handle.num_recv_tokens:] = -1
+            recv_topk_idx[handle.num_recv_tokens :] = -1
         return recv_x, recv_topk_idx, recv_topk_weights, recv_counts_list, handle
 
     def _to_local_experts(self, idx: torch.Tensor, weights: torch.Tensor, num_experts: int):
         local = num_experts // self.num_ranks
         first = self.rank * local
         is_local = (idx >= first) & (idx < first + local)
-        return (torch.where(is_local, idx - first, torch.full_like(idx, -1)),
-                torch.where(is_local, weights, torch.zeros_like(weights)))
+        return (
+            torch.where(is_local, idx - first, torch.full_like(idx, -1)),
+            torch.where(is_local, weights, torch.zeros_like(weights)),
+        )
 
     @staticmethod
     def _send_order(is_token_in_rank: torch.Tensor) -> torch.Tensor:
         """Token indices in send order: destination rank major, token index minor."""
         return is_token_in_rank.t().nonzero(as_tuple=True)[1]
 
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
-                biases: List[torch.Tensor]):
+    def combine(
+        self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor], biases: List[torch.Tensor]
+    ):
         self.gate.enter("combine")
         valid = handle.num_recv_tokens
         parts = [x[:valid]] + ([topk_weights[:valid]] if topk_weights is not None else [])
@@ -204,26 +231,37 @@ class PortableBackend:
             combined_w = self._reduce_by_rank(outs[1], send_order, handle, [])
         return combined_x.to(x.dtype), combined_w
 
-    def _reduce_by_rank(self, rows: torch.Tensor, send_order: torch.Tensor, handle: DispatchHandle,
-                        biases: List[torch.Tensor]) -> torch.Tensor:
+    def _reduce_by_rank(
+        self, rows: torch.Tensor, send_order: torch.Tensor, handle: DispatchHandle, biases: List[torch.Tensor]
+    ) -> torch.Tensor:
         acc = torch.zeros(handle.num_tokens, rows.shape[1], dtype=torch.float32, device=rows.device)
         for bias in biases:
             acc += bias.float()
         start = 0
-        for count in handle.send_counts:   # rank order: the summation order of the contract
-            tokens = send_order[start:start + count]
-            acc[tokens] += rows[start:start + count].float()
+        for count in handle.send_counts:  # rank order: the summation order of the contract
+            tokens = send_order[start : start + count]
+            acc[tokens] += rows[start : start + count].float()
             start += count
         return acc
 
     # ---------------------------------------------------------------- low-latency mode
-    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_tokens: int,
-                             num_experts: int, stats: Optional[torch.Tensor], use_fp8: bool, round_scale: bool,
-                             use_ue8m0: bool, return_recv_hook: bool, handle: LowLatencyHandle):
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_tokens: int,
+        num_experts: int,
+        stats: Optional[torch.Tensor],
+        use_fp8: bool,
+        round_scale: bool,
+        use_ue8m0: bool,
+        return_recv_hook: bool,
+        handle: LowLatencyHandle,
+    ):
         self.gate.enter("low_latency_dispatch")
         local = num_experts // self.num_ranks
         hidden = x.shape[1]
-        token, slot = (topk_idx >= 0).nonzero(as_tuple=True)   # ordered by token, then slot
+        token, slot = (topk_idx >= 0).nonzero(as_tuple=True)  # ordered by token, then slot
         expert = topk_idx[token, slot]
         order = torch.sort(expert // local, stable=True).indices
         token, slot, expert = token[order], slot[order], expert[order]
@@ -257,8 +295,9 @@ class PortableBackend:
             counts = torch.bincount(arrival_expert, minlength=local)
             starts = torch.cumsum(counts, 0) - counts
             arrival_row = torch.empty_like(arrival_expert)
-            arrival_row[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device) - \
-                starts[arrival_expert[by_expert]]
+            arrival_row[by_expert] = (
+                torch.arange(by_expert.numel(), device=by_expert.device) - starts[arrival_expert[by_expert]]
+            )
             recv_x[arrival_expert, arrival_row] = parts[0]
             if recv_scales is not None:
                 recv_scales[arrival_expert, arrival_row] = parts[1]
@@ -274,17 +313,27 @@ class PortableBackend:
         recv = (recv_x, recv_scales) if use_fp8 else recv_x
         return recv, recv_count, hook
 
-    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            handle: LowLatencyHandle, return_recv_hook: bool, out: Optional[torch.Tensor]):
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        return_recv_hook: bool,
+        out: Optional[torch.Tensor],
+    ):
         state: _LowLatencyState = handle.backend_state
-        if not (state is not None and state.arrival_expert is not None):
-            raise RuntimeError("handle: its low_latency_dispatch has not received yet: call the dispatch's hook() first")
+        if state is None or state.arrival_expert is None:
+            raise RuntimeError(
+                "handle: its low_latency_dispatch has not received yet: call the dispatch's hook() first"
+            )
         self.gate.enter("low_latency_combine")
         rows = x[state.arrival_expert, state.arrival_row]
         pending = self._exchange_rows(pack_rows([rows]), state.recv_counts, state.send_counts, async_op=True)
         num_tokens, num_topk = topk_idx.shape
-        combined = out if out is not None else torch.empty(num_tokens, x.shape[2], dtype=torch.bfloat16,
-                                                           device=x.device)
+        combined = (
+            out if out is not None else torch.empty(num_tokens, x.shape[2], dtype=torch.bfloat16, device=x.device)
+        )
 
         def receive():
             (returned,) = unpack_rows(pending(), [(x.dtype, x.shape[2])])
@@ -293,7 +342,7 @@ class PortableBackend:
             acc = torch.zeros(num_tokens, x.shape[2], dtype=torch.float32, device=x.device)
             for k in range(num_topk):
                 take = (topk_idx[:, k] >= 0).unsqueeze(1)
-                acc = torch.where(take, acc + topk_weights[:, k:k + 1] * per_slot[:, k], acc)
+                acc = torch.where(take, acc + topk_weights[:, k : k + 1] * per_slot[:, k], acc)
             combined.copy_(acc.to(combined.dtype))
 
         hook = receive

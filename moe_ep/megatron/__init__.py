@@ -1,6 +1,7 @@
 """moe_ep for megatron-core: `moe_token_dispatcher_type="deepep"`, and deep_ep compatibility.
 
 Importing this package registers the dispatcher type (see register.py)."""
+
 from .compat import install_as_deep_ep
 from .dispatcher import MoEEPTokenDispatcher
 from .register import DISPATCHER_TYPE, add_arguments, register

@@ -1,5 +1,6 @@
 """Run code written for `deep_ep` on moe_ep unchanged, e.g. megatron's `flex` dispatcher with
 `moe_flex_dispatcher_backend="deepep"`: `install_as_deep_ep()` before megatron imports deep_ep."""
+
 from __future__ import annotations
 
 import importlib
@@ -34,6 +35,7 @@ def install_as_deep_ep() -> types.ModuleType:
     deep_ep when its MoE modules load and defines the flex dispatcher's fused_dispatch/fused_combine only
     if that import worked, so modules already loaded are reloaded and rebound here."""
     import moe_ep
+
     utils = types.ModuleType("deep_ep.utils")
     utils.EventHandle = EventHandle
     utils.EventOverlap = _DeepEPEventOverlap

@@ -1,6 +1,7 @@
 """Running megatron-core's MoE layers on CPU ranks (gloo): stand-ins for the torch.cuda helpers megatron
 calls unconditionally (streams, events, current device) and two host-side fixes. For tests, the CPU demo
 and CPU training examples; `enable_cpu_execution()` does nothing where CUDA is available."""
+
 from __future__ import annotations
 
 import contextlib
@@ -73,8 +74,10 @@ def enable_cpu_execution(force: bool = False) -> None:
     # megatron wraps small functions in torch.compile; with the stand-ins above, TorchDynamo's device
     # probing breaks, and on CPU ranks compilation buys nothing.
     from torch import _dynamo
+
     _dynamo.config.disable = True
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
     moe_utils.maybe_move_tensor_to_cpu = _host_copy
     token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
     # megatron-core 0.16.1's router reads te_general_gemm, which is only bound when transformer-engine

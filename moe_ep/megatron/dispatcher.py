@@ -5,14 +5,14 @@ one micro-batch's communication with another's compute. Communication state live
 (`_CommState`) per dispatcher. Autograd: the backward of dispatch is a combine over the same handle,
 the backward of combine is a cached dispatch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
-from megatron.core.transformer.moe.moe_utils import (get_align_size_for_quantization, pad_routing_map, permute,
-                                                     unpermute)
+from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization, pad_routing_map, permute, unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from ..buffer import Buffer
@@ -21,6 +21,7 @@ from ..buffer import Buffer
 @dataclass
 class _CommState:
     """What one dispatch leaves for its combine and for the post-processing between them."""
+
     buffer: Optional[Buffer] = None
     handle: object = None
     recv_topk_idx: Optional[torch.Tensor] = None
@@ -30,12 +31,20 @@ class _CommState:
 def _buffer_for(group, hidden_bytes: int, current: Optional[Buffer]) -> Buffer:
     """A Buffer of the group large enough for rows of hidden_bytes (reused while it is)."""
     size = group.size()
-    nvl = max(Buffer.get_dispatch_config(size).get_nvl_buffer_size_hint(hidden_bytes, size),
-              Buffer.get_combine_config(size).get_nvl_buffer_size_hint(hidden_bytes, size))
-    rdma = max(Buffer.get_dispatch_config(size).get_rdma_buffer_size_hint(hidden_bytes, size),
-               Buffer.get_combine_config(size).get_rdma_buffer_size_hint(hidden_bytes, size))
-    if current is not None and current.group is group and current.num_nvl_bytes >= nvl \
-            and current.num_rdma_bytes >= rdma:
+    nvl = max(
+        Buffer.get_dispatch_config(size).get_nvl_buffer_size_hint(hidden_bytes, size),
+        Buffer.get_combine_config(size).get_nvl_buffer_size_hint(hidden_bytes, size),
+    )
+    rdma = max(
+        Buffer.get_dispatch_config(size).get_rdma_buffer_size_hint(hidden_bytes, size),
+        Buffer.get_combine_config(size).get_rdma_buffer_size_hint(hidden_bytes, size),
+    )
+    if (
+        current is not None
+        and current.group is group
+        and current.num_nvl_bytes >= nvl
+        and current.num_rdma_bytes >= rdma
+    ):
         return current
     return Buffer(group, nvl, rdma)
 
@@ -46,8 +55,14 @@ class _Dispatch(torch.autograd.Function):
         buffer = state.buffer
         per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
         recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
-            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+            x,
+            num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+        )
         state.handle, state.recv_topk_idx, state.tokens_per_expert = handle, recv_idx, counts
         ctx.state = state
         ctx.handle = handle
@@ -98,10 +113,16 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         num_tokens = hidden_states.shape[0]
         world = self.tp_size * self.ep_size
         # Expand [tokens, experts] to the TPxEP group: every TP rank of an expert's group gets the token.
-        routing_map = routing_map.reshape(num_tokens, self.ep_size, 1, self.num_local_experts) \
-            .expand(-1, -1, self.tp_size, -1).reshape(num_tokens, world * self.num_local_experts)
-        probs = probs.reshape(num_tokens, self.ep_size, 1, self.num_local_experts) \
-            .expand(-1, -1, self.tp_size, -1).reshape(num_tokens, world * self.num_local_experts)
+        routing_map = (
+            routing_map.reshape(num_tokens, self.ep_size, 1, self.num_local_experts)
+            .expand(-1, -1, self.tp_size, -1)
+            .reshape(num_tokens, world * self.num_local_experts)
+        )
+        probs = (
+            probs.reshape(num_tokens, self.ep_size, 1, self.num_local_experts)
+            .expand(-1, -1, self.tp_size, -1)
+            .reshape(num_tokens, world * self.num_local_experts)
+        )
         # Routed entries first: the k largest of the masked probabilities; unrouted slots (dropped by
         # capacity) become -1 with weight 0.
         masked = probs.masked_fill(~routing_map, -1.0)
@@ -127,7 +148,8 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         self.local_routing_map = routing_map
         # megatron-core 0.16 returns three values, 0.19 five (with padding info we do not use).
         permuted, permuted_probs, self.reversed_mapping = permute(
-            hidden_states, routing_map, probs=expert_probs, num_out_tokens=int(tokens_per_expert.sum()))[:3]
+            hidden_states, routing_map, probs=expert_probs, num_out_tokens=int(tokens_per_expert.sum())
+        )[:3]
         if self.config.moe_router_dtype == "fp64":
             permuted_probs = permuted_probs.to(torch.float64)
         return permuted, tokens_per_expert, permuted_probs
@@ -157,8 +179,12 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
 
     # ---------------------------------------------------------------- combine
     def combine_preprocess(self, hidden_states: torch.Tensor):
-        return unpermute(hidden_states, self.reversed_mapping, restore_shape=self.hidden_shape_before_permute,
-                         routing_map=self.local_routing_map)
+        return unpermute(
+            hidden_states,
+            self.reversed_mapping,
+            restore_shape=self.hidden_shape_before_permute,
+            routing_map=self.local_routing_map,
+        )
 
     def token_combine(self, hidden_states: torch.Tensor):
         return _Combine.apply(hidden_states, self._state)

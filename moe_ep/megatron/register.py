@@ -1,5 +1,6 @@
 """Make `moe_token_dispatcher_type="deepep"` build a MoELayer with moe_ep's dispatcher, without forking
 megatron: MoELayer picks its dispatcher with a fixed if/elif, so its constructor is wrapped once."""
+
 from __future__ import annotations
 
 import functools
@@ -22,6 +23,7 @@ def register() -> None:
         if config.moe_token_dispatcher_type != DISPATCHER_TYPE:
             return original(self, config, submodules, layer_number, pg_collection, *args, **kwargs)
         from .dispatcher import MoEEPTokenDispatcher
+
         if pg_collection is None:
             pg_collection = moe_layer.get_default_pg_collection()
         overlap = config.moe_shared_expert_overlap
@@ -30,8 +32,9 @@ def register() -> None:
             original(self, config, submodules, layer_number, pg_collection, *args, **kwargs)
         finally:
             config.moe_token_dispatcher_type, config.moe_shared_expert_overlap = DISPATCHER_TYPE, overlap
-        self.token_dispatcher = MoEEPTokenDispatcher(self.num_local_experts, self.local_expert_indices,
-                                                     config=config, pg_collection=pg_collection)
+        self.token_dispatcher = MoEEPTokenDispatcher(
+            self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pg_collection
+        )
         if overlap and self.shared_experts is not None:
             self.shared_expert_overlap = True
             self.token_dispatcher.set_shared_experts(self.shared_experts)
@@ -48,8 +51,16 @@ def add_arguments(parser):
             if DISPATCHER_TYPE not in action.choices:
                 action.choices = list(action.choices) + [DISPATCHER_TYPE]
     group = parser.add_argument_group("moe_ep")
-    group.add_argument("--moe-ep-num-sms", type=int, default=None,
-                       help="SMs moe_ep's normal kernels may use (even); default: moe_ep's tuned value")
-    group.add_argument("--moe-ep-timeout-s", type=float, default=None,
-                       help="seconds to wait for a peer before raising TimeoutError (MOE_EP_TIMEOUT_S)")
+    group.add_argument(
+        "--moe-ep-num-sms",
+        type=int,
+        default=None,
+        help="SMs moe_ep's normal kernels may use (even); default: moe_ep's tuned value",
+    )
+    group.add_argument(
+        "--moe-ep-timeout-s",
+        type=float,
+        default=None,
+        help="seconds to wait for a peer before raising TimeoutError (MOE_EP_TIMEOUT_S)",
+    )
     return parser
