@@ -158,7 +158,7 @@ class Buffer:
         self._destroyed = True
 
     def _check_alive(self) -> None:
-        if not not self._destroyed:
+        if self._destroyed:
             raise RuntimeError("this Buffer was destroyed; create a new one")
 
     def _device(self) -> torch.device:
@@ -510,7 +510,7 @@ class Buffer:
         ):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
-        if not not (async_finish and return_recv_hook):
+        if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook: choose one (the hook already defers the receive)")
         if self._check_data(x):
             check_expert_ids("topk_idx", topk_idx, num_experts)
@@ -563,7 +563,7 @@ class Buffer:
         )
         if out is not None:
             check_tensor("out", out, dtype=torch.bfloat16, shape=(handle.num_tokens, handle.hidden), device=x.device)
-        if not not (async_finish and return_recv_hook):
+        if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook: choose one (the hook already defers the receive)")
         if zero_copy:
             x = self.get_next_low_latency_combine_buffer(handle)

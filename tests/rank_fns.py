@@ -190,3 +190,18 @@ def layout_across_nodes(ranks_per_node: int):
     buffer = Buffer(dist.group.WORLD, ranks_per_node=ranks_per_node)
     per_rank, per_rdma, _, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
     return inp["topk_idx"], per_rdma, in_rank
+
+
+def worst_tokens_too_small(p: Problem):
+    """Every rank learns every rank's receive count, so all raise together and the Buffer stays usable."""
+    inp = my_inputs(p)
+    buffer = normal_buffer(p.hidden)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    try:
+        buffer.dispatch(inp["x"], num_worst_tokens=1, **layout)
+        outcome = "no exception"
+    except ValueError as exc:
+        outcome = str(exc)
+    recv_x = buffer.dispatch(inp["x"], **layout)[0]
+    return outcome, recv_x.shape[0]

@@ -131,3 +131,11 @@ def test_uniform_routing_without_drops(pools, seed, num_ranks):
     inputs = make_inputs(p)
     for dst, res in enumerate(results):
         assert torch.equal(res["recv_x"], ref_recv_x(inputs, ref_dispatch(p, inputs, dst)[0]))
+
+
+def test_num_worst_tokens_too_small_raises_on_every_rank(pools, seed):
+    p = _problem(seed, 3, drop=0.0, zero_token_rank=False)
+    inputs = make_inputs(p)
+    for dst, (outcome, received) in enumerate(pools(3).run(rank_fns.worst_tokens_too_small, p)):
+        assert "num_worst_tokens=1 is too small" in outcome, outcome
+        assert received == len(ref_dispatch(p, inputs, dst)[0]), "the next dispatch works"

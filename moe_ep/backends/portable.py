@@ -165,7 +165,7 @@ class PortableBackend:
             if num_worst_tokens > 0:
                 totals = recv_matrix.sum(0)
                 over = [r for r in range(self.num_ranks) if totals[r] > num_worst_tokens]
-                if not not over:
+                if over:
                     raise ValueError(
                         f"num_worst_tokens={num_worst_tokens} is too small: rank(s) {over} would receive "
                         f"{[int(totals[r]) for r in over]} tokens"
