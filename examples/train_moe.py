@@ -144,6 +144,10 @@ def train(args) -> list:
         with open(args.json_log, "w") as f:
             for record in log:
                 f.write(json.dumps(record) + "\n")
+    # Tear down together: a rank that destroys its groups while a peer still uses them can abort.
+    from megatron.core import parallel_state
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return log
 

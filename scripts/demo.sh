@@ -7,5 +7,4 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 # shellcheck disable=SC1091
 source "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
-python -m pip install -q tqdm matplotlib
 python examples/compare_dispatchers.py --config configs/tiny_cpu.yaml --nproc 4 "$@"

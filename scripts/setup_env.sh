@@ -12,7 +12,7 @@ fi
 source "$ROOT/.venv/bin/activate"
 python -m pip install -q --upgrade pip >/dev/null
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==$TORCH_VERSION"
-python -m pip install -q pytest numpy rich pyyaml
+python -m pip install -q pytest numpy rich pyyaml tqdm matplotlib
 # megatron-core for the dispatcher integration tests: 0.16.x on Python 3.11, newer on Python >= 3.12.
 python -m pip install -q "megatron-core>=0.16,<0.20"
 # --no-build-isolation: setup.py decides from the installed torch whether to build the CUDA extension.

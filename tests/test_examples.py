@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -20,6 +21,20 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
 def _losses(path):
     with open(path) as f:
         return [json.loads(line)["loss"] for line in f]
+
+
+def _wait_all(procs, timeout_s):
+    """Exit codes of all processes; once one fails, the others are stopped instead of waiting out
+    torchrun's exit barrier."""
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            break
+        time.sleep(0.5)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    return [p.wait(timeout=60) for p in procs]
 
 
 def test_compare_dispatchers_trains_to_the_same_losses(tmp_path):
@@ -45,7 +60,8 @@ def test_two_node_torchrun_matches_one_node(tmp_path):
                                 "--rdzv-id", "moe-ep-test", TRAIN, *steps, "--ranks-per-node", "2",
                                 "--json-log", str(multi)], env=ENV, cwd=ROOT)
               for node in (0, 1)]
-    assert [a.wait(timeout=600) for a in agents] == [0, 0]
+    codes = _wait_all(agents, timeout_s=600)
+    assert codes == [0, 0], codes
     a, b = _losses(single), _losses(multi)
     assert len(a) == len(b) == 4
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
