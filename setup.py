@@ -3,7 +3,8 @@
 Environment:
   MOE_EP_NO_CUDA=1      install pure Python even where CUDA is present
   NVSHMEM_DIR=...       NVSHMEM install (include/, lib/); default: the nvidia-nvshmem-cu12/-cu13 wheel
-  TORCH_CUDA_ARCH_LIST  overrides the default targets (9.0, plus 8.0 for the kernels that allow it)
+  TORCH_CUDA_ARCH_LIST  overrides the default targets "8.0;9.0" (Ampere and Hopper; the kernels so far
+                        use nothing Hopper-only)
   MAX_JOBS              parallel compile jobs (ninja)
 """
 from __future__ import annotations
@@ -56,7 +57,7 @@ def cuda_extension():
         return None, f"torch {torch.__version__} is a CPU build"
     if CUDA_HOME is None or not os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
         return None, "nvcc not found (set CUDA_HOME)"
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(CUDA_HOME, "include", "cccl")]
     sources = ["csrc/bindings.cpp", "csrc/kernels/layout.cu", "csrc/kernels/fp8.cu"]
     define_macros, libraries, extra_link = [], [], []

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compile-only check of every CUDA/C++ source (no GPU needed): the kernels with nvcc for sm_90, the
+# Compile-only check of every CUDA/C++ source (no GPU needed): the kernels with nvcc for sm_80 and sm_90, the
 # torch bindings and the NVSHMEM runtime with nvcc's host compiler against the installed headers.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -21,7 +21,8 @@ status=0
 compile() { echo "  $*" | sed 's/ -I[^ ]*//g' | cut -c1-160; "$@" || { echo "FAILED: $*" | cut -c1-200; return 1; }; }
 pids=()
 for src in csrc/kernels/*.cu; do
-  compile "$NVCC" "${COMMON[@]}" -gencode=arch=compute_90,code=sm_90 --expt-relaxed-constexpr \
+  compile "$NVCC" "${COMMON[@]}" -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 \
+    --expt-relaxed-constexpr \
     -c "$src" -o "$OUT/$(basename "$src").o" &
   pids+=($!)
   if (( ${#pids[@]} >= JOBS )); then wait "${pids[0]}" || status=1; pids=("${pids[@]:1}"); fi

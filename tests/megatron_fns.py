@@ -38,7 +38,8 @@ def _dispatcher(config, pg, num_experts, tp: int = 1):
 
 
 def moe_forward_backward(seed: int, num_experts: int, topk: int, hidden: int, dispatcher_type: str,
-                         num_tokens: int, tp: int = 1, pad_for_fp8: bool = False, **config_kw):
+                         num_tokens: int, tp: int = 1, pad_for_fp8: bool = False, drop: float = 0.0,
+                         **config_kw):
     """Router -> dispatcher phases -> toy experts -> combine; returns output and gradients. With tp > 1
     each rank of an expert's TP group holds a share of its weight (shares sum to the weight), so the
     combined output is the whole expert's."""
@@ -60,6 +61,9 @@ def moe_forward_backward(seed: int, num_experts: int, topk: int, hidden: int, di
     top_p, top_i = scores.topk(topk, dim=-1)
     routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter(1, top_i, True)
     probs = torch.zeros(num_tokens, num_experts).scatter(1, top_i, top_p)
+    if drop:   # what capacity limits do: some routed (token, expert) pairs are dropped
+        kept = torch.rand(num_tokens, num_experts, generator=g) >= drop
+        routing_map, probs = routing_map & kept, probs * kept
 
     h, p = dispatcher.dispatch_preprocess(x, routing_map, probs)
     h, p = dispatcher.token_dispatch(h, p)

@@ -62,3 +62,32 @@ def test_padding_for_quantization_aligns_expert_rows(pools, seed):
         for key in ("out", "grad_x", "grad_logits"):
             torch.testing.assert_close(res[key], res["ref_" + key], rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"rank {rank} {key}: {m}")
+
+
+def test_dropped_routes_as_with_a_capacity_limit(pools, seed):
+    """Pairs dropped from the routing map (capacity) become -1 slots; results still match alltoall."""
+    args = (seed % 10000, 8, 3, 32)
+    ours = pools(4).run(megatron_fns.moe_forward_backward, *args, "deepep", 20, drop=0.4)
+    theirs = pools(4).run(megatron_fns.moe_forward_backward, *args, "alltoall", 20, drop=0.4)
+    for rank, (a, b) in enumerate(zip(ours, theirs)):
+        for key in ("out", "grad_x", "grad_logits"):
+            torch.testing.assert_close(a[key], a["ref_" + key], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-5)
+
+
+def test_megatron_lm_arguments_accept_deepep():
+    import argparse
+
+    from moe_ep import Buffer
+    from moe_ep.megatron import add_arguments, apply_arguments
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"], default="allgather")
+    add_arguments(parser)
+    args = parser.parse_args(["--moe-token-dispatcher-type", "deepep", "--moe-ep-num-sms", "24"])
+    assert args.moe_token_dispatcher_type == "deepep" and args.moe_ep_num_sms == 24
+    before = Buffer.num_sms
+    try:
+        apply_arguments(args)
+        assert Buffer.num_sms == 24
+    finally:
+        Buffer.set_num_sms(before)

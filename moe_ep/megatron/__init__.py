@@ -4,8 +4,8 @@ Importing this package registers the dispatcher type (see register.py)."""
 
 from .compat import install_as_deep_ep
 from .dispatcher import MoEEPTokenDispatcher
-from .register import DISPATCHER_TYPE, add_arguments, register
+from .register import DISPATCHER_TYPE, add_arguments, apply_arguments, register
 
 register()
 
-__all__ = ["MoEEPTokenDispatcher", "register", "add_arguments", "install_as_deep_ep", "DISPATCHER_TYPE"]
+__all__ = ["MoEEPTokenDispatcher", "register", "add_arguments", "apply_arguments", "install_as_deep_ep", "DISPATCHER_TYPE"]

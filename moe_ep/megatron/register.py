@@ -50,7 +50,7 @@ def add_arguments(parser):
         if "--moe-token-dispatcher-type" in action.option_strings and action.choices is not None:
             if DISPATCHER_TYPE not in action.choices:
                 action.choices = list(action.choices) + [DISPATCHER_TYPE]
-    group = parser.add_argument_group("moe_ep")
+    group = parser.add_argument_group("moe_ep (apply with moe_ep.megatron.apply_arguments(args))")
     group.add_argument(
         "--moe-ep-num-sms",
         type=int,
@@ -64,3 +64,16 @@ def add_arguments(parser):
         help="seconds to wait for a peer before raising TimeoutError (MOE_EP_TIMEOUT_S)",
     )
     return parser
+
+
+def apply_arguments(args) -> None:
+    """Applies the `--moe-ep-*` options parsed with add_arguments (Megatron-LM copies only options named
+    like TransformerConfig fields into the config, so these are applied here)."""
+    import os
+
+    from ..buffer import Buffer
+
+    if getattr(args, "moe_ep_num_sms", None):
+        Buffer.set_num_sms(args.moe_ep_num_sms)
+    if getattr(args, "moe_ep_timeout_s", None):
+        os.environ["MOE_EP_TIMEOUT_S"] = str(args.moe_ep_timeout_s)
