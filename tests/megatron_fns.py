@@ -101,9 +101,12 @@ def flex_on_moe_ep(seed: int, num_experts: int, topk: int, hidden: int, num_toke
                                 moe_flex_dispatcher_backend="deepep")
 
 
-def build_moe_layer(num_experts: int, topk: int, hidden: int):
-    """TransformerConfig(moe_token_dispatcher_type="deepep") -> an MoELayer with moe_ep's dispatcher."""
-    config, _ = _setup(num_experts, topk, hidden, "deepep", ffn_hidden_size=2 * hidden)
+def build_moe_layer(num_experts: int, topk: int, hidden: int, dispatcher_type: str = "deepep",
+                    shared_experts: bool = False):
+    """TransformerConfig(moe_token_dispatcher_type=...) -> an MoELayer; its output and input gradient
+    on fixed data (the same parameters for every dispatcher type: same seeds, same construction order)."""
+    extra = dict(moe_shared_expert_intermediate_size=hidden, add_bias_linear=False) if shared_experts else {}
+    config, _ = _setup(num_experts, topk, hidden, dispatcher_type, ffn_hidden_size=2 * hidden, **extra)
     from megatron.core import parallel_state
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -111,15 +114,17 @@ def build_moe_layer(num_experts: int, topk: int, hidden: int):
     from megatron.core.transformer.spec_utils import build_module
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=dist.get_world_size())
+    torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
     pg = ProcessGroupCollection.use_mpu_process_groups()
     spec = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
     layer = build_module(spec, config=config, pg_collection=pg) if not callable(spec) or hasattr(spec, "module") \
         else spec(config=config, pg_collection=pg)
-    x = torch.randn(6, 2, hidden, requires_grad=True)
+    g = torch.Generator().manual_seed(99 + dist.get_rank())
+    x = torch.randn(6, 2, hidden, generator=g, requires_grad=True)
     out, _ = layer(x)
-    out.sum().backward()
-    return type(layer.token_dispatcher).__name__, tuple(out.shape), bool(torch.isfinite(x.grad).all())
+    (out * torch.randn(out.shape, generator=g)).sum().backward()
+    return type(layer.token_dispatcher).__name__, out.detach(), x.grad
 
 
 def group_limited_layout(seed: int, num_experts: int, topk: int, ranks_per_node: int, group_topk: int):

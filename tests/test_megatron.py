@@ -30,10 +30,15 @@ def test_flex_dispatcher_runs_on_moe_ep_through_install_as_deep_ep(pools, seed):
                                        msg=lambda m: f"rank {rank} {key}: {m}")
 
 
-def test_transformer_config_with_deepep_builds_an_moe_layer_on_moe_ep(pools):
-    for name, shape, finite in pools(2).run(megatron_fns.build_moe_layer, 4, 2, 32):
+@pytest.mark.parametrize("shared_experts", [False, True])
+def test_transformer_config_with_deepep_builds_an_moe_layer_on_moe_ep(pools, shared_experts):
+    ours = pools(2).run(megatron_fns.build_moe_layer, 4, 2, 32, "deepep", shared_experts)
+    theirs = pools(2).run(megatron_fns.build_moe_layer, 4, 2, 32, "alltoall", shared_experts)
+    for (name, out, grad), (_, ref_out, ref_grad) in zip(ours, theirs):
         assert name == "MoEEPTokenDispatcher"
-        assert shape == (6, 2, 32) and finite
+        assert out.shape == (6, 2, 32)
+        torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("group_topk", [1, 2])

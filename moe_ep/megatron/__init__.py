@@ -8,4 +8,11 @@ from .register import DISPATCHER_TYPE, add_arguments, apply_arguments, register
 
 register()
 
-__all__ = ["MoEEPTokenDispatcher", "register", "add_arguments", "apply_arguments", "install_as_deep_ep", "DISPATCHER_TYPE"]
+__all__ = [
+    "MoEEPTokenDispatcher",
+    "register",
+    "add_arguments",
+    "apply_arguments",
+    "install_as_deep_ep",
+    "DISPATCHER_TYPE",
+]

@@ -106,6 +106,12 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
             Buffer.set_num_sms(num_sms)
         self._state = _CommState()
 
+    def set_shared_experts(self, shared_experts):
+        raise NotImplementedError(
+            "moe_shared_expert_overlap: moe_ep's dispatcher does not run shared experts inside the dispatch; "
+            "set moe_shared_expert_overlap=False and MoELayer runs them itself"
+        )
+
     # ---------------------------------------------------------------- dispatch
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         self.hidden_shape = hidden_states.shape

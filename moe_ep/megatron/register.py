@@ -26,18 +26,16 @@ def register() -> None:
 
         if pg_collection is None:
             pg_collection = moe_layer.get_default_pg_collection()
-        overlap = config.moe_shared_expert_overlap
-        config.moe_token_dispatcher_type, config.moe_shared_expert_overlap = _PLACEHOLDER_TYPE, False
+        config.moe_token_dispatcher_type = _PLACEHOLDER_TYPE
         try:
             original(self, config, submodules, layer_number, pg_collection, *args, **kwargs)
         finally:
-            config.moe_token_dispatcher_type, config.moe_shared_expert_overlap = DISPATCHER_TYPE, overlap
+            config.moe_token_dispatcher_type = DISPATCHER_TYPE
         self.token_dispatcher = MoEEPTokenDispatcher(
             self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pg_collection
         )
-        if overlap and self.shared_experts is not None:
-            self.shared_expert_overlap = True
-            self.token_dispatcher.set_shared_experts(self.shared_experts)
+        if self.shared_expert_overlap:
+            self.token_dispatcher.set_shared_experts(self.shared_experts)  # refuses, with the reason
 
     __init__._moe_ep_wrapped = True
     moe_layer.MoELayer.__init__ = __init__
