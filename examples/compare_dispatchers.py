@@ -30,7 +30,10 @@ def run(dispatcher: str, args, log_path: str) -> list:
            "--dispatcher", dispatcher, "--json-log", log_path]
     if args.steps:
         cmd += ["--steps", str(args.steps)]
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    # megatron-core warns at length about optional packages it falls back from; keep the table readable.
+    env = dict(os.environ)
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env)
     with open(log_path) as f:
         return [json.loads(line) for line in f]
 
