@@ -88,7 +88,7 @@ class Buffer:
         self.serial = next_buffer_serial()
         self.timeout_s = timeout_seconds()
         self.debug_checks = debug_checks_enabled()
-        self._portable = PortableBackend(group, self.ranks_per_node, ArrivalGate(group, self.serial, self.timeout_s))
+        self._portable = PortableBackend(group, ArrivalGate(group, self.serial, self.timeout_s))
         self._destroyed = False
         self._local_buffers = {}
         self._ll_combine_buffers: List[Optional[torch.Tensor]] = [None, None]

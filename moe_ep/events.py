@@ -42,7 +42,6 @@ def capture_current_stream() -> EventOverlap:
 
 
 def wait_previous(previous_event: Optional[EventOverlap]) -> None:
+    """The Buffer checks the type at its boundary (Buffer._check_events) before calling this."""
     if previous_event is not None:
-        if not isinstance(previous_event, EventOverlap):
-            raise TypeError(f"previous_event: expected an EventOverlap or None, got {type(previous_event).__name__}")
         previous_event.current_stream_wait()

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import multiprocessing as mp
 import os
+import socket
 import subprocess
 import sys
-import io
-import socket
 import time
 import traceback
 from dataclasses import dataclass
@@ -197,12 +197,6 @@ def ranks_share_a_gpu(num_ranks: int) -> bool:
     import torch
 
     return torch.cuda.is_available() and num_ranks > torch.cuda.device_count()
-
-
-def run_on_ranks(fn: Callable, num_ranks: int, *args, use_cuda: bool = False, **kwargs) -> List[Any]:
-    """One-shot: start num_ranks processes, run fn on each, stop them."""
-    with RankPool(num_ranks, use_cuda=use_cuda) as pool:
-        return pool.run(fn, *args, **kwargs)
 
 
 def main(argv=None) -> int:

@@ -86,13 +86,10 @@ class _LowLatencyState:
 
 
 class PortableBackend:
-    name = "portable"
-
-    def __init__(self, group: dist.ProcessGroup, ranks_per_node: int, gate: ArrivalGate):
+    def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate):
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
-        self.ranks_per_node = ranks_per_node
         self.gate = gate
         # gloo moves host memory only; NCCL moves device memory.
         self.comm_on_host = dist.get_backend(group) == "gloo"
