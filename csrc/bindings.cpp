@@ -4,7 +4,13 @@
 #include <pybind11/pybind11.h>
 #include <torch/extension.h>
 
+#include <chrono>
+#include <cstring>
+#include <optional>
+#include <thread>
+
 #include "kernels/api.cuh"
+#include "kernels/buffer_layout.cuh"
 
 #ifndef MOE_EP_NVSHMEM_REASON
 #define MOE_EP_NVSHMEM_REASON ""
@@ -94,6 +100,165 @@ torch::Tensor fp8_cast_back(const torch::Tensor& q, const torch::Tensor& scales,
     return out;
 }
 
+// ------------------------------------------------------------------ intranode buffers (CUDA IPC)
+// A buffer is one cudaMalloc allocation (IPC handles name whole allocations), zeroed before any peer
+// can see it. Pointers travel to Python as integers; moe_ep/backends/intranode.py owns their lifetime.
+py::tuple ipc_alloc(int64_t num_bytes) {
+    void* ptr = nullptr;
+    C10_CUDA_CHECK(cudaMalloc(&ptr, num_bytes));
+    C10_CUDA_CHECK(cudaMemset(ptr, 0, num_bytes));
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    cudaIpcMemHandle_t handle;
+    C10_CUDA_CHECK(cudaIpcGetMemHandle(&handle, ptr));
+    return py::make_tuple(reinterpret_cast<int64_t>(ptr), py::bytes(reinterpret_cast<const char*>(&handle), sizeof(handle)));
+}
+
+int64_t ipc_open(const std::string& handle_bytes) {
+    TORCH_CHECK(handle_bytes.size() == sizeof(cudaIpcMemHandle_t), "ipc_open: not a CUDA IPC handle");
+    cudaIpcMemHandle_t handle;
+    std::memcpy(&handle, handle_bytes.data(), sizeof(handle));
+    void* ptr = nullptr;
+    C10_CUDA_CHECK(cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess));
+    return reinterpret_cast<int64_t>(ptr);
+}
+
+void ipc_close(int64_t ptr) { C10_CUDA_CHECK(cudaIpcCloseMemHandle(reinterpret_cast<void*>(ptr))); }
+void device_free(int64_t ptr) { C10_CUDA_CHECK(cudaFree(reinterpret_cast<void*>(ptr))); }
+
+// Spins (without the GIL) until host_info[index] == value or a kernel reported an error; false after
+// timeout_s. host_info is pinned memory the kernels write through its device mapping.
+bool wait_host_value(const torch::Tensor& host_info, int64_t index, int64_t value, double timeout_s) {
+    TORCH_CHECK(host_info.is_pinned() && host_info.scalar_type() == torch::kInt32, "host_info: pinned int32 expected");
+    const volatile int* info = host_info.data_ptr<int>();
+    py::gil_scoped_release no_gil;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+    for (uint64_t spins = 0;; ++spins) {
+        if (info[index] == value) return true;
+        if (info[intranode::kHostError] != 0) return false;
+        if ((spins & 1023) == 0) {
+            if (std::chrono::steady_clock::now() > deadline) return false;
+            if (spins > (1u << 20)) std::this_thread::yield();  // a long wait: let the peers' hosts run
+        }
+    }
+}
+
+struct IntranodeCtx {
+    int64_t buffers;  // device int64 [R]: every rank's buffer as mapped here
+    int rank, num_ranks;
+    int64_t num_nvl_bytes;
+    torch::Tensor host_info;
+    double timeout_s;
+};
+
+intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
+    TORCH_CHECK(num_blocks > 0, "num_sms: expected a positive number of blocks");
+    intranode::Ctx ctx;
+    ctx.buffers = reinterpret_cast<uint8_t* const*>(c.buffers);
+    ctx.rank = c.rank;
+    ctx.num_ranks = c.num_ranks;
+    ctx.num_nvl_bytes = c.num_nvl_bytes;
+    ctx.host_info = c.host_info.data_ptr<int>();
+    ctx.timeout_ns = static_cast<uint64_t>(c.timeout_s * 1e9);
+    ctx.num_blocks = static_cast<int>(num_blocks);
+    ctx.stream = current_stream();
+    return ctx;
+}
+
+template <typename T>
+T* optional_ptr(const std::optional<torch::Tensor>& t) {
+    return t.has_value() ? static_cast<T*>(t->data_ptr()) : nullptr;
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+    TORCH_CHECK(t.is_cuda() && t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+                ": expected a contiguous, 16-byte aligned CUDA tensor");
+}
+
+int64_t row_bytes(const torch::Tensor& t) { return t.dim() < 2 ? 0 : t.size(1) * t.element_size(); }
+
+void intranode_notify(const IntranodeCtx& c, const torch::Tensor& is_token_in_rank,
+                      const torch::Tensor& num_tokens_per_expert, const torch::Tensor& send_pos,
+                      const torch::Tensor& recv_info, int64_t nonce) {
+    const c10::cuda::CUDAGuard guard(is_token_in_rank.device());
+    for (const auto* t : {&is_token_in_rank, &num_tokens_per_expert, &send_pos, &recv_info})
+        TORCH_CHECK(t->is_cuda() && t->is_contiguous(), "intranode_notify: expected contiguous CUDA tensors");
+    intranode::notify(make_ctx(c, c.num_ranks), is_token_in_rank.data_ptr<bool>(), static_cast<int>(is_token_in_rank.size(0)),
+                      num_tokens_per_expert.data_ptr<int>(), static_cast<int>(num_tokens_per_expert.size(0)),
+                      send_pos.data_ptr<int>(), recv_info.data_ptr<int>(), static_cast<int>(nonce));
+}
+
+void intranode_dispatch(const IntranodeCtx& c, int64_t num_blocks, const torch::Tensor& x,
+                        const std::optional<torch::Tensor>& scales, const std::optional<torch::Tensor>& topk_idx,
+                        const std::optional<torch::Tensor>& topk_weights, int64_t experts_per_rank,
+                        const torch::Tensor& send_pos, const torch::Tensor& recv_info, const torch::Tensor& recv_x,
+                        const std::optional<torch::Tensor>& recv_scales,
+                        const std::optional<torch::Tensor>& recv_topk_idx,
+                        const std::optional<torch::Tensor>& recv_topk_weights, const torch::Tensor& recv_src_idx) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    for (const auto* t : {&x, &recv_x}) check_rows(*t, "x");
+    intranode::DispatchArgs a{};
+    a.x = x.data_ptr();
+    a.x_bytes = row_bytes(x);
+    a.scales = scales.has_value() ? scales->data_ptr() : nullptr;
+    a.scale_bytes = scales.has_value() ? row_bytes(*scales) : 0;
+    a.topk_idx = optional_ptr<const int64_t>(topk_idx);
+    a.topk_weights = optional_ptr<const float>(topk_weights);
+    a.num_topk = topk_idx.has_value() ? static_cast<int>(topk_idx->size(1)) : 0;
+    a.experts_per_rank = static_cast<int>(experts_per_rank);
+    a.send_pos = send_pos.data_ptr<int>();
+    a.num_tokens = static_cast<int>(x.size(0));
+    a.recv_info = recv_info.data_ptr<int>();
+    a.recv_x = recv_x.data_ptr();
+    a.recv_scales = optional_ptr<void>(recv_scales);
+    a.recv_topk_idx = optional_ptr<int64_t>(recv_topk_idx);
+    a.recv_topk_weights = optional_ptr<float>(recv_topk_weights);
+    a.recv_src_idx = recv_src_idx.data_ptr<int>();
+    a.num_recv_rows = static_cast<int>(recv_x.size(0));
+    intranode::dispatch(make_ctx(c, num_blocks), a);
+}
+
+void intranode_combine(const IntranodeCtx& c, int64_t num_blocks, const torch::Tensor& x,
+                       const std::optional<torch::Tensor>& topk_weights, const torch::Tensor& recv_src_idx,
+                       const torch::Tensor& recv_info, const torch::Tensor& send_pos,
+                       const std::optional<torch::Tensor>& bias0, const std::optional<torch::Tensor>& bias1,
+                       const torch::Tensor& out, const std::optional<torch::Tensor>& out_weights) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    check_rows(x, "x");
+    check_rows(out, "out");
+    for (const auto* b : {&bias0, &bias1})
+        if (b->has_value()) check_rows(**b, "bias");
+    intranode::CombineArgs a{};
+    a.x = x.data_ptr();
+    a.dtype = dtype_of(x, "x");
+    a.hidden = static_cast<int>(x.size(1));
+    a.topk_weights = optional_ptr<const float>(topk_weights);
+    a.num_topk = topk_weights.has_value() ? static_cast<int>(topk_weights->size(1)) : 0;
+    a.recv_src_idx = recv_src_idx.data_ptr<int>();
+    a.recv_info = recv_info.data_ptr<int>();
+    a.send_pos = send_pos.data_ptr<int>();
+    a.num_tokens = static_cast<int>(out.size(0));
+    a.bias0 = optional_ptr<const void>(bias0);
+    a.bias1 = optional_ptr<const void>(bias1);
+    a.out = out.data_ptr();
+    a.out_weights = optional_ptr<float>(out_weights);
+    intranode::combine(make_ctx(c, num_blocks), a);
+}
+
+// The layout numbers the kernels use, for the test that moe_ep/config.py computes the same.
+py::dict intranode_layout(int64_t num_ranks, int64_t num_nvl_bytes, int64_t x_bytes, int64_t scale_bytes, int64_t num_topk) {
+    const int r = static_cast<int>(num_ranks), k = static_cast<int>(num_topk);
+    py::dict d;
+    d["header_bytes"] = intranode::header_bytes(r);
+    d["half_bytes"] = intranode::half_bytes(num_nvl_bytes, r);
+    d["dispatch_slot_bytes"] = intranode::dispatch_slot(r, x_bytes, scale_bytes, k).bytes;
+    d["combine_slot_bytes"] = intranode::combine_slot_bytes(x_bytes, k);
+    d["dispatch_window_tokens"] = intranode::dispatch_window_tokens(r, num_nvl_bytes, x_bytes, scale_bytes, k);
+    d["combine_window_tokens"] = intranode::combine_window_tokens(r, num_nvl_bytes, x_bytes, k);
+    d["host_info_ints"] = intranode::host_info_ints(r);
+    d["recv_info_ints"] = intranode::recv_info_ints(r);
+    return d;
+}
+
 }  // namespace
 
 #ifdef MOE_EP_WITH_NVSHMEM
@@ -107,6 +272,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("get_dispatch_layout", &moe_ep::get_dispatch_layout, "dispatch layout from topk_idx");
     m.def("fp8_cast", &moe_ep::fp8_cast, "1x128 per-token e4m3 cast");
     m.def("fp8_cast_back", &moe_ep::fp8_cast_back, "1x128 per-token e4m3 cast back");
+    m.def("ipc_alloc", &moe_ep::ipc_alloc, "zeroed device buffer and its CUDA IPC handle");
+    m.def("ipc_open", &moe_ep::ipc_open, "map a peer's buffer");
+    m.def("ipc_close", &moe_ep::ipc_close, "unmap a peer's buffer");
+    m.def("device_free", &moe_ep::device_free, "free a buffer from ipc_alloc");
+    m.def("wait_host_value", &moe_ep::wait_host_value, "spin on a host-mapped counter");
+    py::class_<moe_ep::IntranodeCtx>(m, "IntranodeCtx")
+        .def(py::init<int64_t, int, int, int64_t, torch::Tensor, double>())
+        .def_readwrite("timeout_s", &moe_ep::IntranodeCtx::timeout_s);
+    m.def("intranode_notify", &moe_ep::intranode_notify, "count exchange of an intranode dispatch");
+    m.def("intranode_dispatch", &moe_ep::intranode_dispatch, "intranode dispatch data movement");
+    m.def("intranode_combine", &moe_ep::intranode_combine, "intranode combine");
+    m.def("intranode_layout", &moe_ep::intranode_layout, "buffer layout numbers of the intranode kernels");
 #ifdef MOE_EP_WITH_NVSHMEM
     m.attr("WITH_NVSHMEM") = true;
     m.attr("NVSHMEM_REASON") = "";

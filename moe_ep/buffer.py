@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import _native
+from .backends.intranode import IntranodeBackend, IntranodeDispatchState
 from .backends.portable import PortableBackend, dispatch_layout
 from .checks import FP8_BLOCK, check_expert_ids, check_fp8_pair, check_int, check_tensor, debug_checks_enabled
 from .config import NUM_MAX_NVL_PEERS, NUM_MAX_TOPK, Config, combine_config, dispatch_config, low_latency_rdma_size_hint
@@ -89,6 +90,10 @@ class Buffer:
         self.timeout_s = timeout_seconds()
         self.debug_checks = debug_checks_enabled()
         self._portable = PortableBackend(group, ArrivalGate(group, self.serial, self.timeout_s))
+        self._intranode: Optional[IntranodeBackend] = None  # made at the first dispatch of CUDA tensors
+        self._kernels = self._kernels_usable()
+        self._comm_stream: Optional[torch.cuda.Stream] = None  # made when first needed: CPU-only ranks
+        # on a GPU machine must not start a CUDA context
         self._destroyed = False
         self._local_buffers = {}
         self._ll_combine_buffers: List[Optional[torch.Tensor]] = [None, None]
@@ -115,6 +120,16 @@ class Buffer:
         if self.group_size % ranks_per_node != 0:
             raise ValueError(f"ranks_per_node: must divide the group size {self.group_size}, got {ranks_per_node}")
         return ranks_per_node
+
+    def _kernels_usable(self) -> bool:
+        """The CUDA IPC kernels serve CUDA tensors when the whole group is on this host (at most 64
+        ranks). MOE_EP_KERNELS=0 keeps the portable backend for everything (comparisons, debugging)."""
+        return (
+            os.environ.get("MOE_EP_KERNELS", "1") != "0"
+            and _native.has_kernels()
+            and self.ranks_per_node == self.group_size <= 64
+            and self.num_nvl_bytes > 0
+        )
 
     # ------------------------------------------------------------------ static helpers
     @staticmethod
@@ -153,6 +168,9 @@ class Buffer:
                 "destroy() is for Buffers created with explicitly_destroy=True; others are freed by the GC"
             )
         self._check_alive()
+        if self._intranode is not None:
+            self._intranode.close()
+            self._intranode = None
         self._local_buffers.clear()
         self._ll_combine_buffers = [None, None]
         self._destroyed = True
@@ -186,6 +204,10 @@ class Buffer:
 
     def get_comm_stream(self):
         """The stream communication runs on: a CUDA stream where CUDA is used, else None."""
+        if self._kernels:
+            if self._comm_stream is None:
+                self._comm_stream = torch.cuda.Stream()
+            return self._comm_stream
         if torch.cuda.is_available():
             return torch.cuda.current_stream()
         return None
@@ -316,6 +338,7 @@ class Buffer:
                     )
             if num_tokens != handle.num_tokens:
                 raise ValueError(f"x: the handle's layout is for {handle.num_tokens} tokens, got {num_tokens}")
+            self._check_handle_backend(handle, x_parts[0])
         else:
             self._check_layout_args(
                 num_tokens,
@@ -327,11 +350,17 @@ class Buffer:
                 topk_idx,
                 topk_weights,
             )
-        wait_previous(previous_event)
 
         def make_handle(**fields) -> DispatchHandle:
             return DispatchHandle(buffer_serial=self.serial, **fields)
 
+        if self._uses_kernels(x_parts[0]):
+            recv, recv_idx, recv_weights, counts, new_handle, event = self._intranode.dispatch(
+                x_parts, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, expert_alignment,
+                num_worst_tokens, handle, make_handle, config, previous_event, async_finish, allocate_on_comm_stream,
+            )
+            return (tuple(recv) if len(recv) == 2 else recv[0]), recv_idx, recv_weights, counts, new_handle, event
+        wait_previous(previous_event)
         recv_x, recv_idx, recv_weights, counts, new_handle = self._portable.dispatch(
             x_parts,
             topk_idx,
@@ -429,9 +458,32 @@ class Buffer:
                     f"topk_weights: expected {x.shape[0]} rows (one per row of x), got {topk_weights.shape[0]}"
                 )
         biases = self._split_bias(bias, handle.num_tokens, x)
+        self._check_handle_backend(handle, x)
+        if self._uses_kernels(x):
+            return self._intranode.combine(
+                x, handle, topk_weights, biases, config, previous_event, async_finish, allocate_on_comm_stream
+            )
         wait_previous(previous_event)
         combined_x, combined_w = self._portable.combine(x, handle, topk_weights, biases)
         return combined_x, combined_w, self._finish(async_finish, [x, combined_x])
+
+    def _uses_kernels(self, x: torch.Tensor) -> bool:
+        """Whether the kernels move x; the first time, maps the peers' buffers (every rank of the
+        group makes the same call with tensors of the same kind, so this is collective)."""
+        if not (x.is_cuda and self._kernels):
+            return False
+        if self._intranode is None:
+            self._intranode = IntranodeBackend(self.group, self.num_nvl_bytes, self.timeout_s, self.get_comm_stream())
+        return True
+
+    def _check_handle_backend(self, handle: DispatchHandle, x: torch.Tensor) -> None:
+        made_by_kernels = isinstance(handle.backend_state, IntranodeDispatchState)
+        if made_by_kernels != self._uses_kernels(x):
+            raise ValueError(
+                "handle: it was made by a dispatch of "
+                + ("CUDA tensors (kernels)" if made_by_kernels else "tensors the portable backend moved")
+                + f", but x is a {'CUDA' if x.is_cuda else 'CPU'} tensor; keep a handle's tensors on one device"
+            )
 
     @staticmethod
     def _split_bias(bias, num_tokens: int, x: torch.Tensor) -> List[torch.Tensor]:

@@ -1,8 +1,8 @@
 """Kernel tuning knobs (Config), tuned defaults per rank count, and buffer sizes.
 
-The buffer sizes are computed from the region layouts in `csrc/kernels/buffer_layout.cuh`; the
-formulas here mirror it one to one and a GPU test checks that both give the same numbers. Every
-backend enforces them, so a program that runs on the portable backend runs unchanged on the kernels.
+The intranode buffer layout mirrors `csrc/kernels/buffer_layout.cuh` one to one, and a GPU test checks
+that both give the same numbers. Every backend enforces the size hints, so a program that runs on the
+portable backend runs unchanged on the kernels.
 """
 
 from __future__ import annotations
@@ -72,18 +72,22 @@ class Config:
 
 
 class NormalLayout:
-    """Normal-mode buffer: per channel and peer, a ring of token slots plus head/tail counters."""
+    """Size hints of the normal-mode buffers (the sizes a Config asks for).
+
+    The intranode buffer is a header (IntranodeLayout) and two window halves; the hint gives the
+    halves together room for num_channels * num_max_nvl_chunked_recv_tokens slots per peer, a slot
+    holding a row (hidden_bytes counts 2 bytes per element), its fp8 scales and top-k metadata. The
+    kernels size their windows from the bytes actually given, so a larger buffer means fewer windows.
+    """
 
     def __init__(self, config: Config, hidden_bytes: int, num_ranks: int):
         nvl_peers = min(num_ranks, NUM_MAX_NVL_PEERS)
         rdma_ranks = -(-num_ranks // NUM_MAX_NVL_PEERS)
-        # hidden_bytes counts 2 bytes per element; fp8 rows carry one float32 scale per 128 elements.
         scale_bytes = (hidden_bytes // 2 // FP8_BLOCK) * 4
         token_meta = 4 + NUM_MAX_TOPK * (8 + 4)  # source index, top-k ids and weights
         slot_bytes = hidden_bytes + scale_bytes + token_meta
-        counters = config.num_channels * nvl_peers * (2 * rdma_ranks + 4) * 4
-        queues = config.num_channels * nvl_peers * config.num_max_nvl_chunked_recv_tokens * slot_bytes
-        self.nvl_bytes = _align(counters + queues)
+        windows = config.num_channels * nvl_peers * config.num_max_nvl_chunked_recv_tokens * slot_bytes
+        self.nvl_bytes = _align(intranode_header_bytes(nvl_peers) + windows)
         if num_ranks <= NUM_MAX_NVL_PEERS:
             self.rdma_bytes = 0
         else:
@@ -91,6 +95,41 @@ class NormalLayout:
                 config.num_channels * rdma_ranks * config.num_max_rdma_chunked_recv_tokens * slot_bytes * 2
             )  # send and receive sides
             self.rdma_bytes = _align(rdma_queues + config.num_channels * rdma_ranks * 4 * 4)
+
+
+# ---------------------------------------------------------------------------- intranode buffer layout
+# Mirrors csrc/kernels/buffer_layout.cuh (tests/test_intranode.py checks both agree on a GPU).
+INTRANODE_HEADER_ALIGN = 4096
+INTRANODE_SLOT_ALIGN = 16
+INTRANODE_MAX_EXPERTS = 16384
+_INTRANODE_FIXED_SIGNALS = 9
+_INTRANODE_SIGNAL_ARRAYS = 9
+
+
+def intranode_header_bytes(num_ranks: int) -> int:
+    signals = (_INTRANODE_FIXED_SIGNALS + _INTRANODE_SIGNAL_ARRAYS * num_ranks) * 8
+    return _align(signals + 4 * (2 * num_ranks + INTRANODE_MAX_EXPERTS), INTRANODE_HEADER_ALIGN)
+
+
+class IntranodeLayout:
+    """Windows of the intranode kernels for one buffer size and row shape."""
+
+    def __init__(self, num_ranks: int, num_nvl_bytes: int, x_bytes: int, scale_bytes: int, num_topk: int):
+        a = INTRANODE_SLOT_ALIGN
+        self.header_bytes = intranode_header_bytes(num_ranks)
+        spare = num_nvl_bytes - self.header_bytes
+        self.half_bytes = 0 if spare <= 0 else spare // 2 // a * a
+        self.dispatch_slot_bytes = (
+            _align(4 * num_ranks, a) + _align(x_bytes, a) + _align(scale_bytes, a)
+            + _align(8 * num_topk, a) + _align(4 * num_topk, a)
+        )
+        self.combine_slot_bytes = _align(x_bytes, a) + _align(4 * num_topk, a)
+        cap = 1 << 22
+        self.dispatch_window_tokens = min(self.half_bytes // self.dispatch_slot_bytes, cap)
+        self.combine_window_tokens = min(self.half_bytes // (self.combine_slot_bytes * num_ranks), cap)
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
 
 
 class LowLatencyLayout:

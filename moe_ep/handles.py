@@ -17,8 +17,10 @@ class DispatchHandle:
     buffer_serial: int
     num_tokens: int  # N on this rank when the layout was made
     is_token_in_rank: torch.Tensor  # [N, R] bool: which ranks each local token was sent to
-    send_counts: List[int]  # tokens sent to each rank (= num_tokens_per_rank)
-    recv_counts: List[int]  # tokens received from each rank, in receive order
+    # Tokens sent to / received from each rank (receive order). None where the kernels did not learn
+    # them on the host (num_worst_tokens: no host synchronisation).
+    send_counts: Optional[List[int]]
+    recv_counts: Optional[List[int]]
     num_worst_tokens: int  # > 0: receive tensors were padded to this many rows
     # Filled by the backend that ran the dispatch (e.g. device-side prefix sums for the kernels).
     backend_state: Optional[object] = None

@@ -59,8 +59,10 @@ def bias_for(p: Problem, rank: int, n: int, which: int) -> torch.Tensor:
 
 
 def expert_output(recv_x: torch.Tensor, rank: int) -> torch.Tensor:
-    """What the 'experts' of a rank return for its received rows in the tests: any fixed function."""
-    return (recv_x.float() * (rank + 2) - 1.0).to(torch.bfloat16)
+    """What the 'experts' of a rank return for its received rows in the tests: any fixed function
+    (float32 rows stay float32, everything else becomes bf16)."""
+    out_dtype = torch.float32 if recv_x.dtype == torch.float32 else torch.bfloat16
+    return (recv_x.float() * (rank + 2) - 1.0).to(out_dtype)
 
 
 # ------------------------------------------------------------------------ normal mode reference

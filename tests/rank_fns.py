@@ -22,8 +22,10 @@ def my_inputs(p: Problem):
     return {k: v.to(device()) for k, v in inputs.items()}
 
 
-def normal_buffer(hidden: int, **kwargs) -> Buffer:
+def normal_buffer(hidden: int, config: Config = None, **kwargs) -> Buffer:
     num_ranks = dist.get_world_size()
+    if config is not None:  # exactly what this config asks for (small configs: many windows)
+        return Buffer(dist.group.WORLD, config.get_nvl_buffer_size_hint(hidden * 2, num_ranks), **kwargs)
     nvl = max(Config().get_nvl_buffer_size_hint(hidden * 2, num_ranks),
               Buffer.get_combine_config(num_ranks).get_nvl_buffer_size_hint(hidden * 2, num_ranks),
               Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden * 2, num_ranks))
@@ -47,25 +49,37 @@ def cpu(t):
 
 
 def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, num_worst_tokens: int = 0,
-                 num_biases: int = 0, with_topk: bool = True):
-    """Layout, dispatch, cached dispatch, combine: everything a test compares, per rank."""
+                 num_biases: int = 0, with_topk: bool = True, config: Config = None, buffer: Buffer = None,
+                 stream_args: bool = False, dtype: torch.dtype = torch.bfloat16):
+    """Layout, dispatch, cached dispatch, combine: everything a test compares, per rank. stream_args:
+    the calls chain through previous_event/async_finish/allocate_on_comm_stream."""
     rank = dist.get_rank()
     inp = my_inputs(p)
-    buffer = normal_buffer(p.hidden)
+    inp["x"] = inp["x"].to(dtype)
+    buffer = buffer if buffer is not None else normal_buffer(p.hidden, config)
+    extra = dict(config=config) if config is not None else {}
+    if stream_args:
+        extra.update(previous_event=Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
     layout = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
     per_rank, per_rdma, per_expert, in_rank, _ = layout
     x = fp8.per_token_cast_to_fp8(inp["x"]) if use_fp8 else inp["x"]
     topk = dict(topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"]) if with_topk else {}
     recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens, **topk)
+        expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens, **topk, **extra)
     event.current_stream_wait()
-    cached = buffer.dispatch(x, handle=handle)
+    if stream_args:
+        extra["previous_event"] = Buffer.capture()
+    cached = buffer.dispatch(x, handle=handle, **extra)
+    cached[-1].current_stream_wait()
     recv_bf16 = fp8.per_token_cast_back(*recv_x) if use_fp8 else recv_x
     y = expert_output(recv_bf16, rank)
-    biases = [bias_for(p, rank, inp["x"].shape[0], i).to(device()) for i in range(num_biases)]
+    biases = [bias_for(p, rank, inp["x"].shape[0], i).to(device(), y.dtype) for i in range(num_biases)]
     bias = None if num_biases == 0 else (biases[0] if num_biases == 1 else tuple(biases))
-    combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w, bias=bias)
+    if stream_args:
+        extra["previous_event"] = Buffer.capture()
+    combined, combined_w, event = buffer.combine(y, handle, topk_weights=recv_w, bias=bias, **extra)
+    event.current_stream_wait()
     return cpu(dict(layout=(per_rank, per_rdma, per_expert, in_rank), recv_x=recv_x, recv_idx=recv_idx,
                     recv_w=recv_w, counts=counts, cached=cached[0], cached_rest=cached[1:5], y=y,
                     combined=combined, combined_w=combined_w, num_recv_rows=handle.num_recv_rows))
@@ -205,3 +219,91 @@ def worst_tokens_too_small(p: Problem):
         outcome = str(exc)
     recv_x = buffer.dispatch(inp["x"], **layout)[0]
     return outcome, recv_x.shape[0]
+
+
+def repeated_rounds(p: Problem, repeats: int, use_fp8: bool):
+    """The same round `repeats` times on one Buffer: a digest of every output of every repeat."""
+    buffer = normal_buffer(p.hidden)
+    digests = []
+    for _ in range(repeats):
+        out = normal_round(p, use_fp8=use_fp8, num_biases=1, buffer=buffer)
+        digests.append(_digest(out))
+    return digests
+
+
+def _digest(value) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+
+    def feed(v):
+        if isinstance(v, dict):
+            for k in sorted(v):
+                feed(k), feed(v[k])
+        elif isinstance(v, (list, tuple)):
+            for item in v:
+                feed(item)
+        elif isinstance(v, torch.Tensor):
+            h.update(str((v.dtype, tuple(v.shape))).encode())
+            h.update(v.contiguous().view(torch.uint8).numpy().tobytes() if v.numel() else b"")
+        else:
+            h.update(repr(v).encode())
+
+    feed(value)
+    return h.hexdigest()
+
+
+def graph_round(p: Problem, q: Problem, num_worst_tokens: int):
+    """Layout, dispatch and combine captured in one CUDA graph on the inputs of p, replayed on the
+    inputs of q (same shapes), next to the same calls made eagerly on q."""
+    inp_p, inp_q = my_inputs(p), my_inputs(q)
+    assert inp_p["x"].shape == inp_q["x"].shape
+    rank = dist.get_rank()
+    buffer = normal_buffer(p.hidden)
+    static = {k: v.clone() for k, v in inp_p.items()}
+
+    def step(inp):
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
+        recv_x, recv_idx, recv_w, _, handle, _ = buffer.dispatch(
+            inp["x"], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"], num_worst_tokens=num_worst_tokens)
+        y = (recv_x.float() * (rank + 1)).to(torch.bfloat16)
+        combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w)
+        return recv_x, recv_idx, recv_w, combined, combined_w
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(static)  # warm-up outside the graph (allocator, lazy init)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(static)
+    results = []
+    for inp in (inp_q, inp_p, inp_q):  # replays with changing data
+        for k in static:
+            static[k].copy_(inp[k])
+        graph.replay()
+        torch.cuda.synchronize()
+        results.append(cpu([t.clone() for t in outs]))
+    eager_q, eager_p = cpu(list(step(inp_q))), cpu(list(step(inp_p)))
+    return results, eager_q, eager_p
+
+
+def handle_on_the_wrong_device(p: Problem):
+    inp = my_inputs(p)
+    buffer = normal_buffer(p.hidden)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
+    _, _, _, _, handle, _ = buffer.dispatch(inp["x"], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                            num_tokens_per_expert=per_expert)
+    try:
+        buffer.dispatch(inp["x"].cpu(), handle=handle)
+        return "no error"
+    except ValueError as exc:
+        return str(exc)
+
+
+def intranode_layout_numbers(cases):
+    from moe_ep import _native
+    from moe_ep.config import IntranodeLayout
+    return [(_native.ops().intranode_layout(*case), IntranodeLayout(*case).as_dict()) for case in cases]

@@ -41,4 +41,85 @@ void per_token_cast_back(const uint8_t* x_fp8, const void* scales, bool scales_u
 
 }  // namespace fp8
 
+namespace intranode {
+
+// Host-mapped int32 record each rank's kernels report into (the host polls it; no device sync).
+enum HostInfo : int {
+    kHostDone = 0,          // notify: the nonce of the last finished count exchange
+    kHostError = 1,         // 1 once a wait failed; the fields below say where
+    kHostErrorKind = 2,     // ErrorKind
+    kHostErrorPeer = 3,     // the rank that did not arrive
+    kHostErrorWindow = 4,   // the window waited for
+    kHostOverflow = 5,      // rows received when they exceeded num_recv_rows (num_worst_tokens), else 0
+    kHostTotal = 6,         // notify: rows this rank receives
+    kHostMaxTokens = 7,     // notify: largest num_tokens over the ranks
+    kHostCounts = 8,        // notify: [R] rows from each rank, [R] tokens to each rank, [E/R] per local expert
+};
+enum ErrorKind : int { kErrNone = 0, kErrNotify, kErrStaged, kErrReleased, kErrOpen, kErrPushed };
+inline int host_info_ints(int num_ranks) { return kHostCounts + 2 * num_ranks + 16384; }
+
+// Device int32 summary of a count exchange: [max tokens, total rows, base row of each source (R + 1),
+// tokens of each source (R)].
+inline int recv_info_ints(int num_ranks) { return 2 + (num_ranks + 1) + num_ranks; }
+
+struct Ctx {
+    uint8_t* const* buffers;  // device array [R]: every rank's buffer as mapped in this process
+    int rank, num_ranks;
+    int64_t num_nvl_bytes;    // size of each rank's buffer
+    int* host_info;           // pinned host memory, HostInfo layout
+    uint64_t timeout_ns;      // a wait for a peer longer than this fails (kHostError, no trap)
+    int num_blocks;           // the SM budget of data kernels
+    cudaStream_t stream;
+};
+
+// Count exchange. is_token_in_rank [N, R] -> send_pos [N, R] (row of each token among those this
+// rank sends to r, -1 where not sent); every rank's counts reach every peer; recv_info gets the
+// summary and host_info its copy, then host_info[kHostDone] = nonce.
+void notify(const Ctx& ctx, const bool* is_token_in_rank, int num_tokens, const int* num_tokens_per_expert,
+            int num_experts, int* send_pos, int* recv_info, int nonce);
+
+struct DispatchArgs {
+    const void* x;                // [N, x_bytes] raw rows (bf16, float32 or e4m3)
+    int64_t x_bytes;
+    const void* scales;           // [N, scale_bytes] or null
+    int64_t scale_bytes;
+    const int64_t* topk_idx;      // [N, K] global expert ids or null (cached dispatch)
+    const float* topk_weights;    // [N, K]
+    int num_topk;
+    int experts_per_rank;
+    const int* send_pos;          // from notify
+    int num_tokens;
+    const int* recv_info;         // from notify
+    void* recv_x;                 // [num_recv_rows, x_bytes]
+    void* recv_scales;
+    int64_t* recv_topk_idx;       // local ids, -1 elsewhere
+    float* recv_topk_weights;
+    int* recv_src_idx;            // [num_recv_rows] source token index of each row (for combine)
+    int num_recv_rows;            // rows allocated; rows past the received ones are padding
+};
+void dispatch(const Ctx& ctx, const DispatchArgs& args);
+
+struct CombineArgs {
+    const void* x;                // [rows, hidden] rows to send back, in dispatch's receive order
+    DType dtype;                  // bf16 or float32
+    int hidden;
+    const float* topk_weights;    // [rows, K] or null
+    int num_topk;
+    const int* recv_src_idx;      // from dispatch
+    const int* recv_info;
+    const int* send_pos;
+    int num_tokens;
+    const void* bias0;            // [N, hidden] or null
+    const void* bias1;
+    void* out;                    // [N, hidden]
+    float* out_weights;           // [N, K] or null
+};
+void combine(const Ctx& ctx, const CombineArgs& args);
+
+// Tokens per window for the given row sizes; 0 when the buffer cannot hold one.
+int dispatch_window_tokens(int num_ranks, int64_t num_nvl_bytes, int64_t x_bytes, int64_t scale_bytes, int num_topk);
+int combine_window_tokens(int num_ranks, int64_t num_nvl_bytes, int64_t x_bytes, int num_topk);
+
+}  // namespace intranode
+
 }  // namespace moe_ep

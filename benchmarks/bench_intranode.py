@@ -1,0 +1,134 @@
+"""Intranode dispatch/combine bandwidth, all ranks of one host running concurrently (the metric of
+issue #6, the way DeepEP V1 was measured on the same machine).
+
+Per rank: received bytes / wall time per call (host work included; `--iters` calls after `--warmup`,
+a barrier before). bf16 rows count hidden * 2 bytes, fp8 rows hidden * (1 + 4/128) (values + scales);
+combine counts the bf16 rows sent back. The aggregate over ranks is also given as a fraction of one
+process's plain device copy of the same number of bytes, measured in the same run.
+
+    python -m benchmarks.bench_intranode --ranks 2 4 8 --sms 24
+    python -m benchmarks.bench_intranode --ranks 4 --sms 8 16 24 32 48     # SM sweep
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from moe_ep import Buffer, Config, fp8  # noqa: E402
+from moe_ep.launch import RankPool  # noqa: E402
+
+MODES = ("dispatch_fp8", "dispatch_bf16", "combine")
+
+
+def with_sms(config: Config, num_sms: int) -> Config:
+    return Config(num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+                  config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
+
+
+def wall_seconds_per_call(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
+
+
+def rank_bench(args):
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1000 + rank)
+    scores = torch.rand(args.tokens, args.experts, device="cuda")
+    topk_idx = scores.topk(args.topk, dim=1).indices
+    topk_weights = torch.rand(args.tokens, args.topk, device="cuda")
+    x = torch.randn(args.tokens, args.hidden, device="cuda").to(torch.bfloat16)
+    x_fp8 = fp8.per_token_cast_to_fp8(x)
+    configs = {m: [with_sms(Buffer.get_combine_config(num_ranks) if m == "combine"
+                            else Buffer.get_dispatch_config(num_ranks), s) for s in args.sms] for m in MODES}
+    nvl = max(c.get_nvl_buffer_size_hint(args.hidden * 2, num_ranks) for cs in configs.values() for c in cs)
+    buffer = Buffer(dist.group.WORLD, nvl)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=topk_idx, topk_weights=topk_weights)
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, **layout)
+    rows = recv_x.shape[0]
+    y = recv_x.clone()
+    results = []
+    for i, num_sms in enumerate(args.sms):
+        calls = {
+            "dispatch_fp8": lambda c=configs["dispatch_fp8"][i]: buffer.dispatch(x_fp8, config=c, **layout),
+            "dispatch_bf16": lambda c=configs["dispatch_bf16"][i]: buffer.dispatch(x, config=c, **layout),
+            "combine": lambda c=configs["combine"][i]: buffer.combine(y, handle, topk_weights=recv_w, config=c),
+        }
+        for mode, fn in calls.items():
+            seconds = wall_seconds_per_call(fn, args.warmup, args.iters)
+            row_bytes = args.hidden * (1 + 4 / 128) if mode == "dispatch_fp8" else args.hidden * 2
+            results.append(dict(rank=rank, sms=num_sms, mode=mode, us=seconds * 1e6, rows=rows,
+                                bytes=rows * row_bytes, gbps=rows * row_bytes / seconds / 1e9))
+    return results
+
+
+def copy_gbps(num_bytes: int, iters: int = 20) -> float:
+    """Payload rate of a plain device copy of num_bytes (one process alone on the GPU)."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda").fill_(1)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return num_bytes * iters / (start.elapsed_time(end) / 1e3) / 1e9
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--sms", type=int, nargs="+", default=[24])
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--json", help="append one JSON line per (ranks, sms, mode) here")
+    args = parser.parse_args()
+    print(f"{'ranks':>5} {'sms':>4} {'mode':>14} {'us/call':>9} {'GB/s per rank (min/mean)':>25} "
+          f"{'aggregate GB/s':>15} {'of copy':>8}")
+    for num_ranks in args.ranks:
+        with RankPool(num_ranks, use_cuda=True) as pool:
+            per_rank = pool.run(rank_bench, args)
+        flat = [r for rows in per_rank for r in rows]
+        for num_sms in args.sms:
+            for mode in MODES:
+                rows = [r for r in flat if r["sms"] == num_sms and r["mode"] == mode]
+                aggregate_bytes = sum(r["bytes"] for r in rows)
+                aggregate = sum(r["gbps"] for r in rows)
+                copy = copy_gbps(int(aggregate_bytes))
+                mean = aggregate / len(rows)
+                print(f"{num_ranks:>5} {num_sms:>4} {mode:>14} {max(r['us'] for r in rows):>9.0f} "
+                      f"{min(r['gbps'] for r in rows):>12.0f} / {mean:<10.0f} {aggregate:>15.0f} "
+                      f"{aggregate / copy:>7.0%}")
+                if args.json:
+                    with open(args.json, "a") as f:
+                        f.write(json.dumps(dict(bench="intranode", ranks=num_ranks, sms=num_sms, mode=mode,
+                                                tokens=args.tokens, hidden=args.hidden, topk=args.topk,
+                                                experts=args.experts, per_rank_gbps=[r["gbps"] for r in rows],
+                                                us=[r["us"] for r in rows], aggregate_gbps=aggregate,
+                                                copy_gbps=copy)) + "\n")
+
+
+if __name__ == "__main__":
+    main()

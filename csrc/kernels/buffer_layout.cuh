@@ -1,0 +1,87 @@
+// Byte layout of a rank's intranode (CUDA IPC) buffer. moe_ep/config.py (IntranodeLayout) mirrors
+// these formulas one to one; tests/test_intranode.py checks on a GPU that both give the same numbers.
+//
+//   [ signals: uint64 slots | counts: int32 rows, one per source rank ]  header, 4 KB aligned
+//   [ window half 0 | window half 1 ]                                      the rest, split in two
+//
+// Dispatch stages a window of this rank's tokens in one half while peers pull the previous window
+// from the other; combine receives a window of this rank's tokens (one slot per token and rank) there.
+#pragma once
+
+#include <cstdint>
+
+namespace moe_ep {
+namespace intranode {
+
+constexpr int64_t kHeaderAlign = 4096;
+constexpr int64_t kSlotAlign = 16;
+// Largest num_experts the count exchange reserves room for.
+constexpr int kMaxExperts = 16384;
+
+__host__ __device__ constexpr int64_t align_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+// Signal slots. Local counters are touched by this rank's blocks only; the *From/*By arrays are written
+// by peers (slot = the writing rank) with monotonically increasing tags.
+enum Signal : int {
+    kSeq = 0,          // kernels run on this buffer so far: numbers each kernel's tags
+    kAbort = 1,        // nonzero once a wait timed out: later kernels return at once
+    kErrorClaim = 2,   // first failing block claims the host error record
+    kNotifyCount = 3,  // blocks of the notify kernel done
+    kDoneCount = 4,    // blocks of a data kernel done
+    kStageCount = 5,   // [2] by window parity: blocks done staging a dispatch window
+    kReduceCount = 7,  // [2] by window parity: blocks done reducing a combine window
+    kFixedSignals = 9,
+};
+// Per-rank arrays follow the fixed slots, in this order.
+enum SignalArray : int {
+    kPullCount = 0,    // [R][2] local: blocks done pulling window (src, parity)
+    kPushCount = 2,    // [R][2] local: blocks done pushing window (owner, parity)
+    kNotifyFrom = 4,   // [R] peer r's counts for this call are in the counts area
+    kStagedFrom = 5,   // [R] peer r staged dispatch window w
+    kReleasedBy = 6,   // [R] peer r finished pulling this rank's window w
+    kOpenFrom = 7,     // [R] peer r accepts combine rows for its windows <= w
+    kPushedFrom = 8,   // [R] peer r pushed its combine rows of this rank's window w
+    kNumArraySlots = 9,
+};
+
+__host__ __device__ constexpr int64_t signal_index(SignalArray array, int num_ranks, int rank, int parity = 0) {
+    return kFixedSignals + (array < kNotifyFrom ? static_cast<int64_t>(array) * num_ranks + 2 * rank + parity
+                                                : 4LL * num_ranks + (array - kNotifyFrom) * num_ranks + rank);
+}
+__host__ __device__ constexpr int64_t signal_bytes(int num_ranks) {
+    return (kFixedSignals + kNumArraySlots * static_cast<int64_t>(num_ranks)) * 8;
+}
+// Row of source rank s in the counts area: [num_tokens, tokens for this rank, per local expert counts].
+__host__ __device__ constexpr int counts_row_ints(int num_ranks, int num_experts) {
+    return 2 + num_experts / num_ranks;
+}
+__host__ __device__ constexpr int64_t header_bytes(int num_ranks) {
+    return align_up(signal_bytes(num_ranks) + 4LL * (2 * num_ranks + kMaxExperts), kHeaderAlign);
+}
+__host__ __device__ constexpr int64_t half_bytes(int64_t num_nvl_bytes, int num_ranks) {
+    return num_nvl_bytes <= header_bytes(num_ranks) ? 0
+                                                    : (num_nvl_bytes - header_bytes(num_ranks)) / 2 / kSlotAlign * kSlotAlign;
+}
+
+// A staged dispatch token: [destination row per rank (int32, -1: not sent) | x | scales | top-k ids | weights].
+struct DispatchSlot {
+    int64_t pos_offset, x_offset, scale_offset, idx_offset, weight_offset, bytes;
+};
+__host__ __device__ constexpr DispatchSlot dispatch_slot(int num_ranks, int64_t x_bytes, int64_t scale_bytes,
+                                                         int num_topk) {
+    DispatchSlot s{};
+    s.pos_offset = 0;
+    s.x_offset = align_up(4LL * num_ranks, kSlotAlign);
+    s.scale_offset = s.x_offset + align_up(x_bytes, kSlotAlign);
+    s.idx_offset = s.scale_offset + align_up(scale_bytes, kSlotAlign);
+    s.weight_offset = s.idx_offset + align_up(8LL * num_topk, kSlotAlign);
+    s.bytes = s.weight_offset + align_up(4LL * num_topk, kSlotAlign);
+    return s;
+}
+// A combine slot (one per token of the owner's window and sending rank): [row | top-k weights].
+__host__ __device__ constexpr int64_t combine_slot_bytes(int64_t x_bytes, int num_topk) {
+    return align_up(x_bytes, kSlotAlign) + align_up(4LL * num_topk, kSlotAlign);
+}
+
+}  // namespace intranode
+}  // namespace moe_ep

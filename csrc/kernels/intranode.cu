@@ -1,0 +1,530 @@
+// Intranode normal-mode dispatch and combine over CUDA IPC (peers' buffers mapped in this process).
+//
+// Dispatch pulls: every rank stages a window of its tokens once in its own buffer (whatever the
+// number of destinations), and every receiver copies the rows meant for it straight into its output
+// tensors, at the row the sender computed. Combine pushes: every rank writes the rows it holds into
+// the owner's window, one slot per (token, sending rank), and the owner sums them in rank order.
+// Windows alternate between two halves of the buffer, so staging (or pushing) window w overlaps the
+// reads of window w - 1; a bounded number of windows makes any token count fit any buffer size.
+//
+// Cross-rank flags carry tags (kernel sequence number, window) and only grow (atomicMax), so a flag
+// of an earlier call never satisfies a wait of a later one, and every wait has a deadline: a peer
+// that never arrives is reported to the host record and all blocks return; nothing traps.
+#include <cub/block/block_scan.cuh>
+#include <cuda_bf16.h>
+
+#include "api.cuh"
+#include "buffer_layout.cuh"
+#include "cuda_check.cuh"
+
+namespace moe_ep {
+namespace intranode {
+namespace {
+
+// Every block of every rank must be resident at once (they wait on each other), also when several
+// ranks share one GPU: 256 threads and at most 64 registers fit four blocks per SM.
+constexpr int kThreads = 256;
+constexpr int kMinBlocksPerSm = 4;
+constexpr int kWarps = kThreads / 32;
+constexpr int kNotifyThreads = 512;
+constexpr int kScanItems = 4;
+constexpr unsigned kFullMask = 0xffffffffu;
+// Combine keeps one bit per sending rank.
+constexpr int kMaxCombineRanks = 64;
+
+__device__ __forceinline__ uint64_t tag(uint64_t seq, int window) { return seq << 24 | static_cast<uint64_t>(window + 1); }
+
+__device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint64_t load_volatile(const uint64_t* p) { return *reinterpret_cast<const volatile uint64_t*>(p); }
+__device__ __forceinline__ uint64_t now_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+// Raise a flag to at least `value`, after this thread's (and, through the caller's fences, its
+// block's) earlier writes.
+__device__ __forceinline__ void raise_flag(uint64_t* flag, uint64_t value) {
+    __threadfence_system();
+    atomicMax_system(reinterpret_cast<unsigned long long*>(flag), static_cast<unsigned long long>(value));
+}
+
+// What every block of a kernel knows about the buffers and the call.
+struct Env {
+    uint8_t* const* buffers;
+    int rank, num_ranks;
+    int64_t header, half;
+    int* host;
+    uint64_t seq, deadline;
+
+    __device__ uint64_t* signals(int r) const { return reinterpret_cast<uint64_t*>(buffers[r]); }
+    __device__ uint64_t* own(int64_t index) const { return signals(rank) + index; }
+    __device__ uint64_t* peer_array(int r, SignalArray array, int slot, int parity = 0) const {
+        return signals(r) + signal_index(array, num_ranks, slot, parity);
+    }
+    __device__ uint8_t* window(int r, int parity) const { return buffers[r] + header + parity * half; }
+};
+
+__device__ Env make_env(const Ctx& c) {
+    Env e;
+    e.buffers = c.buffers;
+    e.rank = c.rank;
+    e.num_ranks = c.num_ranks;
+    e.header = header_bytes(c.num_ranks);
+    e.half = half_bytes(c.num_nvl_bytes, c.num_ranks);
+    e.host = c.host_info;
+    e.seq = load_volatile(reinterpret_cast<uint64_t*>(c.buffers[c.rank]) + kSeq);
+    e.deadline = now_ns() + c.timeout_ns;
+    return e;
+}
+
+__device__ void report_timeout(const Env& e, int kind, int peer, int window) {
+    if (atomicCAS(reinterpret_cast<unsigned long long*>(e.own(kErrorClaim)), 0ull, 1ull) == 0ull) {
+        volatile int* host = e.host;
+        host[kHostErrorKind] = kind;
+        host[kHostErrorPeer] = peer;
+        host[kHostErrorWindow] = window;
+        __threadfence_system();
+        host[kHostError] = 1;
+    }
+    atomicExch(reinterpret_cast<unsigned long long*>(e.own(kAbort)), 1ull);
+    __threadfence_system();
+}
+
+// One thread waits; false after a timeout (reported) or when another block already failed.
+__device__ bool wait_flag(const Env& e, const uint64_t* flag, uint64_t target, int kind, int peer, int window) {
+    while (load_acquire(flag) < target) {
+        if (load_volatile(e.own(kAbort)) != 0) return false;
+        if (now_ns() > e.deadline) {
+            report_timeout(e, kind, peer, window);
+            return false;
+        }
+    }
+    return true;
+}
+
+// The whole block waits for flags[peer] >= target for every peer in [first, last).
+__device__ bool block_wait(const Env& e, SignalArray array, int first, int last, uint64_t target, int kind,
+                           int window) {
+    __shared__ int ok;
+    if (threadIdx.x == 0) {
+        ok = load_volatile(e.own(kAbort)) == 0;
+        for (int r = first; ok && r < last; ++r)
+            ok = wait_flag(e, e.peer_array(e.rank, array, r), target, kind, r, window);
+    }
+    __syncthreads();
+    const bool result = ok;
+    __syncthreads();
+    return result;
+}
+
+// Thread 0, after the block's writes: true for the last of `num_blocks` arrivals, which also resets
+// the counter (counters alternate by window parity, so no block can arrive for the next use before
+// the reset: that use waits on a flag raised after it).
+__device__ bool arrive_last(uint64_t* counter, int num_blocks) {
+    __threadfence_system();
+    const unsigned long long previous = atomicAdd(reinterpret_cast<unsigned long long*>(counter), 1ull);
+    if (previous + 1 != static_cast<unsigned long long>(num_blocks)) return false;
+    atomicExch(reinterpret_cast<unsigned long long*>(counter), 0ull);
+    __threadfence_system();
+    return true;
+}
+
+// The last block of a kernel advances the sequence number the next kernel's tags use.
+__device__ void finish_kernel(const Env& e, uint64_t* done_counter) {
+    __syncthreads();
+    if (threadIdx.x == 0 && arrive_last(done_counter, gridDim.x))
+        atomicAdd(reinterpret_cast<unsigned long long*>(e.own(kSeq)), 1ull);
+}
+
+// ------------------------------------------------------------------ warp-wide row copies
+enum class Src { kReadOnly, kShared };  // user input (cacheable) / memory other ranks write during the kernel
+
+template <Src kSrc, typename V>
+__device__ __forceinline__ V load(const V* p) {
+    if constexpr (kSrc == Src::kReadOnly) return __ldg(p);
+    else return __ldcg(p);
+}
+
+template <Src kSrc, typename V>
+__device__ __forceinline__ void copy_vectors(V* dst, const V* src, int64_t n, int lane) {
+    int64_t i = lane;
+    for (; i + 3 * 32 < n; i += 4 * 32) {  // four loads in flight per lane
+        const V a = load<kSrc>(src + i), b = load<kSrc>(src + i + 32), c = load<kSrc>(src + i + 64),
+                d = load<kSrc>(src + i + 96);
+        dst[i] = a, dst[i + 32] = b, dst[i + 64] = c, dst[i + 96] = d;
+    }
+    for (; i < n; i += 32) dst[i] = load<kSrc>(src + i);
+}
+
+template <Src kSrc>
+__device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes, int lane) {
+    const auto bits = static_cast<uint64_t>(bytes) | reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
+    if (bits % 16 == 0)
+        copy_vectors<kSrc>(static_cast<int4*>(dst), static_cast<const int4*>(src), bytes / 16, lane);
+    else if (bits % 8 == 0)
+        copy_vectors<kSrc>(static_cast<int2*>(dst), static_cast<const int2*>(src), bytes / 8, lane);
+    else if (bits % 4 == 0)
+        copy_vectors<kSrc>(static_cast<int*>(dst), static_cast<const int*>(src), bytes / 4, lane);
+    else
+        for (int64_t i = lane; i < bytes; i += 32) static_cast<uint8_t*>(dst)[i] = static_cast<const uint8_t*>(src)[i];
+}
+
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+__device__ __forceinline__ int clamp_count(int n, int first, int capacity) { return max(0, min(n - first, capacity)); }
+
+// ------------------------------------------------------------------ notify
+// Block d scans column d of is_token_in_rank, sends this rank's counts to rank d, and waits for
+// rank d's counts; the last block sums them up.
+__global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Ctx c, const bool* __restrict__ in_rank, int num_tokens,
+                                                                const int* __restrict__ tokens_per_expert,
+                                                                int num_experts, int* __restrict__ send_pos,
+                                                                int* __restrict__ recv_info, int nonce) {
+    using Scan = cub::BlockScan<int, kNotifyThreads>;
+    __shared__ typename Scan::TempStorage scan_storage;
+    __shared__ int carry;
+    const Env e = make_env(c);
+    const int R = e.num_ranks, d = blockIdx.x, local = num_experts / R, row_ints = counts_row_ints(R, num_experts);
+    if (threadIdx.x == 0) carry = 0;
+    __syncthreads();
+    for (int base = 0; base < num_tokens; base += kNotifyThreads * kScanItems) {
+        int flags[kScanItems], count = 0;
+#pragma unroll
+        for (int i = 0; i < kScanItems; ++i) {
+            const int t = base + threadIdx.x * kScanItems + i;
+            flags[i] = t < num_tokens && in_rank[static_cast<int64_t>(t) * R + d];
+            count += flags[i];
+        }
+        int before, block_total;
+        Scan(scan_storage).ExclusiveSum(count, before, block_total);
+        before += carry;
+#pragma unroll
+        for (int i = 0; i < kScanItems; ++i) {
+            const int t = base + threadIdx.x * kScanItems + i;
+            if (t < num_tokens) send_pos[static_cast<int64_t>(t) * R + d] = flags[i] ? before : -1;
+            before += flags[i];
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) carry += block_total;
+        __syncthreads();
+    }
+    // Our row in rank d's counts area: [tokens, tokens for d, counts of d's experts].
+    int* row = reinterpret_cast<int*>(e.buffers[d] + signal_bytes(R)) + e.rank * row_ints;
+    for (int i = threadIdx.x; i < local; i += blockDim.x) row[2 + i] = tokens_per_expert[d * local + i];
+    if (threadIdx.x == 0) {
+        row[0] = num_tokens;
+        row[1] = carry;
+        e.host[kHostCounts + R + d] = carry;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) raise_flag(e.peer_array(d, kNotifyFrom, e.rank), tag(e.seq, 0));
+    block_wait(e, kNotifyFrom, d, d + 1, tag(e.seq, 0), kErrNotify, 0);
+    __shared__ bool last;
+    if (threadIdx.x == 0) last = arrive_last(e.own(kNotifyCount), gridDim.x);
+    __syncthreads();
+    if (!last) return;
+    if (load_volatile(e.own(kAbort)) != 0) {
+        if (threadIdx.x == 0) atomicAdd(reinterpret_cast<unsigned long long*>(e.own(kSeq)), 1ull);
+        return;
+    }
+    const int* counts = reinterpret_cast<const int*>(e.buffers[e.rank] + signal_bytes(R));
+    if (threadIdx.x == 0) {
+        int total = 0, max_tokens = 0;
+        for (int s = 0; s < R; ++s) {
+            const int tokens = __ldcg(counts + s * row_ints), rows = __ldcg(counts + s * row_ints + 1);
+            recv_info[2 + s] = total;
+            recv_info[3 + R + s] = tokens;
+            e.host[kHostCounts + s] = rows;
+            total += rows;
+            max_tokens = max(max_tokens, tokens);
+        }
+        recv_info[2 + R] = total;
+        recv_info[0] = max_tokens;
+        recv_info[1] = total;
+        e.host[kHostTotal] = total;
+        e.host[kHostMaxTokens] = max_tokens;
+    }
+    for (int i = threadIdx.x; i < local; i += blockDim.x) {
+        int sum = 0;
+        for (int s = 0; s < R; ++s) sum += __ldcg(counts + s * row_ints + 2 + i);
+        e.host[kHostCounts + 2 * R + i] = sum;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        reinterpret_cast<volatile int*>(e.host)[kHostDone] = nonce;
+        atomicAdd(reinterpret_cast<unsigned long long*>(e.own(kSeq)), 1ull);
+    }
+}
+
+// ------------------------------------------------------------------ dispatch
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) dispatch_kernel(Ctx c, DispatchArgs a, DispatchSlot slot, int window_tokens) {
+    const Env e = make_env(c);
+    const int R = e.num_ranks, me = e.rank, K = a.num_topk;
+    const int lane = threadIdx.x % 32, warp_id = blockIdx.x * kWarps + threadIdx.x / 32, num_warps = gridDim.x * kWarps;
+    const int max_tokens = a.recv_info[0], total = a.recv_info[1];
+    const int* base = a.recv_info + 2;
+    const int* src_tokens = a.recv_info + 3 + R;
+    const int num_windows = max(1, ceil_div(max_tokens, window_tokens));
+    bool ok = load_volatile(e.own(kAbort)) == 0;
+    for (int w = 0; ok && w < num_windows; ++w) {
+        const int parity = w & 1, first = w * window_tokens;
+        // Stage: window w reuses the half of window w - 2, once every rank has finished reading it.
+        if (w >= 2 && !(ok = block_wait(e, kReleasedBy, 0, R, tag(e.seq, w - 2), kErrReleased, w - 2))) break;
+        uint8_t* staged = e.window(me, parity);
+        const int count = clamp_count(a.num_tokens, first, window_tokens);
+        for (int i = warp_id; i < count; i += num_warps) {
+            const int64_t t = first + i;
+            uint8_t* s = staged + i * slot.bytes;
+            int* pos = reinterpret_cast<int*>(s + slot.pos_offset);
+            bool sent = false;
+            for (int r = lane; r < R; r += 32) {
+                const int p = a.send_pos[t * R + r];
+                pos[r] = p;
+                sent |= p >= 0;
+            }
+            if (!__any_sync(kFullMask, sent)) continue;
+            warp_copy<Src::kReadOnly>(s + slot.x_offset, static_cast<const uint8_t*>(a.x) + t * a.x_bytes, a.x_bytes, lane);
+            if (a.scale_bytes > 0)
+                warp_copy<Src::kReadOnly>(s + slot.scale_offset, static_cast<const uint8_t*>(a.scales) + t * a.scale_bytes,
+                                          a.scale_bytes, lane);
+            for (int k = lane; k < K; k += 32) {
+                reinterpret_cast<int64_t*>(s + slot.idx_offset)[k] = a.topk_idx[t * K + k];
+                reinterpret_cast<float*>(s + slot.weight_offset)[k] = a.topk_weights[t * K + k];
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x == 0 && arrive_last(e.own(kStageCount + parity), gridDim.x))
+            for (int r = 0; r < R; ++r) raise_flag(e.peer_array(r, kStagedFrom, me), tag(e.seq, w));
+        // Pull window w of every rank, starting with the next one so that ranks spread their reads.
+        for (int j = 1; j <= R; ++j) {
+            const int s = (me + j) % R;
+            if (!(ok = block_wait(e, kStagedFrom, s, s + 1, tag(e.seq, w), kErrStaged, w))) break;
+            const uint8_t* window = e.window(s, parity);
+            const int n = clamp_count(src_tokens[s], first, window_tokens);
+            for (int i = warp_id; i < n; i += num_warps) {
+                const uint8_t* src = window + i * slot.bytes;
+                const int p = __ldcg(reinterpret_cast<const int*>(src + slot.pos_offset) + me);
+                if (p < 0) continue;
+                const int64_t row = base[s] + p;
+                if (row >= a.num_recv_rows) {  // num_worst_tokens too small: report, write nothing
+                    if (lane == 0) reinterpret_cast<volatile int*>(e.host)[kHostOverflow] = total;
+                    continue;
+                }
+                warp_copy<Src::kShared>(static_cast<uint8_t*>(a.recv_x) + row * a.x_bytes, src + slot.x_offset, a.x_bytes, lane);
+                if (a.scale_bytes > 0)
+                    warp_copy<Src::kShared>(static_cast<uint8_t*>(a.recv_scales) + row * a.scale_bytes, src + slot.scale_offset,
+                                            a.scale_bytes, lane);
+                for (int k = lane; k < K; k += 32) {
+                    const int64_t expert = __ldcg(reinterpret_cast<const long long*>(src + slot.idx_offset) + k);
+                    const int64_t local = expert - static_cast<int64_t>(me) * a.experts_per_rank;
+                    const bool mine = expert >= 0 && local >= 0 && local < a.experts_per_rank;
+                    a.recv_topk_idx[row * K + k] = mine ? local : -1;
+                    a.recv_topk_weights[row * K + k] =
+                        mine ? __ldcg(reinterpret_cast<const float*>(src + slot.weight_offset) + k) : 0.f;
+                }
+                if (lane == 0) a.recv_src_idx[row] = first + i;
+            }
+            __syncthreads();
+            if (threadIdx.x == 0 && arrive_last(e.own(signal_index(kPullCount, R, s, parity)), gridDim.x))
+                raise_flag(e.peer_array(s, kReleasedBy, me), tag(e.seq, w));
+        }
+    }
+    // Padding rows of a num_worst_tokens dispatch: no data, no expert.
+    if (ok) {
+        for (int64_t row = min(total, a.num_recv_rows) + warp_id; row < a.num_recv_rows; row += num_warps) {
+            for (int64_t b = lane; b < a.x_bytes; b += 32) static_cast<uint8_t*>(a.recv_x)[row * a.x_bytes + b] = 0;
+            for (int64_t b = lane; b < a.scale_bytes; b += 32) static_cast<uint8_t*>(a.recv_scales)[row * a.scale_bytes + b] = 0;
+            for (int k = lane; k < K; k += 32) {
+                a.recv_topk_idx[row * K + k] = -1;
+                a.recv_topk_weights[row * K + k] = 0.f;
+            }
+            if (lane == 0) a.recv_src_idx[row] = -1;
+        }
+    }
+    // The next kernel may overwrite this rank's windows: wait until every rank has read them.
+    if (ok && blockIdx.x == 0) block_wait(e, kReleasedBy, 0, R, tag(e.seq, num_windows - 1), kErrReleased, num_windows - 1);
+    finish_kernel(e, e.own(kDoneCount));
+}
+
+// ------------------------------------------------------------------ combine
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(float v) { return v; }
+template <typename T>
+__device__ __forceinline__ T from_float(float v) {
+    if constexpr (sizeof(T) == 2) return __float2bfloat16_rn(v);
+    else return v;
+}
+
+// acc[i] += element i of the vector v of T.
+template <typename T, typename V>
+__device__ __forceinline__ void add_to(float* acc, const V& v) {
+    const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(sizeof(V) / sizeof(T)); ++i) acc[i] += to_float(e[i]);
+}
+template <typename T, typename V>
+__device__ __forceinline__ V pack(const float* acc) {
+    V v;
+    T* e = reinterpret_cast<T*>(&v);
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(sizeof(V) / sizeof(T)); ++i) e[i] = from_float<T>(acc[i]);
+    return v;
+}
+
+// First index in sorted [lo, hi) with value >= key.
+__device__ int lower_bound(const int* values, int lo, int hi, int key) {
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (values[mid] < key) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+// T: element type; V: the vector a lane moves at once (16 bytes, or 8 for rows of 8-byte multiples).
+template <typename T, typename V>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) combine_kernel(Ctx c, CombineArgs a, int64_t slot_bytes, int window_tokens) {
+    constexpr int kElems = sizeof(V) / sizeof(T);
+    const Env e = make_env(c);
+    const int R = e.num_ranks, me = e.rank, K = a.num_topk;
+    const int lane = threadIdx.x % 32, warp_id = blockIdx.x * kWarps + threadIdx.x / 32, num_warps = gridDim.x * kWarps;
+    const int64_t x_bytes = static_cast<int64_t>(a.hidden) * sizeof(T), chunks = x_bytes / sizeof(V);
+    const int64_t weights_offset = align_up(x_bytes, kSlotAlign);
+    const int max_tokens = a.recv_info[0];
+    const int* base = a.recv_info + 2;
+    const int num_windows = max(1, ceil_div(max_tokens, window_tokens));
+    bool ok = load_volatile(e.own(kAbort)) == 0;
+    // Windows 0 and 1 of this rank accept rows from now on (the previous kernel left them unused).
+    if (ok && blockIdx.x == 0 && threadIdx.x == 0)
+        for (int r = 0; r < R; ++r) raise_flag(e.peer_array(r, kOpenFrom, me), tag(e.seq, 1));
+    __shared__ int range[2];
+    for (int w = 0; ok && w < num_windows; ++w) {
+        const int parity = w & 1, first = w * window_tokens;
+        // Push: rows this rank holds for tokens of owner s's window w (contiguous: sorted by token).
+        for (int j = 1; ok && j <= R; ++j) {
+            const int s = (me + j) % R;
+            if (threadIdx.x == 0) {
+                range[0] = lower_bound(a.recv_src_idx, base[s], base[s + 1], first);
+                range[1] = lower_bound(a.recv_src_idx, range[0], base[s + 1], first + window_tokens);
+            }
+            __syncthreads();
+            const int lo = range[0], hi = range[1];
+            __syncthreads();
+            if (hi > lo) {
+                if (!(ok = block_wait(e, kOpenFrom, s, s + 1, tag(e.seq, w), kErrOpen, w))) break;
+                uint8_t* window = e.window(s, parity);
+                for (int64_t i = lo + warp_id; i < hi; i += num_warps) {
+                    const int64_t t = a.recv_src_idx[i];
+                    uint8_t* dst = window + ((t - first) * R + me) * slot_bytes;
+                    warp_copy<Src::kReadOnly>(dst, static_cast<const uint8_t*>(a.x) + i * x_bytes, x_bytes, lane);
+                    for (int k = lane; k < K; k += 32)
+                        reinterpret_cast<float*>(dst + weights_offset)[k] = a.topk_weights[i * K + k];
+                }
+            }
+            __syncthreads();
+            if (threadIdx.x == 0 && arrive_last(e.own(signal_index(kPushCount, R, s, parity)), gridDim.x))
+                raise_flag(e.peer_array(s, kPushedFrom, me), tag(e.seq, w));
+        }
+        if (!ok) break;
+        // Reduce this rank's window w: bias, then every rank's row in ascending rank order, in float32.
+        if (!(ok = block_wait(e, kPushedFrom, 0, R, tag(e.seq, w), kErrPushed, w))) break;
+        const uint8_t* window = e.window(me, parity);
+        const int count = clamp_count(a.num_tokens, first, window_tokens);
+        for (int i = warp_id; i < count; i += num_warps) {
+            const int64_t t = first + i;
+            uint64_t sent = 0;
+            for (int r0 = 0; r0 < R; r0 += 32) {
+                const int r = r0 + lane;
+                const unsigned bits = __ballot_sync(kFullMask, r < R && a.send_pos[t * R + r] >= 0);
+                sent |= static_cast<uint64_t>(bits) << r0;
+            }
+            const uint8_t* slots = window + static_cast<int64_t>(i) * R * slot_bytes;
+            for (int64_t chunk = lane; chunk < chunks; chunk += 32) {
+                float acc[kElems];
+#pragma unroll
+                for (int v = 0; v < kElems; ++v) acc[v] = 0.f;
+                if (a.bias0 != nullptr) add_to<T>(acc, __ldg(static_cast<const V*>(a.bias0) + t * chunks + chunk));
+                if (a.bias1 != nullptr) add_to<T>(acc, __ldg(static_cast<const V*>(a.bias1) + t * chunks + chunk));
+                for (uint64_t rest = sent; rest != 0; rest &= rest - 1) {
+                    const int r = __ffsll(static_cast<long long>(rest)) - 1;
+                    add_to<T>(acc, __ldcg(reinterpret_cast<const V*>(slots + r * slot_bytes) + chunk));
+                }
+                static_cast<V*>(a.out)[t * chunks + chunk] = pack<T, V>(acc);
+            }
+            if (a.out_weights != nullptr) {
+                for (int k = lane; k < K; k += 32) {
+                    float acc = 0.f;
+                    for (uint64_t rest = sent; rest != 0; rest &= rest - 1) {
+                        const int r = __ffsll(static_cast<long long>(rest)) - 1;
+                        acc += __ldcg(reinterpret_cast<const float*>(slots + r * slot_bytes + weights_offset) + k);
+                    }
+                    a.out_weights[t * K + k] = acc;
+                }
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x == 0 && arrive_last(e.own(kReduceCount + parity), gridDim.x))
+            for (int r = 0; r < R; ++r) raise_flag(e.peer_array(r, kOpenFrom, me), tag(e.seq, w + 2));
+    }
+    finish_kernel(e, e.own(kDoneCount));
+}
+
+}  // namespace
+
+int dispatch_window_tokens(int num_ranks, int64_t num_nvl_bytes, int64_t x_bytes, int64_t scale_bytes, int num_topk) {
+    const int64_t half = half_bytes(num_nvl_bytes, num_ranks);
+    const int64_t tokens = half / dispatch_slot(num_ranks, x_bytes, scale_bytes, num_topk).bytes;
+    return static_cast<int>(tokens < (1 << 22) ? tokens : (1 << 22));
+}
+
+int combine_window_tokens(int num_ranks, int64_t num_nvl_bytes, int64_t x_bytes, int num_topk) {
+    const int64_t half = half_bytes(num_nvl_bytes, num_ranks);
+    const int64_t tokens = half / (combine_slot_bytes(x_bytes, num_topk) * num_ranks);
+    return static_cast<int>(tokens < (1 << 22) ? tokens : (1 << 22));
+}
+
+void notify(const Ctx& ctx, const bool* is_token_in_rank, int num_tokens, const int* num_tokens_per_expert,
+            int num_experts, int* send_pos, int* recv_info, int nonce) {
+    if (num_experts > kMaxExperts)
+        throw std::runtime_error("moe_ep: intranode dispatch supports at most " + std::to_string(kMaxExperts) +
+                                 " experts, got " + std::to_string(num_experts));
+    notify_kernel<<<ctx.num_ranks, kNotifyThreads, 0, ctx.stream>>>(ctx, is_token_in_rank, num_tokens,
+                                                                     num_tokens_per_expert, num_experts, send_pos,
+                                                                     recv_info, nonce);
+    MOE_EP_LAUNCH_CHECK("intranode notify_kernel");
+}
+
+void dispatch(const Ctx& ctx, const DispatchArgs& args) {
+    const DispatchSlot slot = dispatch_slot(ctx.num_ranks, args.x_bytes, args.scale_bytes, args.num_topk);
+    const int window = dispatch_window_tokens(ctx.num_ranks, ctx.num_nvl_bytes, args.x_bytes, args.scale_bytes, args.num_topk);
+    if (window < 1) throw std::runtime_error("moe_ep: the intranode buffer cannot hold one dispatch slot");
+    dispatch_kernel<<<ctx.num_blocks, kThreads, 0, ctx.stream>>>(ctx, args, slot, window);
+    MOE_EP_LAUNCH_CHECK("intranode dispatch_kernel");
+}
+
+void combine(const Ctx& ctx, const CombineArgs& args) {
+    if (ctx.num_ranks > kMaxCombineRanks)
+        throw std::runtime_error("moe_ep: intranode combine supports at most 64 ranks");
+    const int64_t x_bytes = static_cast<int64_t>(args.hidden) * (args.dtype == DType::kFloat32 ? 4 : 2);
+    if (x_bytes % 8 != 0) throw std::runtime_error("moe_ep: intranode combine needs rows of a multiple of 8 bytes");
+    const int window = combine_window_tokens(ctx.num_ranks, ctx.num_nvl_bytes, x_bytes, args.num_topk);
+    if (window < 1) throw std::runtime_error("moe_ep: the intranode buffer cannot hold one combine window");
+    const int64_t slot = combine_slot_bytes(x_bytes, args.num_topk);
+    // Outputs and biases are whole rows of x_bytes: 16-byte vectors when every row starts aligned.
+    const bool wide = x_bytes % 16 == 0;
+    const auto launch = [&](auto kernel) { kernel<<<ctx.num_blocks, kThreads, 0, ctx.stream>>>(ctx, args, slot, window); };
+    if (args.dtype == DType::kBFloat16)
+        wide ? launch(combine_kernel<__nv_bfloat16, int4>) : launch(combine_kernel<__nv_bfloat16, int2>);
+    else if (args.dtype == DType::kFloat32)
+        wide ? launch(combine_kernel<float, int4>) : launch(combine_kernel<float, int2>);
+    else
+        throw std::runtime_error("moe_ep: intranode combine takes bfloat16 or float32 rows");
+    MOE_EP_LAUNCH_CHECK("intranode combine_kernel");
+}
+
+}  // namespace intranode
+}  // namespace moe_ep

@@ -1,0 +1,120 @@
+"""Intranode kernels (CUDA IPC) against the portable backend, bit for bit, with ranks sharing one GPU.
+
+Every test runs the same rank function on GPU ranks (kernels) and CPU ranks (portable backend) and
+compares all outputs. Skipped where there is no GPU or no extension.
+"""
+import pytest
+import torch
+
+from moe_ep import Config, _native
+
+from . import rank_fns
+from .problems import Problem
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+    pytest.mark.skipif(not _native.has_kernels(), reason=str(_native.unavailable_reason())),
+]
+
+FIELDS = ("recv_x", "recv_idx", "recv_w", "counts", "cached", "cached_rest", "combined", "combined_w",
+          "num_recv_rows")
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _compare(seed, on_gpu, on_cpu):
+    for rank, (g, c) in enumerate(zip(on_gpu, on_cpu)):
+        for field in FIELDS:
+            assert _same(g[field], c[field]), f"seed {seed} rank {rank}: {field} differs from the portable backend"
+
+
+def _both(pools, gpu_pools, num_ranks, fn, *args, **kwargs):
+    return gpu_pools(num_ranks).run(fn, *args, **kwargs), pools(num_ranks).run(fn, *args, **kwargs)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+@pytest.mark.parametrize("variant", [
+    dict(use_fp8=False, num_biases=0),
+    dict(use_fp8=True, num_biases=2),
+    dict(use_fp8=False, num_biases=1, expert_alignment=16),
+    dict(use_fp8=True, num_worst_tokens=512),
+    dict(use_fp8=False, with_topk=False),
+    dict(use_fp8=False, stream_args=True, num_biases=2),
+])
+def test_intranode_equals_portable(pools, gpu_pools, seed, num_ranks, variant):
+    p = Problem(seed, num_ranks, num_ranks * 8, 512, 6, max_tokens=96)
+    _compare(seed, *_both(pools, gpu_pools, num_ranks, rank_fns.normal_round, p, **variant))
+
+
+@pytest.mark.parametrize("num_ranks,hidden,dtype", [(3, 132, torch.bfloat16), (2, 256, torch.float32),
+                                                    (5, 2052, torch.bfloat16)])
+def test_odd_rank_counts_and_row_sizes(pools, gpu_pools, seed, num_ranks, hidden, dtype):
+    """Rank counts outside 2/4/8 and rows that are a multiple of 8 bytes but not of 16."""
+    p = Problem(seed, num_ranks, num_ranks * 4, hidden, 3, max_tokens=40)
+    _compare(seed, *_both(pools, gpu_pools, num_ranks, rank_fns.normal_round, p, num_biases=2, dtype=dtype))
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_many_windows_in_a_small_buffer(pools, gpu_pools, seed, num_ranks, use_fp8):
+    """A buffer sized for a tiny config holds a few tokens per window: dispatch and combine go through
+    many windows (and both halves) per call."""
+    config = Config(4, 2, 4, 2, 4)
+    p = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=200)
+    _compare(seed, *_both(pools, gpu_pools, num_ranks, rank_fns.normal_round, p, use_fp8=use_fp8, num_biases=1,
+                          config=config))
+
+
+def test_large_problem(pools, gpu_pools, seed):
+    p = Problem(seed, 4, 64, 2048, 8, max_tokens=1024, drop=0.05)
+    _compare(seed, *_both(pools, gpu_pools, 4, rank_fns.normal_round, p, use_fp8=True, num_biases=1))
+
+
+@pytest.mark.parametrize("num_ranks", [2, 8])
+def test_twenty_repeats_give_identical_bits(pools, gpu_pools, seed, num_ranks):
+    p = Problem(seed, num_ranks, num_ranks * 8, 1024, 8, max_tokens=256)
+    digests = gpu_pools(num_ranks).run(rank_fns.repeated_rounds, p, 20, True)
+    reference = pools(num_ranks).run(rank_fns.repeated_rounds, p, 1, True)
+    for rank, (got, want) in enumerate(zip(digests, reference)):
+        assert set(got) == {want[0]}, f"seed {seed} rank {rank}: {len(set(got))} distinct results in 20 repeats"
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_cuda_graph_capture_and_replay(gpu_pools, seed, num_ranks):
+    """num_worst_tokens: no host synchronisation, so layout, dispatch and combine capture in one graph;
+    replays on new data equal eager calls on that data."""
+    # Same seed, so the same token counts (the graph's shapes are fixed) and rows; other -1 entries.
+    p = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=64, drop=0.2)
+    q = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=64, drop=0.5)
+    results = gpu_pools(num_ranks).run(rank_fns.graph_round, p, q, num_ranks * 64)
+    for rank, (replays, eager_q, eager_p) in enumerate(results):
+        for i, want in enumerate((eager_q, eager_p, eager_q)):
+            assert _same(replays[i], want), f"seed {seed} rank {rank}: replay {i} differs from the eager call"
+
+
+def test_missing_peer_raises_timeout_naming_it(gpu_pools):
+    results = gpu_pools(2).run(rank_fns.skip_a_call, 1, "dispatch", 2.0)
+    assert results[1] == "skipped"
+    kind, message = results[0]
+    assert kind == "TimeoutError" and "rank 1" in message, message
+
+
+def test_a_kernel_handle_with_cpu_tensors_is_refused(gpu_pools):
+    p = Problem(3, 2, 8, 128, 2, max_tokens=8)
+    for message in gpu_pools(2).run(rank_fns.handle_on_the_wrong_device, p):
+        assert message.startswith("handle:") and "CUDA" in message, message
+
+
+def test_python_and_cuda_layouts_agree(gpu_pools):
+    cases = [(2, 1 << 20, 14336, 224, 8), (8, 367431680, 7168, 224, 8), (3, 5_000_000, 264, 0, 3),
+             (64, 1 << 30, 8192, 256, 32), (4, 1000, 256, 0, 1)]
+    for cuda_numbers, python_numbers in gpu_pools(2).run(rank_fns.intranode_layout_numbers, cases)[0]:
+        for key, value in python_numbers.items():
+            assert cuda_numbers[key] == value, key
