@@ -126,7 +126,8 @@ class IntranodeLayout:
         self.combine_slot_bytes = _align(x_bytes, a) + _align(4 * num_topk, a)
         cap = 1 << 22
         self.dispatch_window_tokens = min(self.half_bytes // self.dispatch_slot_bytes, cap)
-        self.combine_window_tokens = min(self.half_bytes // (self.combine_slot_bytes * num_ranks), cap)
+        combine_bytes = self.combine_slot_bytes * num_ranks
+        self.combine_window_tokens = min(self.half_bytes // combine_bytes, cap) if combine_bytes else 0
 
     def as_dict(self) -> dict:
         return dict(vars(self))

@@ -55,8 +55,12 @@ class RankError(RuntimeError):
 
 def _rank_main(rank: int, num_ranks: int, port: int, backend: str, use_cuda: bool, env: Dict[str, str], conn):
     os.environ.update(env)
+    import faulthandler
+
     import torch
     import torch.distributed as dist
+
+    faulthandler.enable()  # a native crash in a rank prints its Python stack instead of a bare EOF
 
     if use_cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())

@@ -114,7 +114,7 @@ def test_a_kernel_handle_with_cpu_tensors_is_refused(gpu_pools):
 
 def test_python_and_cuda_layouts_agree(gpu_pools):
     cases = [(2, 1 << 20, 14336, 224, 8), (8, 367431680, 7168, 224, 8), (3, 5_000_000, 264, 0, 3),
-             (64, 1 << 30, 8192, 256, 32), (4, 1000, 256, 0, 1)]
+             (64, 1 << 30, 8192, 256, 32), (4, 1000, 256, 0, 1), (2, 1 << 20, 0, 0, 0)]
     for cuda_numbers, python_numbers in gpu_pools(2).run(rank_fns.intranode_layout_numbers, cases)[0]:
         for key, value in python_numbers.items():
             assert cuda_numbers[key] == value, key

@@ -477,13 +477,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) combine_kernel(Ctx 
 
 int dispatch_window_tokens(int num_ranks, int64_t num_nvl_bytes, int64_t x_bytes, int64_t scale_bytes, int num_topk) {
     const int64_t half = half_bytes(num_nvl_bytes, num_ranks);
-    const int64_t tokens = half / dispatch_slot(num_ranks, x_bytes, scale_bytes, num_topk).bytes;
+    const int64_t tokens = half / dispatch_slot(num_ranks, x_bytes, scale_bytes, num_topk).bytes;  // slot >= 16 bytes
     return static_cast<int>(tokens < (1 << 22) ? tokens : (1 << 22));
 }
 
 int combine_window_tokens(int num_ranks, int64_t num_nvl_bytes, int64_t x_bytes, int num_topk) {
-    const int64_t half = half_bytes(num_nvl_bytes, num_ranks);
-    const int64_t tokens = half / (combine_slot_bytes(x_bytes, num_topk) * num_ranks);
+    const int64_t half = half_bytes(num_nvl_bytes, num_ranks), slot = combine_slot_bytes(x_bytes, num_topk);
+    if (slot == 0) return 0;  // an empty row: nothing to hold
+    const int64_t tokens = half / (slot * num_ranks);
     return static_cast<int>(tokens < (1 << 22) ? tokens : (1 << 22));
 }
 
