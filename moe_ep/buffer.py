@@ -89,7 +89,8 @@ class Buffer:
         self.serial = next_buffer_serial()
         self.timeout_s = timeout_seconds()
         self.debug_checks = debug_checks_enabled()
-        self._portable = PortableBackend(group, ArrivalGate(group, self.serial, self.timeout_s))
+        self._gate = ArrivalGate(group, self.serial, self.timeout_s)
+        self._portable = PortableBackend(group, self._gate)
         self._intranode: Optional[IntranodeBackend] = None  # made at the first dispatch of CUDA tensors
         self._kernels = self._kernels_usable()
         self._comm_stream: Optional[torch.cuda.Stream] = None  # made when first needed: CPU-only ranks
@@ -473,7 +474,7 @@ class Buffer:
         if not (x.is_cuda and self._kernels):
             return False
         if self._intranode is None:
-            self._intranode = IntranodeBackend(self.group, self.num_nvl_bytes, self.timeout_s, self.get_comm_stream())
+            self._intranode = IntranodeBackend(self.group, self._gate, self.num_nvl_bytes, self.get_comm_stream())
         return True
 
     def _check_handle_backend(self, handle: DispatchHandle, x: torch.Tensor) -> None:

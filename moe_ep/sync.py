@@ -54,9 +54,13 @@ class ArrivalGate:
     def enter(self, phase: str) -> None:
         """Returns once every rank of the group has entered the same call; raises TimeoutError
         naming the missing ranks after the deadline, RuntimeError if ranks are in different calls."""
+        self.exchange(phase, b"")
+
+    def exchange(self, phase: str, payload: bytes) -> List[bytes]:
+        """enter(), and every rank's payload comes back in rank order (a bounded all-gather)."""
         call = next(self._calls)
         keys = [f"{call}/{r}" for r in range(self.num_ranks)]
-        self._store.set(keys[self.rank], phase)
+        self._store.set(keys[self.rank], phase.encode() + b"\0" + payload)
         try:
             self._store.wait(keys, self.timeout)
         except RuntimeError:  # DistStoreError on timeout
@@ -66,8 +70,8 @@ class ArrivalGate:
                 f"within {self.timeout_s:g} s; rank {self.rank} waited. Raise MOE_EP_TIMEOUT_S if the peer is "
                 "only slow; after this error the Buffer's ranks are out of step: create a new Buffer."
             ) from None
-        phases = [p.decode() for p in self._store.multi_get(keys)]
-        others = {r: p for r, p in enumerate(phases) if p != phase}
+        entries = [bytes(v).split(b"\0", 1) for v in self._store.multi_get(keys)]
+        others = {r: p.decode() for r, (p, _) in enumerate(entries) if p.decode() != phase}
         if others:
             raise RuntimeError(
                 f"moe_ep: ranks disagree on the call: rank {self.rank} is in {phase}, but "
@@ -78,6 +82,7 @@ class ArrivalGate:
             # Every rank set its key for this call only after passing call - 1, so nobody reads
             # call - 2 any more.
             self._store.delete_key(f"{call - 2}/{self.rank}")
+        return [value for _, value in entries]
 
 
 def _fmt_ranks(ranks: List[int]) -> str:

@@ -19,6 +19,7 @@ from .. import _native
 from ..config import Config, IntranodeLayout
 from ..events import EventOverlap
 from ..handles import DispatchHandle
+from ..sync import ArrivalGate
 
 # host_info slots (csrc/kernels/api.cuh, intranode::HostInfo)
 HOST_DONE, HOST_ERROR, HOST_ERROR_KIND, HOST_ERROR_PEER, HOST_ERROR_WINDOW, HOST_OVERFLOW = range(6)
@@ -63,17 +64,17 @@ def _release(ops, own: int, opened: List[int]) -> None:
 
 
 class IntranodeBackend:
-    def __init__(self, group: dist.ProcessGroup, num_nvl_bytes: int, timeout_s: float, comm_stream: torch.cuda.Stream):
+    def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_nvl_bytes: int, comm_stream: torch.cuda.Stream):
         self.ops = _native.ops()
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
         self.num_nvl_bytes = num_nvl_bytes
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s = gate.timeout_s
         self.device = torch.device("cuda", torch.cuda.current_device())
         own, handle = self.ops.ipc_alloc(num_nvl_bytes)  # zeroed before its handle is published
-        handles: List[Optional[bytes]] = [None] * self.num_ranks
-        dist.all_gather_object(handles, handle, group=group)
+        # Through the store with a deadline: a rank that never makes its first CUDA dispatch is named.
+        handles = gate.exchange("dispatch (mapping the peers' buffers)", handle)
         opened = [self.ops.ipc_open(h) for r, h in enumerate(handles) if r != self.rank]
         pointers = opened[: self.rank] + [own] + opened[self.rank :]
         self._finalizer = weakref.finalize(self, _release, self.ops, own, opened)
