@@ -56,7 +56,8 @@ def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, n
     rank = dist.get_rank()
     inp = my_inputs(p)
     inp["x"] = inp["x"].to(dtype)
-    buffer = buffer if buffer is not None else normal_buffer(p.hidden, config)
+    # normal_buffer sizes for 2-byte elements: float32 rows are twice as wide.
+    buffer = buffer if buffer is not None else normal_buffer(p.hidden * (2 if dtype == torch.float32 else 1), config)
     extra = dict(config=config) if config is not None else {}
     if stream_args:
         extra.update(previous_event=Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
@@ -307,3 +308,33 @@ def intranode_layout_numbers(cases):
     from moe_ep import _native
     from moe_ep.config import IntranodeLayout
     return [(_native.ops().intranode_layout(*case), IntranodeLayout(*case).as_dict()) for case in cases]
+
+
+def skip_after_warmup(skipping_rank: int, phase: str, timeout_s: float):
+    """Every rank dispatches once (the kernels map the peers' buffers), then skipping_rank skips the
+    next `phase` ("dispatch" or "combine") that the others make. A combine does not wait on the host,
+    so its error surfaces at the next call."""
+    os.environ["MOE_EP_TIMEOUT_S"] = str(timeout_s)
+    try:
+        p = Problem(21, dist.get_world_size(), dist.get_world_size() * 2, 128, 2, max_tokens=8, zero_token_rank=False)
+        inp = my_inputs(p)
+        buffer = normal_buffer(p.hidden)
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
+        layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        recv_x, _, _, _, handle, _ = buffer.dispatch(inp["x"], **layout)
+        torch.cuda.synchronize()
+        dist.barrier()
+        if dist.get_rank() == skipping_rank:
+            return "skipped"
+        try:
+            if phase == "dispatch":
+                buffer.dispatch(inp["x"], **layout)
+            else:
+                buffer.combine(recv_x, handle)
+                torch.cuda.synchronize()  # the kernel gives up after the timeout and returns
+                buffer.dispatch(inp["x"], handle=handle)
+        except Exception as exc:  # noqa: BLE001
+            return type(exc).__name__, str(exc)
+        return "returned"
+    finally:
+        del os.environ["MOE_EP_TIMEOUT_S"]

@@ -99,11 +99,20 @@ def test_cuda_graph_capture_and_replay(gpu_pools, seed, num_ranks):
             assert _same(replays[i], want), f"seed {seed} rank {rank}: replay {i} differs from the eager call"
 
 
-def test_missing_peer_raises_timeout_naming_it(gpu_pools):
+def test_a_peer_missing_at_the_first_dispatch_is_named(gpu_pools):
     results = gpu_pools(2).run(rank_fns.skip_a_call, 1, "dispatch", 2.0)
     assert results[1] == "skipped"
     kind, message = results[0]
-    assert kind == "TimeoutError" and "rank 1" in message, message
+    assert kind == "TimeoutError" and "rank(s) 1 did not arrive" in message, message
+
+
+@pytest.mark.parametrize("phase,waited_for", [("dispatch", "its token counts"), ("combine", "combine rows")])
+def test_a_peer_missing_in_a_kernel_is_named(gpu_pools, phase, waited_for):
+    """The kernels' waits have a deadline: they report the rank they waited for and return; no hang."""
+    results = gpu_pools(3).run(rank_fns.skip_after_warmup, 2, phase, 2.0)
+    assert results[2] == "skipped"
+    for kind, message in results[:2]:
+        assert kind == "TimeoutError" and "rank 2 did not arrive" in message and waited_for in message, message
 
 
 def test_a_kernel_handle_with_cpu_tensors_is_refused(gpu_pools):

@@ -28,7 +28,9 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kMinBlocksPerSm = 2;
 // Combine loads up to this many ranks' slots of a token at once before summing them in rank order.
-constexpr int kCombineBatch = 4;
+constexpr int kCombineBatch = 2;
+// ... for this many 16-byte (or 8-byte) vectors of the row per lane.
+constexpr int kChunks = 2;
 constexpr int kWarps = kThreads / 32;
 constexpr int kNotifyThreads = 512;
 constexpr int kScanItems = 4;
@@ -283,10 +285,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) dispatch_kernel(Ctx
         if (w >= 2 && !(ok = block_wait(e, kReleasedBy, 0, R, tag(e.seq, w - 2), kErrReleased, w - 2))) break;
         uint8_t* staged = e.window(me, parity);
         const int count = clamp_count(a.num_tokens, first, window_tokens);
-        // A warp takes 32 tokens: each lane writes its token's destination rows, then the warp copies
-        // the tokens that go anywhere, one after the other.
-        for (int i0 = warp_id * 32; i0 < count; i0 += num_warps * 32) {
-            const int mine = i0 + lane;
+        // A warp takes 32 tokens (spaced by the number of warps, so that all warps have work): each lane
+        // writes its token's destination rows, then the warp copies the tokens that go anywhere.
+        for (int b = 0; b * num_warps * 32 < count; ++b) {
+            const int mine = (b * 32 + lane) * num_warps + warp_id;
             bool sent = false;
             if (mine < count) {
                 int* pos = reinterpret_cast<int*>(staged + mine * slot.bytes + slot.pos_offset);
@@ -297,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) dispatch_kernel(Ctx
                 }
             }
             for (unsigned todo = __ballot_sync(kFullMask, sent); todo != 0; todo &= todo - 1) {
-                const int i = i0 + __ffs(todo) - 1;
+                const int i = (b * 32 + __ffs(todo) - 1) * num_warps + warp_id;
                 const int64_t t = first + i;
                 uint8_t* dst = staged + i * slot.bytes;
                 for (int k = lane; k < K; k += 32) {
@@ -320,11 +322,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) dispatch_kernel(Ctx
             const uint8_t* window = e.window(s, parity);
             const int n = clamp_count(src_tokens[s], first, window_tokens);
             // A warp reads the destination rows of 32 slots at once, then copies the ones meant here.
-            for (int i0 = warp_id * 32; i0 < n; i0 += num_warps * 32) {
-                const int mine = i0 + lane;
+            for (int b = 0; b * num_warps * 32 < n; ++b) {
+                const int mine = (b * 32 + lane) * num_warps + warp_id;
                 const int p = mine < n ? __ldcg(reinterpret_cast<const int*>(window + mine * slot.bytes + slot.pos_offset) + me) : -1;
                 for (unsigned todo = __ballot_sync(kFullMask, p >= 0); todo != 0; todo &= todo - 1) {
-                    const int j = __ffs(todo) - 1, i = i0 + j;
+                    const int j = __ffs(todo) - 1, i = (b * 32 + j) * num_warps + warp_id;
                     const int64_t row = base[s] + __shfl_sync(kFullMask, p, j);
                     const uint8_t* src = window + i * slot.bytes;
                     if (row >= a.num_recv_rows) {  // num_worst_tokens too small: report, write nothing
@@ -465,30 +467,44 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) combine_kernel(Ctx 
                 sent |= static_cast<uint64_t>(bits) << r0;
             }
             const uint8_t* slots = window + static_cast<int64_t>(i) * R * slot_bytes;
-            for (int64_t chunk = lane; chunk < chunks; chunk += 32) {
-                float acc[kElems];
+            // kChunks vectors per lane and up to kCombineBatch ranks each: their loads are all in flight
+            // together, then summed per vector in ascending rank order.
+            for (int64_t chunk0 = lane; chunk0 < chunks; chunk0 += 32 * kChunks) {
+                float acc[kChunks][kElems];
 #pragma unroll
-                for (int v = 0; v < kElems; ++v) acc[v] = 0.f;
-                if (a.bias0 != nullptr) add_to<T>(acc, __ldg(static_cast<const V*>(a.bias0) + t * chunks + chunk));
-                if (a.bias1 != nullptr) add_to<T>(acc, __ldg(static_cast<const V*>(a.bias1) + t * chunks + chunk));
-                // Up to kCombineBatch ranks' vectors loaded at once, then added in ascending rank order.
+                for (int c = 0; c < kChunks; ++c) {
+                    const int64_t chunk = chunk0 + c * 32;
+#pragma unroll
+                    for (int v = 0; v < kElems; ++v) acc[c][v] = 0.f;
+                    if (chunk < chunks) {
+                        if (a.bias0 != nullptr) add_to<T>(acc[c], __ldg(static_cast<const V*>(a.bias0) + t * chunks + chunk));
+                        if (a.bias1 != nullptr) add_to<T>(acc[c], __ldg(static_cast<const V*>(a.bias1) + t * chunks + chunk));
+                    }
+                }
                 for (uint64_t rest = sent; rest != 0;) {
-                    V vals[kCombineBatch];
+                    V vals[kCombineBatch][kChunks];
                     int loaded = 0;
 #pragma unroll
                     for (int j = 0; j < kCombineBatch; ++j) {
                         if (rest != 0) {
                             const int r = __ffsll(static_cast<long long>(rest)) - 1;
                             rest &= rest - 1;
-                            vals[j] = __ldcg(reinterpret_cast<const V*>(slots + r * slot_bytes) + chunk);
+                            const V* slot = reinterpret_cast<const V*>(slots + r * slot_bytes);
+#pragma unroll
+                            for (int c = 0; c < kChunks; ++c)
+                                if (chunk0 + c * 32 < chunks) vals[j][c] = __ldcg(slot + chunk0 + c * 32);
                             loaded = j + 1;
                         }
                     }
 #pragma unroll
                     for (int j = 0; j < kCombineBatch; ++j)
-                        if (j < loaded) add_to<T>(acc, vals[j]);
+#pragma unroll
+                        for (int c = 0; c < kChunks; ++c)
+                            if (j < loaded && chunk0 + c * 32 < chunks) add_to<T>(acc[c], vals[j][c]);
                 }
-                static_cast<V*>(a.out)[t * chunks + chunk] = pack<T, V>(acc);
+#pragma unroll
+                for (int c = 0; c < kChunks; ++c)
+                    if (chunk0 + c * 32 < chunks) static_cast<V*>(a.out)[t * chunks + chunk0 + c * 32] = pack<T, V>(acc[c]);
             }
             if (a.out_weights != nullptr) {
                 for (int k = lane; k < K; k += 32) {
