@@ -81,6 +81,9 @@ def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, n
         extra["previous_event"] = Buffer.capture()
     combined, combined_w, event = buffer.combine(y, handle, topk_weights=recv_w, bias=bias, **extra)
     event.current_stream_wait()
+    if buffer._intranode is not None:  # a kernel that gave up reports it at the next call: ask now
+        torch.cuda.synchronize()
+        buffer._intranode.check_errors()
     return cpu(dict(layout=(per_rank, per_rdma, per_expert, in_rank), recv_x=recv_x, recv_idx=recv_idx,
                     recv_w=recv_w, counts=counts, cached=cached[0], cached_rest=cached[1:5], y=y,
                     combined=combined, combined_w=combined_w, num_recv_rows=handle.num_recv_rows))

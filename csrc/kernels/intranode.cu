@@ -21,12 +21,13 @@ namespace moe_ep {
 namespace intranode {
 namespace {
 
-// Every block of every rank must be resident at once (they wait on each other), also when several
-// ranks share one GPU: 512 threads and at most 64 registers fit two blocks per SM. Many warps with
-// many loads each in flight: the copies are latency-bound otherwise (measured: 256 threads with four
-// 16-byte loads per lane moved a third of the copy rate).
-constexpr int kThreads = 512;
-constexpr int kMinBlocksPerSm = 2;
+// Every block of every rank must be resident at once (they wait on each other), and with several
+// ranks on one GPU two consecutive kernels of different ranks can be alive together (one rank in
+// combine while another finishes its dispatch): 2 * ranks * blocks must fit. 256 threads with at most
+// 64 registers fit four blocks per SM (528 on an H200: 8 ranks of 32 blocks). 512-thread blocks moved
+// more per SM but deadlocked until the deadline with 8 ranks of 20 blocks on one H200 (2 per SM).
+constexpr int kThreads = 256;
+constexpr int kMinBlocksPerSm = 4;
 // Combine loads up to this many ranks' slots of a token at once before summing them in rank order.
 constexpr int kCombineBatch = 2;
 // ... for this many 16-byte (or 8-byte) vectors of the row per lane.
