@@ -148,6 +148,7 @@ struct IntranodeCtx {
     int64_t num_nvl_bytes;
     torch::Tensor host_info;
     double timeout_s;
+    int ranks_on_device;
 };
 
 intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
@@ -160,6 +161,7 @@ intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
     ctx.host_info = c.host_info.data_ptr<int>();
     ctx.timeout_ns = static_cast<uint64_t>(c.timeout_s * 1e9);
     ctx.num_blocks = static_cast<int>(num_blocks);
+    ctx.ranks_on_device = c.ranks_on_device;
     ctx.stream = current_stream();
     return ctx;
 }
@@ -244,6 +246,8 @@ void intranode_combine(const IntranodeCtx& c, int64_t num_blocks, const torch::T
     intranode::combine(make_ctx(c, num_blocks), a);
 }
 
+void intranode_check_blocks(const IntranodeCtx& c, int64_t num_blocks) { intranode::check_blocks_fit(make_ctx(c, num_blocks)); }
+
 // The layout numbers the kernels use, for the test that moe_ep/config.py computes the same.
 py::dict intranode_layout(int64_t num_ranks, int64_t num_nvl_bytes, int64_t x_bytes, int64_t scale_bytes, int64_t num_topk) {
     const int r = static_cast<int>(num_ranks), k = static_cast<int>(num_topk);
@@ -278,11 +282,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("device_free", &moe_ep::device_free, "free a buffer from ipc_alloc");
     m.def("wait_host_value", &moe_ep::wait_host_value, "spin on a host-mapped counter");
     py::class_<moe_ep::IntranodeCtx>(m, "IntranodeCtx")
-        .def(py::init<int64_t, int, int, int64_t, torch::Tensor, double>())
+        .def(py::init<int64_t, int, int, int64_t, torch::Tensor, double, int>())
         .def_readwrite("timeout_s", &moe_ep::IntranodeCtx::timeout_s);
     m.def("intranode_notify", &moe_ep::intranode_notify, "count exchange of an intranode dispatch");
     m.def("intranode_dispatch", &moe_ep::intranode_dispatch, "intranode dispatch data movement");
     m.def("intranode_combine", &moe_ep::intranode_combine, "intranode combine");
+    m.def("intranode_check_blocks", &moe_ep::intranode_check_blocks, "ValueError unless the blocks fit the GPU");
     m.def("intranode_layout", &moe_ep::intranode_layout, "buffer layout numbers of the intranode kernels");
 #ifdef MOE_EP_WITH_NVSHMEM
     m.attr("WITH_NVSHMEM") = true;

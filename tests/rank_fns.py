@@ -341,3 +341,21 @@ def skip_after_warmup(skipping_rank: int, phase: str, timeout_s: float):
         return "returned"
     finally:
         del os.environ["MOE_EP_TIMEOUT_S"]
+
+
+def oversized_sm_budget(p: Problem, num_sms: int):
+    """A dispatch whose blocks cannot all be resident on the GPU is refused before it starts, on every
+    rank of that GPU, and the Buffer then works with a budget that fits."""
+    inp = my_inputs(p)
+    buffer = normal_buffer(p.hidden)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    big = Buffer.get_dispatch_config(dist.get_world_size())
+    big = Config(num_sms, big.num_max_nvl_chunked_send_tokens, big.num_max_nvl_chunked_recv_tokens)
+    try:
+        buffer.dispatch(inp["x"], config=big, **layout)
+        outcome = "no error"
+    except ValueError as exc:
+        outcome = str(exc)
+    recv_x = buffer.dispatch(inp["x"], **layout)[0]
+    return outcome, recv_x.shape[0]

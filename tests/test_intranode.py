@@ -115,6 +115,13 @@ def test_a_peer_missing_in_a_kernel_is_named(gpu_pools, phase, waited_for):
         assert kind == "TimeoutError" and "rank 2 did not arrive" in message and waited_for in message, message
 
 
+def test_an_sm_budget_that_cannot_be_resident_is_refused(gpu_pools):
+    p = Problem(4, 8, 32, 128, 2, max_tokens=8)
+    for rank, (outcome, rows) in enumerate(gpu_pools(8).run(rank_fns.oversized_sm_budget, p, 400)):
+        assert outcome.startswith("num_sms (Config)") and "use num_sms <=" in outcome, outcome
+        assert rows >= 0, f"rank {rank}: the Buffer must work after the refusal"
+
+
 def test_a_kernel_handle_with_cpu_tensors_is_refused(gpu_pools):
     p = Problem(3, 2, 8, 128, 2, max_tokens=8)
     for message in gpu_pools(2).run(rank_fns.handle_on_the_wrong_device, p):

@@ -69,6 +69,7 @@ struct Ctx {
     int* host_info;           // pinned host memory, HostInfo layout
     uint64_t timeout_ns;      // a wait for a peer longer than this fails (kHostError, no trap)
     int num_blocks;           // the SM budget of data kernels
+    int ranks_on_device;      // ranks of the group on this GPU: their blocks must all fit it at once
     cudaStream_t stream;
 };
 
@@ -97,6 +98,9 @@ struct DispatchArgs {
     int* recv_src_idx;            // [num_recv_rows] source token index of each row (for combine)
     int num_recv_rows;            // rows allocated; rows past the received ones are padding
 };
+// Throws std::invalid_argument when the blocks of all ranks on this GPU cannot be resident together;
+// check_blocks_fit(ctx) says so before a call starts (the count exchange would run otherwise).
+void check_blocks_fit(const Ctx& ctx);
 void dispatch(const Ctx& ctx, const DispatchArgs& args);
 
 struct CombineArgs {

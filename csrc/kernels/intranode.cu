@@ -23,16 +23,17 @@ namespace {
 
 // Every block of every rank must be resident at once (they wait on each other), and with several
 // ranks on one GPU two consecutive kernels of different ranks can be alive together (one rank in
-// combine while another finishes its dispatch): 2 * ranks * blocks must fit. 256 threads with at most
-// 64 registers fit four blocks per SM (528 on an H200: 8 ranks of 32 blocks). 512-thread blocks moved
-// more per SM but deadlocked until the deadline with 8 ranks of 20 blocks on one H200 (2 per SM).
-constexpr int kThreads = 256;
-constexpr int kMinBlocksPerSm = 4;
+// combine while another finishes its dispatch): 2 * ranks * blocks must fit. Both block sizes below
+// are built with at most 64 registers per thread; a launch takes the larger one whose blocks fit
+// (pick_threads). Measured on an H200: 512-thread blocks moved 15-20% more than 256-thread ones at
+// 2 and 4 ranks, and deadlocked until the deadline with 8 ranks of 20 blocks (2 per SM: 264 fit).
+constexpr int kWideThreads = 512;
+constexpr int kNarrowThreads = 256;
+constexpr int min_blocks_per_sm(int threads) { return 1024 / threads; }  // 64 registers per thread
 // Combine loads up to this many ranks' slots of a token at once before summing them in rank order.
 constexpr int kCombineBatch = 2;
 // ... for this many 16-byte (or 8-byte) vectors of the row per lane.
 constexpr int kChunks = 2;
-constexpr int kWarps = kThreads / 32;
 constexpr int kNotifyThreads = 512;
 constexpr int kScanItems = 4;
 constexpr unsigned kFullMask = 0xffffffffu;
@@ -271,7 +272,10 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Ctx c, const boo
 }
 
 // ------------------------------------------------------------------ dispatch
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) dispatch_kernel(Ctx c, DispatchArgs a, DispatchSlot slot, int window_tokens) {
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads, min_blocks_per_sm(kThreads))
+    dispatch_kernel(Ctx c, DispatchArgs a, DispatchSlot slot, int window_tokens) {
+    constexpr int kWarps = kThreads / 32;
     const Env e = make_env(c);
     const int R = e.num_ranks, me = e.rank, K = a.num_topk;
     const int lane = threadIdx.x % 32, warp_id = blockIdx.x * kWarps + threadIdx.x / 32, num_warps = gridDim.x * kWarps;
@@ -411,8 +415,10 @@ __device__ int lower_bound(const int* values, int lo, int hi, int key) {
 }
 
 // T: element type; V: the vector a lane moves at once (16 bytes, or 8 for rows of 8-byte multiples).
-template <typename T, typename V>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) combine_kernel(Ctx c, CombineArgs a, int64_t slot_bytes, int window_tokens) {
+template <typename T, typename V, int kThreads>
+__global__ void __launch_bounds__(kThreads, min_blocks_per_sm(kThreads))
+    combine_kernel(Ctx c, CombineArgs a, int64_t slot_bytes, int window_tokens) {
+    constexpr int kWarps = kThreads / 32;
     constexpr int kElems = sizeof(V) / sizeof(T);
     const Env e = make_env(c);
     const int R = e.num_ranks, me = e.rank, K = a.num_topk;
@@ -525,7 +531,53 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) combine_kernel(Ctx 
     finish_kernel(e, e.own(kDoneCount));
 }
 
+// Blocks of `kernel` the whole device holds at once.
+int resident_blocks(const void* kernel, int threads) {
+    int device = 0, sms = 0, per_sm = 0;
+    MOE_EP_CUDA_CHECK(cudaGetDevice(&device));
+    MOE_EP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    MOE_EP_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+    return per_sm * sms;
+}
+
+// The wide kernel where all blocks of every rank on this GPU (two kernels each when ranks share it)
+// are resident together, else the narrow one; neither: an error that names the limit.
+template <typename Launch>
+void launch_resident(const Ctx& ctx, const void* wide, const void* narrow, const char* what, Launch launch) {
+    const int sharing = ctx.ranks_on_device > 1 ? 2 * ctx.ranks_on_device : 1;
+    const int64_t needed = static_cast<int64_t>(sharing) * ctx.num_blocks;
+    // Occupancy does not change during a run: ask once per kernel.
+    static thread_local const void* cached_kernel[2] = {nullptr, nullptr};
+    static thread_local int cached_blocks[2] = {0, 0};
+    const void* kernels[2] = {wide, narrow};
+    const int threads[2] = {kWideThreads, kNarrowThreads};
+    int narrow_capacity = 0;
+    for (int i = 0; i < 2; ++i) {
+        if (cached_kernel[i] != kernels[i]) {
+            cached_blocks[i] = resident_blocks(kernels[i], threads[i]);
+            cached_kernel[i] = kernels[i];
+        }
+        if (needed <= cached_blocks[i]) {
+            launch(threads[i]);
+            MOE_EP_LAUNCH_CHECK(what);
+            return;
+        }
+        narrow_capacity = cached_blocks[i];
+    }
+    throw std::invalid_argument(
+        "num_sms (Config): " + std::to_string(ctx.num_blocks) + " blocks per kernel with " +
+        std::to_string(ctx.ranks_on_device) + " rank(s) on this GPU need " + std::to_string(needed) +
+        " resident blocks, the GPU holds " + std::to_string(narrow_capacity) + ": use num_sms <= " +
+        std::to_string(narrow_capacity / sharing));
+}
+
 }  // namespace
+
+void check_blocks_fit(const Ctx& ctx) {
+    // The combine kernels use the same resources (64 registers per thread, no dynamic shared memory).
+    launch_resident(ctx, reinterpret_cast<const void*>(dispatch_kernel<kWideThreads>),
+                    reinterpret_cast<const void*>(dispatch_kernel<kNarrowThreads>), "check_blocks_fit", [](int) {});
+}
 
 int dispatch_window_tokens(int num_ranks, int64_t num_nvl_bytes, int64_t x_bytes, int64_t scale_bytes, int num_topk) {
     const int64_t half = half_bytes(num_nvl_bytes, num_ranks);
@@ -555,8 +607,12 @@ void dispatch(const Ctx& ctx, const DispatchArgs& args) {
     const DispatchSlot slot = dispatch_slot(ctx.num_ranks, args.x_bytes, args.scale_bytes, args.num_topk);
     const int window = dispatch_window_tokens(ctx.num_ranks, ctx.num_nvl_bytes, args.x_bytes, args.scale_bytes, args.num_topk);
     if (window < 1) throw std::runtime_error("moe_ep: the intranode buffer cannot hold one dispatch slot");
-    dispatch_kernel<<<ctx.num_blocks, kThreads, 0, ctx.stream>>>(ctx, args, slot, window);
-    MOE_EP_LAUNCH_CHECK("intranode dispatch_kernel");
+    launch_resident(ctx, reinterpret_cast<const void*>(dispatch_kernel<kWideThreads>),
+                    reinterpret_cast<const void*>(dispatch_kernel<kNarrowThreads>), "intranode dispatch_kernel",
+                    [&](int threads) {
+                        const auto kernel = threads == kWideThreads ? dispatch_kernel<kWideThreads> : dispatch_kernel<kNarrowThreads>;
+                        kernel<<<ctx.num_blocks, threads, 0, ctx.stream>>>(ctx, args, slot, window);
+                    });
 }
 
 void combine(const Ctx& ctx, const CombineArgs& args) {
@@ -569,14 +625,23 @@ void combine(const Ctx& ctx, const CombineArgs& args) {
     const int64_t slot = combine_slot_bytes(x_bytes, args.num_topk);
     // Outputs and biases are whole rows of x_bytes: 16-byte vectors when every row starts aligned.
     const bool wide = x_bytes % 16 == 0;
-    const auto launch = [&](auto kernel) { kernel<<<ctx.num_blocks, kThreads, 0, ctx.stream>>>(ctx, args, slot, window); };
-    if (args.dtype == DType::kBFloat16)
-        wide ? launch(combine_kernel<__nv_bfloat16, int4>) : launch(combine_kernel<__nv_bfloat16, int2>);
+    const auto launch = [&](auto wide_kernel, auto narrow_kernel) {
+        launch_resident(ctx, reinterpret_cast<const void*>(wide_kernel), reinterpret_cast<const void*>(narrow_kernel),
+                        "intranode combine_kernel", [&](int threads) {
+                            const auto kernel = threads == kWideThreads ? wide_kernel : narrow_kernel;
+                            kernel<<<ctx.num_blocks, threads, 0, ctx.stream>>>(ctx, args, slot, window);
+                        });
+    };
+    if (args.dtype == DType::kBFloat16 && wide)
+        launch(combine_kernel<__nv_bfloat16, int4, kWideThreads>, combine_kernel<__nv_bfloat16, int4, kNarrowThreads>);
+    else if (args.dtype == DType::kBFloat16)
+        launch(combine_kernel<__nv_bfloat16, int2, kWideThreads>, combine_kernel<__nv_bfloat16, int2, kNarrowThreads>);
+    else if (args.dtype == DType::kFloat32 && wide)
+        launch(combine_kernel<float, int4, kWideThreads>, combine_kernel<float, int4, kNarrowThreads>);
     else if (args.dtype == DType::kFloat32)
-        wide ? launch(combine_kernel<float, int4>) : launch(combine_kernel<float, int2>);
+        launch(combine_kernel<float, int2, kWideThreads>, combine_kernel<float, int2, kNarrowThreads>);
     else
         throw std::runtime_error("moe_ep: intranode combine takes bfloat16 or float32 rows");
-    MOE_EP_LAUNCH_CHECK("intranode combine_kernel");
 }
 
 }  // namespace intranode

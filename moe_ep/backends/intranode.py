@@ -74,7 +74,11 @@ class IntranodeBackend:
         self.device = torch.device("cuda", torch.cuda.current_device())
         own, handle = self.ops.ipc_alloc(num_nvl_bytes)  # zeroed before its handle is published
         # Through the store with a deadline: a rank that never makes its first CUDA dispatch is named.
-        handles = gate.exchange("dispatch (mapping the peers' buffers)", handle)
+        # Each rank also says which GPU it is on: ranks sharing one must fit their blocks on it together.
+        device_id = str(torch.cuda.get_device_properties(self.device).uuid).encode()
+        payloads = gate.exchange("dispatch (mapping the peers' buffers)", handle + device_id)
+        handles = [p[: len(handle)] for p in payloads]
+        self.ranks_on_device = sum(p[len(handle) :] == device_id for p in payloads)
         opened = [self.ops.ipc_open(h) for r, h in enumerate(handles) if r != self.rank]
         pointers = opened[: self.rank] + [own] + opened[self.rank :]
         self._finalizer = weakref.finalize(self, _release, self.ops, own, opened)
@@ -84,10 +88,12 @@ class IntranodeBackend:
         self._host = (ctypes.c_int32 * layout["host_info_ints"]).from_address(self.host_info.data_ptr())
         self.recv_info_ints = layout["recv_info_ints"]
         self.ctx = self.ops.IntranodeCtx(
-            self.buffers.data_ptr(), self.rank, self.num_ranks, num_nvl_bytes, self.host_info, timeout_s
+            self.buffers.data_ptr(), self.rank, self.num_ranks, num_nvl_bytes, self.host_info, timeout_s,
+            self.ranks_on_device,
         )
         self.comm_stream = comm_stream
         self._nonce = 0
+        self._fitting_sms = set()  # SM budgets known to fit this GPU together with its other ranks
 
     def close(self) -> None:
         dist.barrier(group=self.group)  # no peer reads this rank's buffer any more
@@ -115,6 +121,13 @@ class IntranodeBackend:
                 f"{waited}. Raise MOE_EP_TIMEOUT_S if the peer is only slow; the Buffer's ranks are out of "
                 "step now: create a new Buffer."
             )
+
+    def check_num_sms(self, num_sms: int) -> None:
+        """ValueError (on every rank of this GPU alike) before a call starts, if its blocks cannot all be
+        resident: the kernels wait on each other across ranks and would stall until the deadline."""
+        if num_sms not in self._fitting_sms:
+            self.ops.intranode_check_blocks(self.ctx, num_sms)
+            self._fitting_sms.add(num_sms)
 
     # ---------------------------------------------------------------- streams and events
     def _enter(self, previous_event: Optional[EventOverlap]) -> torch.cuda.Stream:
@@ -160,6 +173,7 @@ class IntranodeBackend:
         allocate_on_comm_stream: bool,
     ):
         self.check_errors()
+        self.check_num_sms(config.num_sms)
         cached = handle is not None
         worst = handle.num_worst_tokens if cached else num_worst_tokens
         if torch.cuda.is_current_stream_capturing() and not worst:
@@ -255,6 +269,7 @@ class IntranodeBackend:
         allocate_on_comm_stream: bool,
     ):
         self.check_errors()
+        self.check_num_sms(config.num_sms)
         state: IntranodeDispatchState = handle.backend_state
         x = aligned(x)
         topk_weights = None if topk_weights is None else topk_weights.contiguous()
