@@ -350,8 +350,7 @@ def oversized_sm_budget(p: Problem, num_sms: int):
     buffer = normal_buffer(p.hidden)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
-    big = Buffer.get_dispatch_config(dist.get_world_size())
-    big = Config(num_sms, big.num_max_nvl_chunked_send_tokens, big.num_max_nvl_chunked_recv_tokens)
+    big = Config(num_sms, 1, 2)  # short queues: the Buffer's size still passes for so many channels
     try:
         buffer.dispatch(inp["x"], config=big, **layout)
         outcome = "no error"
