@@ -8,6 +8,11 @@ process's plain device copy of the same number of bytes, measured in the same ru
 
     python -m benchmarks.bench_intranode --ranks 2 4 8 --sms 24
     python -m benchmarks.bench_intranode --ranks 4 --sms 8 16 24 32 48     # SM sweep
+    python -m benchmarks.bench_intranode --ranks 8 --nccl     # one rank per GPU: also NCCL's all-to-all
+
+With --nccl (one rank per GPU, so the group is NCCL), `torch.distributed.all_to_all_single` moves the
+same bf16 rows, already grouped by destination (the collective alone: its layout exchange and
+permutation are not timed, which favours it).
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from moe_ep import Buffer, Config, fp8  # noqa: E402
 from moe_ep.launch import RankPool  # noqa: E402
 
 MODES = ("dispatch_fp8", "dispatch_bf16", "combine")
+NCCL_MODE = "nccl_all_to_all_bf16"
 
 
 def with_sms(config: Config, num_sms: int) -> Config:
@@ -75,7 +81,27 @@ def rank_bench(args):
             row_bytes = args.hidden * (1 + 4 / 128) if mode == "dispatch_fp8" else args.hidden * 2
             results.append(dict(rank=rank, sms=num_sms, mode=mode, us=seconds * 1e6, rows=rows,
                                 bytes=rows * row_bytes, gbps=rows * row_bytes / seconds / 1e9))
+    if args.nccl:
+        results.append(nccl_reference(args, x, in_rank, per_rank, rows))
     return results
+
+
+def nccl_reference(args, x, in_rank, per_rank, rows):
+    """all_to_all_single of the same rows (bf16), grouped by destination beforehand."""
+    rank = dist.get_rank()
+    order = in_rank.t().nonzero(as_tuple=True)[1]  # destination major, token minor
+    send = x[order].contiguous()
+    send_counts = per_rank.tolist()
+    recv_counts_t = torch.empty_like(per_rank)
+    dist.all_to_all_single(recv_counts_t, per_rank.clone())
+    recv_counts = recv_counts_t.tolist()
+    recv = torch.empty(sum(recv_counts), args.hidden, dtype=x.dtype, device=x.device)
+    assert recv.shape[0] == rows
+    seconds = wall_seconds_per_call(lambda: dist.all_to_all_single(recv, send, recv_counts, send_counts),
+                                    args.warmup, args.iters)
+    row_bytes = args.hidden * 2
+    return dict(rank=rank, sms=args.sms[0], mode=NCCL_MODE, us=seconds * 1e6, rows=rows, bytes=rows * row_bytes,
+                gbps=rows * row_bytes / seconds / 1e9)
 
 
 def copy_gbps(num_bytes: int, iters: int = 20) -> float:
@@ -103,22 +129,26 @@ def main():
     parser.add_argument("--sms", type=int, nargs="+", default=[24])
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--nccl", action="store_true", help="also time NCCL all_to_all_single (one rank per GPU)")
     parser.add_argument("--json", help="append one JSON line per (ranks, sms, mode) here")
     args = parser.parse_args()
-    print(f"{'ranks':>5} {'sms':>4} {'mode':>14} {'us/call':>9} {'GB/s per rank (min/mean)':>25} "
+    if args.nccl and any(n > torch.cuda.device_count() for n in args.ranks):
+        parser.error("--nccl needs one rank per GPU (NCCL refuses two ranks on one GPU)")
+    print(f"{'ranks':>5} {'sms':>4} {'mode':>20} {'us/call':>9} {'GB/s per rank (min/mean)':>25} "
           f"{'aggregate GB/s':>15} {'of copy':>8}")
     for num_ranks in args.ranks:
         with RankPool(num_ranks, use_cuda=True) as pool:
             per_rank = pool.run(rank_bench, args)
         flat = [r for rows in per_rank for r in rows]
         for num_sms in args.sms:
-            for mode in MODES:
+            modes = MODES + ((NCCL_MODE,) if args.nccl and num_sms == args.sms[0] else ())
+            for mode in modes:
                 rows = [r for r in flat if r["sms"] == num_sms and r["mode"] == mode]
                 aggregate_bytes = sum(r["bytes"] for r in rows)
                 aggregate = sum(r["gbps"] for r in rows)
                 copy = copy_gbps(int(aggregate_bytes))
                 mean = aggregate / len(rows)
-                print(f"{num_ranks:>5} {num_sms:>4} {mode:>14} {max(r['us'] for r in rows):>9.0f} "
+                print(f"{num_ranks:>5} {num_sms:>4} {mode:>20} {max(r['us'] for r in rows):>9.0f} "
                       f"{min(r['gbps'] for r in rows):>12.0f} / {mean:<10.0f} {aggregate:>15.0f} "
                       f"{aggregate / copy:>7.0%}")
                 if args.json:

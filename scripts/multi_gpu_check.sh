@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Issue 5 in one call on a multi-GPU host (nvidia-h200-x8 or -x4): topology, build, the intranode
+# benchmark with one rank per GPU next to NCCL's all-to-all, its SM sweep, and megatron-core at EP=N
+# with both dispatchers. Writes into ${OUT:-out}/; every figure goes to docs/PERFORMANCE.md afterwards.
+#   usage: bash scripts/multi_gpu_check.sh            (all GPUs of the host)
+#          RANKS=4 bash scripts/multi_gpu_check.sh    (dry run on fewer GPUs: ranks then share them)
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-$ROOT/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-32} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY=${PYTHON:-python3}
+GPUS=$(nvidia-smi -L | wc -l)
+RANKS=${RANKS:-$GPUS}
+summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
+: > "$OUT/summary.txt"
+summary "multi_gpu_check $(date -u +%FT%TZ): $GPUS x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $RANKS ranks"
+nvidia-smi topo -m > "$OUT/topology.txt" 2>&1
+cat "$OUT/topology.txt" >> "$OUT/summary.txt"
+
+t0=$(date +%s)
+if ! $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
+  summary "BUILD FAILED"; tail -40 "$OUT/build.log"; exit 1
+fi
+summary "build: ok in $(( $(date +%s) - t0 )) s"
+
+# The intranode kernels at the issue's shape; NCCL's all-to-all only where each rank has its own GPU.
+NCCL_FLAG=""
+[[ $RANKS -le $GPUS ]] && NCCL_FLAG=--nccl
+timeout 240 $PY -m benchmarks.bench_intranode --ranks "$RANKS" --sms 24 $NCCL_FLAG --json "$OUT/bench.jsonl" 2>&1 \
+  | tee -a "$OUT/summary.txt"
+timeout 240 $PY -m benchmarks.bench_intranode --ranks "$RANKS" --sms 8 16 32 48 --json "$OUT/sweep.jsonl" 2>&1 \
+  | tee -a "$OUT/summary.txt"
+summary "low-latency benchmark: not run (the low-latency kernels are issue 4)"
+
+# megatron-core at EP=$RANKS, both dispatchers, same seeds (a carried .whl/megatron_core-*.whl is used).
+if ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --target /tmp/mcore .whl/megatron_core-*.whl \
+    && export PYTHONPATH=/tmp/mcore${PYTHONPATH:+:$PYTHONPATH}
+fi
+if $PY -c "import megatron.core" 2>/dev/null; then
+  for config in ${CONFIGS:-configs/mixtral_8x7b_like.yaml}; do
+    name=$(basename "$config" .yaml)
+    timeout 400 $PY examples/compare_dispatchers.py --config "$config" --nproc "$RANKS" --steps "${STEPS:-20}" \
+      --warmup 5 --plot "$OUT/compare_$name.png" --json "$OUT/compare_$name.json" 2>&1 \
+      | grep -v "step/s" | tail -8 | tee -a "$OUT/summary.txt"
+  done
+else
+  summary "megatron-core not importable: carry .whl/megatron_core-*.whl (see README)"
+fi
