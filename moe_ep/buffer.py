@@ -471,15 +471,18 @@ class Buffer:
     def _uses_kernels(self, x: torch.Tensor) -> bool:
         """Whether the kernels move x; the first time, maps the peers' buffers (every rank of the
         group makes the same call with tensors of the same kind, so this is collective)."""
-        if not (x.is_cuda and self._kernels):
+        if not self._kernels_move(x):
             return False
         if self._intranode is None:
             self._intranode = IntranodeBackend(self.group, self._gate, self.num_nvl_bytes, self.get_comm_stream())
         return True
 
+    def _kernels_move(self, x: torch.Tensor) -> bool:
+        return x.is_cuda and self._kernels
+
     def _check_handle_backend(self, handle: DispatchHandle, x: torch.Tensor) -> None:
         made_by_kernels = isinstance(handle.backend_state, IntranodeDispatchState)
-        if made_by_kernels != self._uses_kernels(x):
+        if made_by_kernels != self._kernels_move(x):
             raise ValueError(
                 "handle: it was made by a dispatch of "
                 + ("CUDA tensors (kernels)" if made_by_kernels else "tensors the portable backend moved")
