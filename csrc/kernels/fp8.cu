@@ -1,7 +1,5 @@
-// 1x128 per-token FP8 (e4m3) cast and cast-back. The arithmetic follows moe_ep/fp8.py step by step
-// (float32 amax; scale = amax / 448 and inverse = 448 / amax, or 1 / scale when rounded to a power of
-// two; each element times the inverse, round-to-nearest-even e4m3), so the results are bitwise equal to
-// the portable reference. Explicit _rn intrinsics keep the compiler from fusing or approximating.
+// 1x128 per-token FP8 (e4m3) cast and cast-back, bitwise equal to moe_ep/fp8.py (the block arithmetic
+// is in fp8_block.cuh).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -10,6 +8,7 @@
 
 #include "api.cuh"
 #include "cuda_check.cuh"
+#include "fp8_block.cuh"
 
 namespace moe_ep {
 namespace fp8 {
@@ -21,7 +20,6 @@ constexpr int kThreads = 256;
 constexpr int kElemsPerLane = 16;
 constexpr int kLanesPerBlock = kBlock / kElemsPerLane;
 constexpr int kGroupsPerCta = kThreads / kLanesPerBlock;
-constexpr int kUe8m0PerWord = 4;
 
 template <typename T>
 __device__ __forceinline__ void load_lane(const T* src, float (&v)[kElemsPerLane]);
@@ -64,12 +62,6 @@ __device__ __forceinline__ void load_lane<float>(const float* src, float (&v)[kE
         v[4 * c] = raw[c].x, v[4 * c + 1] = raw[c].y, v[4 * c + 2] = raw[c].z, v[4 * c + 3] = raw[c].w;
 }
 
-// Smallest power of two >= scale (scale is a positive normal float here).
-__device__ __forceinline__ float round_up_to_power_of_two(float scale) {
-    const unsigned bits = __float_as_uint(scale);
-    return (bits & 0x7FFFFFu) ? __uint_as_float((bits & 0x7F800000u) + 0x800000u) : scale;
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x, int64_t num_groups, int hidden,
                                                         bool round_scale, bool use_ue8m0, uint8_t* __restrict__ q,
@@ -89,23 +81,16 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
 #pragma unroll
         for (int mask = kLanesPerBlock / 2; mask > 0; mask >>= 1)
             amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, mask));
-        amax = fmaxf(amax, kAmaxFloor);
-        float scale = __fdiv_rn(amax, kE4M3Max);
-        float inverse = __fdiv_rn(kE4M3Max, amax);
-        if (round_scale) {
-            scale = round_up_to_power_of_two(scale);
-            inverse = __fdiv_rn(1.f, scale);
-        }
+        float scale, inverse;
+        block_scale(amax, round_scale, scale, inverse);
         alignas(16) uint8_t out[kElemsPerLane];
 #pragma unroll
-        for (int i = 0; i < kElemsPerLane; ++i)
-            out[i] = __nv_cvt_float_to_fp8(__fmul_rn(v[i], inverse), __NV_SATFINITE, __NV_E4M3);
+        for (int i = 0; i < kElemsPerLane; ++i) out[i] = to_e4m3(v[i], inverse);
         *reinterpret_cast<uint4*>(q + offset) = *reinterpret_cast<const uint4*>(out);
         if (lane == 0) {
             if (use_ue8m0) {
                 const int words = (blocks_per_row + kUe8m0PerWord - 1) / kUe8m0PerWord;
-                static_cast<uint8_t*>(scales)[row * words * kUe8m0PerWord + block] =
-                    static_cast<uint8_t>((__float_as_uint(scale) >> 23) & 0xFFu);
+                static_cast<uint8_t*>(scales)[row * words * kUe8m0PerWord + block] = ue8m0_byte(scale);
             } else {
                 static_cast<float*>(scales)[row * blocks_per_row + block] = scale;
             }
