@@ -134,9 +134,12 @@ class IntranodeLayout:
 
 
 class LowLatencyLayout:
-    """Low-latency buffer: two identical halves used alternately, so that one call's receive buffers
-    stay valid while the next call is issued. Each half holds a send region, a receive region of one
-    slot per (local expert, source rank, token) and one counter per (local expert, source rank)."""
+    """Low-latency buffer (mirrors low_latency::regions in csrc/kernels/buffer_layout.cuh): a 4 KB header
+    and two identical halves used by alternate calls, so that one call's receive buffers stay valid
+    while the next call is issued. Each half holds a send region, a receive region of one slot per
+    (local expert, source rank, token), and one signal per (local expert, source rank) and per rank."""
+
+    HEADER_BYTES = 4096
 
     def __init__(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int):
         # A bf16 row is the largest message: fp8 rows with their scales are smaller (H + H/32 < 2H).
@@ -147,9 +150,12 @@ class LowLatencyLayout:
         self.combine_message_bytes = combine_msg
         self.send_bytes = _align(max(num_max_dispatch_tokens_per_rank * dispatch_msg, slots * combine_msg))
         self.recv_bytes = _align(max(slots * dispatch_msg, slots * combine_msg))
-        self.signal_bytes = _align(num_experts * 4 * 2)  # dispatch counts and combine flags
+        self.signal_bytes = _align((num_experts + num_ranks) * 8)
         self.half_bytes = self.send_bytes + self.recv_bytes + self.signal_bytes
-        self.total_bytes = 2 * self.half_bytes
+        self.total_bytes = self.HEADER_BYTES + 2 * self.half_bytes
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
 
 
 def low_latency_rdma_size_hint(

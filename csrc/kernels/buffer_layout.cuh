@@ -85,3 +85,39 @@ __host__ __device__ constexpr int64_t combine_slot_bytes(int64_t x_bytes, int nu
 
 }  // namespace intranode
 }  // namespace moe_ep
+
+namespace moe_ep {
+namespace low_latency {
+
+// Byte layout of a rank's low-latency buffer; moe_ep/config.py (LowLatencyLayout) mirrors it.
+//   [ header: uint64 slots, 4 KB ] [ half 0 ] [ half 1 ]
+//   half = [ send region | receive region | signals: uint64 per (local expert, source rank), then per rank ]
+// Calls alternate halves, so one call's receive region stays valid while the next call is issued.
+// The send region is where RDMA puts will stage rows; peer-to-peer stores write straight into the
+// receiver's region and leave it unused.
+constexpr int64_t kHeaderBytes = 4096;
+constexpr int64_t kMessageHeaderBytes = 16;  // source token, top-k slot (int32 each), padding
+enum HeaderSlot : int { kSeq = 0, kAbort = 1, kErrorClaim = 2, kSendDone = 3, kRecvDone = 4 };
+
+struct Regions {
+    int64_t dispatch_message, combine_message, send, recv, signal, half, total;
+};
+
+__host__ __device__ constexpr Regions regions(int64_t num_max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts) {
+    Regions r{};
+    // A bf16 row is the largest message: fp8 rows with their scales are smaller (H + H/32 < 2H).
+    r.dispatch_message = intranode::align_up(kMessageHeaderBytes + hidden * 2, 16);
+    r.combine_message = intranode::align_up(hidden * 2, 16);
+    const int64_t slots = num_experts * num_max_tokens;
+    const int64_t send_dispatch = num_max_tokens * r.dispatch_message, send_combine = slots * r.combine_message;
+    const int64_t recv_dispatch = slots * r.dispatch_message, recv_combine = slots * r.combine_message;
+    r.send = intranode::align_up(send_dispatch > send_combine ? send_dispatch : send_combine, 128);
+    r.recv = intranode::align_up(recv_dispatch > recv_combine ? recv_dispatch : recv_combine, 128);
+    r.signal = intranode::align_up((num_experts + num_ranks) * 8, 128);
+    r.half = r.send + r.recv + r.signal;
+    r.total = kHeaderBytes + 2 * r.half;
+    return r;
+}
+
+}  // namespace low_latency
+}  // namespace moe_ep

@@ -16,6 +16,7 @@
 #include "api.cuh"
 #include "buffer_layout.cuh"
 #include "cuda_check.cuh"
+#include "peer_sync.cuh"
 
 namespace moe_ep {
 namespace intranode {
@@ -40,25 +41,13 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // Combine keeps one bit per sending rank.
 constexpr int kMaxCombineRanks = 64;
 
-__device__ __forceinline__ uint64_t tag(uint64_t seq, int window) { return seq << 24 | static_cast<uint64_t>(window + 1); }
-
-__device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
-    uint64_t v;
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ uint64_t load_volatile(const uint64_t* p) { return *reinterpret_cast<const volatile uint64_t*>(p); }
-__device__ __forceinline__ uint64_t now_ns() {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-// Raise a flag to at least `value`, after this thread's (and, through the caller's fences, its
-// block's) earlier writes.
-__device__ __forceinline__ void raise_flag(uint64_t* flag, uint64_t value) {
-    __threadfence_system();
-    atomicMax_system(reinterpret_cast<unsigned long long*>(flag), static_cast<unsigned long long>(value));
-}
+using peer::arrive_last;
+using peer::load_volatile;
+using peer::now_ns;
+using peer::raise_flag;
+using peer::Src;
+using peer::tag;
+using peer::warp_copy;
 
 // What every block of a kernel knows about the buffers and the call.
 struct Env {
@@ -89,29 +78,9 @@ __device__ Env make_env(const Ctx& c) {
     return e;
 }
 
-__device__ void report_timeout(const Env& e, int kind, int peer, int window) {
-    if (atomicCAS(reinterpret_cast<unsigned long long*>(e.own(kErrorClaim)), 0ull, 1ull) == 0ull) {
-        volatile int* host = e.host;
-        host[kHostErrorKind] = kind;
-        host[kHostErrorPeer] = peer;
-        host[kHostErrorWindow] = window;
-        __threadfence_system();
-        host[kHostError] = 1;
-    }
-    atomicExch(reinterpret_cast<unsigned long long*>(e.own(kAbort)), 1ull);
-    __threadfence_system();
-}
-
 // One thread waits; false after a timeout (reported) or when another block already failed.
-__device__ bool wait_flag(const Env& e, const uint64_t* flag, uint64_t target, int kind, int peer, int window) {
-    while (load_acquire(flag) < target) {
-        if (load_volatile(e.own(kAbort)) != 0) return false;
-        if (now_ns() > e.deadline) {
-            report_timeout(e, kind, peer, window);
-            return false;
-        }
-    }
-    return true;
+__device__ bool wait_flag(const Env& e, const uint64_t* flag, uint64_t target, int kind, int from_rank, int window) {
+    return peer::wait_flag({e.own(kAbort), e.own(kErrorClaim), e.host, e.deadline}, flag, target, kind, from_rank, window);
 }
 
 // The whole block waits for flags[peer] >= target for every peer in [first, last).
@@ -129,59 +98,11 @@ __device__ bool block_wait(const Env& e, SignalArray array, int first, int last,
     return result;
 }
 
-// Thread 0, after the block's writes: true for the last of `num_blocks` arrivals, which also resets
-// the counter (counters alternate by window parity, so no block can arrive for the next use before
-// the reset: that use waits on a flag raised after it).
-__device__ bool arrive_last(uint64_t* counter, int num_blocks) {
-    __threadfence_system();
-    const unsigned long long previous = atomicAdd(reinterpret_cast<unsigned long long*>(counter), 1ull);
-    if (previous + 1 != static_cast<unsigned long long>(num_blocks)) return false;
-    atomicExch(reinterpret_cast<unsigned long long*>(counter), 0ull);
-    __threadfence_system();
-    return true;
-}
-
 // The last block of a kernel advances the sequence number the next kernel's tags use.
 __device__ void finish_kernel(const Env& e, uint64_t* done_counter) {
     __syncthreads();
     if (threadIdx.x == 0 && arrive_last(done_counter, gridDim.x))
         atomicAdd(reinterpret_cast<unsigned long long*>(e.own(kSeq)), 1ull);
-}
-
-// ------------------------------------------------------------------ warp-wide row copies
-enum class Src { kReadOnly, kShared };  // user input (cacheable) / memory other ranks write during the kernel
-
-template <Src kSrc, typename V>
-__device__ __forceinline__ V load(const V* p) {
-    if constexpr (kSrc == Src::kReadOnly) return __ldg(p);
-    else return __ldcg(p);
-}
-
-template <Src kSrc, typename V>
-__device__ __forceinline__ void copy_vectors(V* dst, const V* src, int64_t n, int lane) {
-    constexpr int kDepth = 6;  // loads in flight per lane
-    int64_t i = lane;
-    for (; i + (kDepth - 1) * 32 < n; i += kDepth * 32) {
-        V v[kDepth];
-#pragma unroll
-        for (int j = 0; j < kDepth; ++j) v[j] = load<kSrc>(src + i + j * 32);
-#pragma unroll
-        for (int j = 0; j < kDepth; ++j) dst[i + j * 32] = v[j];
-    }
-    for (; i < n; i += 32) dst[i] = load<kSrc>(src + i);
-}
-
-template <Src kSrc>
-__device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes, int lane) {
-    const auto bits = static_cast<uint64_t>(bytes) | reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
-    if (bits % 16 == 0)
-        copy_vectors<kSrc>(static_cast<int4*>(dst), static_cast<const int4*>(src), bytes / 16, lane);
-    else if (bits % 8 == 0)
-        copy_vectors<kSrc>(static_cast<int2*>(dst), static_cast<const int2*>(src), bytes / 8, lane);
-    else if (bits % 4 == 0)
-        copy_vectors<kSrc>(static_cast<int*>(dst), static_cast<const int*>(src), bytes / 4, lane);
-    else
-        for (int64_t i = lane; i < bytes; i += 32) static_cast<uint8_t*>(dst)[i] = static_cast<const uint8_t*>(src)[i];
 }
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }

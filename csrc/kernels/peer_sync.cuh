@@ -1,0 +1,118 @@
+// Device-side pieces every kernel family that talks to peers' buffers shares: tagged flags that only
+// grow, waits with a deadline that report to the host instead of trapping, last-arrival counters,
+// and warp-wide row copies.
+#pragma once
+
+#include <cstdint>
+
+#include "api.cuh"
+
+namespace moe_ep {
+namespace peer {
+
+// A flag value: which kernel (sequence number) and which step of it (window, count...) it announces.
+__device__ __forceinline__ uint64_t tag(uint64_t seq, int step) { return seq << 24 | static_cast<uint64_t>(step + 1); }
+
+__device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint64_t load_volatile(const uint64_t* p) { return *reinterpret_cast<const volatile uint64_t*>(p); }
+__device__ __forceinline__ uint64_t now_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+// Raise a flag to at least `value`, after this thread's (and, through the caller's fences, its
+// block's) earlier writes.
+__device__ __forceinline__ void raise_flag(uint64_t* flag, uint64_t value) {
+    __threadfence_system();
+    atomicMax_system(reinterpret_cast<unsigned long long*>(flag), static_cast<unsigned long long>(value));
+}
+
+// Thread 0, after the block's writes: true for the last of `num_blocks` arrivals, which also resets
+// the counter (a counter's next use must wait on a flag raised after the reset).
+__device__ __forceinline__ bool arrive_last(uint64_t* counter, int num_blocks) {
+    __threadfence_system();
+    const unsigned long long previous = atomicAdd(reinterpret_cast<unsigned long long*>(counter), 1ull);
+    if (previous + 1 != static_cast<unsigned long long>(num_blocks)) return false;
+    atomicExch(reinterpret_cast<unsigned long long*>(counter), 0ull);
+    __threadfence_system();
+    return true;
+}
+
+// Where a failed wait goes: the first failure claims the host record (HostInfo in api.cuh), and the
+// abort flag makes every other wait of this rank give up at once.
+struct Failure {
+    uint64_t* abort;
+    uint64_t* claim;
+    int* host;
+    uint64_t deadline;
+};
+
+__device__ __forceinline__ void report_timeout(const Failure& f, int kind, int peer, int window) {
+    if (atomicCAS(reinterpret_cast<unsigned long long*>(f.claim), 0ull, 1ull) == 0ull) {
+        volatile int* host = f.host;
+        host[intranode::kHostErrorKind] = kind;
+        host[intranode::kHostErrorPeer] = peer;
+        host[intranode::kHostErrorWindow] = window;
+        __threadfence_system();
+        host[intranode::kHostError] = 1;
+    }
+    atomicExch(reinterpret_cast<unsigned long long*>(f.abort), 1ull);
+    __threadfence_system();
+}
+
+// One thread waits for *flag >= target; false after a timeout (reported) or another wait's failure.
+__device__ __forceinline__ bool wait_flag(const Failure& f, const uint64_t* flag, uint64_t target, int kind, int peer,
+                                          int window) {
+    while (load_acquire(flag) < target) {
+        if (load_volatile(f.abort) != 0) return false;
+        if (now_ns() > f.deadline) {
+            report_timeout(f, kind, peer, window);
+            return false;
+        }
+    }
+    return true;
+}
+
+// ------------------------------------------------------------------ warp-wide row copies
+enum class Src { kReadOnly, kShared };  // user input (cacheable) / memory other ranks write during the kernel
+
+template <Src kSrc, typename V>
+__device__ __forceinline__ V load(const V* p) {
+    if constexpr (kSrc == Src::kReadOnly) return __ldg(p);
+    else return __ldcg(p);
+}
+
+template <Src kSrc, typename V>
+__device__ __forceinline__ void copy_vectors(V* dst, const V* src, int64_t n, int lane) {
+    constexpr int kDepth = 6;  // loads in flight per lane
+    int64_t i = lane;
+    for (; i + (kDepth - 1) * 32 < n; i += kDepth * 32) {
+        V v[kDepth];
+#pragma unroll
+        for (int j = 0; j < kDepth; ++j) v[j] = load<kSrc>(src + i + j * 32);
+#pragma unroll
+        for (int j = 0; j < kDepth; ++j) dst[i + j * 32] = v[j];
+    }
+    for (; i < n; i += 32) dst[i] = load<kSrc>(src + i);
+}
+
+// A warp copies `bytes` bytes in the widest vectors the sizes and addresses allow.
+template <Src kSrc>
+__device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes, int lane) {
+    const auto bits = static_cast<uint64_t>(bytes) | reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
+    if (bits % 16 == 0)
+        copy_vectors<kSrc>(static_cast<int4*>(dst), static_cast<const int4*>(src), bytes / 16, lane);
+    else if (bits % 8 == 0)
+        copy_vectors<kSrc>(static_cast<int2*>(dst), static_cast<const int2*>(src), bytes / 8, lane);
+    else if (bits % 4 == 0)
+        copy_vectors<kSrc>(static_cast<int*>(dst), static_cast<const int*>(src), bytes / 4, lane);
+    else
+        for (int64_t i = lane; i < bytes; i += 32) static_cast<uint8_t*>(dst)[i] = static_cast<const uint8_t*>(src)[i];
+}
+
+}  // namespace peer
+}  // namespace moe_ep
