@@ -248,6 +248,80 @@ void intranode_combine(const IntranodeCtx& c, int64_t num_blocks, const torch::T
 
 void intranode_check_blocks(const IntranodeCtx& c, int64_t num_blocks) { intranode::check_blocks_fit(make_ctx(c, num_blocks)); }
 
+// ------------------------------------------------------------------ low-latency kernels
+struct LowLatencyCtx {
+    int64_t buffers;
+    int rank, num_ranks;
+    torch::Tensor host_info;
+    double timeout_s;
+    int num_max_tokens, hidden, num_experts, half;
+};
+
+low_latency::Ctx make_ctx(const LowLatencyCtx& c) {
+    low_latency::Ctx ctx;
+    ctx.buffers = reinterpret_cast<uint8_t* const*>(c.buffers);
+    ctx.rank = c.rank;
+    ctx.num_ranks = c.num_ranks;
+    ctx.num_max_tokens = c.num_max_tokens;
+    ctx.hidden = c.hidden;
+    ctx.num_experts = c.num_experts;
+    ctx.half = c.half;
+    ctx.host_info = c.host_info.data_ptr<int>();
+    ctx.timeout_ns = static_cast<uint64_t>(c.timeout_s * 1e9);
+    ctx.stream = current_stream();
+    return ctx;
+}
+
+void ll_dispatch_send(const LowLatencyCtx& c, const torch::Tensor& x, const torch::Tensor& topk_idx, bool use_fp8,
+                      bool round_scale, bool use_ue8m0) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    check_rows(x, "x");
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && topk_idx.is_contiguous(), "x: bf16; topk_idx: contiguous");
+    low_latency::dispatch_send(make_ctx(c), x.data_ptr(), static_cast<int>(x.size(0)), topk_idx.data_ptr<int64_t>(),
+                               static_cast<int>(topk_idx.size(1)), use_fp8, round_scale, use_ue8m0);
+}
+
+void ll_dispatch_recv(const LowLatencyCtx& c, int64_t num_topk, bool use_fp8, bool use_ue8m0, const torch::Tensor& recv_x,
+                      const std::optional<torch::Tensor>& recv_scales, const torch::Tensor& recv_count,
+                      const std::optional<torch::Tensor>& stats, const torch::Tensor& recv_src_info) {
+    const c10::cuda::CUDAGuard guard(recv_x.device());
+    check_rows(recv_x, "recv_x");
+    low_latency::dispatch_recv(make_ctx(c), static_cast<int>(num_topk), use_fp8, use_ue8m0, recv_x.data_ptr(),
+                               optional_ptr<void>(recv_scales), recv_count.data_ptr<int>(), optional_ptr<int>(stats),
+                               recv_src_info.data_ptr<int>(), num_sms_of_current_device());
+}
+
+void ll_combine_send(const LowLatencyCtx& c, const torch::Tensor& x, const torch::Tensor& recv_count,
+                     const torch::Tensor& recv_src_info, int64_t num_topk) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    check_rows(x, "x");
+    low_latency::combine_send(make_ctx(c), x.data_ptr(), recv_count.data_ptr<int>(), recv_src_info.data_ptr<int>(),
+                              static_cast<int>(num_topk), num_sms_of_current_device());
+}
+
+void ll_combine_recv(const LowLatencyCtx& c, const torch::Tensor& topk_idx, const torch::Tensor& topk_weights,
+                     const torch::Tensor& out) {
+    const c10::cuda::CUDAGuard guard(out.device());
+    check_rows(out, "out");
+    TORCH_CHECK(topk_idx.is_contiguous() && topk_weights.is_contiguous(), "topk_idx, topk_weights: contiguous");
+    low_latency::combine_recv(make_ctx(c), topk_idx.data_ptr<int64_t>(), topk_weights.data_ptr<float>(),
+                              static_cast<int>(topk_idx.size(0)), static_cast<int>(topk_idx.size(1)), out.data_ptr(),
+                              num_sms_of_current_device());
+}
+
+py::dict low_latency_layout(int64_t num_max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts) {
+    const auto r = low_latency::regions(num_max_tokens, hidden, num_ranks, num_experts);
+    py::dict d;
+    d["dispatch_message_bytes"] = r.dispatch_message;
+    d["combine_message_bytes"] = r.combine_message;
+    d["send_bytes"] = r.send;
+    d["recv_bytes"] = r.recv;
+    d["signal_bytes"] = r.signal;
+    d["half_bytes"] = r.half;
+    d["total_bytes"] = r.total;
+    return d;
+}
+
 // The layout numbers the kernels use, for the test that moe_ep/config.py computes the same.
 py::dict intranode_layout(int64_t num_ranks, int64_t num_nvl_bytes, int64_t x_bytes, int64_t scale_bytes, int64_t num_topk) {
     const int r = static_cast<int>(num_ranks), k = static_cast<int>(num_topk);
@@ -288,6 +362,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("intranode_dispatch", &moe_ep::intranode_dispatch, "intranode dispatch data movement");
     m.def("intranode_combine", &moe_ep::intranode_combine, "intranode combine");
     m.def("intranode_check_blocks", &moe_ep::intranode_check_blocks, "ValueError unless the blocks fit the GPU");
+    py::class_<moe_ep::LowLatencyCtx>(m, "LowLatencyCtx")
+        .def(py::init<int64_t, int, int, torch::Tensor, double, int, int, int, int>());
+    m.def("ll_dispatch_send", &moe_ep::ll_dispatch_send, "low-latency dispatch: send");
+    m.def("ll_dispatch_recv", &moe_ep::ll_dispatch_recv, "low-latency dispatch: receive (the hook)");
+    m.def("ll_combine_send", &moe_ep::ll_combine_send, "low-latency combine: send");
+    m.def("ll_combine_recv", &moe_ep::ll_combine_recv, "low-latency combine: receive (the hook)");
+    m.def("low_latency_layout", &moe_ep::low_latency_layout, "buffer layout numbers of the low-latency kernels");
     m.def("intranode_layout", &moe_ep::intranode_layout, "buffer layout numbers of the intranode kernels");
 #ifdef MOE_EP_WITH_NVSHMEM
     m.attr("WITH_NVSHMEM") = true;

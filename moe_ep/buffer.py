@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from . import _native
 from .backends.intranode import IntranodeBackend, IntranodeDispatchState
+from .backends.low_latency import LowLatencyBackend, LowLatencyKernelState
 from .backends.portable import PortableBackend, dispatch_layout
 from .checks import FP8_BLOCK, check_expert_ids, check_fp8_pair, check_int, check_tensor, debug_checks_enabled
 from .config import NUM_MAX_NVL_PEERS, NUM_MAX_TOPK, Config, combine_config, dispatch_config, low_latency_rdma_size_hint
@@ -93,6 +94,8 @@ class Buffer:
         self._portable = PortableBackend(group, self._gate)
         self._intranode: Optional[IntranodeBackend] = None  # made at the first dispatch of CUDA tensors
         self._kernels = self._kernels_usable()
+        self._low_latency: Optional[LowLatencyBackend] = None  # made at the first low-latency CUDA dispatch
+        self._ll_kernels = self._low_latency_kernels_usable()
         self._comm_stream: Optional[torch.cuda.Stream] = None  # made when first needed: CPU-only ranks
         # on a GPU machine must not start a CUDA context
         self._destroyed = False
@@ -132,6 +135,24 @@ class Buffer:
             and self.num_nvl_bytes > 0
         )
 
+    def _low_latency_kernels_usable(self) -> bool:
+        """The low-latency kernels (CUDA IPC, ranks of one host) are opt-in with MOE_EP_LL_KERNELS=1
+        until they have run on a GPU (docs/DESIGN.md); CUDA tensors use the portable backend otherwise."""
+        return (
+            os.environ.get("MOE_EP_LL_KERNELS", "0") == "1"
+            and _native.has_kernels()
+            and self.ranks_per_node == self.group_size
+            and self.low_latency_mode
+            and self.num_rdma_bytes > 0
+        )
+
+    def _low_latency_kernels_move(self, x: torch.Tensor) -> bool:
+        if not (x.is_cuda and self._ll_kernels):
+            return False
+        if self._low_latency is None:  # collective: every rank makes the same first call
+            self._low_latency = LowLatencyBackend(self.group, self._gate, self.num_rdma_bytes)
+        return True
+
     # ------------------------------------------------------------------ static helpers
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
@@ -169,9 +190,10 @@ class Buffer:
                 "destroy() is for Buffers created with explicitly_destroy=True; others are freed by the GC"
             )
         self._check_alive()
-        if self._intranode is not None:
-            self._intranode.close()
-            self._intranode = None
+        for backend in (self._intranode, self._low_latency):
+            if backend is not None:
+                backend.close()
+        self._intranode = self._low_latency = None
         self._local_buffers.clear()
         self._ll_combine_buffers = [None, None]
         self._destroyed = True
@@ -573,7 +595,8 @@ class Buffer:
         handle = LowLatencyHandle(
             self.serial, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_tokens, topk_idx.shape[1], x.device
         )
-        recv_x, recv_count, hook = self._portable.low_latency_dispatch(
+        backend = self._low_latency if self._low_latency_kernels_move(x) else self._portable
+        recv_x, recv_count, hook = backend.low_latency_dispatch(
             x,
             topk_idx,
             num_max_dispatch_tokens_per_rank,
@@ -623,8 +646,16 @@ class Buffer:
             raise ValueError("async_finish and return_recv_hook: choose one (the hook already defers the receive)")
         if zero_copy:
             x = self.get_next_low_latency_combine_buffer(handle)
+        made_by_kernels = isinstance(handle.backend_state, LowLatencyKernelState)
+        if made_by_kernels != (x.is_cuda and self._ll_kernels):
+            raise ValueError(
+                "handle: its low_latency_dispatch ran on the "
+                + ("kernels" if made_by_kernels else "portable backend")
+                + f", but x is a {'CUDA' if x.is_cuda else 'CPU'} tensor; keep a handle's tensors on one device"
+            )
         self._ll_next ^= 1
-        combined, hook = self._portable.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook, out)
+        backend = self._low_latency if made_by_kernels else self._portable
+        combined, hook = backend.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook, out)
         return combined, self._finish(async_finish, [x, combined]), hook
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:

@@ -89,8 +89,17 @@ def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, n
                     combined=combined, combined_w=combined_w, num_recv_rows=handle.num_recv_rows))
 
 
+def _keep_gpu_busy():
+    """Matmuls between a send and its hook: they run while the data is in flight (CUDA ranks only)."""
+    if device().type == "cuda":
+        a = torch.randn(2048, 2048, device=device())
+        for _ in range(10):
+            a = (a @ a).clamp(-1, 1)
+
+
 def low_latency_round(p: Problem, use_fp8: bool, round_scale: bool = False, use_ue8m0: bool = False,
-                      return_recv_hook: bool = False, zero_copy: bool = False, use_out: bool = False):
+                      return_recv_hook: bool = False, zero_copy: bool = False, use_out: bool = False,
+                      busy_gpu: bool = False):
     rank = dist.get_rank()
     inp = my_inputs(p)
     buffer = low_latency_buffer(p)
@@ -99,6 +108,8 @@ def low_latency_round(p: Problem, use_fp8: bool, round_scale: bool = False, use_
         inp["x"], inp["topk_idx"], p.max_tokens, p.num_experts, cumulative_local_expert_recv_stats=stats,
         use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=return_recv_hook)
     count_before_hook = recv_count.clone()
+    if busy_gpu:
+        _keep_gpu_busy()
     if return_recv_hook:
         hook()
     recv_bf16 = recv_x
@@ -117,6 +128,8 @@ def low_latency_round(p: Problem, use_fp8: bool, round_scale: bool = False, use_
     combined, _, combine_hook = buffer.low_latency_combine(
         x_arg, inp["topk_idx"], inp["topk_weights"], handle, zero_copy=zero_copy,
         return_recv_hook=return_recv_hook, out=out)
+    if busy_gpu:
+        _keep_gpu_busy()
     if return_recv_hook:
         combine_hook()
     return cpu(dict(recv_x=recv_x, recv_count=recv_count, count_before_hook=count_before_hook, stats=stats,
@@ -358,3 +371,82 @@ def oversized_sm_budget(p: Problem, num_sms: int):
         outcome = str(exc)
     recv_x = buffer.dispatch(inp["x"], **layout)[0]
     return outcome, recv_x.shape[0]
+
+
+def with_env(env: dict, fn, *args, **kwargs):
+    """fn(*args, **kwargs) with extra environment variables (read when a Buffer is created)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def low_latency_graph_round(p: Problem, q: Problem, use_fp8: bool):
+    """Low-latency dispatch and combine captured in one CUDA graph on p's inputs, replayed on q's
+    (same shapes), next to eager calls on q."""
+    inp_p, inp_q = my_inputs(p), my_inputs(q)
+    buffer = low_latency_buffer(p)
+    static = {k: v.clone() for k, v in inp_p.items()}
+    rank = dist.get_rank()
+
+    def step(inp):
+        recv_x, recv_count, handle, _, _ = buffer.low_latency_dispatch(
+            inp["x"], inp["topk_idx"], p.max_tokens, p.num_experts, use_fp8=use_fp8)
+        recv = fp8.per_token_cast_back(*recv_x) if use_fp8 else recv_x
+        y = (recv.float().view(-1, p.hidden) * (rank + 1)).to(torch.bfloat16).view(recv.shape)
+        combined, _, _ = buffer.low_latency_combine(y, inp["topk_idx"], inp["topk_weights"], handle)
+        return recv_count, combined
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(static)
+    replays = []
+    for inp in (inp_q, inp_p):
+        for k in static:
+            static[k].copy_(inp[k])
+        graph.replay()
+        torch.cuda.synchronize()
+        replays.append(cpu([t.clone() for t in outs]))
+    return replays, cpu(list(step(inp_q))), cpu(list(step(inp_p)))
+
+
+def low_latency_peer_missing(skipping_rank: int, timeout_s: float):
+    """After one round on every rank, skipping_rank skips the next low_latency_dispatch."""
+    os.environ["MOE_EP_TIMEOUT_S"] = str(timeout_s)
+    try:
+        p = Problem(23, dist.get_world_size(), dist.get_world_size() * 2, 128, 2, max_tokens=8, zero_token_rank=False)
+        inp = my_inputs(p)
+        buffer = low_latency_buffer(p)
+        recv, _, handle, _, _ = buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens, p.num_experts,
+                                                            use_fp8=False)
+        buffer.low_latency_combine(recv, inp["topk_idx"], inp["topk_weights"], handle)
+        torch.cuda.synchronize()
+        dist.barrier()
+        if dist.get_rank() == skipping_rank:
+            return "skipped"
+        try:
+            buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens, p.num_experts, use_fp8=False)
+            torch.cuda.synchronize()  # the receive gives up after the timeout
+            buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens, p.num_experts, use_fp8=False)
+        except Exception as exc:  # noqa: BLE001
+            return type(exc).__name__, str(exc)
+        return "returned"
+    finally:
+        del os.environ["MOE_EP_TIMEOUT_S"]
+
+
+def low_latency_layout_numbers(cases):
+    from moe_ep import _native
+    from moe_ep.config import LowLatencyLayout
+    return [(_native.ops().low_latency_layout(*case), LowLatencyLayout(*case).as_dict()) for case in cases]

@@ -55,7 +55,11 @@ enum HostInfo : int {
     kHostMaxTokens = 7,     // notify: largest num_tokens over the ranks
     kHostCounts = 8,        // notify: [R] rows from each rank, [R] tokens to each rank, [E/R] per local expert
 };
-enum ErrorKind : int { kErrNone = 0, kErrNotify, kErrStaged, kErrReleased, kErrOpen, kErrPushed };
+enum ErrorKind : int {
+    kErrNone = 0, kErrNotify, kErrStaged, kErrReleased, kErrOpen, kErrPushed,
+    kErrLowLatencyDispatch,  // window = the global expert whose tokens did not come
+    kErrLowLatencyCombine,
+};
 inline int host_info_ints(int num_ranks) { return kHostCounts + 2 * num_ranks + 16384; }
 
 // Device int32 summary of a count exchange: [max tokens, total rows, base row of each source (R + 1),
@@ -125,5 +129,37 @@ int dispatch_window_tokens(int num_ranks, int64_t num_nvl_bytes, int64_t x_bytes
 int combine_window_tokens(int num_ranks, int64_t num_nvl_bytes, int64_t x_bytes, int num_topk);
 
 }  // namespace intranode
+
+namespace low_latency {
+
+// One low-latency call (dispatch or combine): every rank's buffer as mapped here, and the half of the
+// buffers this call uses (calls alternate). Failed waits report into host_info (intranode::HostInfo).
+struct Ctx {
+    uint8_t* const* buffers;
+    int rank, num_ranks;
+    int num_max_tokens, hidden, num_experts;
+    int half;
+    int* host_info;
+    uint64_t timeout_ns;
+    cudaStream_t stream;
+};
+
+// Writes every (token, top-k slot) with an expert into that expert's rank: bf16 rows, or e4m3 rows
+// cast here with their 1x128 scales (float32, or UE8M0 packed four to an int32). Waits for nothing.
+void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t* topk_idx, int num_topk,
+                   bool use_fp8, bool round_scale, bool use_ue8m0);
+// Waits for every rank's rows and packs them per local expert, ordered by source rank, token, slot:
+// recv_x [L, R * max, H] (+ recv_scales), recv_count [L], stats [L] += counts (nullable), and
+// recv_src_info [L, R * max]: (source rank * max + token) * num_topk + slot of each row.
+void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales,
+                   int* recv_count, int* stats, int* recv_src_info, int num_sms);
+// Sends row r of local expert e (x [L, R * max, H] bf16) back to the (token, slot) it came from.
+void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const int* recv_src_info, int num_topk,
+                  int num_sms);
+// out[t] = sum over slots k ascending with an expert of (weight * row), in float32 without FMA.
+void combine_recv(const Ctx& ctx, const int64_t* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
+                  void* out, int num_sms);
+
+}  // namespace low_latency
 
 }  // namespace moe_ep

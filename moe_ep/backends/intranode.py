@@ -7,31 +7,18 @@ call gets here. Kernels run on a dedicated communication stream with deep_ep's e
 
 from __future__ import annotations
 
-import ctypes
-import weakref
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from .. import _native
 from ..config import Config, IntranodeLayout
 from ..events import EventOverlap
 from ..handles import DispatchHandle
 from ..sync import ArrivalGate
+from .peers import HOST_COUNTS, HOST_DONE, HOST_OVERFLOW, PeerBuffers, aligned
 
-# host_info slots (csrc/kernels/api.cuh, intranode::HostInfo)
-HOST_DONE, HOST_ERROR, HOST_ERROR_KIND, HOST_ERROR_PEER, HOST_ERROR_WINDOW, HOST_OVERFLOW = range(6)
-HOST_TOTAL, HOST_MAX_TOKENS, HOST_COUNTS = 6, 7, 8
-# What a failed wait was waiting for, by intranode::ErrorKind.
-_WAITED_FOR = {
-    1: "its token counts (dispatch)",
-    2: "its tokens of dispatch window {window}",
-    3: "it to finish reading this rank's dispatch window {window}",
-    4: "it to accept combine rows of window {window}",
-    5: "its combine rows of window {window}",
-}
 # Host-side grace on top of the kernels' own deadline before the host gives up on a count exchange.
 _HOST_GRACE_S = 5.0
 
@@ -45,59 +32,25 @@ class IntranodeDispatchState:
     recv_src_idx: torch.Tensor  # [rows] int32: source token index of each received row (-1: padding)
 
 
-def aligned(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Contiguous and 16-byte aligned (the kernels move rows in 16-byte vectors)."""
-    if t is None:
-        return None
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
-def _release(ops, own: int, opened: List[int]) -> None:
-    try:
-        torch.cuda.synchronize()
-        for ptr in opened:
-            ops.ipc_close(ptr)
-        ops.device_free(own)
-    except RuntimeError:  # at interpreter exit the CUDA context may already be gone, and with it the memory
-        pass
-
-
 class IntranodeBackend:
     def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_nvl_bytes: int, comm_stream: torch.cuda.Stream):
-        self.ops = _native.ops()
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.num_ranks = dist.get_world_size(group)
+        self.peers = PeerBuffers(group, gate, num_nvl_bytes, "dispatch")
+        self.ops = self.peers.ops
+        self.rank, self.num_ranks = self.peers.rank, self.peers.num_ranks
         self.num_nvl_bytes = num_nvl_bytes
-        self.timeout_s = timeout_s = gate.timeout_s
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        own, handle = self.ops.ipc_alloc(num_nvl_bytes)  # zeroed before its handle is published
-        # Through the store with a deadline: a rank that never makes its first CUDA dispatch is named.
-        # Each rank also says which GPU it is on: ranks sharing one must fit their blocks on it together.
-        device_id = str(torch.cuda.get_device_properties(self.device).uuid).encode()
-        payloads = gate.exchange("dispatch (mapping the peers' buffers)", handle + device_id)
-        handles = [p[: len(handle)] for p in payloads]
-        self.ranks_on_device = sum(p[len(handle) :] == device_id for p in payloads)
-        opened = [self.ops.ipc_open(h) for r, h in enumerate(handles) if r != self.rank]
-        pointers = opened[: self.rank] + [own] + opened[self.rank :]
-        self._finalizer = weakref.finalize(self, _release, self.ops, own, opened)
-        self.buffers = torch.tensor(pointers, dtype=torch.int64, device=self.device)
-        layout = self.ops.intranode_layout(self.num_ranks, num_nvl_bytes, 0, 0, 0)
-        self.host_info = torch.zeros(layout["host_info_ints"], dtype=torch.int32, pin_memory=True)
-        self._host = (ctypes.c_int32 * layout["host_info_ints"]).from_address(self.host_info.data_ptr())
-        self.recv_info_ints = layout["recv_info_ints"]
+        self.timeout_s = gate.timeout_s
+        self.host_info, self._host = self.peers.host_info, self.peers.host
+        self.recv_info_ints = self.ops.intranode_layout(self.num_ranks, num_nvl_bytes, 0, 0, 0)["recv_info_ints"]
         self.ctx = self.ops.IntranodeCtx(
-            self.buffers.data_ptr(), self.rank, self.num_ranks, num_nvl_bytes, self.host_info, timeout_s,
-            self.ranks_on_device,
+            self.peers.pointers.data_ptr(), self.rank, self.num_ranks, num_nvl_bytes, self.host_info, self.timeout_s,
+            self.peers.ranks_on_device,
         )
         self.comm_stream = comm_stream
         self._nonce = 0
         self._fitting_sms = set()  # SM budgets known to fit this GPU together with its other ranks
 
     def close(self) -> None:
-        dist.barrier(group=self.group)  # no peer reads this rank's buffer any more
-        self._finalizer()
+        self.peers.close()
 
     def layout(self, x_bytes: int, scale_bytes: int, num_topk: int) -> IntranodeLayout:
         return IntranodeLayout(self.num_ranks, self.num_nvl_bytes, x_bytes, scale_bytes, num_topk)
@@ -113,21 +66,9 @@ class IntranodeBackend:
                 f"num_worst_tokens: an earlier dispatch on rank {self.rank} received {received} tokens, more than "
                 "its num_worst_tokens rows; the rows past it were dropped. Pass a larger num_worst_tokens."
             )
-        if h[HOST_ERROR]:
-            kind, peer, window = h[HOST_ERROR_KIND], h[HOST_ERROR_PEER], h[HOST_ERROR_WINDOW]
-            waited = _WAITED_FOR.get(kind, "it").format(window=window)
-            raise TimeoutError(
-                f"moe_ep: rank {peer} did not arrive within {self.timeout_s:g} s: rank {self.rank} waited for "
-                f"{waited}. Raise MOE_EP_TIMEOUT_S if the peer is only slow; the Buffer's ranks are out of "
-                "step now: create a new Buffer."
-            )
-
-    def check_num_sms(self, num_sms: int) -> None:
-        """ValueError (on every rank of this GPU alike) before a call starts, if its blocks cannot all be
-        resident: the kernels wait on each other across ranks and would stall until the deadline."""
-        if num_sms not in self._fitting_sms:
-            self.ops.intranode_check_blocks(self.ctx, num_sms)
-            self._fitting_sms.add(num_sms)
+        error = self.peers.timeout_error()
+        if error is not None:
+            raise error
 
     # ---------------------------------------------------------------- streams and events
     def _enter(self, previous_event: Optional[EventOverlap]) -> torch.cuda.Stream:

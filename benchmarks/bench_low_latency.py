@@ -1,0 +1,124 @@
+"""Low-latency dispatch/combine latency and bandwidth (issue 4), all ranks running at once.
+
+Per rank, wall time per call (after `--warmup` calls, a barrier before, synchronized at the end),
+for the whole call and, with the hook, for the send part and the receive part (hook) separately.
+Bandwidth in DeepEP's metric: dispatch moves (hidden + hidden/128 * 4 + 16) bytes per (token, expert)
+selection in fp8, combine hidden * 2 bytes per selection.
+
+    python -m benchmarks.bench_low_latency --ranks 8                 # 288 experts with 8 ranks
+    MOE_EP_LL_KERNELS=1 python -m benchmarks.bench_low_latency ...   # the kernels (opt-in for now)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from moe_ep import Buffer  # noqa: E402
+from moe_ep.launch import RankPool  # noqa: E402
+
+
+def seconds_per_call(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
+
+
+def rank_bench(args, num_experts: int):
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(2000 + rank)
+    x = torch.randn(args.tokens, args.hidden, device="cuda").to(torch.bfloat16)
+    topk_idx = torch.rand(args.tokens, num_experts, device="cuda").topk(args.topk, dim=1).indices
+    topk_weights = torch.rand(args.tokens, args.topk, device="cuda")
+    size = Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, num_ranks, num_experts)
+    buffer = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, num_qps_per_rank=num_experts // num_ranks)
+    recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, args.tokens, num_experts, use_fp8=True)
+    local, rows = num_experts // num_ranks, num_ranks * args.tokens
+    y = torch.randn(local, rows, args.hidden, device="cuda").to(torch.bfloat16)
+    selections = int((topk_idx >= 0).sum())
+    results = {}
+
+    def dispatch():
+        return buffer.low_latency_dispatch(x, topk_idx, args.tokens, num_experts, use_fp8=True)
+
+    def combine():
+        return buffer.low_latency_combine(y, topk_idx, topk_weights, handle)
+
+    results["dispatch_us"] = seconds_per_call(dispatch, args.warmup, args.iters) * 1e6
+    results["combine_us"] = seconds_per_call(combine, args.warmup, args.iters) * 1e6
+    # With the hook: time the send and the receive parts on their own.
+    sends, recvs = [], []
+    for i in range(args.warmup + args.iters):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        _, _, h, _, hook = buffer.low_latency_dispatch(x, topk_idx, args.tokens, num_experts, use_fp8=True,
+                                                       return_recv_hook=True)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        hook()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        _, _, chook = buffer.low_latency_combine(y, topk_idx, topk_weights, h, return_recv_hook=True)
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        chook()
+        torch.cuda.synchronize()
+        t4 = time.perf_counter()
+        if i >= args.warmup:
+            sends.append(((t1 - t0) * 1e6, (t3 - t2) * 1e6))
+            recvs.append(((t2 - t1) * 1e6, (t4 - t3) * 1e6))
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    results["dispatch_send_us"], results["combine_send_us"] = med([s[0] for s in sends]), med([s[1] for s in sends])
+    results["dispatch_recv_us"], results["combine_recv_us"] = med([r[0] for r in recvs]), med([r[1] for r in recvs])
+    fp8_bytes = args.hidden + args.hidden // 128 * 4 + 16
+    results["dispatch_gbps"] = selections * fp8_bytes / results["dispatch_us"] / 1e3
+    results["combine_gbps"] = selections * args.hidden * 2 / results["combine_us"] / 1e3
+    results["backend"] = "kernels" if buffer._low_latency is not None else "portable"
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=256, help="with 8 ranks the run uses 288 as well")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--json", help="append one JSON line per run here")
+    args = parser.parse_args()
+    print(f"{'ranks':>5} {'experts':>7} {'backend':>8} {'dispatch us':>11} {'GB/s':>6} {'combine us':>10} {'GB/s':>6} "
+          f"{'hook: send+recv us (dispatch / combine)':>40}")
+    for num_ranks in args.ranks:
+        for num_experts in sorted({args.experts, 288 if num_ranks == 8 else args.experts}):
+            with RankPool(num_ranks, use_cuda=True) as pool:
+                rows = pool.run(rank_bench, args, num_experts)
+            worst = {k: max(r[k] for r in rows) for k in rows[0] if k.endswith("_us")}
+            mean = {k: sum(r[k] for r in rows) / len(rows) for k in ("dispatch_gbps", "combine_gbps")}
+            print(f"{num_ranks:>5} {num_experts:>7} {rows[0]['backend']:>8} {worst['dispatch_us']:>11.1f} "
+                  f"{mean['dispatch_gbps']:>6.1f} {worst['combine_us']:>10.1f} {mean['combine_gbps']:>6.1f} "
+                  f"{worst['dispatch_send_us']:>9.1f}+{worst['dispatch_recv_us']:<9.1f} / "
+                  f"{worst['combine_send_us']:>7.1f}+{worst['combine_recv_us']:<7.1f}")
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(dict(bench="low_latency", ranks=num_ranks, experts=num_experts, **vars(args),
+                                            per_rank=rows)) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+// Low-latency dispatch and combine (decode): fixed per-expert receive slots, stores straight into the
+// peers' buffers, and a split into a send kernel that waits for nothing and a receive kernel (the
+// hook) that waits for the peers' flags, so no block is resident while data is in flight.
+//
+// Each call uses one half of every rank's buffer (calls alternate). Every (source rank, local expert)
+// pair has one flag per half; the sender raises it to tag(call, count) after its rows, so a flag of
+// an earlier call never passes for a later one and no flag is ever cleaned. The call number lives in
+// the buffer's header and the receive kernel's last block advances it: CUDA-graph replays stay right.
+#include <cuda_bf16.h>
+
+#include "api.cuh"
+#include "buffer_layout.cuh"
+#include "cuda_check.cuh"
+#include "fp8_block.cuh"
+#include "peer_sync.cuh"
+
+namespace moe_ep {
+namespace low_latency {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kCountBits = 24;  // peer::tag keeps the step (here: a row count) in the low 24 bits
+
+using peer::arrive_last;
+using peer::load_acquire;
+using peer::load_volatile;
+using peer::raise_flag;
+using peer::Src;
+using peer::tag;
+using peer::warp_copy;
+
+struct Env {
+    uint8_t* const* buffers;
+    int rank, num_ranks, num_local, max_tokens, hidden, num_experts;
+    Regions g;
+    int64_t half_offset;
+    int* host;
+    uint64_t seq, deadline;
+
+    __device__ uint64_t* header(int r) const { return reinterpret_cast<uint64_t*>(buffers[r]); }
+    __device__ uint8_t* recv(int r) const { return buffers[r] + half_offset + g.send; }
+    __device__ uint64_t* signals(int r) const { return reinterpret_cast<uint64_t*>(buffers[r] + half_offset + g.send + g.recv); }
+    __device__ peer::Failure failure() const {
+        return {header(rank) + kAbort, header(rank) + kErrorClaim, host, deadline};
+    }
+    __device__ bool aborted() const { return load_volatile(header(rank) + kAbort) != 0; }
+};
+
+__device__ Env make_env(const Ctx& c) {
+    Env e;
+    e.buffers = c.buffers;
+    e.rank = c.rank;
+    e.num_ranks = c.num_ranks;
+    e.num_local = c.num_experts / c.num_ranks;
+    e.max_tokens = c.num_max_tokens;
+    e.hidden = c.hidden;
+    e.num_experts = c.num_experts;
+    e.g = regions(c.num_max_tokens, c.hidden, c.num_ranks, c.num_experts);
+    e.half_offset = kHeaderBytes + c.half * e.g.half;
+    e.host = c.host_info;
+    e.seq = load_volatile(reinterpret_cast<uint64_t*>(c.buffers[c.rank]) + kSeq);
+    e.deadline = peer::now_ns() + c.timeout_ns;
+    return e;
+}
+
+// The receive kernel ends the call: its last block advances the call number.
+__device__ void finish_call(const Env& e) {
+    __syncthreads();
+    if (threadIdx.x == 0 && arrive_last(e.header(e.rank) + kRecvDone, gridDim.x))
+        atomicAdd(reinterpret_cast<unsigned long long*>(e.header(e.rank) + kSeq), 1ull);
+}
+
+__device__ __forceinline__ int scale_bytes(int hidden, bool use_fp8, bool use_ue8m0) {
+    const int blocks = hidden / fp8::kBlock;
+    if (!use_fp8) return 0;
+    return use_ue8m0 ? (blocks + fp8::kUe8m0PerWord - 1) / fp8::kUe8m0PerWord * 4 : blocks * 4;
+}
+
+// A warp casts one bf16 row to e4m3 with its scales (right after the row), eight lanes per 128-column
+// block and 16 elements per lane, as in fp8.cu, so the bits equal the cast kernel's and fp8.py's.
+__device__ void cast_row(const __nv_bfloat16* row, uint8_t* out, int hidden, bool round_scale, bool use_ue8m0,
+                         int lane) {
+    constexpr int kLanesPerBlock = fp8::kBlock / 16;
+    const int blocks = hidden / fp8::kBlock, group = lane / kLanesPerBlock, sub = lane % kLanesPerBlock;
+    uint8_t* scales = out + hidden;
+    for (int b0 = 0; b0 < blocks; b0 += 32 / kLanesPerBlock) {
+        const int b = b0 + group;
+        const bool active = b < blocks;
+        float v[16];
+        if (active) {
+            const uint4* src = reinterpret_cast<const uint4*>(row + b * fp8::kBlock + sub * 16);
+            uint4 raw[2] = {__ldg(src), __ldg(src + 1)};
+            const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(raw);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const float2 f = __bfloat1622float2(pairs[i]);
+                v[2 * i] = f.x, v[2 * i + 1] = f.y;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) v[i] = 0.f;
+        }
+        float amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+        for (int mask = kLanesPerBlock / 2; mask > 0; mask >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, mask));
+        float scale, inverse;
+        fp8::block_scale(amax, round_scale, scale, inverse);
+        if (active) {
+            alignas(16) uint8_t q[16];
+#pragma unroll
+            for (int i = 0; i < 16; ++i) q[i] = fp8::to_e4m3(v[i], inverse);
+            *reinterpret_cast<uint4*>(out + b * fp8::kBlock + sub * 16) = *reinterpret_cast<const uint4*>(q);
+            if (sub == 0) {
+                if (use_ue8m0) scales[b] = fp8::ue8m0_byte(scale);
+                else reinterpret_cast<float*>(scales)[b] = scale;
+            }
+        }
+    }
+    if (use_ue8m0)  // the pad bytes of the last word are zero, as in the cast kernel
+        for (int b = blocks + lane; b < scale_bytes(hidden, true, true); b += 32) scales[b] = 0;
+}
+
+// One warp per expert: its (token, slot) entries in order, each row into the slot the receiver reads,
+// then the count flag.
+__global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ctx c, const __nv_bfloat16* __restrict__ x, int num_tokens,
+                                                                 const int64_t* __restrict__ topk_idx, int num_topk,
+                                                                 bool use_fp8, bool round_scale, bool use_ue8m0) {
+    const Env e = make_env(c);
+    const int lane = threadIdx.x % 32, expert = blockIdx.x * kWarps + threadIdx.x / 32;
+    if (expert >= e.num_experts || e.aborted()) return;
+    const int dst = expert / e.num_local, local = expert % e.num_local;
+    uint8_t* slots = e.recv(dst) + (static_cast<int64_t>(local) * e.num_ranks + e.rank) * e.max_tokens * e.g.dispatch_message;
+    const int entries = num_tokens * num_topk;
+    int count = 0;
+    for (int base = 0; base < entries; base += 32) {
+        const bool match = base + lane < entries && topk_idx[base + lane] == expert;
+        for (unsigned todo = __ballot_sync(kFullMask, match); todo != 0; todo &= todo - 1) {
+            const int entry = base + __ffs(todo) - 1, t = entry / num_topk, k = entry % num_topk;
+            uint8_t* message = slots + static_cast<int64_t>(count++) * e.g.dispatch_message;
+            if (lane == 0) *reinterpret_cast<int4*>(message) = make_int4(t, k, 0, 0);
+            const __nv_bfloat16* row = x + static_cast<int64_t>(t) * e.hidden;
+            if (use_fp8)
+                cast_row(row, message + kMessageHeaderBytes, e.hidden, round_scale, use_ue8m0, lane);
+            else
+                warp_copy<Src::kReadOnly>(message + kMessageHeaderBytes, row, static_cast<int64_t>(e.hidden) * 2, lane);
+        }
+    }
+    __syncwarp();  // the other lanes' stores before lane 0's release
+    if (lane == 0) raise_flag(e.signals(dst) + static_cast<int64_t>(local) * e.num_ranks + e.rank, tag(e.seq, count));
+}
+
+// One block per local expert: wait for every source rank's count, then pack the rows.
+__global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(Ctx c, int num_topk, bool use_fp8, bool use_ue8m0,
+                                                                 uint8_t* __restrict__ recv_x, uint8_t* __restrict__ recv_scales,
+                                                                 int* __restrict__ recv_count, int* __restrict__ stats,
+                                                                 int* __restrict__ recv_src_info) {
+    extern __shared__ int first_row[];  // [R + 1]: each source rank's first row, then the total
+    __shared__ int ok;
+    const Env e = make_env(c);
+    const int local = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    if (threadIdx.x == 0) {
+        ok = !e.aborted();
+        int total = 0;
+        for (int s = 0; s < e.num_ranks; ++s) {
+            first_row[s] = total;
+            const uint64_t* flag = e.signals(e.rank) + static_cast<int64_t>(local) * e.num_ranks + s;
+            ok = ok && peer::wait_flag(e.failure(), flag, tag(e.seq, -1), intranode::kErrLowLatencyDispatch, s,
+                                       e.rank * e.num_local + local);
+            if (ok) total += static_cast<int>(load_acquire(flag) & ((1u << kCountBits) - 1)) - 1;
+        }
+        first_row[e.num_ranks] = total;
+        if (ok) {
+            recv_count[local] = total;
+            if (stats != nullptr) stats[local] += total;
+        }
+    }
+    __syncthreads();
+    if (ok) {
+        const int64_t x_bytes = use_fp8 ? e.hidden : static_cast<int64_t>(e.hidden) * 2;
+        const int64_t s_bytes = scale_bytes(e.hidden, use_fp8, use_ue8m0);
+        const int64_t rows_per_expert = static_cast<int64_t>(e.num_ranks) * e.max_tokens;
+        for (int r = warp; r < first_row[e.num_ranks]; r += kWarps) {
+            int s = 0;
+            while (first_row[s + 1] <= r) ++s;
+            const uint8_t* message =
+                e.recv(e.rank) + ((static_cast<int64_t>(local) * e.num_ranks + s) * e.max_tokens + (r - first_row[s])) *
+                                     e.g.dispatch_message;
+            const int64_t row = local * rows_per_expert + r;
+            if (lane == 0) {
+                const int t = __ldcg(reinterpret_cast<const int*>(message)), k = __ldcg(reinterpret_cast<const int*>(message) + 1);
+                recv_src_info[row] = (s * e.max_tokens + t) * num_topk + k;
+            }
+            warp_copy<Src::kShared>(recv_x + row * x_bytes, message + kMessageHeaderBytes, x_bytes, lane);
+            if (s_bytes > 0)
+                warp_copy<Src::kShared>(recv_scales + row * s_bytes, message + kMessageHeaderBytes + e.hidden, s_bytes, lane);
+        }
+    }
+    finish_call(e);
+}
+
+// Every received row back to the (token, slot) slot of its source rank; the last block raises every
+// rank's flag.
+__global__ void __launch_bounds__(kThreads) combine_send_kernel(Ctx c, const uint8_t* __restrict__ x,
+                                                                const int* __restrict__ recv_count,
+                                                                const int* __restrict__ recv_src_info, int num_topk) {
+    const Env e = make_env(c);
+    const int lane = threadIdx.x % 32, warp_id = blockIdx.x * kWarps + threadIdx.x / 32, num_warps = gridDim.x * kWarps;
+    const int64_t rows_per_expert = static_cast<int64_t>(e.num_ranks) * e.max_tokens, row_bytes = e.hidden * 2LL;
+    if (!e.aborted()) {
+        for (int64_t g = warp_id; g < e.num_local * rows_per_expert; g += num_warps) {
+            const int local = static_cast<int>(g / rows_per_expert), r = static_cast<int>(g % rows_per_expert);
+            if (r >= recv_count[local]) continue;
+            const int info = recv_src_info[g], k = info % num_topk, t = info / num_topk % e.max_tokens,
+                      s = info / num_topk / e.max_tokens;
+            uint8_t* slot = e.recv(s) + (static_cast<int64_t>(t) * num_topk + k) * e.g.combine_message;
+            warp_copy<Src::kReadOnly>(slot, x + g * row_bytes, row_bytes, lane);
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && arrive_last(e.header(e.rank) + kSendDone, gridDim.x))
+        for (int r = 0; r < e.num_ranks; ++r) raise_flag(e.signals(r) + e.num_experts + e.rank, tag(e.seq, 0));
+}
+
+// Wait for every rank's rows, then per token acc = acc + (weight * row) over the slots in order.
+__global__ void __launch_bounds__(kThreads) combine_recv_kernel(Ctx c, const int64_t* __restrict__ topk_idx,
+                                                                const float* __restrict__ topk_weights, int num_tokens,
+                                                                int num_topk, __nv_bfloat16* __restrict__ out) {
+    __shared__ int ok;
+    const Env e = make_env(c);
+    const int lane = threadIdx.x % 32, warp_id = blockIdx.x * kWarps + threadIdx.x / 32, num_warps = gridDim.x * kWarps;
+    if (threadIdx.x == 0) {
+        ok = !e.aborted();
+        for (int s = 0; ok && s < e.num_ranks; ++s)
+            ok = peer::wait_flag(e.failure(), e.signals(e.rank) + e.num_experts + s, tag(e.seq, 0),
+                                 intranode::kErrLowLatencyCombine, s, -1);
+    }
+    __syncthreads();
+    if (ok) {
+        const int chunks = e.hidden / 8;  // 16-byte vectors of eight bf16
+        const uint8_t* slots = e.recv(e.rank);
+        for (int t = warp_id; t < num_tokens; t += num_warps) {
+            for (int chunk = lane; chunk < chunks; chunk += 32) {
+                float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                for (int k = 0; k < num_topk; ++k) {
+                    const int64_t entry = static_cast<int64_t>(t) * num_topk + k;
+                    if (topk_idx[entry] < 0) continue;
+                    const float weight = topk_weights[entry];
+                    const int4 v = __ldcg(reinterpret_cast<const int4*>(slots + entry * e.g.combine_message) + chunk);
+                    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, __bfloat162float(h[i])));
+                }
+                int4 packed;
+                __nv_bfloat16* p = reinterpret_cast<__nv_bfloat16*>(&packed);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) p[i] = __float2bfloat16_rn(acc[i]);
+                reinterpret_cast<int4*>(out + static_cast<int64_t>(t) * e.hidden)[chunk] = packed;
+            }
+        }
+    }
+    finish_call(e);
+}
+
+int blocks_for(int64_t warps_of_work, int num_sms) {
+    const int64_t needed = (warps_of_work + kWarps - 1) / kWarps;
+    return static_cast<int>(needed < 1 ? 1 : (needed < num_sms ? needed : num_sms));
+}
+
+}  // namespace
+
+void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t* topk_idx, int num_topk, bool use_fp8,
+                   bool round_scale, bool use_ue8m0) {
+    const int blocks = (ctx.num_experts + kWarps - 1) / kWarps;
+    dispatch_send_kernel<<<blocks, kThreads, 0, ctx.stream>>>(ctx, static_cast<const __nv_bfloat16*>(x), num_tokens,
+                                                              topk_idx, num_topk, use_fp8, round_scale, use_ue8m0);
+    MOE_EP_LAUNCH_CHECK("low_latency dispatch_send_kernel");
+}
+
+void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales,
+                   int* recv_count, int* stats, int* recv_src_info, int num_sms) {
+    (void)num_sms;  // one block per local expert
+    const int local = ctx.num_experts / ctx.num_ranks;
+    dispatch_recv_kernel<<<local, kThreads, sizeof(int) * (ctx.num_ranks + 1), ctx.stream>>>(
+        ctx, num_topk, use_fp8, use_ue8m0, static_cast<uint8_t*>(recv_x), static_cast<uint8_t*>(recv_scales), recv_count,
+        stats, recv_src_info);
+    MOE_EP_LAUNCH_CHECK("low_latency dispatch_recv_kernel");
+}
+
+void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const int* recv_src_info, int num_topk, int num_sms) {
+    const int64_t rows = static_cast<int64_t>(ctx.num_experts) * ctx.num_max_tokens;  // L * R * max
+    combine_send_kernel<<<blocks_for(rows, num_sms), kThreads, 0, ctx.stream>>>(ctx, static_cast<const uint8_t*>(x),
+                                                                                  recv_count, recv_src_info, num_topk);
+    MOE_EP_LAUNCH_CHECK("low_latency combine_send_kernel");
+}
+
+void combine_recv(const Ctx& ctx, const int64_t* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
+                  void* out, int num_sms) {
+    combine_recv_kernel<<<blocks_for(num_tokens, num_sms), kThreads, 0, ctx.stream>>>(
+        ctx, topk_idx, topk_weights, num_tokens, num_topk, static_cast<__nv_bfloat16*>(out));
+    MOE_EP_LAUNCH_CHECK("low_latency combine_recv_kernel");
+}
+
+}  // namespace low_latency
+}  // namespace moe_ep

@@ -1,0 +1,142 @@
+"""The low-latency kernels (csrc/kernels/low_latency.cu) over peer buffers mapped with CUDA IPC.
+
+Each call launches a send kernel that waits for nothing and returns; the receive kernel runs at once,
+or when the caller runs the hook (`return_recv_hook=True`), so no kernel is resident while data is in
+flight. Calls alternate between the two halves of every rank's buffer, so a hook must run before the
+Buffer's next low-latency call (enforced here). Results equal the portable backend's bit for bit
+(rows past recv_count are not written). The Buffer has checked every argument before a call gets here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..checks import FP8_BLOCK, FP8_DTYPE
+from ..handles import LowLatencyHandle
+from ..sync import ArrivalGate
+from .peers import PeerBuffers, aligned
+
+
+@dataclass
+class LowLatencyKernelState:
+    """What a kernel dispatch leaves for its combine."""
+
+    recv_count: torch.Tensor  # [L] int32
+    recv_src_info: torch.Tensor  # [L, R * max] int32: (source rank * max + token) * top-k + slot
+    received: bool = False
+
+
+class LowLatencyBackend:
+    def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_rdma_bytes: int):
+        self.peers = PeerBuffers(group, gate, num_rdma_bytes, "low_latency_dispatch")
+        self.ops = self.peers.ops
+        self.rank, self.num_ranks = self.peers.rank, self.peers.num_ranks
+        self._half = 0
+        self._pending: Optional[str] = None  # the call whose hook has not run yet
+
+    def close(self) -> None:
+        self.peers.close()
+
+    def _begin(self, call: str, handle: LowLatencyHandle):
+        """The call's context on the next half of the buffers."""
+        if self._pending is not None:
+            raise RuntimeError(
+                f"{call}: call the hook of the previous {self._pending} first (the kernels alternate between two "
+                "halves of the buffer, so a receive must finish before the next call is issued)"
+            )
+        error = self.peers.timeout_error()
+        if error is not None:
+            raise error
+        half, self._half = self._half, self._half ^ 1
+        return self.ops.LowLatencyCtx(
+            self.peers.pointers.data_ptr(), self.rank, self.num_ranks, self.peers.host_info, self.peers.timeout_s,
+            handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts, half,
+        )
+
+    def _deferred(self, call: str, receive, return_recv_hook: bool):
+        """Runs `receive` now, or returns it as the hook (once only)."""
+        if not return_recv_hook:
+            receive()
+            return None
+        self._pending = call
+        done = []
+
+        def hook():
+            if done:
+                raise RuntimeError(f"the hook of this {call} already ran")
+            done.append(True)
+            self._pending = None
+            receive()
+
+        return hook
+
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_tokens: int,
+        num_experts: int,
+        stats: Optional[torch.Tensor],
+        use_fp8: bool,
+        round_scale: bool,
+        use_ue8m0: bool,
+        return_recv_hook: bool,
+        handle: LowLatencyHandle,
+    ):
+        ctx = self._begin("low_latency_dispatch", handle)
+        x, topk_idx = aligned(x), topk_idx.contiguous()
+        local, rows, hidden = num_experts // self.num_ranks, self.num_ranks * num_max_tokens, x.shape[1]
+        device = x.device
+        recv_x = torch.empty(local, rows, hidden, dtype=FP8_DTYPE if use_fp8 else torch.bfloat16, device=device)
+        recv_scales = None
+        if use_fp8:
+            blocks = hidden // FP8_BLOCK
+            columns, dtype = ((blocks + 3) // 4, torch.int32) if use_ue8m0 else (blocks, torch.float32)
+            recv_scales = torch.empty(local, rows, columns, dtype=dtype, device=device)
+        recv_count = torch.zeros(local, dtype=torch.int32, device=device)
+        state = LowLatencyKernelState(recv_count, torch.empty(local, rows, dtype=torch.int32, device=device))
+        handle.backend_state = state
+        self.ops.ll_dispatch_send(ctx, x, topk_idx, use_fp8, round_scale, use_ue8m0)
+
+        def receive():
+            self.ops.ll_dispatch_recv(
+                ctx, topk_idx.shape[1], use_fp8, use_ue8m0, recv_x, recv_scales, recv_count, stats, state.recv_src_info
+            )
+            state.received = True
+
+        hook = self._deferred("low_latency_dispatch", receive, return_recv_hook)
+        return ((recv_x, recv_scales) if use_fp8 else recv_x), recv_count, hook
+
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        return_recv_hook: bool,
+        out: Optional[torch.Tensor],
+    ):
+        state: LowLatencyKernelState = handle.backend_state
+        if not state.received:
+            raise RuntimeError(
+                "handle: its low_latency_dispatch has not received yet: call the dispatch's hook() first"
+            )
+        ctx = self._begin("low_latency_combine", handle)
+        x = aligned(x)
+        topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
+        # The kernel writes 16-byte vectors: an unaligned `out` gets the result by a copy.
+        direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
+        target = out if direct else torch.empty(handle.num_tokens, handle.hidden, dtype=torch.bfloat16, device=x.device)
+        self.ops.ll_combine_send(ctx, x, state.recv_count, state.recv_src_info, handle.num_topk)
+
+        def receive():
+            self.ops.ll_combine_recv(ctx, topk_idx, topk_weights, target)
+            if out is not None and not direct:
+                out.copy_(target)
+
+        hook = self._deferred("low_latency_combine", receive, return_recv_hook)
+        return (out if out is not None else target), hook

@@ -1,0 +1,95 @@
+"""Low-latency kernels against the portable backend, bit for bit, with ranks sharing one GPU.
+
+The kernels are opt-in (MOE_EP_LL_KERNELS=1) until these tests have passed on a GPU; the rank
+functions switch them on. Rows past recv_count are not data and are not compared.
+"""
+import pytest
+import torch
+
+from moe_ep import _native
+
+from . import rank_fns
+from .problems import Problem
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+    pytest.mark.skipif(not _native.has_kernels(), reason=str(_native.unavailable_reason())),
+]
+KERNELS = {"MOE_EP_LL_KERNELS": "1"}
+
+
+def _bits(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def _compare(seed, on_gpu, on_cpu, use_fp8):
+    for rank, (g, c) in enumerate(zip(on_gpu, on_cpu)):
+        where = f"seed {seed} rank {rank}"
+        assert torch.equal(g["recv_count"], c["recv_count"]), f"{where}: recv_count"
+        assert torch.equal(g["stats"], c["stats"]), f"{where}: cumulative stats"
+        assert g["count_before_hook"].sum() == c["count_before_hook"].sum(), f"{where}: counts before the hook"
+        parts_g = g["recv_x"] if use_fp8 else (g["recv_x"],)
+        parts_c = c["recv_x"] if use_fp8 else (c["recv_x"],)
+        for part_g, part_c in zip(parts_g, parts_c):
+            for expert, n in enumerate(c["recv_count"].tolist()):
+                assert torch.equal(_bits(part_g[expert, :n]), _bits(part_c[expert, :n])), f"{where}: expert {expert} rows"
+        assert torch.equal(_bits(g["combined"]), _bits(c["combined"])), f"{where}: combined"
+        assert g["out_is_result"] == c["out_is_result"]
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+@pytest.mark.parametrize("variant", [
+    dict(use_fp8=False),
+    dict(use_fp8=True),
+    dict(use_fp8=True, round_scale=True, use_ue8m0=True, return_recv_hook=True),
+    dict(use_fp8=True, round_scale=True, zero_copy=True, use_out=True),
+    dict(use_fp8=False, return_recv_hook=True, use_out=True),
+])
+def test_low_latency_kernels_equal_portable(pools, gpu_pools, seed, num_ranks, variant):
+    p = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=32)
+    on_gpu = gpu_pools(num_ranks).run(rank_fns.with_env, KERNELS, rank_fns.low_latency_round, p, **variant)
+    on_cpu = pools(num_ranks).run(rank_fns.low_latency_round, p, **variant)
+    _compare(seed, on_gpu, on_cpu, variant["use_fp8"])
+
+
+def test_issue_shape_hidden_7168_top8(pools, gpu_pools, seed):
+    p = Problem(seed, 4, 32, 7168, 8, max_tokens=128, drop=0.05)
+    on_gpu = gpu_pools(4).run(rank_fns.with_env, KERNELS, rank_fns.low_latency_round, p, use_fp8=True)
+    on_cpu = pools(4).run(rank_fns.low_latency_round, p, use_fp8=True)
+    _compare(seed, on_gpu, on_cpu, True)
+
+
+def test_compute_between_send_and_hook(pools, gpu_pools, seed):
+    """Matmuls run between each send and its hook (no kernel of ours is resident meanwhile: the send
+    kernels wait for nothing); the results are unchanged."""
+    p = Problem(seed, 4, 16, 512, 4, max_tokens=64)
+    variant = dict(use_fp8=True, return_recv_hook=True, busy_gpu=True)
+    on_gpu = gpu_pools(4).run(rank_fns.with_env, KERNELS, rank_fns.low_latency_round, p, **variant)
+    on_cpu = pools(4).run(rank_fns.low_latency_round, p, **variant)
+    _compare(seed, on_gpu, on_cpu, True)
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_low_latency_cuda_graph(gpu_pools, seed, use_fp8):
+    p = Problem(seed, 4, 16, 256, 4, max_tokens=32, drop=0.2)
+    q = Problem(seed, 4, 16, 256, 4, max_tokens=32, drop=0.5)   # same seed: same shapes, other routing
+    results = gpu_pools(4).run(rank_fns.with_env, KERNELS, rank_fns.low_latency_graph_round, p, q, use_fp8)
+    for rank, (replays, eager_q, eager_p) in enumerate(results):
+        for i, want in enumerate((eager_q, eager_p)):
+            assert torch.equal(replays[i][0], want[0]), f"seed {seed} rank {rank}: replay {i} recv_count"
+            assert torch.equal(_bits(replays[i][1]), _bits(want[1])), f"seed {seed} rank {rank}: replay {i} combined"
+
+
+def test_low_latency_missing_peer_names_rank_and_expert(gpu_pools):
+    results = gpu_pools(3).run(rank_fns.with_env, KERNELS, rank_fns.low_latency_peer_missing, 2, 2.0)
+    assert results[2] == "skipped"
+    for kind, message in results[:2]:
+        assert kind == "TimeoutError" and "rank 2 did not arrive" in message and "for expert" in message, message
+
+
+def test_low_latency_layouts_agree(gpu_pools):
+    cases = [(128, 7168, 8, 256), (1, 128, 2, 2), (1024, 4096, 4, 64), (128, 7168, 8, 288)]
+    for cuda_numbers, python_numbers in gpu_pools(2).run(rank_fns.low_latency_layout_numbers, cases)[0]:
+        for key, value in python_numbers.items():
+            assert cuda_numbers[key] == value, key
