@@ -254,7 +254,7 @@ struct LowLatencyCtx {
     int rank, num_ranks;
     torch::Tensor host_info;
     double timeout_s;
-    int num_max_tokens, hidden, num_experts, half;
+    int num_max_tokens, hidden, num_experts;
 };
 
 low_latency::Ctx make_ctx(const LowLatencyCtx& c) {
@@ -265,7 +265,6 @@ low_latency::Ctx make_ctx(const LowLatencyCtx& c) {
     ctx.num_max_tokens = c.num_max_tokens;
     ctx.hidden = c.hidden;
     ctx.num_experts = c.num_experts;
-    ctx.half = c.half;
     ctx.host_info = c.host_info.data_ptr<int>();
     ctx.timeout_ns = static_cast<uint64_t>(c.timeout_s * 1e9);
     ctx.stream = current_stream();
@@ -363,7 +362,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("intranode_combine", &moe_ep::intranode_combine, "intranode combine");
     m.def("intranode_check_blocks", &moe_ep::intranode_check_blocks, "ValueError unless the blocks fit the GPU");
     py::class_<moe_ep::LowLatencyCtx>(m, "LowLatencyCtx")
-        .def(py::init<int64_t, int, int, torch::Tensor, double, int, int, int, int>());
+        .def(py::init<int64_t, int, int, torch::Tensor, double, int, int, int>());
     m.def("ll_dispatch_send", &moe_ep::ll_dispatch_send, "low-latency dispatch: send");
     m.def("ll_dispatch_recv", &moe_ep::ll_dispatch_recv, "low-latency dispatch: receive (the hook)");
     m.def("ll_combine_send", &moe_ep::ll_combine_send, "low-latency combine: send");

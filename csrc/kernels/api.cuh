@@ -132,13 +132,14 @@ int combine_window_tokens(int num_ranks, int64_t num_nvl_bytes, int64_t x_bytes,
 
 namespace low_latency {
 
-// One low-latency call (dispatch or combine): every rank's buffer as mapped here, and the half of the
-// buffers this call uses (calls alternate). Failed waits report into host_info (intranode::HostInfo).
+// One low-latency call (dispatch or combine): every rank's buffer as mapped here. Calls alternate
+// between two halves of the buffers by a call number kept on the device, so the send and receive
+// kernels of consecutive calls must run in order (one stream). Failed waits report into host_info
+// (intranode::HostInfo).
 struct Ctx {
     uint8_t* const* buffers;
     int rank, num_ranks;
     int num_max_tokens, hidden, num_experts;
-    int half;
     int* host_info;
     uint64_t timeout_ns;
     cudaStream_t stream;

@@ -2,10 +2,11 @@
 // peers' buffers, and a split into a send kernel that waits for nothing and a receive kernel (the
 // hook) that waits for the peers' flags, so no block is resident while data is in flight.
 //
-// Each call uses one half of every rank's buffer (calls alternate). Every (source rank, local expert)
-// pair has one flag per half; the sender raises it to tag(call, count) after its rows, so a flag of
-// an earlier call never passes for a later one and no flag is ever cleaned. The call number lives in
-// the buffer's header and the receive kernel's last block advances it: CUDA-graph replays stay right.
+// Call number c uses half c % 2 of every rank's buffer. Every (source rank, local expert) pair has one
+// flag per half; the sender raises it to tag(call, count) after its rows, so a flag of an earlier call
+// never passes for a later one and no flag is ever cleaned. The call number lives in the buffer's
+// header and the receive kernel's last block advances it, so eager calls and CUDA-graph replays (of
+// any number of calls) keep alternating halves on every rank alike.
 #include <cuda_bf16.h>
 
 #include "api.cuh"
@@ -58,9 +59,9 @@ __device__ Env make_env(const Ctx& c) {
     e.hidden = c.hidden;
     e.num_experts = c.num_experts;
     e.g = regions(c.num_max_tokens, c.hidden, c.num_ranks, c.num_experts);
-    e.half_offset = kHeaderBytes + c.half * e.g.half;
     e.host = c.host_info;
     e.seq = load_volatile(reinterpret_cast<uint64_t*>(c.buffers[c.rank]) + kSeq);
+    e.half_offset = kHeaderBytes + static_cast<int64_t>(e.seq & 1) * e.g.half;
     e.deadline = peer::now_ns() + c.timeout_ns;
     return e;
 }

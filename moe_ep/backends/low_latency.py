@@ -2,8 +2,8 @@
 
 Each call launches a send kernel that waits for nothing and returns; the receive kernel runs at once,
 or when the caller runs the hook (`return_recv_hook=True`), so no kernel is resident while data is in
-flight. Calls alternate between the two halves of every rank's buffer, so a hook must run before the
-Buffer's next low-latency call (enforced here). Results equal the portable backend's bit for bit
+flight. Calls alternate between the two halves of every rank's buffer (by a call number on the device),
+so a hook must run before the Buffer's next low-latency call (enforced here), on the same stream. Results equal the portable backend's bit for bit
 (rows past recv_count are not written). The Buffer has checked every argument before a call gets here.
 """
 
@@ -35,14 +35,13 @@ class LowLatencyBackend:
         self.peers = PeerBuffers(group, gate, num_rdma_bytes, "low_latency_dispatch")
         self.ops = self.peers.ops
         self.rank, self.num_ranks = self.peers.rank, self.peers.num_ranks
-        self._half = 0
         self._pending: Optional[str] = None  # the call whose hook has not run yet
 
     def close(self) -> None:
         self.peers.close()
 
     def _begin(self, call: str, handle: LowLatencyHandle):
-        """The call's context on the next half of the buffers."""
+        """The call's context."""
         if self._pending is not None:
             raise RuntimeError(
                 f"{call}: call the hook of the previous {self._pending} first (the kernels alternate between two "
@@ -51,10 +50,9 @@ class LowLatencyBackend:
         error = self.peers.timeout_error()
         if error is not None:
             raise error
-        half, self._half = self._half, self._half ^ 1
         return self.ops.LowLatencyCtx(
             self.peers.pointers.data_ptr(), self.rank, self.num_ranks, self.peers.host_info, self.peers.timeout_s,
-            handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts, half,
+            handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts,
         )
 
     def _deferred(self, call: str, receive, return_recv_hook: bool):
