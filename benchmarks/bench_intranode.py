@@ -20,13 +20,13 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks.timing import wall_seconds_per_call  # noqa: E402
 from moe_ep import Buffer, Config, fp8  # noqa: E402
 from moe_ep.launch import RankPool  # noqa: E402
 
@@ -37,18 +37,6 @@ NCCL_MODE = "nccl_all_to_all_bf16"
 def with_sms(config: Config, num_sms: int) -> Config:
     return Config(num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
                   config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
-
-
-def wall_seconds_per_call(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
 
 
 def rank_bench(args):

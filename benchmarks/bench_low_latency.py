@@ -21,20 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks.timing import wall_seconds_per_call  # noqa: E402
 from moe_ep import Buffer  # noqa: E402
 from moe_ep.launch import RankPool  # noqa: E402
-
-
-def seconds_per_call(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
 
 
 def rank_bench(args, num_experts: int):
@@ -57,8 +46,8 @@ def rank_bench(args, num_experts: int):
     def combine():
         return buffer.low_latency_combine(y, topk_idx, topk_weights, handle)
 
-    results["dispatch_us"] = seconds_per_call(dispatch, args.warmup, args.iters) * 1e6
-    results["combine_us"] = seconds_per_call(combine, args.warmup, args.iters) * 1e6
+    results["dispatch_us"] = wall_seconds_per_call(dispatch, args.warmup, args.iters) * 1e6
+    results["combine_us"] = wall_seconds_per_call(combine, args.warmup, args.iters) * 1e6
     # With the hook: time the send and the receive parts on their own.
     sends, recvs = [], []
     for i in range(args.warmup + args.iters):

@@ -47,3 +47,20 @@ def host_call_us(fn: Callable[[], object], iters: int = 200, warmup: int = 20, s
         sync()
         samples.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(samples)
+
+
+def wall_seconds_per_call(fn: Callable[[], object], warmup: int, iters: int) -> float:
+    """Host wall time per call of `iters` back-to-back calls after `warmup`, every rank of the default
+    process group starting together (a barrier before) and the device synchronised at the end."""
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
