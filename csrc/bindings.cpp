@@ -122,6 +122,12 @@ int64_t ipc_open(const std::string& handle_bytes) {
     return reinterpret_cast<int64_t>(ptr);
 }
 
+// Zeroes device memory and waits (a buffer must be clean before any peer can see it).
+void device_zero(int64_t ptr, int64_t num_bytes) {
+    C10_CUDA_CHECK(cudaMemset(reinterpret_cast<void*>(ptr), 0, num_bytes));
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
 void ipc_close(int64_t ptr) { C10_CUDA_CHECK(cudaIpcCloseMemHandle(reinterpret_cast<void*>(ptr))); }
 void device_free(int64_t ptr) { C10_CUDA_CHECK(cudaFree(reinterpret_cast<void*>(ptr))); }
 
@@ -339,7 +345,16 @@ py::dict intranode_layout(int64_t num_ranks, int64_t num_nvl_bytes, int64_t x_by
 }  // namespace
 
 #ifdef MOE_EP_WITH_NVSHMEM
-std::string nvshmem_version();  // runtime_nvshmem.cpp
+// runtime_nvshmem.cpp
+std::string nvshmem_version();
+std::string nvshmem_unique_id();
+bool nvshmem_initialized();
+void nvshmem_init_with_unique_id(const std::string& id_bytes, int rank, int num_ranks);
+int nvshmem_pe();
+int nvshmem_num_pes();
+int64_t nvshmem_alloc(int64_t num_bytes);
+void nvshmem_release(int64_t ptr);
+int64_t nvshmem_peer_pointer(int64_t ptr, int pe);
 #endif
 
 }  // namespace moe_ep
@@ -353,6 +368,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("ipc_open", &moe_ep::ipc_open, "map a peer's buffer");
     m.def("ipc_close", &moe_ep::ipc_close, "unmap a peer's buffer");
     m.def("device_free", &moe_ep::device_free, "free a buffer from ipc_alloc");
+    m.def("device_zero", &moe_ep::device_zero, "zero device memory and wait");
     m.def("wait_host_value", &moe_ep::wait_host_value, "spin on a host-mapped counter");
     py::class_<moe_ep::IntranodeCtx>(m, "IntranodeCtx")
         .def(py::init<int64_t, int, int, int64_t, torch::Tensor, double, int>())
@@ -373,6 +389,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.attr("WITH_NVSHMEM") = true;
     m.attr("NVSHMEM_REASON") = "";
     m.def("nvshmem_version", &moe_ep::nvshmem_version, "version of the linked NVSHMEM host library");
+    m.def("nvshmem_unique_id", [](){ return py::bytes(moe_ep::nvshmem_unique_id()); }, "a fresh NVSHMEM unique id");
+    m.def("nvshmem_initialized", &moe_ep::nvshmem_initialized, "NVSHMEM is initialised in this process");
+    m.def("nvshmem_init_with_unique_id", &moe_ep::nvshmem_init_with_unique_id, "initialise NVSHMEM as PE `rank`");
+    m.def("nvshmem_pe", &moe_ep::nvshmem_pe, "this process's PE");
+    m.def("nvshmem_num_pes", &moe_ep::nvshmem_num_pes, "number of PEs");
+    m.def("nvshmem_alloc", &moe_ep::nvshmem_alloc, "collective symmetric allocation");
+    m.def("nvshmem_release", &moe_ep::nvshmem_release, "collective free of a symmetric allocation");
+    m.def("nvshmem_peer_pointer", &moe_ep::nvshmem_peer_pointer, "a PE's copy of a symmetric address, or 0");
 #else
     m.attr("WITH_NVSHMEM") = false;
     m.attr("NVSHMEM_REASON") = MOE_EP_NVSHMEM_REASON;

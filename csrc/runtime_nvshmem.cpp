@@ -1,7 +1,12 @@
-// NVSHMEM host-side runtime pieces. Linking the host library here proves at import time that the
-// rpath to the nvidia-nvshmem wheel works; the low-latency and internode kernels build on it.
+// NVSHMEM host-side runtime: bootstrap from a unique id (which moe_ep sends through the Buffer's
+// process group), the symmetric heap, and peer pointers for ranks reachable by loads and stores.
+// Only the host library is linked: initialisation goes through nvshmemx_hostlib_init_attr, which
+// returns a status where nvshmemx_init_attr would exit the process.
 #include <nvshmem.h>
+#include <nvshmemx.h>
 
+#include <cstring>
+#include <stdexcept>
 #include <string>
 
 namespace moe_ep {
@@ -11,5 +16,44 @@ std::string nvshmem_version() {
     nvshmemx_vendor_get_version_info(&major, &minor, &patch);
     return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(patch);
 }
+
+std::string nvshmem_unique_id() {
+    nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
+    if (nvshmemx_get_uniqueid(&id) != 0) throw std::runtime_error("moe_ep: nvshmemx_get_uniqueid failed");
+    return std::string(reinterpret_cast<const char*>(&id), sizeof(id));
+}
+
+bool nvshmem_initialized() { return nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED; }
+
+void nvshmem_init_with_unique_id(const std::string& id_bytes, int rank, int num_ranks) {
+    nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
+    if (id_bytes.size() != sizeof(id)) throw std::invalid_argument("moe_ep: not an NVSHMEM unique id");
+    std::memcpy(&id, id_bytes.data(), sizeof(id));
+    nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+    if (nvshmemx_set_attr_uniqueid_args(rank, num_ranks, &id, &attr) != 0)
+        throw std::runtime_error("moe_ep: nvshmemx_set_attr_uniqueid_args failed");
+    const int status = nvshmemx_hostlib_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr);
+    if (status != 0)
+        throw std::runtime_error("moe_ep: NVSHMEM initialisation failed with status " + std::to_string(status) +
+                                 " (several ranks on one GPU need MPS and the variables moe_ep.mps sets)");
+}
+
+int nvshmem_pe() { return nvshmem_my_pe(); }
+int nvshmem_num_pes() { return nvshmem_n_pes(); }
+
+// Collective: every PE allocates the same size.
+int64_t nvshmem_alloc(int64_t num_bytes) {
+    void* ptr = nvshmem_malloc(static_cast<size_t>(num_bytes));
+    if (ptr == nullptr)
+        throw std::runtime_error("moe_ep: nvshmem_malloc of " + std::to_string(num_bytes) +
+                                 " bytes failed (raise NVSHMEM_SYMMETRIC_SIZE before the first Buffer)");
+    return reinterpret_cast<int64_t>(ptr);
+}
+
+void nvshmem_release(int64_t ptr) { nvshmem_free(reinterpret_cast<void*>(ptr)); }
+
+// The address of `ptr` of PE `pe` in this process, or 0 where that PE is not reachable by loads
+// and stores (another host without NVLink: RDMA puts would be needed).
+int64_t nvshmem_peer_pointer(int64_t ptr, int pe) { return reinterpret_cast<int64_t>(nvshmem_ptr(reinterpret_cast<void*>(ptr), pe)); }
 
 }  // namespace moe_ep

@@ -136,8 +136,9 @@ class Buffer:
         )
 
     def _low_latency_kernels_usable(self) -> bool:
-        """The low-latency kernels (CUDA IPC, ranks of one host) are opt-in with MOE_EP_LL_KERNELS=1
-        until they have run on a GPU (docs/DESIGN.md); CUDA tensors use the portable backend otherwise."""
+        """The low-latency kernels (ranks of one host; their buffers mapped with CUDA IPC, or with
+        NVSHMEM under MOE_EP_LL_MEMORY=nvshmem) are opt-in with MOE_EP_LL_KERNELS=1 until they have
+        run on a GPU (docs/DESIGN.md); CUDA tensors use the portable backend otherwise."""
         return (
             os.environ.get("MOE_EP_LL_KERNELS", "0") == "1"
             and _native.has_kernels()
@@ -150,7 +151,8 @@ class Buffer:
         if not (x.is_cuda and self._ll_kernels):
             return False
         if self._low_latency is None:  # collective: every rank makes the same first call
-            self._low_latency = LowLatencyBackend(self.group, self._gate, self.num_rdma_bytes)
+            memory = os.environ.get("MOE_EP_LL_MEMORY", "ipc")
+            self._low_latency = LowLatencyBackend(self.group, self._gate, self.num_rdma_bytes, memory)
         return True
 
     # ------------------------------------------------------------------ static helpers

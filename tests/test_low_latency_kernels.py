@@ -93,3 +93,17 @@ def test_low_latency_layouts_agree(gpu_pools):
     for cuda_numbers, python_numbers in gpu_pools(2).run(rank_fns.low_latency_layout_numbers, cases)[0]:
         for key, value in python_numbers.items():
             assert cuda_numbers[key] == value, key
+
+
+# Last in the file: NVSHMEM starts once per rank process (the pools live for the whole session).
+@pytest.mark.skipif(not _native.has_nvshmem(), reason="built without NVSHMEM")
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+def test_low_latency_kernels_on_nvshmem_memory(pools, gpu_pools, seed, num_ranks):
+    """NVSHMEM bootstrapped through the process group (unique id over the store), several PEs on one
+    GPU, the buffers on its symmetric heap and the peers reached through nvshmem_ptr."""
+    p = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=32)
+    variant = dict(use_fp8=True, return_recv_hook=True)
+    env = dict(KERNELS, MOE_EP_LL_MEMORY="nvshmem")
+    on_gpu = gpu_pools(num_ranks).run(rank_fns.with_env, env, rank_fns.low_latency_round, p, **variant)
+    on_cpu = pools(num_ranks).run(rank_fns.low_latency_round, p, **variant)
+    _compare(seed, on_gpu, on_cpu, True)

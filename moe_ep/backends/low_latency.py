@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..checks import FP8_BLOCK, FP8_DTYPE
 from ..handles import LowLatencyHandle
 from ..sync import ArrivalGate
-from .peers import PeerBuffers, aligned
+from .peers import aligned, map_peer_buffers
 
 
 @dataclass
@@ -31,8 +31,9 @@ class LowLatencyKernelState:
 
 
 class LowLatencyBackend:
-    def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_rdma_bytes: int):
-        self.peers = PeerBuffers(group, gate, num_rdma_bytes, "low_latency_dispatch")
+    def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_rdma_bytes: int, memory: str = "ipc"):
+        """memory: "ipc" (CUDA IPC) or "nvshmem" (NVSHMEM's symmetric heap, bootstrapped through `group`)."""
+        self.peers = map_peer_buffers(group, gate, num_rdma_bytes, "low_latency_dispatch", memory)
         self.ops = self.peers.ops
         self.rank, self.num_ranks = self.peers.rank, self.peers.num_ranks
         self._pending: Optional[str] = None  # the call whose hook has not run yet

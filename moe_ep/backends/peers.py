@@ -1,11 +1,15 @@
-"""Peer buffers: one device allocation per rank, mapped into every other rank of the group with CUDA
-IPC (between GPUs of one host over NVLink, or between processes on one GPU), and the pinned record
-the kernels report failures into. Shared by the intranode and the low-latency backends.
+"""Peer buffers: one device buffer per rank that every other rank of the group can load from and store
+to (GPUs of one host over NVLink, or processes on one GPU), a device table of their addresses, and the
+pinned record the kernels report failures into. Shared by the intranode and the low-latency backends.
+
+Two ways to map them: CUDA IPC (`PeerBuffers`, the default), or NVSHMEM's symmetric heap with
+`nvshmem_ptr` (`NvshmemBuffers`, bootstrapped through the Buffer's process group).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import weakref
 from typing import List, Optional
 
@@ -48,34 +52,25 @@ def _release(ops, own: int, opened: List[int]) -> None:
         pass
 
 
-class PeerBuffers:
-    def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_bytes: int, call: str):
-        """Collective: every rank of `group` makes it in the same call (named `call` in a timeout)."""
-        self.ops = ops = _native.ops()
+class _MappedBuffers:
+    """What both mappings share: the address table, the host record, and the failure it reports."""
+
+    def _finish(self, group: dist.ProcessGroup, gate: ArrivalGate, pointers: List[int], ranks_on_device: int):
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.num_ranks = dist.get_world_size(group)
-        self.num_bytes = num_bytes
         self.timeout_s = gate.timeout_s
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        own, handle = ops.ipc_alloc(num_bytes)  # zeroed before its handle is published
-        # Through the store with a deadline: a rank that never makes this call is named. Each rank
-        # also says which GPU it is on: ranks sharing one must fit their blocks on it together.
-        device_id = str(torch.cuda.get_device_properties(self.device).uuid).encode()
-        payloads = gate.exchange(f"{call} (mapping the peers' buffers)", handle + device_id)
-        handles = [p[: len(handle)] for p in payloads]
-        self.ranks_on_device = sum(p[len(handle) :] == device_id for p in payloads)
-        opened = [ops.ipc_open(h) for r, h in enumerate(handles) if r != self.rank]
-        self._finalizer = weakref.finalize(self, _release, ops, own, opened)
-        pointers = opened[: self.rank] + [own] + opened[self.rank :]
+        self.ranks_on_device = ranks_on_device
         self.pointers = torch.tensor(pointers, dtype=torch.int64, device=self.device)
-        size = ops.intranode_layout(self.num_ranks, 0, 0, 0, 0)["host_info_ints"]
+        size = self.ops.intranode_layout(self.num_ranks, 0, 0, 0, 0)["host_info_ints"]
         self.host_info = torch.zeros(size, dtype=torch.int32, pin_memory=True)
         self.host = (ctypes.c_int32 * size).from_address(self.host_info.data_ptr())
 
-    def close(self) -> None:
-        dist.barrier(group=self.group)  # no peer touches this rank's buffer any more
-        self._finalizer()
+    def _start(self, group: dist.ProcessGroup):
+        self.ops = _native.ops()
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        # Ranks sharing one GPU must fit their blocks on it together: the GPU is part of each payload.
+        self.device_id = str(torch.cuda.get_device_properties(self.device).uuid).encode()
 
     def timeout_error(self) -> Optional[TimeoutError]:
         """The failure a kernel reported, if any: a peer that did not arrive (the Buffer's ranks are
@@ -89,3 +84,91 @@ class PeerBuffers:
             f"for {waited}. Raise MOE_EP_TIMEOUT_S if the peer is only slow; the Buffer's ranks are out of step "
             "now: create a new Buffer."
         )
+
+
+class PeerBuffers(_MappedBuffers):
+    """CUDA IPC: each rank allocates, every peer opens the handle."""
+
+    def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_bytes: int, call: str):
+        """Collective: every rank of `group` makes it in the same call (named `call` in a timeout)."""
+        self._start(group)
+        ops = self.ops
+        own, handle = ops.ipc_alloc(num_bytes)  # zeroed before its handle is published
+        # Through the store with a deadline: a rank that never makes this call is named.
+        payloads = gate.exchange(f"{call} (mapping the peers' buffers)", handle + self.device_id)
+        handles = [p[: len(handle)] for p in payloads]
+        opened = [ops.ipc_open(h) for r, h in enumerate(handles) if r != self.rank]
+        self._finalizer = weakref.finalize(self, _release, ops, own, opened)
+        ranks_on_device = sum(p[len(handle) :] == self.device_id for p in payloads)
+        self._finish(group, gate, opened[: self.rank] + [own] + opened[self.rank :], ranks_on_device)
+
+    def close(self) -> None:
+        dist.barrier(group=self.group)  # no peer touches this rank's buffer any more
+        self._finalizer()
+
+
+# NVSHMEM has one world per process: the ranks of the group it was started for.
+_nvshmem_world: Optional[List[int]] = None
+
+
+def bootstrap_nvshmem(group: dist.ProcessGroup, gate: ArrivalGate, symmetric_bytes: int, call: str) -> None:
+    """Starts NVSHMEM once per process with one PE per rank of `group`: rank 0's unique id reaches the
+    others through the process group's store (bounded wait). The symmetric heap is sized for the
+    first Buffer unless NVSHMEM_SYMMETRIC_SIZE says otherwise."""
+    global _nvshmem_world
+    ops = _native.ops()
+    ranks = dist.get_process_group_ranks(group)
+    if _nvshmem_world is not None:
+        if ranks != _nvshmem_world:
+            raise RuntimeError(
+                f"NVSHMEM runs for ranks {_nvshmem_world} in this process; a Buffer over ranks {ranks} cannot use "
+                "it (one NVSHMEM world per process): use MOE_EP_LL_MEMORY=ipc for it"
+            )
+        return
+    if not getattr(ops, "WITH_NVSHMEM", False):
+        raise RuntimeError(f"MOE_EP_LL_MEMORY=nvshmem: {getattr(ops, 'NVSHMEM_REASON', 'built without NVSHMEM')}")
+    # Room for two Buffers of this size plus NVSHMEM's own bookkeeping.
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(2 * symmetric_bytes + (256 << 20)))
+    unique_id = ops.nvshmem_unique_id() if dist.get_rank(group) == 0 else b""
+    payloads = gate.exchange(f"{call} (NVSHMEM bootstrap)", unique_id)
+    ops.nvshmem_init_with_unique_id(payloads[0], dist.get_rank(group), len(ranks))
+    if ops.nvshmem_pe() != dist.get_rank(group) or ops.nvshmem_num_pes() != len(ranks):
+        raise RuntimeError("NVSHMEM started with PE numbers that differ from the process group's ranks")
+    _nvshmem_world = ranks
+
+
+class NvshmemBuffers(_MappedBuffers):
+    """NVSHMEM's symmetric heap: one collective allocation, peers' copies through nvshmem_ptr. The
+    allocation is freed by close() (collective); a Buffer that is garbage-collected instead keeps it
+    until the process ends (nvshmem_free must be called by every rank at once)."""
+
+    def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_bytes: int, call: str):
+        self._start(group)
+        bootstrap_nvshmem(group, gate, num_bytes, call)
+        own = self.ops.nvshmem_alloc(num_bytes)
+        self.ops.device_zero(own, num_bytes)
+        pointers = [own if r == self.rank else self.ops.nvshmem_peer_pointer(own, r) for r in range(self.num_ranks)]
+        unreachable = [r for r, p in enumerate(pointers) if p == 0]
+        if unreachable:
+            raise RuntimeError(
+                f"{call}: ranks {unreachable} cannot be reached by loads and stores from rank {self.rank} "
+                "(another host without NVLink); NVSHMEM puts over RDMA are not implemented yet"
+            )
+        # Every rank zeroed its part before any kernel may write to it; the GPU of each rank comes along.
+        payloads = gate.exchange(f"{call} (NVSHMEM buffers ready)", self.device_id)
+        self._own = own
+        self._finish(group, gate, pointers, sum(p == self.device_id for p in payloads))
+
+    def close(self) -> None:
+        torch.cuda.synchronize()
+        dist.barrier(group=self.group)
+        self.ops.nvshmem_release(self._own)  # collective, like the allocation
+
+
+def map_peer_buffers(group: dist.ProcessGroup, gate: ArrivalGate, num_bytes: int, call: str, memory: str):
+    """memory: "ipc" or "nvshmem"."""
+    if memory == "nvshmem":
+        return NvshmemBuffers(group, gate, num_bytes, call)
+    if memory != "ipc":
+        raise ValueError(f"MOE_EP_LL_MEMORY: expected 'ipc' or 'nvshmem', got {memory!r}")
+    return PeerBuffers(group, gate, num_bytes, call)
