@@ -8,6 +8,8 @@ cd "$ROOT"
 OUT=${OUT:-$ROOT/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Short peer deadlines: a kernel protocol bug shows up as a TimeoutError in seconds, not a stuck run.
+export MOE_EP_TIMEOUT_S=${MOE_EP_TIMEOUT_S:-20}
 PY=${PYTHON:-python3}
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 : > "$OUT/summary.txt"
@@ -22,8 +24,7 @@ fi
 summary "build: ok in $(( $(date +%s) - t0 )) s; $($PY -c 'import moe_ep, json; print(json.dumps(moe_ep.backend_info()))')"
 
 t0=$(date +%s)
-# Short peer deadlines: a kernel protocol bug shows up as a TimeoutError in seconds, not a stuck run.
-MOE_EP_TIMEOUT_S=${MOE_EP_TIMEOUT_S:-20} $PY -m pytest -q --maxfail=${MAXFAIL:-3} -rf tests/test_gpu_kernels.py tests/test_intranode.py tests/test_low_latency_kernels.py \
+$PY -m pytest -q --maxfail=${MAXFAIL:-3} -rf tests/test_gpu_kernels.py tests/test_intranode.py tests/test_low_latency_kernels.py \
   ${1:+-k "$1"} > "$OUT/gpu_tests.log" 2>&1
 status=$?
 summary "gpu tests: $(tail -1 "$OUT/gpu_tests.log") in $(( $(date +%s) - t0 )) s"
@@ -47,9 +48,9 @@ if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
   $PY -m benchmarks.profile_layout_call 2>&1 | tee -a "$OUT/summary.txt"
   $PY -m benchmarks.bench_layout --json "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_layout.txt" | tee -a "$OUT/summary.txt"
   $PY -m benchmarks.bench_fp8 --json "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_fp8.txt" | tee -a "$OUT/summary.txt"
-  MOE_EP_LL_KERNELS=1 timeout 200 $PY -m benchmarks.bench_low_latency --ranks 8 --json "$OUT/bench.jsonl" 2>&1 \
-    | tee "$OUT/bench_low_latency.txt" | tee -a "$OUT/summary.txt"
   timeout 300 $PY -m benchmarks.bench_intranode --ranks 2 4 8 --sms ${BENCH_SMS:-24} --json "$OUT/bench.jsonl" 2>&1 \
     | tee "$OUT/bench_intranode.txt" | tee -a "$OUT/summary.txt"
+  MOE_EP_LL_KERNELS=1 timeout 200 $PY -m benchmarks.bench_low_latency --ranks 8 --json "$OUT/bench.jsonl" 2>&1 \
+    | tee "$OUT/bench_low_latency.txt" | tee -a "$OUT/summary.txt"
 fi
 exit $status
