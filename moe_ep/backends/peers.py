@@ -55,6 +55,14 @@ def _release(ops, own: int, opened: List[int]) -> None:
 class _MappedBuffers:
     """What both mappings share: the address table, the host record, and the failure it reports."""
 
+    def _start(self, group: dist.ProcessGroup):
+        self.ops = _native.ops()
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        # Ranks sharing one GPU must fit their blocks on it together: the GPU is part of each payload.
+        self.device_id = str(torch.cuda.get_device_properties(self.device).uuid).encode()
+
     def _finish(self, group: dist.ProcessGroup, gate: ArrivalGate, pointers: List[int], ranks_on_device: int):
         self.group = group
         self.timeout_s = gate.timeout_s
@@ -63,14 +71,6 @@ class _MappedBuffers:
         size = self.ops.intranode_layout(self.num_ranks, 0, 0, 0, 0)["host_info_ints"]
         self.host_info = torch.zeros(size, dtype=torch.int32, pin_memory=True)
         self.host = (ctypes.c_int32 * size).from_address(self.host_info.data_ptr())
-
-    def _start(self, group: dist.ProcessGroup):
-        self.ops = _native.ops()
-        self.rank = dist.get_rank(group)
-        self.num_ranks = dist.get_world_size(group)
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        # Ranks sharing one GPU must fit their blocks on it together: the GPU is part of each payload.
-        self.device_id = str(torch.cuda.get_device_properties(self.device).uuid).encode()
 
     def timeout_error(self) -> Optional[TimeoutError]:
         """The failure a kernel reported, if any: a peer that did not arrive (the Buffer's ranks are
