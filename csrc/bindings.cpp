@@ -102,7 +102,7 @@ torch::Tensor fp8_cast_back(const torch::Tensor& q, const torch::Tensor& scales,
 
 // ------------------------------------------------------------------ intranode buffers (CUDA IPC)
 // A buffer is one cudaMalloc allocation (IPC handles name whole allocations), zeroed before any peer
-// can see it. Pointers travel to Python as integers; moe_ep/backends/intranode.py owns their lifetime.
+// can see it. Pointers travel to Python as integers; moe_ep/backends/peers.py owns their lifetime.
 py::tuple ipc_alloc(int64_t num_bytes) {
     void* ptr = nullptr;
     C10_CUDA_CHECK(cudaMalloc(&ptr, num_bytes));

@@ -132,6 +132,11 @@ def low_latency_round(p: Problem, use_fp8: bool, round_scale: bool = False, use_
         _keep_gpu_busy()
     if return_recv_hook:
         combine_hook()
+    if buffer._low_latency is not None:  # a receive that gave up reports it at the next call: ask now
+        torch.cuda.synchronize()
+        error = buffer._low_latency.peers.timeout_error()
+        if error is not None:
+            raise error
     return cpu(dict(recv_x=recv_x, recv_count=recv_count, count_before_hook=count_before_hook, stats=stats,
                     y=y, combined=combined, out_is_result=out is not None and combined.data_ptr() == out.data_ptr()))
 
