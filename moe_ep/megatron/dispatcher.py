@@ -1,9 +1,12 @@
 """A megatron-core token dispatcher on moe_ep.Buffer (`moe_token_dispatcher_type="deepep"`).
 
 The six phases follow megatron's MoETokenDispatcher contract, so its overlap schedulers can interleave
-one micro-batch's communication with another's compute. Communication state lives in one small object
-(`_CommState`) per dispatcher. Autograd: the backward of dispatch is a combine over the same handle,
-the backward of combine is a cached dispatch.
+one micro-batch's communication with another's compute: token_dispatch and token_combine start the
+exchange on the Buffer's communication stream and return, and the post-processing phase that reads
+the result first waits for it (on the portable backend, calls complete before they return and the
+waits are free). Communication state lives in one small object (`_CommState`) per dispatcher.
+Autograd: the backward of dispatch is a combine over the same handle, the backward of combine is a
+cached dispatch.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantizat
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from ..buffer import Buffer
+from ..events import EventOverlap
 
 
 @dataclass
@@ -26,6 +30,19 @@ class _CommState:
     handle: object = None
     recv_topk_idx: Optional[torch.Tensor] = None
     tokens_per_expert: Optional[List[int]] = None
+    # The exchange started by token_dispatch / token_combine, waited for by the next phase.
+    pending: Optional[EventOverlap] = None
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending.current_stream_wait()
+            self.pending = None
+
+
+def _async() -> dict:
+    """Arguments that run a Buffer call on its communication stream after the work queued so far, and
+    return at once with an event for its end."""
+    return dict(previous_event=Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
 
 
 def _buffer_for(group, hidden_bytes: int, current: Optional[Buffer]) -> Buffer:
@@ -54,7 +71,7 @@ class _Dispatch(torch.autograd.Function):
     def forward(ctx, x, topk_weights, topk_idx, num_experts, state: _CommState):
         buffer = state.buffer
         per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
-        recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
+        recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(
             x,
             num_tokens_per_rank=per_rank,
             num_tokens_per_rdma_rank=per_rdma,
@@ -62,8 +79,10 @@ class _Dispatch(torch.autograd.Function):
             num_tokens_per_expert=per_expert,
             topk_idx=topk_idx,
             topk_weights=topk_weights,
+            **_async(),
         )
         state.handle, state.recv_topk_idx, state.tokens_per_expert = handle, recv_idx, counts
+        state.pending = event  # dispatch_postprocess waits for it before reading recv_x
         ctx.state = state
         ctx.handle = handle
         return recv_x, recv_w
@@ -80,7 +99,8 @@ class _Dispatch(torch.autograd.Function):
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, state: _CommState):
-        combined, _, _ = state.buffer.combine(x.contiguous(), state.handle)
+        combined, _, event = state.buffer.combine(x.contiguous(), state.handle, **_async())
+        state.pending = event  # combine_postprocess waits for it before the result is read
         ctx.buffer, ctx.handle = state.buffer, state.handle
         return combined
 
@@ -146,6 +166,7 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         state = self._state
+        state.wait()
         routing_map, expert_probs = self._local_multihot(state.recv_topk_idx, probs)
         tokens_per_expert = torch.tensor(state.tokens_per_expert, dtype=torch.long)
         if self.config.moe_router_padding_for_quantization:
@@ -196,4 +217,5 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         return _Combine.apply(hidden_states, self._state)
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
+        self._state.wait()
         return hidden_states.view(self.hidden_shape)
