@@ -79,79 +79,110 @@ __device__ __forceinline__ int scale_bytes(int hidden, bool use_fp8, bool use_ue
     return use_ue8m0 ? (blocks + fp8::kUe8m0PerWord - 1) / fp8::kUe8m0PerWord * 4 : blocks * 4;
 }
 
-// A warp casts one bf16 row to e4m3 with its scales (right after the row), eight lanes per 128-column
-// block and 16 elements per lane, as in fp8.cu, so the bits equal the cast kernel's and fp8.py's.
-__device__ void cast_row(const __nv_bfloat16* row, uint8_t* out, int hidden, bool round_scale, bool use_ue8m0,
-                         int lane) {
-    constexpr int kLanesPerBlock = fp8::kBlock / 16;
-    const int blocks = hidden / fp8::kBlock, group = lane / kLanesPerBlock, sub = lane % kLanesPerBlock;
-    uint8_t* scales = out + hidden;
-    for (int b0 = 0; b0 < blocks; b0 += 32 / kLanesPerBlock) {
-        const int b = b0 + group;
-        const bool active = b < blocks;
-        float v[16];
-        if (active) {
-            const uint4* src = reinterpret_cast<const uint4*>(row + b * fp8::kBlock + sub * 16);
-            uint4 raw[2] = {__ldg(src), __ldg(src + 1)};
-            const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(raw);
+constexpr int kLanesPerFp8Block = fp8::kBlock / 16;               // 16 elements per lane
+constexpr int kBlocksPerPiece = 32 / kLanesPerFp8Block;           // a warp casts 4 blocks at once
+constexpr int kPieceColumns = kBlocksPerPiece * fp8::kBlock;      // 512
+
+// A warp casts columns [piece * 512, +512) of a bf16 row to e4m3 and writes their scales after the
+// row (out + hidden), eight lanes per 128-column block and 16 elements per lane, as in fp8.cu, so the
+// bits equal the cast kernel's and fp8.py's.
+__device__ void cast_piece(const __nv_bfloat16* row, uint8_t* out, int hidden, int piece, bool round_scale,
+                           bool use_ue8m0, int lane) {
+    const int blocks = hidden / fp8::kBlock, sub = lane % kLanesPerFp8Block;
+    const int b = piece * kBlocksPerPiece + lane / kLanesPerFp8Block;
+    const bool active = b < blocks;
+    float v[16];
+    if (active) {
+        const uint4* src = reinterpret_cast<const uint4*>(row + b * fp8::kBlock + sub * 16);
+        uint4 raw[2] = {__ldg(src), __ldg(src + 1)};
+        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(raw);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const float2 f = __bfloat1622float2(pairs[i]);
-                v[2 * i] = f.x, v[2 * i + 1] = f.y;
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < 16; ++i) v[i] = 0.f;
+        for (int i = 0; i < 8; ++i) {
+            const float2 f = __bfloat1622float2(pairs[i]);
+            v[2 * i] = f.x, v[2 * i + 1] = f.y;
         }
-        float amax = 0.f;
+    } else {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-        for (int mask = kLanesPerBlock / 2; mask > 0; mask >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, mask));
-        float scale, inverse;
-        fp8::block_scale(amax, round_scale, scale, inverse);
-        if (active) {
-            alignas(16) uint8_t q[16];
-#pragma unroll
-            for (int i = 0; i < 16; ++i) q[i] = fp8::to_e4m3(v[i], inverse);
-            *reinterpret_cast<uint4*>(out + b * fp8::kBlock + sub * 16) = *reinterpret_cast<const uint4*>(q);
-            if (sub == 0) {
-                if (use_ue8m0) scales[b] = fp8::ue8m0_byte(scale);
-                else reinterpret_cast<float*>(scales)[b] = scale;
-            }
-        }
+        for (int i = 0; i < 16; ++i) v[i] = 0.f;
     }
-    if (use_ue8m0)  // the pad bytes of the last word are zero, as in the cast kernel
-        for (int b = blocks + lane; b < scale_bytes(hidden, true, true); b += 32) scales[b] = 0;
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+    for (int mask = kLanesPerFp8Block / 2; mask > 0; mask >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, mask));
+    float scale, inverse;
+    fp8::block_scale(amax, round_scale, scale, inverse);
+    uint8_t* scales = out + hidden;
+    if (active) {
+        alignas(16) uint8_t q[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) q[i] = fp8::to_e4m3(v[i], inverse);
+        *reinterpret_cast<uint4*>(out + b * fp8::kBlock + sub * 16) = *reinterpret_cast<const uint4*>(q);
+        if (sub == 0) {
+            if (use_ue8m0) scales[b] = fp8::ue8m0_byte(scale);
+            else reinterpret_cast<float*>(scales)[b] = scale;
+        }
+    } else if (use_ue8m0 && sub == 0 && b < scale_bytes(hidden, true, true)) {
+        scales[b] = 0;  // the pad bytes of the last UE8M0 word are zero, as in the cast kernel
+    }
 }
 
-// One warp per expert: its (token, slot) entries in order, each row into the slot the receiver reads,
-// then the count flag.
+// Bytes of a bf16 row one work item copies.
+constexpr int64_t kCopyPieceBytes = 32 * 16 * 4;
+
+// One block per expert: warp 0 lists the expert's (token, slot) entries in order (a row's slot index is
+// its place in that list, the portable backend's order); then all warps write the rows, a 512-column
+// piece (fp8) or 2 KB (bf16) at a time, into the receiver's slots; then the count flag.
+constexpr int kMaxListed = 1024;  // rows per expert per call: num_max_tokens is at most this
+
 __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ctx c, const __nv_bfloat16* __restrict__ x, int num_tokens,
                                                                  const int64_t* __restrict__ topk_idx, int num_topk,
                                                                  bool use_fp8, bool round_scale, bool use_ue8m0) {
+    __shared__ int entries_of_expert[kMaxListed];
+    __shared__ int count;
+    __shared__ bool stop;
     const Env e = make_env(c);
-    const int lane = threadIdx.x % 32, expert = blockIdx.x * kWarps + threadIdx.x / 32;
-    if (expert >= e.num_experts || e.aborted()) return;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, expert = blockIdx.x;
+    if (threadIdx.x == 0) stop = e.aborted();
+    __syncthreads();
+    if (stop) return;  // the whole block: nothing below waits
+    if (warp == 0) {
+        // A token lists an expert at most once (distinct top-k), so at most max_tokens rows; the cap
+        // only keeps repeated ids in a row from writing past the slots.
+        const int capacity = min(kMaxListed, e.max_tokens);
+        int listed = 0;
+        const int entries = num_tokens * num_topk;
+        for (int base = 0; base < entries; base += 32) {
+            const bool match = base + lane < entries && topk_idx[base + lane] == expert;
+            const unsigned hits = __ballot_sync(kFullMask, match);
+            const int at = listed + __popc(hits & ((1u << lane) - 1));
+            if (match && at < capacity) entries_of_expert[at] = base + lane;
+            listed += __popc(hits);
+        }
+        if (lane == 0) count = min(listed, capacity);
+    }
+    __syncthreads();
     const int dst = expert / e.num_local, local = expert % e.num_local;
     uint8_t* slots = e.recv(dst) + (static_cast<int64_t>(local) * e.num_ranks + e.rank) * e.max_tokens * e.g.dispatch_message;
-    const int entries = num_tokens * num_topk;
-    int count = 0;
-    for (int base = 0; base < entries; base += 32) {
-        const bool match = base + lane < entries && topk_idx[base + lane] == expert;
-        for (unsigned todo = __ballot_sync(kFullMask, match); todo != 0; todo &= todo - 1) {
-            const int entry = base + __ffs(todo) - 1, t = entry / num_topk, k = entry % num_topk;
-            uint8_t* message = slots + static_cast<int64_t>(count++) * e.g.dispatch_message;
-            if (lane == 0) *reinterpret_cast<int4*>(message) = make_int4(t, k, 0, 0);
-            const __nv_bfloat16* row = x + static_cast<int64_t>(t) * e.hidden;
-            if (use_fp8)
-                cast_row(row, message + kMessageHeaderBytes, e.hidden, round_scale, use_ue8m0, lane);
-            else
-                warp_copy<Src::kReadOnly>(message + kMessageHeaderBytes, row, static_cast<int64_t>(e.hidden) * 2, lane);
+    const int64_t row_bytes = static_cast<int64_t>(e.hidden) * 2;
+    const int pieces = use_fp8 ? (e.hidden + kPieceColumns - 1) / kPieceColumns
+                               : static_cast<int>((row_bytes + kCopyPieceBytes - 1) / kCopyPieceBytes);
+    for (int item = warp; item < count * pieces; item += kWarps) {
+        const int j = item / pieces, piece = item % pieces;
+        const int entry = entries_of_expert[j], t = entry / num_topk;
+        uint8_t* message = slots + static_cast<int64_t>(j) * e.g.dispatch_message;
+        if (piece == 0 && lane == 0) *reinterpret_cast<int4*>(message) = make_int4(t, entry % num_topk, 0, 0);
+        const __nv_bfloat16* row = x + static_cast<int64_t>(t) * e.hidden;
+        if (use_fp8) {
+            cast_piece(row, message + kMessageHeaderBytes, e.hidden, piece, round_scale, use_ue8m0, lane);
+        } else {
+            const int64_t first = piece * kCopyPieceBytes, bytes = min(kCopyPieceBytes, row_bytes - first);
+            warp_copy<Src::kReadOnly>(message + kMessageHeaderBytes + first, reinterpret_cast<const uint8_t*>(row) + first,
+                                      bytes, lane);
         }
     }
-    __syncwarp();  // the other lanes' stores before lane 0's release
-    if (lane == 0) raise_flag(e.signals(dst) + static_cast<int64_t>(local) * e.num_ranks + e.rank, tag(e.seq, count));
+    __syncthreads();  // every warp's stores before the release
+    if (threadIdx.x == 0) raise_flag(e.signals(dst) + static_cast<int64_t>(local) * e.num_ranks + e.rank, tag(e.seq, count));
 }
 
 // One block per local expert: wait for every source rank's count, then pack the rows.
@@ -232,7 +263,6 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(Ctx c, const int
                                                                 int num_topk, __nv_bfloat16* __restrict__ out) {
     __shared__ int ok;
     const Env e = make_env(c);
-    const int lane = threadIdx.x % 32, warp_id = blockIdx.x * kWarps + threadIdx.x / 32, num_warps = gridDim.x * kWarps;
     if (threadIdx.x == 0) {
         ok = !e.aborted();
         for (int s = 0; ok && s < e.num_ranks; ++s)
@@ -241,26 +271,39 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(Ctx c, const int
     }
     __syncthreads();
     if (ok) {
-        const int chunks = e.hidden / 8;  // 16-byte vectors of eight bf16
+        // A thread per (token, 16-byte vector of eight bf16): up to kSlotBatch slots loaded at once,
+        // then added in slot order.
+        constexpr int kSlotBatch = 8;
+        const int chunks = e.hidden / 8;
         const uint8_t* slots = e.recv(e.rank);
-        for (int t = warp_id; t < num_tokens; t += num_warps) {
-            for (int chunk = lane; chunk < chunks; chunk += 32) {
-                float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-                for (int k = 0; k < num_topk; ++k) {
-                    const int64_t entry = static_cast<int64_t>(t) * num_topk + k;
-                    if (topk_idx[entry] < 0) continue;
-                    const float weight = topk_weights[entry];
-                    const int4 v = __ldcg(reinterpret_cast<const int4*>(slots + entry * e.g.combine_message) + chunk);
-                    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+        const int64_t items = static_cast<int64_t>(num_tokens) * chunks;
+        for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < items;
+             item += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+            const int t = static_cast<int>(item / chunks), chunk = static_cast<int>(item % chunks);
+            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            for (int k0 = 0; k0 < num_topk; k0 += kSlotBatch) {
+                int4 v[kSlotBatch];
+                bool take[kSlotBatch];
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, __bfloat162float(h[i])));
+                for (int i = 0; i < kSlotBatch; ++i) {
+                    const int64_t entry = static_cast<int64_t>(t) * num_topk + k0 + i;
+                    take[i] = k0 + i < num_topk && topk_idx[entry] >= 0;
+                    if (take[i]) v[i] = __ldcg(reinterpret_cast<const int4*>(slots + entry * e.g.combine_message) + chunk);
                 }
-                int4 packed;
-                __nv_bfloat16* p = reinterpret_cast<__nv_bfloat16*>(&packed);
 #pragma unroll
-                for (int i = 0; i < 8; ++i) p[i] = __float2bfloat16_rn(acc[i]);
-                reinterpret_cast<int4*>(out + static_cast<int64_t>(t) * e.hidden)[chunk] = packed;
+                for (int i = 0; i < kSlotBatch; ++i) {
+                    if (!take[i]) continue;
+                    const float weight = topk_weights[static_cast<int64_t>(t) * num_topk + k0 + i];
+                    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v[i]);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(weight, __bfloat162float(h[j])));
+                }
             }
+            int4 packed;
+            __nv_bfloat16* p = reinterpret_cast<__nv_bfloat16*>(&packed);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) p[j] = __float2bfloat16_rn(acc[j]);
+            reinterpret_cast<int4*>(out + static_cast<int64_t>(t) * e.hidden)[chunk] = packed;
         }
     }
     finish_call(e);
@@ -275,8 +318,9 @@ int blocks_for(int64_t warps_of_work, int num_sms) {
 
 void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t* topk_idx, int num_topk, bool use_fp8,
                    bool round_scale, bool use_ue8m0) {
-    const int blocks = (ctx.num_experts + kWarps - 1) / kWarps;
-    dispatch_send_kernel<<<blocks, kThreads, 0, ctx.stream>>>(ctx, static_cast<const __nv_bfloat16*>(x), num_tokens,
+    if (num_tokens > kMaxListed)
+        throw std::invalid_argument("moe_ep: low-latency dispatch takes at most 1024 tokens per rank");
+    dispatch_send_kernel<<<ctx.num_experts, kThreads, 0, ctx.stream>>>(ctx, static_cast<const __nv_bfloat16*>(x), num_tokens,
                                                               topk_idx, num_topk, use_fp8, round_scale, use_ue8m0);
     MOE_EP_LAUNCH_CHECK("low_latency dispatch_send_kernel");
 }
@@ -300,7 +344,8 @@ void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const in
 
 void combine_recv(const Ctx& ctx, const int64_t* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
                   void* out, int num_sms) {
-    combine_recv_kernel<<<blocks_for(num_tokens, num_sms), kThreads, 0, ctx.stream>>>(
+    const int64_t items = static_cast<int64_t>(num_tokens) * (ctx.hidden / 8);  // a thread each
+    combine_recv_kernel<<<blocks_for((items + 31) / 32, num_sms), kThreads, 0, ctx.stream>>>(
         ctx, topk_idx, topk_weights, num_tokens, num_topk, static_cast<__nv_bfloat16*>(out));
     MOE_EP_LAUNCH_CHECK("low_latency combine_recv_kernel");
 }
