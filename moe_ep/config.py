@@ -57,7 +57,8 @@ class Config:
 
     @property
     def num_channels(self) -> int:
-        # Each channel uses one SM to send and one to receive.
+        # deep_ep's accounting (a channel = one SM sending and one receiving), kept for the size hints;
+        # the intranode kernels launch num_sms blocks that each both send and receive.
         return self.num_sms // 2
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
