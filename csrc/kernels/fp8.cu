@@ -15,52 +15,7 @@ namespace fp8 {
 namespace {
 
 constexpr int kThreads = 256;
-// Each lane takes 16 elements (two 16-byte loads of bf16 in flight, one 16-byte fp8 store), so eight
-// lanes share one 128-column block and reduce its amax with three shuffles.
-constexpr int kElemsPerLane = 16;
-constexpr int kLanesPerBlock = kBlock / kElemsPerLane;
 constexpr int kGroupsPerCta = kThreads / kLanesPerBlock;
-
-template <typename T>
-__device__ __forceinline__ void load_lane(const T* src, float (&v)[kElemsPerLane]);
-
-template <>
-__device__ __forceinline__ void load_lane<__nv_bfloat16>(const __nv_bfloat16* src, float (&v)[kElemsPerLane]) {
-    uint4 raw[kElemsPerLane / 8];
-#pragma unroll
-    for (int c = 0; c < kElemsPerLane / 8; ++c) raw[c] = reinterpret_cast<const uint4*>(src)[c];
-    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(raw);
-#pragma unroll
-    for (int i = 0; i < kElemsPerLane / 2; ++i) {
-        const float2 f = __bfloat1622float2(pairs[i]);
-        v[2 * i] = f.x;
-        v[2 * i + 1] = f.y;
-    }
-}
-
-template <>
-__device__ __forceinline__ void load_lane<__half>(const __half* src, float (&v)[kElemsPerLane]) {
-    uint4 raw[kElemsPerLane / 8];
-#pragma unroll
-    for (int c = 0; c < kElemsPerLane / 8; ++c) raw[c] = reinterpret_cast<const uint4*>(src)[c];
-    const __half2* pairs = reinterpret_cast<const __half2*>(raw);
-#pragma unroll
-    for (int i = 0; i < kElemsPerLane / 2; ++i) {
-        const float2 f = __half22float2(pairs[i]);
-        v[2 * i] = f.x;
-        v[2 * i + 1] = f.y;
-    }
-}
-
-template <>
-__device__ __forceinline__ void load_lane<float>(const float* src, float (&v)[kElemsPerLane]) {
-    float4 raw[kElemsPerLane / 4];
-#pragma unroll
-    for (int c = 0; c < kElemsPerLane / 4; ++c) raw[c] = reinterpret_cast<const float4*>(src)[c];
-#pragma unroll
-    for (int c = 0; c < kElemsPerLane / 4; ++c)
-        v[4 * c] = raw[c].x, v[4 * c + 1] = raw[c].y, v[4 * c + 2] = raw[c].z, v[4 * c + 3] = raw[c].w;
-}
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x, int64_t num_groups, int hidden,
@@ -75,17 +30,8 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
         const int64_t offset = row * hidden + static_cast<int64_t>(block) * kBlock + lane * kElemsPerLane;
         float v[kElemsPerLane];
         load_lane(x + offset, v);
-        float amax = 0.f;
-#pragma unroll
-        for (int i = 0; i < kElemsPerLane; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-        for (int mask = kLanesPerBlock / 2; mask > 0; mask >>= 1)
-            amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, mask));
-        float scale, inverse;
-        block_scale(amax, round_scale, scale, inverse);
         alignas(16) uint8_t out[kElemsPerLane];
-#pragma unroll
-        for (int i = 0; i < kElemsPerLane; ++i) out[i] = to_e4m3(v[i], inverse);
+        const float scale = cast_lane(v, round_scale, out);
         *reinterpret_cast<uint4*>(q + offset) = *reinterpret_cast<const uint4*>(out);
         if (lane == 0) {
             if (use_ue8m0) {

@@ -5,7 +5,11 @@
 // Explicit _rn intrinsics keep the compiler from fusing or approximating.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
+
+#include <type_traits>
 
 #include "api.cuh"
 
@@ -36,6 +40,54 @@ __device__ __forceinline__ uint8_t to_e4m3(float value, float inverse) {
 // UE8M0 keeps the biased exponent of a power-of-two scale, four blocks to an int32.
 constexpr int kUe8m0PerWord = 4;
 __device__ __forceinline__ uint8_t ue8m0_byte(float scale) { return static_cast<uint8_t>((__float_as_uint(scale) >> 23) & 0xFFu); }
+
+// Each lane takes 16 elements of a block (two 16-byte loads of bf16 in flight, one 16-byte fp8
+// store), so eight lanes share one 128-column block and reduce its amax with three shuffles.
+constexpr int kElemsPerLane = 16;
+constexpr int kLanesPerBlock = kBlock / kElemsPerLane;
+
+// One lane's 16 consecutive elements of bf16, fp16 or float32, as floats.
+template <typename T>
+__device__ __forceinline__ void load_lane(const T* src, float (&v)[kElemsPerLane]) {
+    if constexpr (std::is_same_v<T, float>) {
+        float4 raw[kElemsPerLane / 4];
+#pragma unroll
+        for (int c = 0; c < kElemsPerLane / 4; ++c) raw[c] = reinterpret_cast<const float4*>(src)[c];
+#pragma unroll
+        for (int c = 0; c < kElemsPerLane / 4; ++c)
+            v[4 * c] = raw[c].x, v[4 * c + 1] = raw[c].y, v[4 * c + 2] = raw[c].z, v[4 * c + 3] = raw[c].w;
+    } else {
+        using Pair = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+        uint4 raw[kElemsPerLane / 8];
+#pragma unroll
+        for (int c = 0; c < kElemsPerLane / 8; ++c) raw[c] = reinterpret_cast<const uint4*>(src)[c];
+        const Pair* pairs = reinterpret_cast<const Pair*>(raw);
+#pragma unroll
+        for (int i = 0; i < kElemsPerLane / 2; ++i) {
+            float2 f;
+            if constexpr (std::is_same_v<T, __half>) f = __half22float2(pairs[i]);
+            else f = __bfloat1622float2(pairs[i]);
+            v[2 * i] = f.x;
+            v[2 * i + 1] = f.y;
+        }
+    }
+}
+
+// One lane's part of a block: the block's amax over its eight lanes (all 32 lanes of the warp call
+// this), the block's scale, and the lane's 16 e4m3 values.
+__device__ __forceinline__ float cast_lane(const float (&v)[kElemsPerLane], bool round_scale,
+                                           uint8_t (&out)[kElemsPerLane]) {
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < kElemsPerLane; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+    for (int mask = kLanesPerBlock / 2; mask > 0; mask >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, mask));
+    float scale, inverse;
+    block_scale(amax, round_scale, scale, inverse);
+#pragma unroll
+    for (int i = 0; i < kElemsPerLane; ++i) out[i] = to_e4m3(v[i], inverse);
+    return scale;
+}
 
 }  // namespace fp8
 }  // namespace moe_ep

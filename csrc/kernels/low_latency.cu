@@ -79,45 +79,29 @@ __device__ __forceinline__ int scale_bytes(int hidden, bool use_fp8, bool use_ue
     return use_ue8m0 ? (blocks + fp8::kUe8m0PerWord - 1) / fp8::kUe8m0PerWord * 4 : blocks * 4;
 }
 
-constexpr int kLanesPerFp8Block = fp8::kBlock / 16;               // 16 elements per lane
-constexpr int kBlocksPerPiece = 32 / kLanesPerFp8Block;           // a warp casts 4 blocks at once
+constexpr int kBlocksPerPiece = 32 / fp8::kLanesPerBlock;        // a warp casts 4 blocks at once
 constexpr int kPieceColumns = kBlocksPerPiece * fp8::kBlock;      // 512
 
 // A warp casts columns [piece * 512, +512) of a bf16 row to e4m3 and writes their scales after the
-// row (out + hidden), eight lanes per 128-column block and 16 elements per lane, as in fp8.cu, so the
-// bits equal the cast kernel's and fp8.py's.
+// row (out + hidden) with the cast kernel's own lane code (fp8_block.cuh), so the bits equal
+// fp8.cu's and fp8.py's.
 __device__ void cast_piece(const __nv_bfloat16* row, uint8_t* out, int hidden, int piece, bool round_scale,
                            bool use_ue8m0, int lane) {
-    const int blocks = hidden / fp8::kBlock, sub = lane % kLanesPerFp8Block;
-    const int b = piece * kBlocksPerPiece + lane / kLanesPerFp8Block;
+    const int blocks = hidden / fp8::kBlock, sub = lane % fp8::kLanesPerBlock;
+    const int b = piece * kBlocksPerPiece + lane / fp8::kLanesPerBlock;
     const bool active = b < blocks;
-    float v[16];
+    float v[fp8::kElemsPerLane];
     if (active) {
-        const uint4* src = reinterpret_cast<const uint4*>(row + b * fp8::kBlock + sub * 16);
-        uint4 raw[2] = {__ldg(src), __ldg(src + 1)};
-        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(raw);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const float2 f = __bfloat1622float2(pairs[i]);
-            v[2 * i] = f.x, v[2 * i + 1] = f.y;
-        }
+        fp8::load_lane(row + b * fp8::kBlock + sub * fp8::kElemsPerLane, v);
     } else {
 #pragma unroll
-        for (int i = 0; i < 16; ++i) v[i] = 0.f;
+        for (int i = 0; i < fp8::kElemsPerLane; ++i) v[i] = 0.f;
     }
-    float amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-    for (int mask = kLanesPerFp8Block / 2; mask > 0; mask >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, mask));
-    float scale, inverse;
-    fp8::block_scale(amax, round_scale, scale, inverse);
+    alignas(16) uint8_t q[fp8::kElemsPerLane];
+    const float scale = fp8::cast_lane(v, round_scale, q);  // every lane takes part in the shuffles
     uint8_t* scales = out + hidden;
     if (active) {
-        alignas(16) uint8_t q[16];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) q[i] = fp8::to_e4m3(v[i], inverse);
-        *reinterpret_cast<uint4*>(out + b * fp8::kBlock + sub * 16) = *reinterpret_cast<const uint4*>(q);
+        *reinterpret_cast<uint4*>(out + b * fp8::kBlock + sub * fp8::kElemsPerLane) = *reinterpret_cast<const uint4*>(q);
         if (sub == 0) {
             if (use_ue8m0) scales[b] = fp8::ue8m0_byte(scale);
             else reinterpret_cast<float*>(scales)[b] = scale;
