@@ -363,7 +363,7 @@ class Buffer:
                     )
             if num_tokens != handle.num_tokens:
                 raise ValueError(f"x: the handle's layout is for {handle.num_tokens} tokens, got {num_tokens}")
-            self._check_handle_backend(handle, x_parts[0])
+            self._check_handle_backend(handle, x_parts[0], IntranodeDispatchState, self._kernels, "dispatch")
         else:
             self._check_layout_args(
                 num_tokens,
@@ -380,26 +380,26 @@ class Buffer:
             return DispatchHandle(buffer_serial=self.serial, **fields)
 
         if self._uses_kernels(x_parts[0]):
-            recv, recv_idx, recv_weights, counts, new_handle, event = self._intranode.dispatch(
+            recv_x, recv_idx, recv_weights, counts, new_handle, event = self._intranode.dispatch(
                 x_parts, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, expert_alignment,
                 num_worst_tokens, handle, make_handle, config, previous_event, async_finish, allocate_on_comm_stream,
             )
-            return (tuple(recv) if len(recv) == 2 else recv[0]), recv_idx, recv_weights, counts, new_handle, event
-        wait_previous(previous_event)
-        recv_x, recv_idx, recv_weights, counts, new_handle = self._portable.dispatch(
-            x_parts,
-            topk_idx,
-            topk_weights,
-            is_token_in_rank,
-            num_tokens_per_rank,
-            num_tokens_per_expert,
-            expert_alignment,
-            num_worst_tokens,
-            handle,
-            make_handle,
-        )
+        else:
+            wait_previous(previous_event)
+            recv_x, recv_idx, recv_weights, counts, new_handle = self._portable.dispatch(
+                x_parts,
+                topk_idx,
+                topk_weights,
+                is_token_in_rank,
+                num_tokens_per_rank,
+                num_tokens_per_expert,
+                expert_alignment,
+                num_worst_tokens,
+                handle,
+                make_handle,
+            )
+            event = self._finish(async_finish, [*x_parts, *recv_x])
         recv = tuple(recv_x) if len(recv_x) == 2 else recv_x[0]
-        event = self._finish(async_finish, [*x_parts, *recv_x])
         return recv, recv_idx, recv_weights, counts, new_handle, event
 
     def _check_layout_args(
@@ -483,7 +483,7 @@ class Buffer:
                     f"topk_weights: expected {x.shape[0]} rows (one per row of x), got {topk_weights.shape[0]}"
                 )
         biases = self._split_bias(bias, handle.num_tokens, x)
-        self._check_handle_backend(handle, x)
+        self._check_handle_backend(handle, x, IntranodeDispatchState, self._kernels, "dispatch")
         if self._uses_kernels(x):
             return self._intranode.combine(
                 x, handle, topk_weights, biases, config, previous_event, async_finish, allocate_on_comm_stream
@@ -495,23 +495,23 @@ class Buffer:
     def _uses_kernels(self, x: torch.Tensor) -> bool:
         """Whether the kernels move x; the first time, maps the peers' buffers (every rank of the
         group makes the same call with tensors of the same kind, so this is collective)."""
-        if not self._kernels_move(x):
+        if not (x.is_cuda and self._kernels):
             return False
         if self._intranode is None:
             self._intranode = IntranodeBackend(self.group, self._gate, self.num_nvl_bytes, self.get_comm_stream())
         return True
 
-    def _kernels_move(self, x: torch.Tensor) -> bool:
-        return x.is_cuda and self._kernels
-
-    def _check_handle_backend(self, handle: DispatchHandle, x: torch.Tensor) -> None:
-        made_by_kernels = isinstance(handle.backend_state, IntranodeDispatchState)
-        if made_by_kernels != self._kernels_move(x):
+    @staticmethod
+    def _check_handle_backend(handle, x: torch.Tensor, kernel_state: type, kernels_on: bool, call: str) -> bool:
+        """Whether the kernels made `handle` (and so move x); ValueError where handle and x disagree."""
+        made_by_kernels = isinstance(handle.backend_state, kernel_state)
+        if made_by_kernels != (x.is_cuda and kernels_on):
             raise ValueError(
-                "handle: it was made by a dispatch of "
-                + ("CUDA tensors (kernels)" if made_by_kernels else "tensors the portable backend moved")
+                f"handle: its {call} ran on the "
+                + ("kernels (CUDA tensors)" if made_by_kernels else "portable backend")
                 + f", but x is a {'CUDA' if x.is_cuda else 'CPU'} tensor; keep a handle's tensors on one device"
             )
+        return made_by_kernels
 
     @staticmethod
     def _split_bias(bias, num_tokens: int, x: torch.Tensor) -> List[torch.Tensor]:
@@ -648,13 +648,9 @@ class Buffer:
             raise ValueError("async_finish and return_recv_hook: choose one (the hook already defers the receive)")
         if zero_copy:
             x = self.get_next_low_latency_combine_buffer(handle)
-        made_by_kernels = isinstance(handle.backend_state, LowLatencyKernelState)
-        if made_by_kernels != (x.is_cuda and self._ll_kernels):
-            raise ValueError(
-                "handle: its low_latency_dispatch ran on the "
-                + ("kernels" if made_by_kernels else "portable backend")
-                + f", but x is a {'CUDA' if x.is_cuda else 'CPU'} tensor; keep a handle's tensors on one device"
-            )
+        made_by_kernels = self._check_handle_backend(
+            handle, x, LowLatencyKernelState, self._ll_kernels, "low_latency_dispatch"
+        )
         self._ll_next ^= 1
         backend = self._low_latency if made_by_kernels else self._portable
         combined, hook = backend.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook, out)
