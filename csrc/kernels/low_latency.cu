@@ -310,8 +310,7 @@ void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t*
 }
 
 void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales,
-                   int* recv_count, int* stats, int* recv_src_info, int num_sms) {
-    (void)num_sms;  // one block per local expert
+                   int* recv_count, int* stats, int* recv_src_info) {
     const int local = ctx.num_experts / ctx.num_ranks;
     dispatch_recv_kernel<<<local, kThreads, sizeof(int) * (ctx.num_ranks + 1), ctx.stream>>>(
         ctx, num_topk, use_fp8, use_ue8m0, static_cast<uint8_t*>(recv_x), static_cast<uint8_t*>(recv_scales), recv_count,

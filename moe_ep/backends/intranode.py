@@ -13,7 +13,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..config import Config, IntranodeLayout
+from ..config import Config
 from ..events import EventOverlap
 from ..handles import DispatchHandle
 from ..sync import ArrivalGate
@@ -51,9 +51,6 @@ class IntranodeBackend:
 
     def close(self) -> None:
         self.peers.close()
-
-    def layout(self, x_bytes: int, scale_bytes: int, num_topk: int) -> IntranodeLayout:
-        return IntranodeLayout(self.num_ranks, self.num_nvl_bytes, x_bytes, scale_bytes, num_topk)
 
     # ---------------------------------------------------------------- errors the kernels reported
     def check_errors(self) -> None:
