@@ -145,31 +145,28 @@ def backend_info():
     return moe_ep.backend_info()
 
 
-def skip_a_call(skipping_rank: int, phase: str, timeout_s: float):
-    """Every rank but skipping_rank makes the call `phase`; returns what each saw."""
-    os.environ["MOE_EP_TIMEOUT_S"] = str(timeout_s)
+def skip_a_call(skipping_rank: int, phase: str):
+    """Every rank but skipping_rank makes the call `phase`; returns what each saw (run it through
+    with_env with a short MOE_EP_TIMEOUT_S)."""
+    p = Problem(11, dist.get_world_size(), dist.get_world_size() * 2, 128, 2, max_tokens=4)
+    inp = my_inputs(p)
+    buffer = low_latency_buffer(p) if phase.startswith("low_latency") else normal_buffer(p.hidden)
+    handle = None
+    if phase == "low_latency_combine":
+        recv, _, handle, _, _ = buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens,
+                                                            p.num_experts, use_fp8=False)
+    if dist.get_rank() == skipping_rank:
+        return "skipped"
     try:
-        p = Problem(11, dist.get_world_size(), dist.get_world_size() * 2, 128, 2, max_tokens=4)
-        inp = my_inputs(p)
-        buffer = low_latency_buffer(p) if phase.startswith("low_latency") else normal_buffer(p.hidden)
-        handle = None
-        if phase == "low_latency_combine":
-            recv, _, handle, _, _ = buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens,
-                                                                p.num_experts, use_fp8=False)
-        if dist.get_rank() == skipping_rank:
-            return "skipped"
-        try:
-            if phase == "dispatch":
-                per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
-                buffer.dispatch(inp["x"], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                num_tokens_per_expert=per_expert)
-            else:
-                buffer.low_latency_combine(recv, inp["topk_idx"], inp["topk_weights"], handle)
-        except Exception as exc:  # noqa: BLE001
-            return type(exc).__name__, str(exc)
-        return "returned"
-    finally:
-        del os.environ["MOE_EP_TIMEOUT_S"]
+        if phase == "dispatch":
+            per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
+            buffer.dispatch(inp["x"], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert)
+        else:
+            buffer.low_latency_combine(recv, inp["topk_idx"], inp["topk_weights"], handle)
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+    return "returned"
 
 
 def mismatched_calls():
@@ -331,34 +328,30 @@ def intranode_layout_numbers(cases):
     return [(_native.ops().intranode_layout(*case), IntranodeLayout(*case).as_dict()) for case in cases]
 
 
-def skip_after_warmup(skipping_rank: int, phase: str, timeout_s: float):
+def skip_after_warmup(skipping_rank: int, phase: str):
     """Every rank dispatches once (the kernels map the peers' buffers), then skipping_rank skips the
     next `phase` ("dispatch" or "combine") that the others make. A combine does not wait on the host,
-    so its error surfaces at the next call."""
-    os.environ["MOE_EP_TIMEOUT_S"] = str(timeout_s)
+    so its error surfaces at the next call. Run it through with_env with a short MOE_EP_TIMEOUT_S."""
+    p = Problem(21, dist.get_world_size(), dist.get_world_size() * 2, 128, 2, max_tokens=8, zero_token_rank=False)
+    inp = my_inputs(p)
+    buffer = normal_buffer(p.hidden)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(inp["x"], **layout)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if dist.get_rank() == skipping_rank:
+        return "skipped"
     try:
-        p = Problem(21, dist.get_world_size(), dist.get_world_size() * 2, 128, 2, max_tokens=8, zero_token_rank=False)
-        inp = my_inputs(p)
-        buffer = normal_buffer(p.hidden)
-        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
-        layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
-        recv_x, _, _, _, handle, _ = buffer.dispatch(inp["x"], **layout)
-        torch.cuda.synchronize()
-        dist.barrier()
-        if dist.get_rank() == skipping_rank:
-            return "skipped"
-        try:
-            if phase == "dispatch":
-                buffer.dispatch(inp["x"], **layout)
-            else:
-                buffer.combine(recv_x, handle)
-                torch.cuda.synchronize()  # the kernel gives up after the timeout and returns
-                buffer.dispatch(inp["x"], handle=handle)
-        except Exception as exc:  # noqa: BLE001
-            return type(exc).__name__, str(exc)
-        return "returned"
-    finally:
-        del os.environ["MOE_EP_TIMEOUT_S"]
+        if phase == "dispatch":
+            buffer.dispatch(inp["x"], **layout)
+        else:
+            buffer.combine(recv_x, handle)
+            torch.cuda.synchronize()  # the kernel gives up after the timeout and returns
+            buffer.dispatch(inp["x"], handle=handle)
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+    return "returned"
 
 
 def oversized_sm_budget(p: Problem, num_sms: int):
@@ -426,29 +419,26 @@ def low_latency_graph_round(p: Problem, q: Problem, use_fp8: bool):
     return replays, cpu(list(step(inp_q))), cpu(list(step(inp_p)))
 
 
-def low_latency_peer_missing(skipping_rank: int, timeout_s: float):
-    """After one round on every rank, skipping_rank skips the next low_latency_dispatch."""
-    os.environ["MOE_EP_TIMEOUT_S"] = str(timeout_s)
+def low_latency_peer_missing(skipping_rank: int):
+    """After one round on every rank, skipping_rank skips the next low_latency_dispatch (run it through
+    with_env with a short MOE_EP_TIMEOUT_S)."""
+    p = Problem(23, dist.get_world_size(), dist.get_world_size() * 2, 128, 2, max_tokens=8, zero_token_rank=False)
+    inp = my_inputs(p)
+    buffer = low_latency_buffer(p)
+    recv, _, handle, _, _ = buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens, p.num_experts,
+                                                        use_fp8=False)
+    buffer.low_latency_combine(recv, inp["topk_idx"], inp["topk_weights"], handle)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if dist.get_rank() == skipping_rank:
+        return "skipped"
     try:
-        p = Problem(23, dist.get_world_size(), dist.get_world_size() * 2, 128, 2, max_tokens=8, zero_token_rank=False)
-        inp = my_inputs(p)
-        buffer = low_latency_buffer(p)
-        recv, _, handle, _, _ = buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens, p.num_experts,
-                                                            use_fp8=False)
-        buffer.low_latency_combine(recv, inp["topk_idx"], inp["topk_weights"], handle)
-        torch.cuda.synchronize()
-        dist.barrier()
-        if dist.get_rank() == skipping_rank:
-            return "skipped"
-        try:
-            buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens, p.num_experts, use_fp8=False)
-            torch.cuda.synchronize()  # the receive gives up after the timeout
-            buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens, p.num_experts, use_fp8=False)
-        except Exception as exc:  # noqa: BLE001
-            return type(exc).__name__, str(exc)
-        return "returned"
-    finally:
-        del os.environ["MOE_EP_TIMEOUT_S"]
+        buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens, p.num_experts, use_fp8=False)
+        torch.cuda.synchronize()  # the receive gives up after the timeout
+        buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens, p.num_experts, use_fp8=False)
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+    return "returned"
 
 
 def low_latency_layout_numbers(cases):

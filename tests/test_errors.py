@@ -5,6 +5,9 @@ import pytest
 from . import bad_inputs, rank_fns
 from .problems import Problem
 
+# Peers that never come are named after this long.
+SHORT_TIMEOUT = {"MOE_EP_TIMEOUT_S": "1.5"}
+
 
 @pytest.mark.parametrize("num_ranks", [2, 3])
 def test_bad_inputs_raise_named_errors_and_leave_the_buffer_usable(pools, seed, num_ranks):
@@ -19,7 +22,7 @@ def test_bad_inputs_raise_named_errors_and_leave_the_buffer_usable(pools, seed, 
 
 
 def test_missing_rank_is_named_in_a_timeout(pools):
-    results = pools(4).run(rank_fns.skip_a_call, 1, "dispatch", 1.5)
+    results = pools(4).run(rank_fns.with_env, SHORT_TIMEOUT, rank_fns.skip_a_call, 1, "dispatch")
     for rank, outcome in enumerate(results):
         if rank == 1:
             assert outcome == "skipped"
@@ -29,7 +32,7 @@ def test_missing_rank_is_named_in_a_timeout(pools):
 
 
 def test_missing_rank_in_low_latency_combine(pools):
-    results = pools(3).run(rank_fns.skip_a_call, 2, "low_latency_combine", 1.5)
+    results = pools(3).run(rank_fns.with_env, SHORT_TIMEOUT, rank_fns.skip_a_call, 2, "low_latency_combine")
     for rank in (0, 1):
         assert results[rank][0] == "TimeoutError"
         assert "rank(s) 2 did not arrive at low_latency_combine" in results[rank][1]

@@ -17,6 +17,8 @@ pytestmark = [
     pytest.mark.skipif(not _native.has_kernels(), reason=str(_native.unavailable_reason())),
 ]
 
+# Peers that never come are named after this long.
+SHORT_TIMEOUT = {"MOE_EP_TIMEOUT_S": "2.0"}
 FIELDS = ("recv_x", "recv_idx", "recv_w", "counts", "cached", "cached_rest", "combined", "combined_w",
           "num_recv_rows")
 
@@ -100,7 +102,7 @@ def test_cuda_graph_capture_and_replay(gpu_pools, seed, num_ranks):
 
 
 def test_a_peer_missing_at_the_first_dispatch_is_named(gpu_pools):
-    results = gpu_pools(2).run(rank_fns.skip_a_call, 1, "dispatch", 2.0)
+    results = gpu_pools(2).run(rank_fns.with_env, SHORT_TIMEOUT, rank_fns.skip_a_call, 1, "dispatch")
     assert results[1] == "skipped"
     kind, message = results[0]
     assert kind == "TimeoutError" and "rank(s) 1 did not arrive" in message, message
@@ -109,7 +111,7 @@ def test_a_peer_missing_at_the_first_dispatch_is_named(gpu_pools):
 @pytest.mark.parametrize("phase,waited_for", [("dispatch", "its token counts"), ("combine", "combine rows")])
 def test_a_peer_missing_in_a_kernel_is_named(gpu_pools, phase, waited_for):
     """The kernels' waits have a deadline: they report the rank they waited for and return; no hang."""
-    results = gpu_pools(3).run(rank_fns.skip_after_warmup, 2, phase, 2.0)
+    results = gpu_pools(3).run(rank_fns.with_env, SHORT_TIMEOUT, rank_fns.skip_after_warmup, 2, phase)
     assert results[2] == "skipped"
     for kind, message in results[:2]:
         assert kind == "TimeoutError" and "rank 2 did not arrive" in message and waited_for in message, message

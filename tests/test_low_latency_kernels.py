@@ -82,7 +82,7 @@ def test_low_latency_cuda_graph(gpu_pools, seed, use_fp8):
 
 
 def test_low_latency_missing_peer_names_rank_and_expert(gpu_pools):
-    results = gpu_pools(3).run(rank_fns.with_env, KERNELS, rank_fns.low_latency_peer_missing, 2, 2.0)
+    results = gpu_pools(3).run(rank_fns.with_env, dict(KERNELS, MOE_EP_TIMEOUT_S="2.0"), rank_fns.low_latency_peer_missing, 2)
     assert results[2] == "skipped"
     for kind, message in results[:2]:
         assert kind == "TimeoutError" and "rank 2 did not arrive" in message and "for expert" in message, message
