@@ -23,15 +23,22 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
                                                         void* __restrict__ scales) {
     const int blocks_per_row = hidden / kBlock;
     const int lane = threadIdx.x % kLanesPerBlock;
-    for (int64_t g = static_cast<int64_t>(blockIdx.x) * kGroupsPerCta + threadIdx.x / kLanesPerBlock; g < num_groups;
-         g += static_cast<int64_t>(gridDim.x) * kGroupsPerCta) {
+    // The loop runs per warp (a warp holds 32 / kLanesPerBlock groups) so that every lane reaches the
+    // full-mask shuffles in cast_lane; groups past the end compute on zeros and store nothing.
+    constexpr int kGroupsPerWarp = 32 / kLanesPerBlock;
+    const int group_in_warp = (threadIdx.x % 32) / kLanesPerBlock;
+    for (int64_t warp_first = static_cast<int64_t>(blockIdx.x) * kGroupsPerCta + (threadIdx.x / 32) * kGroupsPerWarp;
+         warp_first < num_groups; warp_first += static_cast<int64_t>(gridDim.x) * kGroupsPerCta) {
+        const int64_t g = warp_first + group_in_warp;
+        const bool in_range = g < num_groups;
         const int64_t row = g / blocks_per_row;
         const int block = static_cast<int>(g % blocks_per_row);
         const int64_t offset = row * hidden + static_cast<int64_t>(block) * kBlock + lane * kElemsPerLane;
-        float v[kElemsPerLane];
-        load_lane(x + offset, v);
+        float v[kElemsPerLane] = {};
+        if (in_range) load_lane(x + offset, v);
         alignas(16) uint8_t out[kElemsPerLane];
         const float scale = cast_lane(v, round_scale, out);
+        if (!in_range) continue;
         *reinterpret_cast<uint4*>(q + offset) = *reinterpret_cast<const uint4*>(out);
         if (lane == 0) {
             if (use_ue8m0) {
