@@ -169,7 +169,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ctx c, const __
     if (threadIdx.x == 0) raise_flag(e.signals(dst) + static_cast<int64_t>(local) * e.num_ranks + e.rank, tag(e.seq, count));
 }
 
-// One block per local expert: wait for every source rank's count, then pack the rows.
+// One block per local expert: wait for every source rank's count, then pack the rows. A count flag is
+// tag(call, rows) >= tag(call, 0) for any row count, and below it for every earlier call.
 __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(Ctx c, int num_topk, bool use_fp8, bool use_ue8m0,
                                                                  uint8_t* __restrict__ recv_x, uint8_t* __restrict__ recv_scales,
                                                                  int* __restrict__ recv_count, int* __restrict__ stats,
@@ -184,7 +185,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(Ctx c, int num_
         for (int s = 0; s < e.num_ranks; ++s) {
             first_row[s] = total;
             const uint64_t* flag = e.signals(e.rank) + static_cast<int64_t>(local) * e.num_ranks + s;
-            ok = ok && peer::wait_flag(e.failure(), flag, tag(e.seq, -1), intranode::kErrLowLatencyDispatch, s,
+            ok = ok && peer::wait_flag(e.failure(), flag, tag(e.seq, 0), intranode::kErrLowLatencyDispatch, s,
                                        e.rank * e.num_local + local);
             if (ok) total += static_cast<int>(load_acquire(flag) & ((1u << kCountBits) - 1)) - 1;
         }

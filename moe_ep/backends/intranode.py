@@ -67,6 +67,13 @@ class IntranodeBackend:
         if error is not None:
             raise error
 
+    def check_num_sms(self, num_sms: int) -> None:
+        """ValueError (on every rank of this GPU alike) before a call starts, if its blocks cannot all be
+        resident: the kernels wait on each other across ranks and would stall until the deadline."""
+        if num_sms not in self._fitting_sms:
+            self.ops.intranode_check_blocks(self.ctx, num_sms)
+            self._fitting_sms.add(num_sms)
+
     # ---------------------------------------------------------------- streams and events
     def _enter(self, previous_event: Optional[EventOverlap]) -> torch.cuda.Stream:
         compute = torch.cuda.current_stream()
