@@ -257,7 +257,7 @@ void intranode_check_blocks(const IntranodeCtx& c, int64_t num_blocks) { intrano
 // ------------------------------------------------------------------ low-latency kernels
 struct LowLatencyCtx {
     int64_t buffers;
-    int rank, num_ranks;
+    int rank, num_ranks, ranks_on_device;
     torch::Tensor host_info;
     double timeout_s;
     int num_max_tokens, hidden, num_experts;
@@ -268,6 +268,7 @@ low_latency::Ctx make_ctx(const LowLatencyCtx& c) {
     ctx.buffers = reinterpret_cast<uint8_t* const*>(c.buffers);
     ctx.rank = c.rank;
     ctx.num_ranks = c.num_ranks;
+    ctx.ranks_on_device = c.ranks_on_device;
     ctx.num_max_tokens = c.num_max_tokens;
     ctx.hidden = c.hidden;
     ctx.num_experts = c.num_experts;
@@ -378,7 +379,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("intranode_combine", &moe_ep::intranode_combine, "intranode combine");
     m.def("intranode_check_blocks", &moe_ep::intranode_check_blocks, "ValueError unless the blocks fit the GPU");
     py::class_<moe_ep::LowLatencyCtx>(m, "LowLatencyCtx")
-        .def(py::init<int64_t, int, int, torch::Tensor, double, int, int, int>());
+        .def(py::init<int64_t, int, int, int, torch::Tensor, double, int, int, int>());
     m.def("ll_dispatch_send", &moe_ep::ll_dispatch_send, "low-latency dispatch: send");
     m.def("ll_dispatch_recv", &moe_ep::ll_dispatch_recv, "low-latency dispatch: receive (the hook)");
     m.def("ll_combine_send", &moe_ep::ll_combine_send, "low-latency combine: send");

@@ -452,15 +452,6 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(kThreads))
     finish_kernel(e, e.own(kDoneCount));
 }
 
-// Blocks of `kernel` the whole device holds at once.
-int resident_blocks(const void* kernel, int threads) {
-    int device = 0, sms = 0, per_sm = 0;
-    MOE_EP_CUDA_CHECK(cudaGetDevice(&device));
-    MOE_EP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    MOE_EP_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
-    return per_sm * sms;
-}
-
 // The wide kernel where all blocks of every rank on this GPU (two kernels each when ranks share it)
 // are resident together, else the narrow one; neither: an error that names the limit.
 template <typename Launch>

@@ -169,8 +169,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ctx c, const __
     if (threadIdx.x == 0) raise_flag(e.signals(dst) + static_cast<int64_t>(local) * e.num_ranks + e.rank, tag(e.seq, count));
 }
 
-// One block per local expert: wait for every source rank's count, then pack the rows. A count flag is
-// tag(call, rows) >= tag(call, 0) for any row count, and below it for every earlier call.
+// A block per local expert (looping when the grid is smaller): wait for every source rank's count, then
+// pack the rows. A count flag is tag(call, rows) >= tag(call, 0) for any row count, and below it for
+// every earlier call.
 __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(Ctx c, int num_topk, bool use_fp8, bool use_ue8m0,
                                                                  uint8_t* __restrict__ recv_x, uint8_t* __restrict__ recv_scales,
                                                                  int* __restrict__ recv_count, int* __restrict__ stats,
@@ -178,25 +179,27 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(Ctx c, int num_
     extern __shared__ int first_row[];  // [R + 1]: each source rank's first row, then the total
     __shared__ int ok;
     const Env e = make_env(c);
-    const int local = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    if (threadIdx.x == 0) {
-        ok = !e.aborted();
-        int total = 0;
-        for (int s = 0; s < e.num_ranks; ++s) {
-            first_row[s] = total;
-            const uint64_t* flag = e.signals(e.rank) + static_cast<int64_t>(local) * e.num_ranks + s;
-            ok = ok && peer::wait_flag(e.failure(), flag, tag(e.seq, 0), intranode::kErrLowLatencyDispatch, s,
-                                       e.rank * e.num_local + local);
-            if (ok) total += static_cast<int>(load_acquire(flag) & ((1u << kCountBits) - 1)) - 1;
-        }
-        first_row[e.num_ranks] = total;
-        if (ok) {
-            recv_count[local] = total;
-            if (stats != nullptr) stats[local] += total;
-        }
-    }
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    if (threadIdx.x == 0) ok = !e.aborted();
     __syncthreads();
-    if (ok) {
+    for (int local = blockIdx.x; ok && local < e.num_local; local += gridDim.x) {
+        if (threadIdx.x == 0) {
+            int total = 0;
+            for (int s = 0; s < e.num_ranks; ++s) {
+                first_row[s] = total;
+                const uint64_t* flag = e.signals(e.rank) + static_cast<int64_t>(local) * e.num_ranks + s;
+                ok = ok && peer::wait_flag(e.failure(), flag, tag(e.seq, 0), intranode::kErrLowLatencyDispatch, s,
+                                           e.rank * e.num_local + local);
+                if (ok) total += static_cast<int>(load_acquire(flag) & ((1u << kCountBits) - 1)) - 1;
+            }
+            first_row[e.num_ranks] = total;
+            if (ok) {
+                recv_count[local] = total;
+                if (stats != nullptr) stats[local] += total;
+            }
+        }
+        __syncthreads();
+        if (!ok) break;
         const int64_t x_bytes = use_fp8 ? e.hidden : static_cast<int64_t>(e.hidden) * 2;
         const int64_t s_bytes = scale_bytes(e.hidden, use_fp8, use_ue8m0);
         const int64_t rows_per_expert = static_cast<int64_t>(e.num_ranks) * e.max_tokens;
@@ -215,6 +218,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(Ctx c, int num_
             if (s_bytes > 0)
                 warp_copy<Src::kShared>(recv_scales + row * s_bytes, message + kMessageHeaderBytes + e.hidden, s_bytes, lane);
         }
+        __syncthreads();  // first_row is rewritten for the next expert
     }
     finish_call(e);
 }
@@ -299,6 +303,16 @@ int blocks_for(int64_t warps_of_work, int num_sms) {
     return static_cast<int>(needed < 1 ? 1 : (needed < num_sms ? needed : num_sms));
 }
 
+// The receive kernels' blocks spin until the peers' send kernels have run. When ranks share a GPU, the
+// spinning blocks of all of them must leave room for those sends, or no send is scheduled and every
+// wait runs into its deadline: each rank takes at most half its share of what the GPU holds.
+// `resident`: blocks of the kernel the GPU holds (occupancy does not change during a run: asked once).
+int waiting_blocks(const Ctx& ctx, int resident, int wanted) {
+    const int share = resident / (2 * (ctx.ranks_on_device > 1 ? ctx.ranks_on_device : 1));
+    const int cap = share < 1 ? 1 : share;
+    return wanted < 1 ? 1 : (wanted < cap ? wanted : cap);
+}
+
 }  // namespace
 
 void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t* topk_idx, int num_topk, bool use_fp8,
@@ -312,8 +326,11 @@ void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t*
 
 void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales,
                    int* recv_count, int* stats, int* recv_src_info) {
-    const int local = ctx.num_experts / ctx.num_ranks;
-    dispatch_recv_kernel<<<local, kThreads, sizeof(int) * (ctx.num_ranks + 1), ctx.stream>>>(
+    const size_t smem = sizeof(int) * (ctx.num_ranks + 1);
+    static thread_local const int resident =
+        resident_blocks(reinterpret_cast<const void*>(dispatch_recv_kernel), kThreads, sizeof(int) * 65);  // <= 64 ranks
+    const int blocks = waiting_blocks(ctx, resident, ctx.num_experts / ctx.num_ranks);
+    dispatch_recv_kernel<<<blocks, kThreads, smem, ctx.stream>>>(
         ctx, num_topk, use_fp8, use_ue8m0, static_cast<uint8_t*>(recv_x), static_cast<uint8_t*>(recv_scales), recv_count,
         stats, recv_src_info);
     MOE_EP_LAUNCH_CHECK("low_latency dispatch_recv_kernel");
@@ -329,7 +346,9 @@ void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const in
 void combine_recv(const Ctx& ctx, const int64_t* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
                   void* out, int num_sms) {
     const int64_t items = static_cast<int64_t>(num_tokens) * (ctx.hidden / 8);  // a thread each
-    combine_recv_kernel<<<blocks_for((items + 31) / 32, num_sms), kThreads, 0, ctx.stream>>>(
+    static thread_local const int resident = resident_blocks(reinterpret_cast<const void*>(combine_recv_kernel), kThreads);
+    const int blocks = waiting_blocks(ctx, resident, blocks_for((items + 31) / 32, num_sms));
+    combine_recv_kernel<<<blocks, kThreads, 0, ctx.stream>>>(
         ctx, topk_idx, topk_weights, num_tokens, num_topk, static_cast<__nv_bfloat16*>(out));
     MOE_EP_LAUNCH_CHECK("low_latency combine_recv_kernel");
 }

@@ -52,7 +52,8 @@ class LowLatencyBackend:
         if error is not None:
             raise error
         return self.ops.LowLatencyCtx(
-            self.peers.pointers.data_ptr(), self.rank, self.num_ranks, self.peers.host_info, self.peers.timeout_s,
+            self.peers.pointers.data_ptr(), self.rank, self.num_ranks, self.peers.ranks_on_device, self.peers.host_info,
+            self.peers.timeout_s,
             handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts,
         )
 
