@@ -23,7 +23,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks.timing import wall_seconds_per_call  # noqa: E402
 from moe_ep import Buffer  # noqa: E402
-from moe_ep.launch import RankPool  # noqa: E402
+from moe_ep.launch import RankError, RankPool  # noqa: E402
 
 
 def rank_bench(args, num_experts: int):
@@ -93,10 +93,16 @@ def main():
     args = parser.parse_args()
     print(f"{'ranks':>5} {'experts':>7} {'backend':>8} {'dispatch us':>11} {'GB/s':>6} {'combine us':>10} {'GB/s':>6} "
           f"{'hook: send+recv us (dispatch / combine)':>40}")
+    failed = False
     for num_ranks in args.ranks:
         for num_experts in sorted({args.experts, 288 if num_ranks == 8 else args.experts}):
-            with RankPool(num_ranks, use_cuda=True) as pool:
-                rows = pool.run(rank_bench, args, num_experts)
+            try:
+                with RankPool(num_ranks, use_cuda=True) as pool:
+                    rows = pool.run(rank_bench, args, num_experts)
+            except RankError as error:  # the next shape still runs
+                print(f"{num_ranks:>5} {num_experts:>7} FAILED: {error}")
+                failed = True
+                continue
             worst = {k: max(r[k] for r in rows) for k in rows[0] if k.endswith("_us")}
             mean = {k: sum(r[k] for r in rows) / len(rows) for k in ("dispatch_gbps", "combine_gbps")}
             print(f"{num_ranks:>5} {num_experts:>7} {rows[0]['backend']:>8} {worst['dispatch_us']:>11.1f} "
@@ -105,8 +111,11 @@ def main():
                   f"{worst['combine_send_us']:>7.1f}+{worst['combine_recv_us']:<7.1f}")
             if args.json:
                 with open(args.json, "a") as f:
-                    f.write(json.dumps(dict(bench="low_latency", ranks=num_ranks, experts=num_experts, **vars(args),
+                    options = {k: v for k, v in vars(args).items() if k not in ("ranks", "experts", "json")}
+                    f.write(json.dumps(dict(bench="low_latency", ranks=num_ranks, experts=num_experts, **options,
                                             per_rank=rows)) + "\n")
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -47,9 +47,11 @@ class RankError(RuntimeError):
     def __init__(self, failures: List[RankFailure]):
         self.failures = failures
         first = failures[0]
+        others = "".join(f"\n  rank {f.rank}: {f.type_name}: {f.message.splitlines()[0] if f.message else ''}"
+                         for f in failures[1:])
         super().__init__(
             f"{len(failures)} rank(s) failed; rank {first.rank}: {first.type_name}: {first.message}\n"
-            f"{first.traceback}"
+            f"{first.traceback}{'the others:' + others if others else ''}"
         )
 
 

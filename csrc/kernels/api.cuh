@@ -53,7 +53,9 @@ enum HostInfo : int {
     kHostOverflow = 5,      // rows received when they exceeded num_recv_rows (num_worst_tokens), else 0
     kHostTotal = 6,         // notify: rows this rank receives
     kHostMaxTokens = 7,     // notify: largest num_tokens over the ranks
-    kHostCounts = 8,        // notify: [R] rows from each rank, [R] tokens to each rank, [E/R] per local expert
+    kHostErrorCall = 8,     // the failed wait: the call number it waited for (low 31 bits)
+    kHostErrorSeen = 9,     // ... and the call number the peer's flag last announced (-1: none yet)
+    kHostCounts = 10,       // notify: [R] rows from each rank, [R] tokens to each rank, [E/R] per local expert
 };
 enum ErrorKind : int {
     kErrNone = 0, kErrNotify, kErrStaged, kErrReleased, kErrOpen, kErrPushed,

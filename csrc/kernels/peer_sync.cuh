@@ -51,12 +51,16 @@ struct Failure {
     uint64_t deadline;
 };
 
-__device__ __forceinline__ void report_timeout(const Failure& f, int kind, int peer, int window) {
+__device__ __forceinline__ void report_timeout(const Failure& f, int kind, int peer, int window, uint64_t target,
+                                               uint64_t seen) {
     if (atomicCAS(reinterpret_cast<unsigned long long*>(f.claim), 0ull, 1ull) == 0ull) {
         volatile int* host = f.host;
         host[intranode::kHostErrorKind] = kind;
         host[intranode::kHostErrorPeer] = peer;
         host[intranode::kHostErrorWindow] = window;
+        // Call numbers tell a peer that is late (seen < wanted) from one that is out of step.
+        host[intranode::kHostErrorCall] = static_cast<int>((target >> 24) & 0x7fffffff);
+        host[intranode::kHostErrorSeen] = seen == 0 ? -1 : static_cast<int>((seen >> 24) & 0x7fffffff);
         __threadfence_system();
         host[intranode::kHostError] = 1;
     }
@@ -67,10 +71,11 @@ __device__ __forceinline__ void report_timeout(const Failure& f, int kind, int p
 // One thread waits for *flag >= target; false after a timeout (reported) or another wait's failure.
 __device__ __forceinline__ bool wait_flag(const Failure& f, const uint64_t* flag, uint64_t target, int kind, int peer,
                                           int window) {
-    while (load_acquire(flag) < target) {
+    uint64_t seen;
+    while ((seen = load_acquire(flag)) < target) {
         if (load_volatile(f.abort) != 0) return false;
         if (now_ns() > f.deadline) {
-            report_timeout(f, kind, peer, window);
+            report_timeout(f, kind, peer, window, target, seen);
             return false;
         }
     }

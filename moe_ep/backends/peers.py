@@ -21,7 +21,7 @@ from ..sync import ArrivalGate
 
 # host_info slots (csrc/kernels/api.cuh, intranode::HostInfo)
 HOST_DONE, HOST_ERROR, HOST_ERROR_KIND, HOST_ERROR_PEER, HOST_ERROR_WINDOW, HOST_OVERFLOW = range(6)
-HOST_TOTAL, HOST_MAX_TOKENS, HOST_COUNTS = 6, 7, 8
+HOST_TOTAL, HOST_MAX_TOKENS, HOST_ERROR_CALL, HOST_ERROR_SEEN, HOST_COUNTS = 6, 7, 8, 9, 10
 # What a failed wait was waiting for, by intranode::ErrorKind.
 WAITED_FOR = {
     1: "its token counts (dispatch)",
@@ -79,10 +79,11 @@ class _MappedBuffers:
         if not h[HOST_ERROR]:
             return None
         waited = WAITED_FOR.get(h[HOST_ERROR_KIND], "it").format(window=h[HOST_ERROR_WINDOW])
+        seen = "nothing yet" if h[HOST_ERROR_SEEN] < 0 else f"call {h[HOST_ERROR_SEEN]}"
         return TimeoutError(
             f"moe_ep: rank {h[HOST_ERROR_PEER]} did not arrive within {self.timeout_s:g} s: rank {self.rank} waited "
-            f"for {waited}. Raise MOE_EP_TIMEOUT_S if the peer is only slow; the Buffer's ranks are out of step "
-            "now: create a new Buffer."
+            f"for {waited} (call {h[HOST_ERROR_CALL]}; its flag announced {seen}). Raise MOE_EP_TIMEOUT_S if the "
+            "peer is only slow; the Buffer's ranks are out of step now: create a new Buffer."
         )
 
 
