@@ -32,12 +32,14 @@ def rank_bench(args, num_experts: int):
     x = torch.randn(args.tokens, args.hidden, device="cuda").to(torch.bfloat16)
     topk_idx = torch.rand(args.tokens, num_experts, device="cuda").topk(args.topk, dim=1).indices
     topk_weights = torch.rand(args.tokens, args.topk, device="cuda")
-    size = Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, num_ranks, num_experts)
-    buffer = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, num_qps_per_rank=num_experts // num_ranks)
-    recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, args.tokens, num_experts, use_fp8=True)
     local, rows = num_experts // num_ranks, num_ranks * args.tokens
     y = torch.randn(local, rows, args.hidden, device="cuda").to(torch.bfloat16)
     selections = int((topk_idx >= 0).sum())
+    size = Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, num_ranks, num_experts)
+    buffer = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, num_qps_per_rank=num_experts // num_ranks)
+    torch.cuda.synchronize()
+    dist.barrier()
+    recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, args.tokens, num_experts, use_fp8=True)
     results = {}
 
     def dispatch():
