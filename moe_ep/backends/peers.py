@@ -100,6 +100,9 @@ class PeerBuffers(_MappedBuffers):
         handles = [p[: len(handle)] for p in payloads]
         opened = [ops.ipc_open(h) for r, h in enumerate(handles) if r != self.rank]
         self._finalizer = weakref.finalize(self, _release, ops, own, opened)
+        # Opening large buffers takes a while (about a second for several GB): no rank's kernels may
+        # start waiting on a peer that is still mapping, or the wait's deadline runs out on it.
+        gate.exchange(f"{call} (peers' buffers mapped)", b"")
         ranks_on_device = sum(p[len(handle) :] == self.device_id for p in payloads)
         self._finish(group, gate, opened[: self.rank] + [own] + opened[self.rank :], ranks_on_device)
 
