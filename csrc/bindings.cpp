@@ -294,7 +294,7 @@ void ll_dispatch_recv(const LowLatencyCtx& c, int64_t num_topk, bool use_fp8, bo
     check_rows(recv_x, "recv_x");
     low_latency::dispatch_recv(make_ctx(c), static_cast<int>(num_topk), use_fp8, use_ue8m0, recv_x.data_ptr(),
                                optional_ptr<void>(recv_scales), recv_count.data_ptr<int>(), optional_ptr<int>(stats),
-                               recv_src_info.data_ptr<int>());
+                               recv_src_info.data_ptr<int>(), num_sms_of_current_device());
 }
 
 void ll_combine_send(const LowLatencyCtx& c, const torch::Tensor& x, const torch::Tensor& recv_count,

@@ -60,6 +60,18 @@ def test_issue_shape_hidden_7168_top8(pools, gpu_pools, seed):
     _compare(seed, on_gpu, on_cpu, True)
 
 
+@pytest.mark.parametrize("num_ranks", [4, 8])
+def test_back_to_back_calls_at_benchmark_shape(pools, gpu_pools, seed, num_ranks):
+    """The benchmark's shape (256 experts, hidden 7168, 128 tokens): 12 dispatch + combine pairs issued
+    without host synchronisation, then a compared round. Every rank's receive kernels spin while the
+    others' send kernels must still find room on the shared GPU."""
+    p = Problem(seed, num_ranks, 256, 7168, 8, max_tokens=128)
+    on_gpu = gpu_pools(num_ranks).run(rank_fns.with_env, KERNELS, rank_fns.low_latency_round, p, use_fp8=True,
+                                      calls_before=12)
+    on_cpu = pools(num_ranks).run(rank_fns.low_latency_round, p, use_fp8=True)
+    _compare(seed, on_gpu, on_cpu, True)
+
+
 def test_compute_between_send_and_hook(pools, gpu_pools, seed):
     """Matmuls run between each send and its hook (no kernel of ours is resident meanwhile: the send
     kernels wait for nothing); the results are unchanged."""

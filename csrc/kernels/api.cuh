@@ -156,7 +156,7 @@ void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t*
 // recv_x [L, R * max, H] (+ recv_scales), recv_count [L], stats [L] += counts (nullable), and
 // recv_src_info [L, R * max]: (source rank * max + token) * num_topk + slot of each row.
 void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales,
-                   int* recv_count, int* stats, int* recv_src_info);
+                   int* recv_count, int* stats, int* recv_src_info, int num_sms);
 // Sends row r of local expert e (x [L, R * max, H] bf16) back to the (token, slot) it came from.
 void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const int* recv_src_info, int num_topk,
                   int num_sms);

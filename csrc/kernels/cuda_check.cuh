@@ -29,4 +29,13 @@ inline int resident_blocks(const void* kernel, int threads, size_t dynamic_smem 
     return per_sm * sms;
 }
 
+// For kernels whose blocks spin while other kernels must still start on the same GPU: an SM keeps its
+// shared-memory carveout while any block runs on it, so a spinning block on an SM configured for
+// little shared memory keeps out every block that needs more (a peer's send kernel, a GEMM) for as
+// long as it spins. Configured for the most shared memory, the SM still takes anyone's blocks.
+inline void prefer_max_shared_carveout(const void* kernel) {
+    MOE_EP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                           cudaSharedmemCarveoutMaxShared));
+}
+
 }  // namespace moe_ep

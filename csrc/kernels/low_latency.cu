@@ -9,6 +9,8 @@
 // any number of calls) keep alternating halves on every rank alike.
 #include <cuda_bf16.h>
 
+#include <algorithm>
+
 #include "api.cuh"
 #include "buffer_layout.cuh"
 #include "cuda_check.cuh"
@@ -305,12 +307,19 @@ int blocks_for(int64_t warps_of_work, int num_sms) {
 
 // The receive kernels' blocks spin until the peers' send kernels have run. When ranks share a GPU, the
 // spinning blocks of all of them must leave room for those sends, or no send is scheduled and every
-// wait runs into its deadline: each rank takes at most half its share of what the GPU holds.
-// `resident`: blocks of the kernel the GPU holds (occupancy does not change during a run: asked once).
-int waiting_blocks(const Ctx& ctx, int resident, int wanted) {
-    const int share = resident / (2 * (ctx.ranks_on_device > 1 ? ctx.ranks_on_device : 1));
-    const int cap = share < 1 ? 1 : share;
-    return wanted < 1 ? 1 : (wanted < cap ? wanted : cap);
+// wait runs into its deadline: each rank spins on at most half its share of the SMs and of the blocks
+// the GPU holds (`resident`, asked once: occupancy does not change during a run).
+int waiting_blocks(const Ctx& ctx, int resident, int num_sms, int wanted) {
+    const int sharing = 2 * (ctx.ranks_on_device > 1 ? ctx.ranks_on_device : 1);
+    const int cap = std::max(1, std::min(num_sms, resident) / sharing);
+    return std::max(1, std::min(wanted, cap));
+}
+
+// Once per kernel and thread, before its first launch: the largest shared-memory carveout (see
+// prefer_max_shared_carveout; every kernel here asks for it), and how many of its blocks the GPU holds.
+int set_up(const void* kernel, size_t dynamic_smem) {
+    prefer_max_shared_carveout(kernel);
+    return resident_blocks(kernel, kThreads, dynamic_smem);
 }
 
 }  // namespace
@@ -319,17 +328,19 @@ void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t*
                    bool round_scale, bool use_ue8m0) {
     if (num_tokens > kMaxListed)
         throw std::invalid_argument("moe_ep: low-latency dispatch takes at most 1024 tokens per rank");
+    static thread_local const int resident = set_up(reinterpret_cast<const void*>(dispatch_send_kernel), 0);
+    (void)resident;
     dispatch_send_kernel<<<ctx.num_experts, kThreads, 0, ctx.stream>>>(ctx, static_cast<const __nv_bfloat16*>(x), num_tokens,
                                                               topk_idx, num_topk, use_fp8, round_scale, use_ue8m0);
     MOE_EP_LAUNCH_CHECK("low_latency dispatch_send_kernel");
 }
 
 void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales,
-                   int* recv_count, int* stats, int* recv_src_info) {
+                   int* recv_count, int* stats, int* recv_src_info, int num_sms) {
     const size_t smem = sizeof(int) * (ctx.num_ranks + 1);
     static thread_local const int resident =
-        resident_blocks(reinterpret_cast<const void*>(dispatch_recv_kernel), kThreads, sizeof(int) * 65);  // <= 64 ranks
-    const int blocks = waiting_blocks(ctx, resident, ctx.num_experts / ctx.num_ranks);
+        set_up(reinterpret_cast<const void*>(dispatch_recv_kernel), sizeof(int) * 65);  // smem of up to 64 ranks
+    const int blocks = waiting_blocks(ctx, resident, num_sms, ctx.num_experts / ctx.num_ranks);
     dispatch_recv_kernel<<<blocks, kThreads, smem, ctx.stream>>>(
         ctx, num_topk, use_fp8, use_ue8m0, static_cast<uint8_t*>(recv_x), static_cast<uint8_t*>(recv_scales), recv_count,
         stats, recv_src_info);
@@ -338,6 +349,8 @@ void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, v
 
 void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const int* recv_src_info, int num_topk, int num_sms) {
     const int64_t rows = static_cast<int64_t>(ctx.num_experts) * ctx.num_max_tokens;  // L * R * max
+    static thread_local const int resident = set_up(reinterpret_cast<const void*>(combine_send_kernel), 0);
+    (void)resident;
     combine_send_kernel<<<blocks_for(rows, num_sms), kThreads, 0, ctx.stream>>>(ctx, static_cast<const uint8_t*>(x),
                                                                                   recv_count, recv_src_info, num_topk);
     MOE_EP_LAUNCH_CHECK("low_latency combine_send_kernel");
@@ -346,8 +359,8 @@ void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const in
 void combine_recv(const Ctx& ctx, const int64_t* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
                   void* out, int num_sms) {
     const int64_t items = static_cast<int64_t>(num_tokens) * (ctx.hidden / 8);  // a thread each
-    static thread_local const int resident = resident_blocks(reinterpret_cast<const void*>(combine_recv_kernel), kThreads);
-    const int blocks = waiting_blocks(ctx, resident, blocks_for((items + 31) / 32, num_sms));
+    static thread_local const int resident = set_up(reinterpret_cast<const void*>(combine_recv_kernel), 0);
+    const int blocks = waiting_blocks(ctx, resident, num_sms, blocks_for((items + 31) / 32, num_sms));
     combine_recv_kernel<<<blocks, kThreads, 0, ctx.stream>>>(
         ctx, topk_idx, topk_weights, num_tokens, num_topk, static_cast<__nv_bfloat16*>(out));
     MOE_EP_LAUNCH_CHECK("low_latency combine_recv_kernel");
