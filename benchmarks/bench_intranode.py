@@ -8,6 +8,7 @@ process's plain device copy of the same number of bytes, measured in the same ru
 
     python -m benchmarks.bench_intranode --ranks 2 4 8 --sms 24
     python -m benchmarks.bench_intranode --ranks 4 --sms 8 16 24 32 48     # SM sweep
+    python -m benchmarks.bench_intranode --ranks 4 --recv-tokens 64 128 256 512   # window (buffer) sweep
     python -m benchmarks.bench_intranode --ranks 8 --nccl     # one rank per GPU: also NCCL's all-to-all
 
 With --nccl (one rank per GPU, so the group is NCCL), `torch.distributed.all_to_all_single` moves the
@@ -34,9 +35,13 @@ MODES = ("dispatch_fp8", "dispatch_bf16", "combine")
 NCCL_MODE = "nccl_all_to_all_bf16"
 
 
-def with_sms(config: Config, num_sms: int) -> Config:
-    return Config(num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
-                  config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
+def variant(config: Config, num_sms: int, recv_tokens: int = 0) -> Config:
+    """`config` with another SM budget and, if given, another num_max_nvl_chunked_recv_tokens (which
+    sizes the buffer through the size hint, and with it the kernels' windows)."""
+    recv_tokens = recv_tokens or config.num_max_nvl_chunked_recv_tokens
+    send_tokens = min(config.num_max_nvl_chunked_send_tokens, recv_tokens - 1)
+    return Config(num_sms, send_tokens, recv_tokens, config.num_max_rdma_chunked_send_tokens,
+                  config.num_max_rdma_chunked_recv_tokens)
 
 
 def rank_bench(args):
@@ -47,29 +52,33 @@ def rank_bench(args):
     topk_weights = torch.rand(args.tokens, args.topk, device="cuda")
     x = torch.randn(args.tokens, args.hidden, device="cuda").to(torch.bfloat16)
     x_fp8 = fp8.per_token_cast_to_fp8(x)
-    configs = {m: [with_sms(Buffer.get_combine_config(num_ranks) if m == "combine"
-                            else Buffer.get_dispatch_config(num_ranks), s) for s in args.sms] for m in MODES}
-    nvl = max(c.get_nvl_buffer_size_hint(args.hidden * 2, num_ranks) for cs in configs.values() for c in cs)
-    buffer = Buffer(dist.group.WORLD, nvl)
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
-    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                  topk_idx=topk_idx, topk_weights=topk_weights)
-    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, **layout)
-    rows = recv_x.shape[0]
-    y = recv_x.clone()
+    defaults = {m: Buffer.get_combine_config(num_ranks) if m == "combine" else Buffer.get_dispatch_config(num_ranks)
+                for m in MODES}
     results = []
-    for i, num_sms in enumerate(args.sms):
-        calls = {
-            "dispatch_fp8": lambda c=configs["dispatch_fp8"][i]: buffer.dispatch(x_fp8, config=c, **layout),
-            "dispatch_bf16": lambda c=configs["dispatch_bf16"][i]: buffer.dispatch(x, config=c, **layout),
-            "combine": lambda c=configs["combine"][i]: buffer.combine(y, handle, topk_weights=recv_w, config=c),
-        }
-        for mode, fn in calls.items():
-            seconds = wall_seconds_per_call(fn, args.warmup, args.iters)
-            row_bytes = args.hidden * (1 + 4 / 128) if mode == "dispatch_fp8" else args.hidden * 2
-            results.append(dict(rank=rank, sms=num_sms, mode=mode, us=seconds * 1e6, rows=rows,
-                                bytes=rows * row_bytes, gbps=rows * row_bytes / seconds / 1e9))
-    if args.nccl:
+    for recv_tokens in args.recv_tokens or [0]:
+        configs = {m: [variant(defaults[m], s, recv_tokens) for s in args.sms] for m in MODES}
+        nvl = max(c.get_nvl_buffer_size_hint(args.hidden * 2, num_ranks) for cs in configs.values() for c in cs)
+        buffer = Buffer(dist.group.WORLD, nvl, explicitly_destroy=True)
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
+        layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                      topk_idx=topk_idx, topk_weights=topk_weights)
+        recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, **layout)
+        rows = recv_x.shape[0]
+        y = recv_x.clone()
+        for i, num_sms in enumerate(args.sms):
+            calls = {
+                "dispatch_fp8": lambda c=configs["dispatch_fp8"][i]: buffer.dispatch(x_fp8, config=c, **layout),
+                "dispatch_bf16": lambda c=configs["dispatch_bf16"][i]: buffer.dispatch(x, config=c, **layout),
+                "combine": lambda c=configs["combine"][i]: buffer.combine(y, handle, topk_weights=recv_w, config=c),
+            }
+            for mode, fn in calls.items():
+                seconds = wall_seconds_per_call(fn, args.warmup, args.iters)
+                row_bytes = args.hidden * (1 + 4 / 128) if mode == "dispatch_fp8" else args.hidden * 2
+                results.append(dict(rank=rank, sms=num_sms, recv_tokens=configs[mode][i].num_max_nvl_chunked_recv_tokens,
+                                    nvl_bytes=nvl, mode=mode, us=seconds * 1e6, rows=rows, bytes=rows * row_bytes,
+                                    gbps=rows * row_bytes / seconds / 1e9))
+        buffer.destroy()  # collective: no peer reads this rank's windows any more
+    if args.nccl:  # the routing is the same for every buffer: the last one's layout serves
         results.append(nccl_reference(args, x, in_rank, per_rank, rows))
     return results
 
@@ -115,6 +124,9 @@ def main():
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--sms", type=int, nargs="+", default=[24])
+    parser.add_argument("--recv-tokens", type=int, nargs="+", default=[],
+                        help="num_max_nvl_chunked_recv_tokens values to sweep (the buffer, hence window, size); "
+                             "default: the tuned config's")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--nccl", action="store_true", help="also time NCCL all_to_all_single (one rank per GPU)")
@@ -122,31 +134,42 @@ def main():
     args = parser.parse_args()
     if args.nccl and any(n > torch.cuda.device_count() for n in args.ranks):
         parser.error("--nccl needs one rank per GPU (NCCL refuses two ranks on one GPU)")
-    print(f"{'ranks':>5} {'sms':>4} {'mode':>20} {'us/call':>9} {'GB/s per rank (min/mean)':>25} "
+    print(f"{'ranks':>5} {'sms':>4} {'chunk':>6} {'mode':>20} {'us/call':>9} {'GB/s per rank (min/mean)':>25} "
           f"{'aggregate GB/s':>15} {'of copy':>8}")
     for num_ranks in args.ranks:
         with RankPool(num_ranks, use_cuda=True) as pool:
             per_rank = pool.run(rank_bench, args)
         flat = [r for rows in per_rank for r in rows]
-        for num_sms in args.sms:
+        best = {}
+        for key in sorted({(r["sms"], r.get("recv_tokens", 0)) for r in flat}):
+            num_sms, recv_tokens = key
             modes = MODES + ((NCCL_MODE,) if args.nccl and num_sms == args.sms[0] else ())
             for mode in modes:
-                rows = [r for r in flat if r["sms"] == num_sms and r["mode"] == mode]
+                rows = [r for r in flat if r["sms"] == num_sms and r.get("recv_tokens", 0) == recv_tokens
+                        and r["mode"] == mode]
+                if not rows:
+                    continue
                 aggregate_bytes = sum(r["bytes"] for r in rows)
                 aggregate = sum(r["gbps"] for r in rows)
                 copy = copy_gbps(int(aggregate_bytes))
                 mean = aggregate / len(rows)
-                print(f"{num_ranks:>5} {num_sms:>4} {mode:>20} {max(r['us'] for r in rows):>9.0f} "
+                if mode in MODES and mean > best.get((num_sms, mode), (0, 0))[0]:
+                    best[(num_sms, mode)] = (mean, recv_tokens)
+                print(f"{num_ranks:>5} {num_sms:>4} {recv_tokens or '-':>6} {mode:>20} {max(r['us'] for r in rows):>9.0f} "
                       f"{min(r['gbps'] for r in rows):>12.0f} / {mean:<10.0f} {aggregate:>15.0f} "
                       f"{aggregate / copy:>7.0%}")
                 if args.json:
                     with open(args.json, "a") as f:
-                        f.write(json.dumps(dict(bench="intranode", ranks=num_ranks, sms=num_sms, mode=mode,
-                                                tokens=args.tokens, hidden=args.hidden, topk=args.topk,
+                        f.write(json.dumps(dict(bench="intranode", ranks=num_ranks, sms=num_sms,
+                                                recv_tokens=recv_tokens, nvl_bytes=rows[0].get("nvl_bytes"),
+                                                mode=mode, tokens=args.tokens, hidden=args.hidden, topk=args.topk,
                                                 experts=args.experts, per_rank_gbps=[r["gbps"] for r in rows],
                                                 us=[r["us"] for r in rows], aggregate_gbps=aggregate,
                                                 copy_gbps=copy)) + "\n")
-
+        if len(args.recv_tokens) > 1:
+            for (num_sms, mode), (gbps, recv_tokens) in sorted(best.items()):
+                print(f"  best chunk at {num_ranks} ranks, {num_sms} SMs, {mode}: num_max_nvl_chunked_recv_tokens="
+                      f"{recv_tokens} ({gbps:.0f} GB/s per rank)")
 
 if __name__ == "__main__":
     main()
