@@ -111,6 +111,7 @@ __host__ __device__ constexpr Regions regions(int64_t num_max_tokens, int64_t hi
     const int64_t slots = num_experts * num_max_tokens;
     const int64_t send_dispatch = num_max_tokens * r.dispatch_message, send_combine = slots * r.combine_message;
     const int64_t recv_dispatch = slots * r.dispatch_message, recv_combine = slots * r.combine_message;
+    // The send region also holds the send kernel's per-expert entry lists (E x max int32 < send_combine).
     r.send = intranode::align_up(send_dispatch > send_combine ? send_dispatch : send_combine, 128);
     r.recv = intranode::align_up(recv_dispatch > recv_combine ? recv_dispatch : recv_combine, 128);
     r.signal = intranode::align_up((num_experts + num_ranks) * 8, 128);

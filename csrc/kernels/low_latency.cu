@@ -43,6 +43,8 @@ struct Env {
     uint64_t seq, deadline;
 
     __device__ uint64_t* header(int r) const { return reinterpret_cast<uint64_t*>(buffers[r]); }
+    // This rank's send region: scratch of the send kernel (no peer touches it).
+    __device__ int* send_scratch() const { return reinterpret_cast<int*>(buffers[rank] + half_offset); }
     __device__ uint8_t* recv(int r) const { return buffers[r] + half_offset + g.send; }
     __device__ uint64_t* signals(int r) const { return reinterpret_cast<uint64_t*>(buffers[r] + half_offset + g.send + g.recv); }
     __device__ peer::Failure failure() const {
@@ -118,17 +120,19 @@ constexpr int64_t kCopyPieceBytes = 32 * 16 * 4;
 
 // One block per expert: warp 0 lists the expert's (token, slot) entries in order (a row's slot index is
 // its place in that list, the portable backend's order); then all warps write the rows, a 512-column
-// piece (fp8) or 2 KB (bf16) at a time, into the receiver's slots; then the count flag.
+// piece (fp8) or 2 KB (bf16) at a time, into the receiver's slots; then the count flag. The list goes
+// to the buffer's send region, not shared memory: blocks this small in shared memory fit next to any
+// other rank's spinning receive blocks (see prefer_max_shared_carveout).
 constexpr int kMaxListed = 1024;  // rows per expert per call: num_max_tokens is at most this
 
 __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ctx c, const __nv_bfloat16* __restrict__ x, int num_tokens,
                                                                  const int64_t* __restrict__ topk_idx, int num_topk,
                                                                  bool use_fp8, bool round_scale, bool use_ue8m0) {
-    __shared__ int entries_of_expert[kMaxListed];
     __shared__ int count;
     __shared__ bool stop;
     const Env e = make_env(c);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, expert = blockIdx.x;
+    int* entries_of_expert = e.send_scratch() + static_cast<int64_t>(expert) * e.max_tokens;
     if (threadIdx.x == 0) stop = e.aborted();
     __syncthreads();
     if (stop) return;  // the whole block: nothing below waits
