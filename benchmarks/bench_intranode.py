@@ -9,7 +9,11 @@ process's plain device copy of the same number of bytes, measured in the same ru
     python -m benchmarks.bench_intranode --ranks 2 4 8 --sms 24
     python -m benchmarks.bench_intranode --ranks 4 --sms 8 16 24 32 48     # SM sweep
     python -m benchmarks.bench_intranode --ranks 4 --recv-tokens 64 128 256 512   # window (buffer) sweep
+    python -m benchmarks.bench_intranode --ranks 4 --combine-split 0 0.5 0.6      # combine block roles
     python -m benchmarks.bench_intranode --ranks 8 --nccl     # one rank per GPU: also NCCL's all-to-all
+
+The buffer is sized by the size hint of the largest SM budget given (the kernels size their windows
+from the buffer, not from num_sms), once per --recv-tokens value.
 
 With --nccl (one rank per GPU, so the group is NCCL), `torch.distributed.all_to_all_single` moves the
 same bf16 rows, already grouped by destination (the collective alone: its layout exchange and
@@ -33,6 +37,11 @@ from moe_ep.launch import RankPool  # noqa: E402
 
 MODES = ("dispatch_fp8", "dispatch_bf16", "combine")
 NCCL_MODE = "nccl_all_to_all_bf16"
+
+
+def combine_mode(share: float) -> str:
+    """The mode name of a combine run with MOE_EP_COMBINE_SPLIT=share (0: every block pushes and reduces)."""
+    return "combine" if share == 0 else f"combine_split{share:g}"
 
 
 def variant(config: Config, num_sms: int, recv_tokens: int = 0) -> Config:
@@ -69,14 +78,20 @@ def rank_bench(args):
             calls = {
                 "dispatch_fp8": lambda c=configs["dispatch_fp8"][i]: buffer.dispatch(x_fp8, config=c, **layout),
                 "dispatch_bf16": lambda c=configs["dispatch_bf16"][i]: buffer.dispatch(x, config=c, **layout),
-                "combine": lambda c=configs["combine"][i]: buffer.combine(y, handle, topk_weights=recv_w, config=c),
             }
+            for share in args.combine_split:
+                calls[combine_mode(share)] = lambda c=configs["combine"][i]: buffer.combine(
+                    y, handle, topk_weights=recv_w, config=c)
             for mode, fn in calls.items():
+                share = next((sh for sh in args.combine_split if combine_mode(sh) == mode), 0.0)
+                os.environ["MOE_EP_COMBINE_SPLIT"] = str(share)
                 seconds = wall_seconds_per_call(fn, args.warmup, args.iters)
                 row_bytes = args.hidden * (1 + 4 / 128) if mode == "dispatch_fp8" else args.hidden * 2
-                results.append(dict(rank=rank, sms=num_sms, recv_tokens=configs[mode][i].num_max_nvl_chunked_recv_tokens,
+                config = configs["combine" if mode.startswith("combine") else mode][i]
+                results.append(dict(rank=rank, sms=num_sms, recv_tokens=config.num_max_nvl_chunked_recv_tokens,
                                     nvl_bytes=nvl, mode=mode, us=seconds * 1e6, rows=rows, bytes=rows * row_bytes,
                                     gbps=rows * row_bytes / seconds / 1e9))
+            os.environ.pop("MOE_EP_COMBINE_SPLIT", None)
         buffer.destroy()  # collective: no peer reads this rank's windows any more
     if args.nccl:  # the routing is the same for every buffer: the last one's layout serves
         results.append(nccl_reference(args, x, in_rank, per_rank, rows))
@@ -124,6 +139,8 @@ def main():
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--sms", type=int, nargs="+", default=[24])
+    parser.add_argument("--combine-split", type=float, nargs="+", default=[0.0],
+                        help="MOE_EP_COMBINE_SPLIT values to compare (share of combine blocks that only push)")
     parser.add_argument("--recv-tokens", type=int, nargs="+", default=[],
                         help="num_max_nvl_chunked_recv_tokens values to sweep (the buffer, hence window, size); "
                              "default: the tuned config's")
@@ -143,7 +160,8 @@ def main():
         best = {}
         for key in sorted({(r["sms"], r.get("recv_tokens", 0)) for r in flat}):
             num_sms, recv_tokens = key
-            modes = MODES + ((NCCL_MODE,) if args.nccl and num_sms == args.sms[0] else ())
+            modes = MODES[:2] + tuple(combine_mode(sh) for sh in args.combine_split)
+            modes += (NCCL_MODE,) if args.nccl and num_sms == args.sms[0] else ()
             for mode in modes:
                 rows = [r for r in flat if r["sms"] == num_sms and r.get("recv_tokens", 0) == recv_tokens
                         and r["mode"] == mode]
@@ -153,7 +171,7 @@ def main():
                 aggregate = sum(r["gbps"] for r in rows)
                 copy = copy_gbps(int(aggregate_bytes))
                 mean = aggregate / len(rows)
-                if mode in MODES and mean > best.get((num_sms, mode), (0, 0))[0]:
+                if mode != NCCL_MODE and mean > best.get((num_sms, mode), (0, 0))[0]:
                     best[(num_sms, mode)] = (mean, recv_tokens)
                 print(f"{num_ranks:>5} {num_sms:>4} {recv_tokens or '-':>6} {mode:>20} {max(r['us'] for r in rows):>9.0f} "
                       f"{min(r['gbps'] for r in rows):>12.0f} / {mean:<10.0f} {aggregate:>15.0f} "

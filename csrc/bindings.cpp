@@ -229,7 +229,8 @@ void intranode_combine(const IntranodeCtx& c, int64_t num_blocks, const torch::T
                        const std::optional<torch::Tensor>& topk_weights, const torch::Tensor& recv_src_idx,
                        const torch::Tensor& recv_info, const torch::Tensor& send_pos,
                        const std::optional<torch::Tensor>& bias0, const std::optional<torch::Tensor>& bias1,
-                       const torch::Tensor& out, const std::optional<torch::Tensor>& out_weights) {
+                       const torch::Tensor& out, const std::optional<torch::Tensor>& out_weights,
+                       int64_t num_pushers) {
     const c10::cuda::CUDAGuard guard(x.device());
     check_rows(x, "x");
     check_rows(out, "out");
@@ -249,6 +250,7 @@ void intranode_combine(const IntranodeCtx& c, int64_t num_blocks, const torch::T
     a.bias1 = optional_ptr<const void>(bias1);
     a.out = out.data_ptr();
     a.out_weights = optional_ptr<float>(out_weights);
+    a.num_pushers = static_cast<int>(num_pushers);
     intranode::combine(make_ctx(c, num_blocks), a);
 }
 

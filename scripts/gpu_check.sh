@@ -48,9 +48,11 @@ if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
   $PY -m benchmarks.profile_layout_call 2>&1 | tee -a "$OUT/summary.txt"
   $PY -m benchmarks.bench_layout --json "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_layout.txt" | tee -a "$OUT/summary.txt"
   $PY -m benchmarks.bench_fp8 --json "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_fp8.txt" | tee -a "$OUT/summary.txt"
-  # BENCH_SMS / BENCH_RECV_TOKENS: space-separated sweeps (SM budgets; chunk = window sizes).
+  # BENCH_SMS / BENCH_RECV_TOKENS / BENCH_COMBINE_SPLIT: space-separated sweeps (SM budgets; chunk =
+  # window sizes; share of combine blocks that only push).
   timeout 300 $PY -m benchmarks.bench_intranode --ranks 2 4 8 --sms ${BENCH_SMS:-24} \
-    ${BENCH_RECV_TOKENS:+--recv-tokens $BENCH_RECV_TOKENS} --json "$OUT/bench.jsonl" 2>&1 \
+    ${BENCH_RECV_TOKENS:+--recv-tokens $BENCH_RECV_TOKENS} ${BENCH_COMBINE_SPLIT:+--combine-split $BENCH_COMBINE_SPLIT} \
+    --json "$OUT/bench.jsonl" 2>&1 \
     | tee "$OUT/bench_intranode.txt" | tee -a "$OUT/summary.txt"
   MOE_EP_LL_KERNELS=1 timeout 200 $PY -m benchmarks.bench_low_latency --ranks 8 --json "$OUT/bench.jsonl" 2>&1 \
     | tee "$OUT/bench_low_latency.txt" | tee -a "$OUT/summary.txt"

@@ -74,6 +74,17 @@ def test_many_windows_in_a_small_buffer(pools, gpu_pools, seed, num_ranks, use_f
                           config=config))
 
 
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+@pytest.mark.parametrize("share,config", [("0.5", None), ("0.75", Config(4, 2, 4, 2, 4)), ("0.25", Config(8, 2, 4, 2, 4))])
+def test_combine_with_pushing_and_reducing_blocks(pools, gpu_pools, seed, num_ranks, share, config):
+    """MOE_EP_COMBINE_SPLIT: some blocks only push, the others only reduce (one window and many)."""
+    p = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=200)
+    kwargs = dict(use_fp8=False, num_biases=2, config=config)
+    on_gpu = gpu_pools(num_ranks).run(rank_fns.with_env, {"MOE_EP_COMBINE_SPLIT": share}, rank_fns.normal_round, p,
+                                      **kwargs)
+    _compare(seed, on_gpu, pools(num_ranks).run(rank_fns.normal_round, p, **kwargs))
+
+
 def test_large_problem(pools, gpu_pools, seed):
     p = Problem(seed, 4, 64, 2048, 8, max_tokens=1024, drop=0.05)
     _compare(seed, *_both(pools, gpu_pools, 4, rank_fns.normal_round, p, use_fp8=True, num_biases=1))

@@ -123,6 +123,7 @@ struct CombineArgs {
     const void* bias1;
     void* out;                    // [N, hidden]
     float* out_weights;           // [N, K] or null
+    int num_pushers;              // 0: every block pushes and reduces; else blocks [0, n) push, the rest reduce
 };
 void combine(const Ctx& ctx, const CombineArgs& args);
 

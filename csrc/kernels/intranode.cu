@@ -335,119 +335,158 @@ __device__ int lower_bound(const int* values, int lo, int hi, int key) {
     return lo;
 }
 
+// What one combine call's blocks share: the arguments and where the windows are.
+struct CombineCall {
+    const CombineArgs& a;
+    int64_t slot_bytes, x_bytes, weights_offset;
+    int window_tokens;
+    const int* base;  // first received row of each source rank (R + 1)
+};
+
+// Blocks of one role (pushing, reducing, or both) and this warp's place among their warps.
+struct Role {
+    int blocks, warp, num_warps;
+};
+
+// Push: every row this rank holds for a token of owner s's window w goes to the owner's slot (token,
+// this rank), owners in turn from the next rank on; the role's last block to finish an owner raises
+// its pushed flag.
+template <typename T, typename V>
+__device__ bool push_window(const Env& e, const CombineCall& call, const Role& role, int w) {
+    const CombineArgs& a = call.a;
+    const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
+    const int parity = w & 1, first = w * call.window_tokens;
+    __shared__ int range[2];
+    for (int j = 1; j <= R; ++j) {
+        const int s = (me + j) % R;
+        if (threadIdx.x == 0) {  // rows for owner s are sorted by token: the window's are contiguous
+            range[0] = lower_bound(a.recv_src_idx, call.base[s], call.base[s + 1], first);
+            range[1] = lower_bound(a.recv_src_idx, range[0], call.base[s + 1], first + call.window_tokens);
+        }
+        __syncthreads();
+        const int lo = range[0], hi = range[1];
+        __syncthreads();
+        if (hi > lo) {
+            if (!block_wait(e, kOpenFrom, s, s + 1, tag(e.seq, w), kErrOpen, w)) return false;
+            uint8_t* window = e.window(s, parity);
+            for (int64_t i = lo + role.warp; i < hi; i += role.num_warps) {
+                const int64_t t = a.recv_src_idx[i];
+                uint8_t* dst = window + ((t - first) * R + me) * call.slot_bytes;
+                warp_copy<Src::kReadOnly>(dst, static_cast<const uint8_t*>(a.x) + i * call.x_bytes, call.x_bytes, lane);
+                for (int k = lane; k < K; k += 32)
+                    reinterpret_cast<float*>(dst + call.weights_offset)[k] = a.topk_weights[i * K + k];
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x == 0 && arrive_last(e.own(signal_index(kPushCount, R, s, parity)), role.blocks))
+            raise_flag(e.peer_array(s, kPushedFrom, me), tag(e.seq, w));
+    }
+    return true;
+}
+
+// Reduce this rank's window w once every rank pushed into it: bias, then every rank's row in ascending
+// rank order, in float32; the role's last block to finish reopens the window half for window w + 2.
+template <typename T, typename V>
+__device__ bool reduce_window(const Env& e, const CombineCall& call, const Role& role, int w) {
+    constexpr int kElems = sizeof(V) / sizeof(T);
+    const CombineArgs& a = call.a;
+    const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
+    const int parity = w & 1, first = w * call.window_tokens;
+    const int64_t chunks = call.x_bytes / sizeof(V);
+    if (!block_wait(e, kPushedFrom, 0, R, tag(e.seq, w), kErrPushed, w)) return false;
+    const uint8_t* window = e.window(me, parity);
+    const int count = clamp_count(a.num_tokens, first, call.window_tokens);
+    for (int i = role.warp; i < count; i += role.num_warps) {
+        const int64_t t = first + i;
+        uint64_t sent = 0;
+        for (int r0 = 0; r0 < R; r0 += 32) {
+            const int r = r0 + lane;
+            const unsigned bits = __ballot_sync(kFullMask, r < R && a.send_pos[t * R + r] >= 0);
+            sent |= static_cast<uint64_t>(bits) << r0;
+        }
+        const uint8_t* slots = window + static_cast<int64_t>(i) * R * call.slot_bytes;
+        // kChunks vectors per lane and up to kCombineBatch ranks each: their loads are all in flight
+        // together, then summed per vector in ascending rank order.
+        for (int64_t chunk0 = lane; chunk0 < chunks; chunk0 += 32 * kChunks) {
+            float acc[kChunks][kElems];
+#pragma unroll
+            for (int c = 0; c < kChunks; ++c) {
+                const int64_t chunk = chunk0 + c * 32;
+#pragma unroll
+                for (int v = 0; v < kElems; ++v) acc[c][v] = 0.f;
+                if (chunk < chunks) {
+                    if (a.bias0 != nullptr) add_to<T>(acc[c], __ldg(static_cast<const V*>(a.bias0) + t * chunks + chunk));
+                    if (a.bias1 != nullptr) add_to<T>(acc[c], __ldg(static_cast<const V*>(a.bias1) + t * chunks + chunk));
+                }
+            }
+            for (uint64_t rest = sent; rest != 0;) {
+                V vals[kCombineBatch][kChunks];
+                int loaded = 0;
+#pragma unroll
+                for (int j = 0; j < kCombineBatch; ++j) {
+                    if (rest != 0) {
+                        const int r = __ffsll(static_cast<long long>(rest)) - 1;
+                        rest &= rest - 1;
+                        const V* slot = reinterpret_cast<const V*>(slots + r * call.slot_bytes);
+#pragma unroll
+                        for (int c = 0; c < kChunks; ++c)
+                            if (chunk0 + c * 32 < chunks) vals[j][c] = __ldcg(slot + chunk0 + c * 32);
+                        loaded = j + 1;
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < kCombineBatch; ++j)
+#pragma unroll
+                    for (int c = 0; c < kChunks; ++c)
+                        if (j < loaded && chunk0 + c * 32 < chunks) add_to<T>(acc[c], vals[j][c]);
+            }
+#pragma unroll
+            for (int c = 0; c < kChunks; ++c)
+                if (chunk0 + c * 32 < chunks) static_cast<V*>(a.out)[t * chunks + chunk0 + c * 32] = pack<T, V>(acc[c]);
+        }
+        if (a.out_weights != nullptr) {
+            for (int k = lane; k < K; k += 32) {
+                float acc = 0.f;
+                for (uint64_t rest = sent; rest != 0; rest &= rest - 1) {
+                    const int r = __ffsll(static_cast<long long>(rest)) - 1;
+                    acc += __ldcg(reinterpret_cast<const float*>(slots + r * call.slot_bytes + call.weights_offset) + k);
+                }
+                a.out_weights[t * K + k] = acc;
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && arrive_last(e.own(kReduceCount + parity), role.blocks))
+        for (int r = 0; r < R; ++r) raise_flag(e.peer_array(r, kOpenFrom, me), tag(e.seq, w + 2));
+    return true;
+}
+
 // T: element type; V: the vector a lane moves at once (16 bytes, or 8 for rows of 8-byte multiples).
+// a.num_pushers == 0: every block pushes window w, then reduces it. Otherwise the first num_pushers
+// blocks only push and the others only reduce, so pushing window w + 1 overlaps reducing window w.
 template <typename T, typename V, int kThreads>
 __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(kThreads))
     combine_kernel(Ctx c, CombineArgs a, int64_t slot_bytes, int window_tokens) {
     constexpr int kWarps = kThreads / 32;
-    constexpr int kElems = sizeof(V) / sizeof(T);
     const Env e = make_env(c);
-    const int R = e.num_ranks, me = e.rank, K = a.num_topk;
-    const int lane = threadIdx.x % 32, warp_id = blockIdx.x * kWarps + threadIdx.x / 32, num_warps = gridDim.x * kWarps;
-    const int64_t x_bytes = static_cast<int64_t>(a.hidden) * sizeof(T), chunks = x_bytes / sizeof(V);
-    const int64_t weights_offset = align_up(x_bytes, kSlotAlign);
+    const int64_t x_bytes = static_cast<int64_t>(a.hidden) * sizeof(T);
+    const CombineCall call{a, slot_bytes, x_bytes, align_up(x_bytes, kSlotAlign), window_tokens, a.recv_info + 2};
     const int max_tokens = a.recv_info[0];
-    const int* base = a.recv_info + 2;
     const int num_windows = max(1, ceil_div(max_tokens, window_tokens));
+    const int pushers = a.num_pushers > 0 && a.num_pushers < static_cast<int>(gridDim.x) ? a.num_pushers : 0;
+    const bool pushes = pushers == 0 || static_cast<int>(blockIdx.x) < pushers;
+    const bool reduces = pushers == 0 || static_cast<int>(blockIdx.x) >= pushers;
+    const int role_first = pushers == 0 || pushes ? 0 : pushers;
+    const int role_blocks = pushers == 0 ? gridDim.x : (pushes ? pushers : gridDim.x - pushers);
+    const Role role{role_blocks, (static_cast<int>(blockIdx.x) - role_first) * kWarps + static_cast<int>(threadIdx.x) / 32,
+                    role_blocks * kWarps};
     bool ok = load_volatile(e.own(kAbort)) == 0;
     // Windows 0 and 1 of this rank accept rows from now on (the previous kernel left them unused).
     if (ok && blockIdx.x == 0 && threadIdx.x == 0)
-        for (int r = 0; r < R; ++r) raise_flag(e.peer_array(r, kOpenFrom, me), tag(e.seq, 1));
-    __shared__ int range[2];
+        for (int r = 0; r < e.num_ranks; ++r) raise_flag(e.peer_array(r, kOpenFrom, e.rank), tag(e.seq, 1));
     for (int w = 0; ok && w < num_windows; ++w) {
-        const int parity = w & 1, first = w * window_tokens;
-        // Push: rows this rank holds for tokens of owner s's window w (contiguous: sorted by token).
-        for (int j = 1; ok && j <= R; ++j) {
-            const int s = (me + j) % R;
-            if (threadIdx.x == 0) {
-                range[0] = lower_bound(a.recv_src_idx, base[s], base[s + 1], first);
-                range[1] = lower_bound(a.recv_src_idx, range[0], base[s + 1], first + window_tokens);
-            }
-            __syncthreads();
-            const int lo = range[0], hi = range[1];
-            __syncthreads();
-            if (hi > lo) {
-                if (!(ok = block_wait(e, kOpenFrom, s, s + 1, tag(e.seq, w), kErrOpen, w))) break;
-                uint8_t* window = e.window(s, parity);
-                for (int64_t i = lo + warp_id; i < hi; i += num_warps) {
-                    const int64_t t = a.recv_src_idx[i];
-                    uint8_t* dst = window + ((t - first) * R + me) * slot_bytes;
-                    warp_copy<Src::kReadOnly>(dst, static_cast<const uint8_t*>(a.x) + i * x_bytes, x_bytes, lane);
-                    for (int k = lane; k < K; k += 32)
-                        reinterpret_cast<float*>(dst + weights_offset)[k] = a.topk_weights[i * K + k];
-                }
-            }
-            __syncthreads();
-            if (threadIdx.x == 0 && arrive_last(e.own(signal_index(kPushCount, R, s, parity)), gridDim.x))
-                raise_flag(e.peer_array(s, kPushedFrom, me), tag(e.seq, w));
-        }
-        if (!ok) break;
-        // Reduce this rank's window w: bias, then every rank's row in ascending rank order, in float32.
-        if (!(ok = block_wait(e, kPushedFrom, 0, R, tag(e.seq, w), kErrPushed, w))) break;
-        const uint8_t* window = e.window(me, parity);
-        const int count = clamp_count(a.num_tokens, first, window_tokens);
-        for (int i = warp_id; i < count; i += num_warps) {
-            const int64_t t = first + i;
-            uint64_t sent = 0;
-            for (int r0 = 0; r0 < R; r0 += 32) {
-                const int r = r0 + lane;
-                const unsigned bits = __ballot_sync(kFullMask, r < R && a.send_pos[t * R + r] >= 0);
-                sent |= static_cast<uint64_t>(bits) << r0;
-            }
-            const uint8_t* slots = window + static_cast<int64_t>(i) * R * slot_bytes;
-            // kChunks vectors per lane and up to kCombineBatch ranks each: their loads are all in flight
-            // together, then summed per vector in ascending rank order.
-            for (int64_t chunk0 = lane; chunk0 < chunks; chunk0 += 32 * kChunks) {
-                float acc[kChunks][kElems];
-#pragma unroll
-                for (int c = 0; c < kChunks; ++c) {
-                    const int64_t chunk = chunk0 + c * 32;
-#pragma unroll
-                    for (int v = 0; v < kElems; ++v) acc[c][v] = 0.f;
-                    if (chunk < chunks) {
-                        if (a.bias0 != nullptr) add_to<T>(acc[c], __ldg(static_cast<const V*>(a.bias0) + t * chunks + chunk));
-                        if (a.bias1 != nullptr) add_to<T>(acc[c], __ldg(static_cast<const V*>(a.bias1) + t * chunks + chunk));
-                    }
-                }
-                for (uint64_t rest = sent; rest != 0;) {
-                    V vals[kCombineBatch][kChunks];
-                    int loaded = 0;
-#pragma unroll
-                    for (int j = 0; j < kCombineBatch; ++j) {
-                        if (rest != 0) {
-                            const int r = __ffsll(static_cast<long long>(rest)) - 1;
-                            rest &= rest - 1;
-                            const V* slot = reinterpret_cast<const V*>(slots + r * slot_bytes);
-#pragma unroll
-                            for (int c = 0; c < kChunks; ++c)
-                                if (chunk0 + c * 32 < chunks) vals[j][c] = __ldcg(slot + chunk0 + c * 32);
-                            loaded = j + 1;
-                        }
-                    }
-#pragma unroll
-                    for (int j = 0; j < kCombineBatch; ++j)
-#pragma unroll
-                        for (int c = 0; c < kChunks; ++c)
-                            if (j < loaded && chunk0 + c * 32 < chunks) add_to<T>(acc[c], vals[j][c]);
-                }
-#pragma unroll
-                for (int c = 0; c < kChunks; ++c)
-                    if (chunk0 + c * 32 < chunks) static_cast<V*>(a.out)[t * chunks + chunk0 + c * 32] = pack<T, V>(acc[c]);
-            }
-            if (a.out_weights != nullptr) {
-                for (int k = lane; k < K; k += 32) {
-                    float acc = 0.f;
-                    for (uint64_t rest = sent; rest != 0; rest &= rest - 1) {
-                        const int r = __ffsll(static_cast<long long>(rest)) - 1;
-                        acc += __ldcg(reinterpret_cast<const float*>(slots + r * slot_bytes + weights_offset) + k);
-                    }
-                    a.out_weights[t * K + k] = acc;
-                }
-            }
-        }
-        __syncthreads();
-        if (threadIdx.x == 0 && arrive_last(e.own(kReduceCount + parity), gridDim.x))
-            for (int r = 0; r < R; ++r) raise_flag(e.peer_array(r, kOpenFrom, me), tag(e.seq, w + 2));
+        if (pushes) ok = push_window<T, V>(e, call, role, w);
+        if (ok && reduces) ok = reduce_window<T, V>(e, call, role, w);
     }
     finish_kernel(e, e.own(kDoneCount));
 }

@@ -7,6 +7,7 @@ call gets here. Kernels run on a dedicated communication stream with deep_ep's e
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -21,6 +22,26 @@ from .peers import HOST_COUNTS, HOST_DONE, HOST_OVERFLOW, PeerBuffers, aligned
 
 # Host-side grace on top of the kernels' own deadline before the host gives up on a count exchange.
 _HOST_GRACE_S = 5.0
+
+
+def combine_pusher_share() -> float:
+    """MOE_EP_COMBINE_SPLIT (experiment, to be settled by the benchmark): the share of the combine's
+    blocks that only push rows while the others only reduce; 0 (default) lets every block do both."""
+    raw = os.environ.get("MOE_EP_COMBINE_SPLIT", "0")
+    try:
+        share = float(raw)
+    except ValueError:
+        raise ValueError(f"MOE_EP_COMBINE_SPLIT: expected a number in [0, 1), got {raw!r}") from None
+    if not 0 <= share < 1:
+        raise ValueError(f"MOE_EP_COMBINE_SPLIT: expected a number in [0, 1), got {raw!r}")
+    return share
+
+
+def combine_pushers(num_blocks: int, share: float) -> int:
+    """Pushing blocks for a share (0: none, every block does both); at least one block of each role."""
+    if share == 0 or num_blocks < 2:
+        return 0
+    return min(num_blocks - 1, max(1, round(num_blocks * share)))
 
 
 @dataclass
@@ -228,7 +249,7 @@ class IntranodeBackend:
         with torch.cuda.stream(self.comm_stream):
             self.ops.intranode_combine(
                 self.ctx, config.num_sms, x, topk_weights, state.recv_src_idx, state.recv_info, state.send_pos,
-                biases[0], biases[1], out, out_weights,
+                biases[0], biases[1], out, out_weights, combine_pushers(config.num_sms, combine_pusher_share()),
             )
         event = self._leave(
             compute, async_finish, allocate_on_comm_stream, [x, topk_weights, *biases], [out, out_weights]
