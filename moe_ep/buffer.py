@@ -102,6 +102,7 @@ class Buffer:
         self._local_buffers = {}
         self._ll_combine_buffers: List[Optional[torch.Tensor]] = [None, None]
         self._ll_next = 0
+        self._ll_shapes_that_fit = set()  # (tokens, hidden, experts) the low-latency buffer was checked for
 
     # ------------------------------------------------------------------ construction helpers
     def _resolve_ranks_per_node(self, ranks_per_node: Optional[int]) -> int:
@@ -528,6 +529,9 @@ class Buffer:
     def _check_low_latency(self, call: str, num_max_tokens: int, hidden: int, num_experts: int) -> None:
         if not self.low_latency_mode:
             raise RuntimeError(f"{call} needs a Buffer created with low_latency_mode=True")
+        shape = (num_max_tokens, hidden, num_experts)
+        if shape in self._ll_shapes_that_fit:  # a decode loop asks the same every step (microseconds)
+            return
         needed = low_latency_rdma_size_hint(num_max_tokens, hidden, self.group_size, num_experts)
         if self.num_rdma_bytes < needed:
             raise ValueError(
@@ -535,6 +539,7 @@ class Buffer:
                 f"rank, hidden {hidden}, {self.group_size} ranks and {num_experts} experts: need >= {needed} "
                 "(Buffer.get_low_latency_rdma_size_hint)"
             )
+        self._ll_shapes_that_fit.add(shape)
 
     def low_latency_dispatch(
         self,

@@ -37,6 +37,7 @@ class LowLatencyBackend:
         self.ops = self.peers.ops
         self.rank, self.num_ranks = self.peers.rank, self.peers.num_ranks
         self._pending: Optional[str] = None  # the call whose hook has not run yet
+        self._contexts = {}
 
     def close(self) -> None:
         self.peers.close()
@@ -51,11 +52,14 @@ class LowLatencyBackend:
         error = self.peers.timeout_error()
         if error is not None:
             raise error
-        return self.ops.LowLatencyCtx(
-            self.peers.pointers.data_ptr(), self.rank, self.num_ranks, self.peers.ranks_on_device, self.peers.host_info,
-            self.peers.timeout_s,
-            handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts,
-        )
+        shape = (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+        ctx = self._contexts.get(shape)
+        if ctx is None:  # one per shape: a decode loop makes the same calls every step
+            ctx = self._contexts[shape] = self.ops.LowLatencyCtx(
+                self.peers.pointers.data_ptr(), self.rank, self.num_ranks, self.peers.ranks_on_device,
+                self.peers.host_info, self.peers.timeout_s, *shape,
+            )
+        return ctx
 
     def _deferred(self, call: str, receive, return_recv_hook: bool):
         """Runs `receive` now, or returns it as the hook (once only)."""
