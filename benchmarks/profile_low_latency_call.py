@@ -1,0 +1,89 @@
+"""Host time of one low-latency call (128 tokens, hidden 7168, top-8 of 256 experts, fp8), one process.
+
+A decode step's dispatch and combine are short enough on the GPU that the Python call around them
+counts. On a GPU: a one-rank Buffer with the kernels (send to itself), with and without waiting for
+the device. With --stub-kernels (any machine): the Python layer alone, CPU tensors, the extension's
+launches replaced by no-ops, data checks off as for CUDA tensors.
+
+    python -m benchmarks.profile_low_latency_call
+    python -m benchmarks.profile_low_latency_call --stub-kernels
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import types
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from benchmarks.timing import host_call_us  # noqa: E402
+from moe_ep import Buffer  # noqa: E402
+from moe_ep.backends.low_latency import LowLatencyBackend  # noqa: E402
+from moe_ep.launch import free_port  # noqa: E402
+
+TOKENS, HIDDEN, EXPERTS, TOPK = 128, 7168, 256, 8
+
+
+class _NoLaunches:
+    """The extension's low-latency entry points, doing nothing."""
+
+    class LowLatencyCtx:
+        def __init__(self, *args):
+            pass
+
+    def __getattr__(self, name):
+        return lambda *args: None
+
+
+def stub_kernels(buffer: Buffer) -> None:
+    backend = LowLatencyBackend.__new__(LowLatencyBackend)
+    backend.peers = types.SimpleNamespace(pointers=torch.zeros(1, dtype=torch.int64), ranks_on_device=1,
+                                          host_info=None, timeout_s=buffer.timeout_s, timeout_error=lambda: None)
+    backend.ops, backend.rank, backend.num_ranks, backend._pending, backend._contexts = _NoLaunches(), 0, 1, None, {}
+    buffer._low_latency = backend
+    buffer._low_latency_kernels_move = lambda x: True
+    buffer._check_data = lambda x: False
+    buffer._check_handle_backend = lambda *args: True
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stub-kernels", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("MOE_EP_LL_KERNELS", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    device = "cpu" if args.stub_kernels else "cuda"
+    x = torch.randn(TOKENS, HIDDEN, device=device).to(torch.bfloat16)
+    topk_idx = torch.rand(TOKENS, EXPERTS, device=device).topk(TOPK, dim=1).indices
+    topk_weights = torch.rand(TOKENS, TOPK, device=device)
+    size = Buffer.get_low_latency_rdma_size_hint(TOKENS, HIDDEN, 1, EXPERTS)
+    buffer = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, num_qps_per_rank=EXPERTS)
+    if args.stub_kernels:
+        stub_kernels(buffer)
+    _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, TOKENS, EXPERTS, use_fp8=True)
+    if args.stub_kernels:
+        handle.backend_state.received = True
+    y = torch.randn(EXPERTS, TOKENS, HIDDEN, device=device).to(torch.bfloat16)
+    sync = None if args.stub_kernels else torch.cuda.synchronize
+    rows = [
+        ("low_latency_dispatch, no sync", lambda: buffer.low_latency_dispatch(x, topk_idx, TOKENS, EXPERTS), None),
+        ("low_latency_combine, no sync", lambda: buffer.low_latency_combine(y, topk_idx, topk_weights, handle), None),
+    ]
+    if sync is not None:
+        rows += [
+            ("low_latency_dispatch + sync", lambda: buffer.low_latency_dispatch(x, topk_idx, TOKENS, EXPERTS), sync),
+            ("low_latency_combine + sync", lambda: buffer.low_latency_combine(y, topk_idx, topk_weights, handle), sync),
+        ]
+    what = "Python layer, launches stubbed" if args.stub_kernels else torch.cuda.get_device_name()
+    print(f"low-latency call host time ({what}), median of 2000")
+    for name, fn, s in rows:
+        print(f"  {name:<32} {host_call_us(fn, iters=2000, warmup=100, sync=s):8.1f} us")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
