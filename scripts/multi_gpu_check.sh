@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5 in one call on a multi-GPU host (nvidia-h200-x8 or -x4): topology, build, the intranode
+# Issue 5 in one call on a multi-GPU host (nvidia-h200-x8, -x4 or -x2): topology, build, the intranode
 # benchmark with one rank per GPU next to NCCL's all-to-all, its SM sweep, and megatron-core at EP=N
 # with both dispatchers. Writes into ${OUT:-out}/; every figure goes to docs/PERFORMANCE.md afterwards.
 #   usage: bash scripts/multi_gpu_check.sh            (all GPUs of the host)
