@@ -106,8 +106,8 @@ def low_latency_round(p: Problem, use_fp8: bool, round_scale: bool = False, use_
     inp = my_inputs(p)
     buffer = low_latency_buffer(p)
     for _ in range(calls_before):
-        recv_x, _, handle, _, _ = buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens, p.num_experts,
-                                                              use_fp8=use_fp8)
+        _, _, handle, _, _ = buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens, p.num_experts,
+                                                         use_fp8=use_fp8)
         y = torch.zeros(p.local_experts, p.num_ranks * p.max_tokens, p.hidden, dtype=torch.bfloat16, device=device())
         buffer.low_latency_combine(y, inp["topk_idx"], inp["topk_weights"], handle)
     stats = torch.zeros(p.local_experts, dtype=torch.int32, device=device())

@@ -187,8 +187,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(Ctx c, int num_
     const Env e = make_env(c);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     if (threadIdx.x == 0) ok = !e.aborted();
-    __syncthreads();
-    for (int local = blockIdx.x; ok && local < e.num_local; local += gridDim.x) {
+    // `ok` is written by thread 0 only between the two barriers of an iteration and read by the others
+    // only after the first: the loop condition must not read it.
+    for (int local = blockIdx.x; local < e.num_local; local += gridDim.x) {
         if (threadIdx.x == 0) {
             int total = 0;
             for (int s = 0; s < e.num_ranks; ++s) {
