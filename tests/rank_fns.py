@@ -105,11 +105,13 @@ def low_latency_round(p: Problem, use_fp8: bool, round_scale: bool = False, use_
     rank = dist.get_rank()
     inp = my_inputs(p)
     buffer = low_latency_buffer(p)
-    for _ in range(calls_before):
-        _, _, handle, _, _ = buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens, p.num_experts,
-                                                         use_fp8=use_fp8)
-        y = torch.zeros(p.local_experts, p.num_ranks * p.max_tokens, p.hidden, dtype=torch.bfloat16, device=device())
-        buffer.low_latency_combine(y, inp["topk_idx"], inp["topk_weights"], handle)
+    if calls_before:
+        zeros = torch.zeros(p.local_experts, p.num_ranks * p.max_tokens, p.hidden, dtype=torch.bfloat16,
+                            device=device())
+        for _ in range(calls_before):
+            _, _, handle, _, _ = buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens,
+                                                             p.num_experts, use_fp8=use_fp8)
+            buffer.low_latency_combine(zeros, inp["topk_idx"], inp["topk_weights"], handle)
     stats = torch.zeros(p.local_experts, dtype=torch.int32, device=device())
     recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
         inp["x"], inp["topk_idx"], p.max_tokens, p.num_experts, cumulative_local_expert_recv_stats=stats,
