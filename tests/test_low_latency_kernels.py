@@ -60,6 +60,14 @@ def test_issue_shape_hidden_7168_top8(pools, gpu_pools, seed):
     _compare(seed, on_gpu, on_cpu, True)
 
 
+def test_top16_and_up_to_1024_tokens(pools, gpu_pools, seed):
+    """The issue's limits: top-k 16 and 1024 tokens per rank (hidden 384: any multiple of 128)."""
+    p = Problem(seed, 2, 32, 384, 16, max_tokens=1024)
+    variant = dict(use_fp8=True, return_recv_hook=True)
+    on_gpu = gpu_pools(2).run(rank_fns.with_env, KERNELS, rank_fns.low_latency_round, p, **variant)
+    _compare(seed, on_gpu, pools(2).run(rank_fns.low_latency_round, p, **variant), True)
+
+
 @pytest.mark.parametrize("num_ranks", [4, 8])
 def test_back_to_back_calls_at_benchmark_shape(pools, gpu_pools, seed, num_ranks):
     """The benchmark's shape (256 experts, hidden 7168, 128 tokens): 12 dispatch + combine pairs issued
