@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -56,10 +57,11 @@ def variant(config: Config, num_sms: int, recv_tokens: int = 0) -> Config:
 def rank_bench(args):
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1000 + rank)
-    scores = torch.rand(args.tokens, args.experts, device="cuda")
+    device = "cpu" if args.cpu else "cuda"
+    scores = torch.rand(args.tokens, args.experts, device=device)
     topk_idx = scores.topk(args.topk, dim=1).indices
-    topk_weights = torch.rand(args.tokens, args.topk, device="cuda")
-    x = torch.randn(args.tokens, args.hidden, device="cuda").to(torch.bfloat16)
+    topk_weights = torch.rand(args.tokens, args.topk, device=device)
+    x = torch.randn(args.tokens, args.hidden, device=device).to(torch.bfloat16)
     x_fp8 = fp8.per_token_cast_to_fp8(x)
     defaults = {m: Buffer.get_combine_config(num_ranks) if m == "combine" else Buffer.get_dispatch_config(num_ranks)
                 for m in MODES}
@@ -71,7 +73,7 @@ def rank_bench(args):
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
         layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                       topk_idx=topk_idx, topk_weights=topk_weights)
-        recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, **layout)
+        recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, config=configs["dispatch_bf16"][-1], **layout)
         rows = recv_x.shape[0]
         y = recv_x.clone()
         for i, num_sms in enumerate(args.sms):
@@ -116,10 +118,15 @@ def nccl_reference(args, x, in_rank, per_rank, rows):
                 gbps=rows * row_bytes / seconds / 1e9)
 
 
-def copy_gbps(num_bytes: int, iters: int = 20) -> float:
+def copy_gbps(num_bytes: int, iters: int = 20, device: str = "cuda") -> float:
     """Payload rate of a plain device copy of num_bytes (one process alone on the GPU)."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda").fill_(1)
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
+    if device == "cpu":
+        start = time.perf_counter()
+        for _ in range(iters):
+            dst.copy_(src)
+        return num_bytes * iters / (time.perf_counter() - start) / 1e9
     for _ in range(3):
         dst.copy_(src)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -148,13 +155,14 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--nccl", action="store_true", help="also time NCCL all_to_all_single (one rank per GPU)")
     parser.add_argument("--json", help="append one JSON line per (ranks, sms, mode) here")
+    parser.add_argument("--cpu", action="store_true", help="CPU tensors (portable backend): checks the script anywhere")
     args = parser.parse_args()
-    if args.nccl and any(n > torch.cuda.device_count() for n in args.ranks):
+    if args.nccl and (args.cpu or any(n > torch.cuda.device_count() for n in args.ranks)):
         parser.error("--nccl needs one rank per GPU (NCCL refuses two ranks on one GPU)")
     print(f"{'ranks':>5} {'sms':>4} {'chunk':>6} {'mode':>20} {'us/call':>9} {'GB/s per rank (min/mean)':>25} "
           f"{'aggregate GB/s':>15} {'of copy':>8}")
     for num_ranks in args.ranks:
-        with RankPool(num_ranks, use_cuda=True) as pool:
+        with RankPool(num_ranks, use_cuda=not args.cpu) as pool:
             per_rank = pool.run(rank_bench, args)
         flat = [r for rows in per_rank for r in rows]
         best = {}
@@ -169,7 +177,7 @@ def main():
                     continue
                 aggregate_bytes = sum(r["bytes"] for r in rows)
                 aggregate = sum(r["gbps"] for r in rows)
-                copy = copy_gbps(int(aggregate_bytes))
+                copy = copy_gbps(int(aggregate_bytes), device="cpu" if args.cpu else "cuda")
                 mean = aggregate / len(rows)
                 if mode != NCCL_MODE and mean > best.get((num_sms, mode), (0, 0))[0]:
                     best[(num_sms, mode)] = (mean, recv_tokens)

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.timing import wall_seconds_per_call  # noqa: E402
+from benchmarks.timing import device_sync, wall_seconds_per_call  # noqa: E402
 from moe_ep import Buffer  # noqa: E402
 from moe_ep.launch import RankError, RankPool  # noqa: E402
 
@@ -29,15 +29,16 @@ from moe_ep.launch import RankError, RankPool  # noqa: E402
 def rank_bench(args, num_experts: int):
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(2000 + rank)
-    x = torch.randn(args.tokens, args.hidden, device="cuda").to(torch.bfloat16)
-    topk_idx = torch.rand(args.tokens, num_experts, device="cuda").topk(args.topk, dim=1).indices
-    topk_weights = torch.rand(args.tokens, args.topk, device="cuda")
+    device = "cpu" if args.cpu else "cuda"
+    x = torch.randn(args.tokens, args.hidden, device=device).to(torch.bfloat16)
+    topk_idx = torch.rand(args.tokens, num_experts, device=device).topk(args.topk, dim=1).indices
+    topk_weights = torch.rand(args.tokens, args.topk, device=device)
     local, rows = num_experts // num_ranks, num_ranks * args.tokens
-    y = torch.randn(local, rows, args.hidden, device="cuda").to(torch.bfloat16)
+    y = torch.randn(local, rows, args.hidden, device=device).to(torch.bfloat16)
     selections = int((topk_idx >= 0).sum())
     size = Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, num_ranks, num_experts)
     buffer = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, num_qps_per_rank=num_experts // num_ranks)
-    torch.cuda.synchronize()
+    device_sync()
     dist.barrier()
     recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, args.tokens, num_experts, use_fp8=True)
     results = {}
@@ -53,21 +54,21 @@ def rank_bench(args, num_experts: int):
     # With the hook: time the send and the receive parts on their own.
     sends, recvs = [], []
     for i in range(args.warmup + args.iters):
-        torch.cuda.synchronize()
+        device_sync()
         dist.barrier()
         t0 = time.perf_counter()
         _, _, h, _, hook = buffer.low_latency_dispatch(x, topk_idx, args.tokens, num_experts, use_fp8=True,
                                                        return_recv_hook=True)
-        torch.cuda.synchronize()
+        device_sync()
         t1 = time.perf_counter()
         hook()
-        torch.cuda.synchronize()
+        device_sync()
         t2 = time.perf_counter()
         _, _, chook = buffer.low_latency_combine(y, topk_idx, topk_weights, h, return_recv_hook=True)
-        torch.cuda.synchronize()
+        device_sync()
         t3 = time.perf_counter()
         chook()
-        torch.cuda.synchronize()
+        device_sync()
         t4 = time.perf_counter()
         if i >= args.warmup:
             sends.append(((t1 - t0) * 1e6, (t3 - t2) * 1e6))
@@ -92,6 +93,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", help="append one JSON line per run here")
+    parser.add_argument("--cpu", action="store_true", help="CPU tensors (portable backend): checks the script anywhere")
     args = parser.parse_args()
     print(f"{'ranks':>5} {'experts':>7} {'backend':>8} {'dispatch us':>11} {'GB/s':>6} {'combine us':>10} {'GB/s':>6} "
           f"{'hook: send+recv us (dispatch / combine)':>40}")
@@ -99,7 +101,7 @@ def main():
     for num_ranks in args.ranks:
         for num_experts in sorted({args.experts, 288 if num_ranks == 8 else args.experts}):
             try:
-                with RankPool(num_ranks, use_cuda=True) as pool:
+                with RankPool(num_ranks, use_cuda=not args.cpu) as pool:
                     rows = pool.run(rank_bench, args, num_experts)
             except RankError as error:  # the next shape still runs
                 print(f"{num_ranks:>5} {num_experts:>7} FAILED: {error}")
@@ -113,7 +115,7 @@ def main():
                   f"{worst['combine_send_us']:>7.1f}+{worst['combine_recv_us']:<7.1f}")
             if args.json:
                 with open(args.json, "a") as f:
-                    options = {k: v for k, v in vars(args).items() if k not in ("ranks", "experts", "json")}
+                    options = {k: v for k, v in vars(args).items() if k not in ("ranks", "experts", "json", "cpu")}
                     f.write(json.dumps(dict(bench="low_latency", ranks=num_ranks, experts=num_experts, **options,
                                             per_rank=rows)) + "\n")
     if failed:

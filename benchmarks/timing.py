@@ -49,18 +49,25 @@ def host_call_us(fn: Callable[[], object], iters: int = 200, warmup: int = 20, s
     return statistics.median(samples)
 
 
+def device_sync() -> None:
+    """Waits for the GPU where this process uses one (the benchmarks' --cpu runs have none)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def wall_seconds_per_call(fn: Callable[[], object], warmup: int, iters: int) -> float:
     """Host wall time per call of `iters` back-to-back calls after `warmup`, every rank of the default
     process group starting together (a barrier before) and the device synchronised at the end."""
-    import torch
     import torch.distributed as dist
 
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    device_sync()
     dist.barrier()
     start = time.perf_counter()
     for _ in range(iters):
         fn()
-    torch.cuda.synchronize()
+    device_sync()
     return (time.perf_counter() - start) / iters

@@ -1,0 +1,31 @@
+"""The GPU benchmarks' scripts run end to end on CPU ranks (portable backend, tiny shapes), so a
+script error shows up here and not in the GPU machine's limited time. The figures are not checked."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--cpu", "--ranks", "2", "--hidden", "256", "--experts", "16", "--topk", "4", "--warmup", "1", "--iters", "2"]
+
+
+def _run(module: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_intranode_benchmark_sweeps(tmp_path):
+    out = _run("benchmarks.bench_intranode", *TINY, "--tokens", "64", "--sms", "8", "16", "--recv-tokens", "32", "64",
+               "--combine-split", "0", "0.5", "--json", str(tmp_path / "b.jsonl"))
+    lines = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    modes = {(r["sms"], r["recv_tokens"], r["mode"]) for r in lines}
+    assert len(modes) == 2 * 2 * 4 and len(lines) == len(modes)
+    assert "best chunk at 2 ranks, 16 SMs, combine_split0.5" in out
+
+
+def test_low_latency_benchmark(tmp_path):
+    out = _run("benchmarks.bench_low_latency", *TINY, "--tokens", "16", "--json", str(tmp_path / "b.jsonl"))
+    row = json.loads((tmp_path / "b.jsonl").read_text())
+    assert row["ranks"] == 2 and row["experts"] == 16 and len(row["per_rank"]) == 2
+    assert "portable" in out
