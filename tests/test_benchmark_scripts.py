@@ -29,3 +29,13 @@ def test_low_latency_benchmark(tmp_path):
     row = json.loads((tmp_path / "b.jsonl").read_text())
     assert row["ranks"] == 2 and row["experts"] == 16 and len(row["per_rank"]) == 2
     assert "portable" in out
+
+
+def test_low_latency_call_profile_with_stubbed_launches():
+    assert "low_latency_combine, no sync" in _run("benchmarks.profile_low_latency_call", "--stub-kernels")
+
+
+def test_shell_scripts_parse():
+    for script in sorted((ROOT / "scripts").glob("*.sh")) + [ROOT / ".ci" / "run"]:
+        done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert done.returncode == 0, f"{script.name}: {done.stderr}"
