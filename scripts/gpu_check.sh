@@ -61,7 +61,7 @@ if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
     --json "$OUT/bench.jsonl" 2>&1 \
     | tee "$OUT/bench_intranode.txt" | tee -a "$OUT/summary.txt"
   timeout 60 $PY -m benchmarks.profile_low_latency_call 2>&1 | tee -a "$OUT/summary.txt"
-  MOE_EP_LL_KERNELS=1 timeout 200 $PY -m benchmarks.bench_low_latency --ranks 8 --json "$OUT/bench.jsonl" 2>&1 \
+  MOE_EP_LL_KERNELS=1 timeout 240 $PY -m benchmarks.bench_low_latency --ranks ${BENCH_LL_RANKS:-2 4 8} --json "$OUT/bench.jsonl" 2>&1 \
     | tee "$OUT/bench_low_latency.txt" | tee -a "$OUT/summary.txt"
 fi
 exit $status
