@@ -25,6 +25,15 @@ if ! $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
 fi
 summary "build: ok in $(( $(date +%s) - t0 )) s"
 
+# The GPU tests first: here ranks spread over the GPUs (rank % GPUs), so the kernels' peers are on other
+# GPUs (NVLink) for the first time. MOE_EP_SKIP_TESTS=1 skips them.
+if [[ ${MOE_EP_SKIP_TESTS:-0} != 1 ]]; then
+  t0=$(date +%s)
+  MOE_EP_TIMEOUT_S=${MOE_EP_TIMEOUT_S:-20} timeout 420 $PY -m pytest -q --maxfail=${MAXFAIL:-5} -rf \
+    tests/test_intranode.py tests/test_low_latency_kernels.py > "$OUT/gpu_tests.log" 2>&1
+  summary "gpu tests over $GPUS GPUs: $(tail -1 "$OUT/gpu_tests.log") in $(( $(date +%s) - t0 )) s"
+fi
+
 # The intranode kernels at the issue's shape; NCCL's all-to-all only where each rank has its own GPU.
 NCCL_FLAG=""
 [[ $RANKS -le $GPUS ]] && NCCL_FLAG=--nccl
