@@ -128,7 +128,7 @@ constexpr int kMaxListed = 1024;  // rows per expert per call: num_max_tokens is
 __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ctx c, const __nv_bfloat16* __restrict__ x, int num_tokens,
                                                                  const int64_t* __restrict__ topk_idx, int num_topk,
                                                                  bool use_fp8, bool round_scale, bool use_ue8m0) {
-    __shared__ int count;
+    __shared__ int warp_matches[kWarps];
     __shared__ bool stop;
     const Env e = make_env(c);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, expert = blockIdx.x;
@@ -136,22 +136,33 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ctx c, const __
     if (threadIdx.x == 0) stop = e.aborted();
     __syncthreads();
     if (stop) return;  // the whole block: nothing below waits
-    if (warp == 0) {
-        // A token lists an expert at most once (distinct top-k), so at most max_tokens rows; the cap
-        // only keeps repeated ids in a row from writing past the slots.
-        const int capacity = min(kMaxListed, e.max_tokens);
-        int listed = 0;
-        const int entries = num_tokens * num_topk;
-        for (int base = 0; base < entries; base += 32) {
-            const bool match = base + lane < entries && topk_idx[base + lane] == expert;
-            const unsigned hits = __ballot_sync(kFullMask, match);
-            const int at = listed + __popc(hits & ((1u << lane) - 1));
-            if (match && at < capacity) entries_of_expert[at] = base + lane;
-            listed += __popc(hits);
-        }
-        if (lane == 0) count = min(listed, capacity);
-    }
+    // The list: every warp scans its own stretch of the entries (counting, then writing at the offset
+    // the warps before it leave), so the list keeps entry order and the scan takes 1/kWarps of the
+    // time. A token lists an expert at most once (distinct top-k), so at most max_tokens rows; the cap
+    // only keeps repeated ids in a row from writing past the slots.
+    const int capacity = min(kMaxListed, e.max_tokens);
+    const int entries = num_tokens * num_topk;
+    const int stretch = (entries + kWarps * 32 - 1) / (kWarps * 32) * 32;
+    const int begin = min(entries, warp * stretch), end = min(entries, begin + stretch);
+    int matches = 0;
+    for (int base = begin; base < end; base += 32)
+        matches += __popc(__ballot_sync(kFullMask, base + lane < end && topk_idx[base + lane] == expert));
+    if (lane == 0) warp_matches[warp] = matches;
     __syncthreads();
+    int listed = 0, total = 0;
+    for (int w = 0; w < kWarps; ++w) {
+        listed += w < warp ? warp_matches[w] : 0;
+        total += warp_matches[w];
+    }
+    for (int base = begin; base < end; base += 32) {
+        const bool match = base + lane < end && topk_idx[base + lane] == expert;
+        const unsigned hits = __ballot_sync(kFullMask, match);
+        const int at = listed + __popc(hits & ((1u << lane) - 1));
+        if (match && at < capacity) entries_of_expert[at] = base + lane;
+        listed += __popc(hits);
+    }
+    const int count = min(total, capacity);
+    __syncthreads();  // the list is written
     const int dst = expert / e.num_local, local = expert % e.num_local;
     uint8_t* slots = e.recv(dst) + (static_cast<int64_t>(local) * e.num_ranks + e.rank) * e.max_tokens * e.g.dispatch_message;
     const int64_t row_bytes = static_cast<int64_t>(e.hidden) * 2;
