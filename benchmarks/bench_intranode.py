@@ -10,6 +10,7 @@ process's plain device copy of the same number of bytes, measured in the same ru
     python -m benchmarks.bench_intranode --ranks 4 --sms 8 16 24 32 48     # SM sweep
     python -m benchmarks.bench_intranode --ranks 4 --recv-tokens 64 128 256 512   # window (buffer) sweep
     python -m benchmarks.bench_intranode --ranks 4 --combine-split 0 0.5 0.6      # combine block roles
+    python -m benchmarks.bench_intranode --ranks 8 --profile-waits   # where the kernels' time goes
     python -m benchmarks.bench_intranode --ranks 8 --nccl     # one rank per GPU: also NCCL's all-to-all
 
 The buffer is sized by the size hint of the largest SM budget given (the kernels size their windows
@@ -45,6 +46,14 @@ def combine_mode(share: float) -> str:
     return "combine" if share == 0 else f"combine_split{share:g}"
 
 
+def wait_shares(profile: dict, mode: str) -> dict:
+    """What the mode's kernel blocks waited for, as shares of their time (MOE_EP_PROFILE_WAITS)."""
+    kernel = profile.get("combine" if mode.startswith("combine") else "dispatch")
+    if not kernel or not kernel.get("kernel"):
+        return {}
+    return {what: sec / kernel["kernel"] for what, sec in kernel.items() if what not in ("kernel", "blocks")}
+
+
 def variant(config: Config, num_sms: int, recv_tokens: int = 0) -> Config:
     """`config` with another SM budget and, if given, another num_max_nvl_chunked_recv_tokens (which
     sizes the buffer through the size hint, and with it the kernels' windows)."""
@@ -58,6 +67,8 @@ def rank_bench(args):
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1000 + rank)
     device = "cpu" if args.cpu else "cuda"
+    if args.profile_waits:  # read when the kernels' backend is made (first dispatch of each Buffer)
+        os.environ["MOE_EP_PROFILE_WAITS"] = "1"
     scores = torch.rand(args.tokens, args.experts, device=device)
     topk_idx = scores.topk(args.topk, dim=1).indices
     topk_weights = torch.rand(args.tokens, args.topk, device=device)
@@ -87,12 +98,16 @@ def rank_bench(args):
             for mode, fn in calls.items():
                 share = next((sh for sh in args.combine_split if combine_mode(sh) == mode), 0.0)
                 os.environ["MOE_EP_COMBINE_SPLIT"] = str(share)
+                kernels = buffer._intranode  # None on the portable backend
+                if kernels is not None:
+                    kernels.reset_wait_profile()
                 seconds = wall_seconds_per_call(fn, args.warmup, args.iters)
+                waits = wait_shares(kernels.wait_profile(), mode) if kernels is not None else {}
                 row_bytes = args.hidden * (1 + 4 / 128) if mode == "dispatch_fp8" else args.hidden * 2
                 config = configs["combine" if mode.startswith("combine") else mode][i]
                 results.append(dict(rank=rank, sms=num_sms, recv_tokens=config.num_max_nvl_chunked_recv_tokens,
                                     nvl_bytes=nvl, mode=mode, us=seconds * 1e6, rows=rows, bytes=rows * row_bytes,
-                                    gbps=rows * row_bytes / seconds / 1e9))
+                                    gbps=rows * row_bytes / seconds / 1e9, waits=waits))
             os.environ.pop("MOE_EP_COMBINE_SPLIT", None)
         buffer.destroy()  # collective: no peer reads this rank's windows any more
     if args.nccl:  # the routing is the same for every buffer: the last one's layout serves
@@ -156,6 +171,8 @@ def main():
     parser.add_argument("--nccl", action="store_true", help="also time NCCL all_to_all_single (one rank per GPU)")
     parser.add_argument("--json", help="append one JSON line per (ranks, sms, mode) here")
     parser.add_argument("--cpu", action="store_true", help="CPU tensors (portable backend): checks the script anywhere")
+    parser.add_argument("--profile-waits", action="store_true",
+                        help="MOE_EP_PROFILE_WAITS=1: print what the kernels' blocks wait for, as shares of their time")
     args = parser.parse_args()
     if args.nccl and (args.cpu or any(n > torch.cuda.device_count() for n in args.ranks)):
         parser.error("--nccl needs one rank per GPU (NCCL refuses two ranks on one GPU)")
@@ -181,9 +198,14 @@ def main():
                 mean = aggregate / len(rows)
                 if mode != NCCL_MODE and mean > best.get((num_sms, mode), (0, 0))[0]:
                     best[(num_sms, mode)] = (mean, recv_tokens)
+                waits = {}
+                for r in rows:
+                    for what, share in r.get("waits", {}).items():
+                        waits[what] = waits.get(what, 0.0) + share / len(rows)
+                waited = ", ".join(f"{what} {share:.0%}" for what, share in waits.items())
                 print(f"{num_ranks:>5} {num_sms:>4} {recv_tokens or '-':>6} {mode:>20} {max(r['us'] for r in rows):>9.0f} "
                       f"{min(r['gbps'] for r in rows):>12.0f} / {mean:<10.0f} {aggregate:>15.0f} "
-                      f"{aggregate / copy:>7.0%}")
+                      f"{aggregate / copy:>7.0%}" + (f"  waiting: {waited}" if waited else ""))
                 if args.json:
                     with open(args.json, "a") as f:
                         f.write(json.dumps(dict(bench="intranode", ranks=num_ranks, sms=num_sms,
@@ -191,7 +213,7 @@ def main():
                                                 mode=mode, tokens=args.tokens, hidden=args.hidden, topk=args.topk,
                                                 experts=args.experts, per_rank_gbps=[r["gbps"] for r in rows],
                                                 us=[r["us"] for r in rows], aggregate_gbps=aggregate,
-                                                copy_gbps=copy)) + "\n")
+                                                copy_gbps=copy, waits=waits)) + "\n")
         if len(args.recv_tokens) > 1:
             for (num_sms, mode), (gbps, recv_tokens) in sorted(best.items()):
                 print(f"  best chunk at {num_ranks} ranks, {num_sms} SMs, {mode}: num_max_nvl_chunked_recv_tokens="

@@ -155,6 +155,7 @@ struct IntranodeCtx {
     torch::Tensor host_info;
     double timeout_s;
     int ranks_on_device;
+    int64_t wait_ns = 0;  // device uint64 [blocks][kWaitSlots] wait profile, or 0 (set from Python per call)
 };
 
 intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
@@ -168,6 +169,7 @@ intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
     ctx.timeout_ns = static_cast<uint64_t>(c.timeout_s * 1e9);
     ctx.num_blocks = static_cast<int>(num_blocks);
     ctx.ranks_on_device = c.ranks_on_device;
+    ctx.wait_ns = reinterpret_cast<uint64_t*>(c.wait_ns);
     ctx.stream = current_stream();
     return ctx;
 }
@@ -341,6 +343,7 @@ py::dict intranode_layout(int64_t num_ranks, int64_t num_nvl_bytes, int64_t x_by
     d["dispatch_window_tokens"] = intranode::dispatch_window_tokens(r, num_nvl_bytes, x_bytes, scale_bytes, k);
     d["combine_window_tokens"] = intranode::combine_window_tokens(r, num_nvl_bytes, x_bytes, k);
     d["host_info_ints"] = intranode::host_info_ints(r);
+    d["wait_slots"] = intranode::kWaitSlots;
     d["recv_info_ints"] = intranode::recv_info_ints(r);
     return d;
 }
@@ -375,7 +378,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("wait_host_value", &moe_ep::wait_host_value, "spin on a host-mapped counter");
     py::class_<moe_ep::IntranodeCtx>(m, "IntranodeCtx")
         .def(py::init<int64_t, int, int, int64_t, torch::Tensor, double, int>())
-        .def_readwrite("timeout_s", &moe_ep::IntranodeCtx::timeout_s);
+        .def_readwrite("timeout_s", &moe_ep::IntranodeCtx::timeout_s)
+        .def_readwrite("wait_ns", &moe_ep::IntranodeCtx::wait_ns);
     m.def("intranode_notify", &moe_ep::intranode_notify, "count exchange of an intranode dispatch");
     m.def("intranode_dispatch", &moe_ep::intranode_dispatch, "intranode dispatch data movement");
     m.def("intranode_combine", &moe_ep::intranode_combine, "intranode combine");

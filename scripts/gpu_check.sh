@@ -60,6 +60,9 @@ if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
     ${BENCH_RECV_TOKENS:+--recv-tokens $BENCH_RECV_TOKENS} ${BENCH_COMBINE_SPLIT:+--combine-split $BENCH_COMBINE_SPLIT} \
     --json "$OUT/bench.jsonl" 2>&1 \
     | tee "$OUT/bench_intranode.txt" | tee -a "$OUT/summary.txt"
+  # Where the intranode kernels' time goes (their blocks' waits on peers), apart from the figures above.
+  [[ ${BENCH_PROFILE_WAITS:-0} == 1 ]] && timeout 200 $PY -m benchmarks.bench_intranode --ranks 4 8 --sms ${BENCH_SMS:-24} \
+    --profile-waits ${BENCH_COMBINE_SPLIT:+--combine-split $BENCH_COMBINE_SPLIT} 2>&1 | tee -a "$OUT/summary.txt"
   timeout 60 $PY -m benchmarks.profile_low_latency_call 2>&1 | tee -a "$OUT/summary.txt"
   MOE_EP_LL_KERNELS=1 timeout 240 $PY -m benchmarks.bench_low_latency --ranks ${BENCH_LL_RANKS:-2 4 8} --json "$OUT/bench.jsonl" 2>&1 \
     | tee "$OUT/bench_low_latency.txt" | tee -a "$OUT/summary.txt"

@@ -33,6 +33,17 @@ def normal_buffer(hidden: int, config: Config = None, **kwargs) -> Buffer:
     return Buffer(dist.group.WORLD, nvl, rdma, **kwargs)
 
 
+def profiled_round(p: Problem):
+    """normal_round on a Buffer of its own with MOE_EP_PROFILE_WAITS=1: (its results, the wait profile)."""
+    os.environ["MOE_EP_PROFILE_WAITS"] = "1"
+    try:
+        buffer = normal_buffer(p.hidden)
+        result = normal_round(p, buffer=buffer)
+        return result, buffer._intranode.wait_profile() if buffer._intranode is not None else {}
+    finally:
+        os.environ.pop("MOE_EP_PROFILE_WAITS", None)
+
+
 def low_latency_buffer(p: Problem) -> Buffer:
     size = Buffer.get_low_latency_rdma_size_hint(p.max_tokens, p.hidden, p.num_ranks, p.num_experts)
     return Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, num_qps_per_rank=p.local_experts)

@@ -85,6 +85,20 @@ def test_combine_with_pushing_and_reducing_blocks(pools, gpu_pools, seed, num_ra
     _compare(seed, on_gpu, pools(num_ranks).run(rank_fns.normal_round, p, **kwargs))
 
 
+def test_wait_profile_adds_up(pools, gpu_pools, seed):
+    """MOE_EP_PROFILE_WAITS: results unchanged; every block's waits inside the kernel fit in its time."""
+    p = Problem(seed, 4, 16, 256, 4, max_tokens=64)
+    got = gpu_pools(4).run(rank_fns.profiled_round, p)
+    _compare(seed, [result for result, _ in got], pools(4).run(rank_fns.normal_round, p))
+    for rank, (_, profile) in enumerate(got):
+        for kernel in ("dispatch", "combine"):
+            times = profile[kernel]
+            assert times["kernel"] > 0 and times["blocks"] > 0, f"rank {rank} {kernel}: {times}"
+            # The count exchange's wait happens in the notify kernel, outside the dispatch kernel's time.
+            waited = sum(v for what, v in times.items() if what not in ("kernel", "blocks", "token counts"))
+            assert waited <= times["kernel"], f"rank {rank} {kernel}: {times}"
+
+
 def test_large_problem(pools, gpu_pools, seed):
     p = Problem(seed, 4, 64, 2048, 8, max_tokens=1024, drop=0.05)
     _compare(seed, *_both(pools, gpu_pools, 4, rank_fns.normal_round, p, use_fp8=True, num_biases=1))

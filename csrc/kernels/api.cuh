@@ -63,6 +63,9 @@ enum ErrorKind : int {
     kErrLowLatencyCombine,
 };
 inline int host_info_ints(int num_ranks) { return kHostCounts + 2 * num_ranks + 16384; }
+// Wait profile (Ctx::wait_ns): per block, nanoseconds spent waiting by ErrorKind, then the kernel's
+// whole time in the last slot.
+constexpr int kWaitSlots = kErrPushed + 2;
 
 // Device int32 summary of a count exchange: [max tokens, total rows, base row of each source (R + 1),
 // tokens of each source (R)].
@@ -76,6 +79,7 @@ struct Ctx {
     uint64_t timeout_ns;      // a wait for a peer longer than this fails (kHostError, no trap)
     int num_blocks;           // the SM budget of data kernels
     int ranks_on_device;      // ranks of the group on this GPU: their blocks must all fit it at once
+    uint64_t* wait_ns;        // null, or [blocks][kWaitSlots]: where the time goes, added up per call
     cudaStream_t stream;
 };
 

@@ -55,7 +55,8 @@ struct Env {
     int rank, num_ranks;
     int64_t header, half;
     int* host;
-    uint64_t seq, deadline;
+    uint64_t seq, deadline, start;
+    uint64_t* wait_ns;  // this block's wait profile row, or null
 
     __device__ uint64_t* signals(int r) const { return reinterpret_cast<uint64_t*>(buffers[r]); }
     __device__ uint64_t* own(int64_t index) const { return signals(rank) + index; }
@@ -74,7 +75,9 @@ __device__ Env make_env(const Ctx& c) {
     e.half = half_bytes(c.num_nvl_bytes, c.num_ranks);
     e.host = c.host_info;
     e.seq = load_volatile(reinterpret_cast<uint64_t*>(c.buffers[c.rank]) + kSeq);
-    e.deadline = now_ns() + c.timeout_ns;
+    e.start = now_ns();
+    e.deadline = e.start + c.timeout_ns;
+    e.wait_ns = c.wait_ns == nullptr ? nullptr : c.wait_ns + static_cast<int64_t>(blockIdx.x) * kWaitSlots;
     return e;
 }
 
@@ -88,9 +91,11 @@ __device__ bool block_wait(const Env& e, SignalArray array, int first, int last,
                            int window) {
     __shared__ int ok;
     if (threadIdx.x == 0) {
+        const uint64_t began = e.wait_ns != nullptr ? now_ns() : 0;
         ok = load_volatile(e.own(kAbort)) == 0;
         for (int r = first; ok && r < last; ++r)
             ok = wait_flag(e, e.peer_array(e.rank, array, r), target, kind, r, window);
+        if (e.wait_ns != nullptr) e.wait_ns[kind] += now_ns() - began;
     }
     __syncthreads();
     const bool result = ok;
@@ -101,6 +106,7 @@ __device__ bool block_wait(const Env& e, SignalArray array, int first, int last,
 // The last block of a kernel advances the sequence number the next kernel's tags use.
 __device__ void finish_kernel(const Env& e, uint64_t* done_counter) {
     __syncthreads();
+    if (threadIdx.x == 0 && e.wait_ns != nullptr) e.wait_ns[kWaitSlots - 1] += now_ns() - e.start;
     if (threadIdx.x == 0 && arrive_last(done_counter, gridDim.x))
         atomicAdd(reinterpret_cast<unsigned long long*>(e.own(kSeq)), 1ull);
 }

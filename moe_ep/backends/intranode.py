@@ -69,6 +69,11 @@ class IntranodeBackend:
         self.comm_stream = comm_stream
         self._nonce = 0
         self._fitting_sms = set()  # SM budgets known to fit this GPU together with its other ranks
+        # MOE_EP_PROFILE_WAITS=1: the kernels add up, per block, the time they wait on peers (by what
+        # they wait for) and their whole time; wait_profile() reads it. For benchmarks: it costs two
+        # clock reads per wait.
+        self._wait_rows = {} if os.environ.get("MOE_EP_PROFILE_WAITS") == "1" else None
+        self._wait_slots = self.ops.intranode_layout(self.num_ranks, num_nvl_bytes, 0, 0, 0)["wait_slots"]
 
     def close(self) -> None:
         self.peers.close()
@@ -94,6 +99,41 @@ class IntranodeBackend:
         if num_sms not in self._fitting_sms:
             self.ops.intranode_check_blocks(self.ctx, num_sms)
             self._fitting_sms.add(num_sms)
+
+    # ---------------------------------------------------------------- wait profile
+    def _profile_rows(self, kernel: str, num_blocks: int) -> int:
+        """Device address of `kernel`'s wait-profile rows (one per block; notify's blocks use them too),
+        or 0 when profiling is off."""
+        if self._wait_rows is None:
+            return 0
+        rows = self._wait_rows.get(kernel)
+        needed = max(num_blocks, self.num_ranks)
+        if rows is None or rows.shape[0] < needed:
+            with torch.cuda.stream(self.comm_stream):
+                grown = torch.zeros(needed, self._wait_slots, dtype=torch.int64, device=self.peers.device)
+                if rows is not None:
+                    grown[: rows.shape[0]] += rows
+            self._wait_rows[kernel] = rows = grown
+        return rows.data_ptr()
+
+    def wait_profile(self) -> dict:
+        """{"dispatch" / "combine": {what was waited for: seconds, ..., "kernel": seconds}}, summed over
+        blocks and calls since the last reset (empty when MOE_EP_PROFILE_WAITS is not 1)."""
+        if not self._wait_rows:
+            return {}
+        self.comm_stream.synchronize()
+        names = {1: "token counts", 2: "staged tokens", 3: "window read", 4: "window open", 5: "rows pushed"}
+        profile = {}
+        for kernel, rows in self._wait_rows.items():
+            totals = rows.sum(dim=0).tolist()
+            profile[kernel] = {name: totals[kind] / 1e9 for kind, name in names.items() if totals[kind]}
+            profile[kernel]["kernel"] = totals[-1] / 1e9
+            profile[kernel]["blocks"] = int((rows[:, -1] > 0).sum())
+        return profile
+
+    def reset_wait_profile(self) -> None:
+        for rows in (self._wait_rows or {}).values():
+            rows.zero_()
 
     # ---------------------------------------------------------------- streams and events
     def _enter(self, previous_event: Optional[EventOverlap]) -> torch.cuda.Stream:
@@ -140,6 +180,7 @@ class IntranodeBackend:
     ):
         self.check_errors()
         self.check_num_sms(config.num_sms)
+        self.ctx.wait_ns = self._profile_rows("dispatch", config.num_sms)
         cached = handle is not None
         worst = handle.num_worst_tokens if cached else num_worst_tokens
         if torch.cuda.is_current_stream_capturing() and not worst:
@@ -236,6 +277,7 @@ class IntranodeBackend:
     ):
         self.check_errors()
         self.check_num_sms(config.num_sms)
+        self.ctx.wait_ns = self._profile_rows("combine", config.num_sms)
         state: IntranodeDispatchState = handle.backend_state
         x = aligned(x)
         topk_weights = None if topk_weights is None else topk_weights.contiguous()
