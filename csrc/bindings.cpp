@@ -203,7 +203,8 @@ void intranode_dispatch(const IntranodeCtx& c, int64_t num_blocks, const torch::
                         const torch::Tensor& send_pos, const torch::Tensor& recv_info, const torch::Tensor& recv_x,
                         const std::optional<torch::Tensor>& recv_scales,
                         const std::optional<torch::Tensor>& recv_topk_idx,
-                        const std::optional<torch::Tensor>& recv_topk_weights, const torch::Tensor& recv_src_idx) {
+                        const std::optional<torch::Tensor>& recv_topk_weights, const torch::Tensor& recv_src_idx,
+                        int64_t num_stagers) {
     const c10::cuda::CUDAGuard guard(x.device());
     for (const auto* t : {&x, &recv_x}) check_rows(*t, "x");
     intranode::DispatchArgs a{};
@@ -224,6 +225,7 @@ void intranode_dispatch(const IntranodeCtx& c, int64_t num_blocks, const torch::
     a.recv_topk_weights = optional_ptr<float>(recv_topk_weights);
     a.recv_src_idx = recv_src_idx.data_ptr<int>();
     a.num_recv_rows = static_cast<int>(recv_x.size(0));
+    a.num_stagers = static_cast<int>(num_stagers);
     intranode::dispatch(make_ctx(c, num_blocks), a);
 }
 

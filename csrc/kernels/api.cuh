@@ -107,6 +107,7 @@ struct DispatchArgs {
     float* recv_topk_weights;
     int* recv_src_idx;            // [num_recv_rows] source token index of each row (for combine)
     int num_recv_rows;            // rows allocated; rows past the received ones are padding
+    int num_stagers;              // 0: every block stages and pulls; else blocks [0, n) stage, the rest pull
 };
 // Throws std::invalid_argument when the blocks of all ranks on this GPU cannot be resident together;
 // check_blocks_fit(ctx) says so before a call starts (the count exchange would run otherwise).

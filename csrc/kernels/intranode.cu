@@ -199,95 +199,137 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Ctx c, const boo
 }
 
 // ------------------------------------------------------------------ dispatch
+// Blocks of one role (staging, pulling, or both; the combine's pushing and reducing likewise) and this
+// warp's place among their warps.
+struct Role {
+    int blocks, warp, num_warps;
+};
+
+// The role of this block when the first `first_role_blocks` blocks take the first role and the others
+// the second; first_role_blocks == 0 (or out of range): every block takes both.
+struct Roles {
+    bool first, second;
+    Role role;
+};
+template <int kWarps>
+__device__ Roles split_roles(int first_role_blocks) {
+    const int blocks = gridDim.x, block = blockIdx.x, warp = threadIdx.x / 32;
+    const int n = first_role_blocks > 0 && first_role_blocks < blocks ? first_role_blocks : 0;
+    if (n == 0) return {true, true, {blocks, block * kWarps + warp, blocks * kWarps}};
+    if (block < n) return {true, false, {n, block * kWarps + warp, n * kWarps}};
+    return {false, true, {blocks - n, (block - n) * kWarps + warp, (blocks - n) * kWarps}};
+}
+
+// Stage window w of this rank's tokens in its own buffer (the half of window w - 2, once every rank has
+// finished reading it); the role's last block raises every rank's staged flag.
+__device__ bool stage_window(const Env& e, const DispatchArgs& a, const DispatchSlot& slot, int window_tokens,
+                             const Role& role, int w) {
+    const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
+    const int parity = w & 1, first = w * window_tokens;
+    if (w >= 2 && !block_wait(e, kReleasedBy, 0, R, tag(e.seq, w - 2), kErrReleased, w - 2)) return false;
+    uint8_t* staged = e.window(me, parity);
+    const int count = clamp_count(a.num_tokens, first, window_tokens);
+    // A warp takes 32 tokens (spaced by the number of warps, so that all warps have work): each lane
+    // writes its token's destination rows, then the warp copies the tokens that go anywhere.
+    for (int b = 0; b * role.num_warps * 32 < count; ++b) {
+        const int mine = (b * 32 + lane) * role.num_warps + role.warp;
+        bool sent = false;
+        if (mine < count) {
+            int* pos = reinterpret_cast<int*>(staged + mine * slot.bytes + slot.pos_offset);
+            for (int r = 0; r < R; ++r) {
+                const int p = a.send_pos[(static_cast<int64_t>(first) + mine) * R + r];
+                pos[r] = p;
+                sent |= p >= 0;
+            }
+        }
+        for (unsigned todo = __ballot_sync(kFullMask, sent); todo != 0; todo &= todo - 1) {
+            const int i = (b * 32 + __ffs(todo) - 1) * role.num_warps + role.warp;
+            const int64_t t = first + i;
+            uint8_t* dst = staged + i * slot.bytes;
+            for (int k = lane; k < K; k += 32) {
+                reinterpret_cast<int64_t*>(dst + slot.idx_offset)[k] = a.topk_idx[t * K + k];
+                reinterpret_cast<float*>(dst + slot.weight_offset)[k] = a.topk_weights[t * K + k];
+            }
+            warp_copy<Src::kReadOnly>(dst + slot.x_offset, static_cast<const uint8_t*>(a.x) + t * a.x_bytes, a.x_bytes, lane);
+            if (a.scale_bytes > 0)
+                warp_copy<Src::kReadOnly>(dst + slot.scale_offset, static_cast<const uint8_t*>(a.scales) + t * a.scale_bytes,
+                                          a.scale_bytes, lane);
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && arrive_last(e.own(kStageCount + parity), role.blocks))
+        for (int r = 0; r < R; ++r) raise_flag(e.peer_array(r, kStagedFrom, me), tag(e.seq, w));
+    return true;
+}
+
+// Pull window w of every rank (starting with the next one, so that ranks spread their reads) into the
+// outputs; the role's last block to finish a source raises its released flag.
+__device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchSlot& slot, int window_tokens,
+                            const Role& role, int w) {
+    const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
+    const int parity = w & 1, first = w * window_tokens;
+    const int total = a.recv_info[1];
+    const int* base = a.recv_info + 2;
+    const int* src_tokens = a.recv_info + 3 + R;
+    for (int j = 1; j <= R; ++j) {
+        const int s = (me + j) % R;
+        if (!block_wait(e, kStagedFrom, s, s + 1, tag(e.seq, w), kErrStaged, w)) return false;
+        const uint8_t* window = e.window(s, parity);
+        const int n = clamp_count(src_tokens[s], first, window_tokens);
+        // A warp reads the destination rows of 32 slots at once, then copies the ones meant here.
+        for (int b = 0; b * role.num_warps * 32 < n; ++b) {
+            const int mine = (b * 32 + lane) * role.num_warps + role.warp;
+            const int p = mine < n ? __ldcg(reinterpret_cast<const int*>(window + mine * slot.bytes + slot.pos_offset) + me) : -1;
+            for (unsigned todo = __ballot_sync(kFullMask, p >= 0); todo != 0; todo &= todo - 1) {
+                const int jj = __ffs(todo) - 1, i = (b * 32 + jj) * role.num_warps + role.warp;
+                const int64_t row = base[s] + __shfl_sync(kFullMask, p, jj);
+                const uint8_t* src = window + i * slot.bytes;
+                if (row >= a.num_recv_rows) {  // num_worst_tokens too small: report, write nothing
+                    if (lane == 0) reinterpret_cast<volatile int*>(e.host)[kHostOverflow] = total;
+                    continue;
+                }
+                int64_t expert = -1;
+                float weight = 0.f;
+                if (lane < K) {  // issued before the row copy, so their latency overlaps it
+                    expert = __ldcg(reinterpret_cast<const long long*>(src + slot.idx_offset) + lane);
+                    weight = __ldcg(reinterpret_cast<const float*>(src + slot.weight_offset) + lane);
+                }
+                warp_copy<Src::kShared>(static_cast<uint8_t*>(a.recv_x) + row * a.x_bytes, src + slot.x_offset, a.x_bytes, lane);
+                if (a.scale_bytes > 0)
+                    warp_copy<Src::kShared>(static_cast<uint8_t*>(a.recv_scales) + row * a.scale_bytes,
+                                            src + slot.scale_offset, a.scale_bytes, lane);
+                if (lane < K) {
+                    const int64_t local = expert - static_cast<int64_t>(me) * a.experts_per_rank;
+                    const bool here = expert >= 0 && local >= 0 && local < a.experts_per_rank;
+                    a.recv_topk_idx[row * K + lane] = here ? local : -1;
+                    a.recv_topk_weights[row * K + lane] = here ? weight : 0.f;
+                }
+                if (lane == 0) a.recv_src_idx[row] = first + i;
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x == 0 && arrive_last(e.own(signal_index(kPullCount, R, s, parity)), role.blocks))
+            raise_flag(e.peer_array(s, kReleasedBy, me), tag(e.seq, w));
+    }
+    return true;
+}
+
+// a.num_stagers == 0: every block stages window w, then pulls it. Otherwise the first num_stagers blocks
+// only stage and the others only pull, so window w + 1 is staged while window w is pulled.
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(kThreads))
     dispatch_kernel(Ctx c, DispatchArgs a, DispatchSlot slot, int window_tokens) {
     constexpr int kWarps = kThreads / 32;
     const Env e = make_env(c);
-    const int R = e.num_ranks, me = e.rank, K = a.num_topk;
-    const int lane = threadIdx.x % 32, warp_id = blockIdx.x * kWarps + threadIdx.x / 32, num_warps = gridDim.x * kWarps;
+    const int R = e.num_ranks, K = a.num_topk, lane = threadIdx.x % 32;
+    const int warp_id = blockIdx.x * kWarps + threadIdx.x / 32, num_warps = gridDim.x * kWarps;
     const int max_tokens = a.recv_info[0], total = a.recv_info[1];
-    const int* base = a.recv_info + 2;
-    const int* src_tokens = a.recv_info + 3 + R;
     const int num_windows = max(1, ceil_div(max_tokens, window_tokens));
+    const Roles roles = split_roles<kWarps>(a.num_stagers);
     bool ok = load_volatile(e.own(kAbort)) == 0;
     for (int w = 0; ok && w < num_windows; ++w) {
-        const int parity = w & 1, first = w * window_tokens;
-        // Stage: window w reuses the half of window w - 2, once every rank has finished reading it.
-        if (w >= 2 && !(ok = block_wait(e, kReleasedBy, 0, R, tag(e.seq, w - 2), kErrReleased, w - 2))) break;
-        uint8_t* staged = e.window(me, parity);
-        const int count = clamp_count(a.num_tokens, first, window_tokens);
-        // A warp takes 32 tokens (spaced by the number of warps, so that all warps have work): each lane
-        // writes its token's destination rows, then the warp copies the tokens that go anywhere.
-        for (int b = 0; b * num_warps * 32 < count; ++b) {
-            const int mine = (b * 32 + lane) * num_warps + warp_id;
-            bool sent = false;
-            if (mine < count) {
-                int* pos = reinterpret_cast<int*>(staged + mine * slot.bytes + slot.pos_offset);
-                for (int r = 0; r < R; ++r) {
-                    const int p = a.send_pos[(static_cast<int64_t>(first) + mine) * R + r];
-                    pos[r] = p;
-                    sent |= p >= 0;
-                }
-            }
-            for (unsigned todo = __ballot_sync(kFullMask, sent); todo != 0; todo &= todo - 1) {
-                const int i = (b * 32 + __ffs(todo) - 1) * num_warps + warp_id;
-                const int64_t t = first + i;
-                uint8_t* dst = staged + i * slot.bytes;
-                for (int k = lane; k < K; k += 32) {
-                    reinterpret_cast<int64_t*>(dst + slot.idx_offset)[k] = a.topk_idx[t * K + k];
-                    reinterpret_cast<float*>(dst + slot.weight_offset)[k] = a.topk_weights[t * K + k];
-                }
-                warp_copy<Src::kReadOnly>(dst + slot.x_offset, static_cast<const uint8_t*>(a.x) + t * a.x_bytes, a.x_bytes, lane);
-                if (a.scale_bytes > 0)
-                    warp_copy<Src::kReadOnly>(dst + slot.scale_offset, static_cast<const uint8_t*>(a.scales) + t * a.scale_bytes,
-                                              a.scale_bytes, lane);
-            }
-        }
-        __syncthreads();
-        if (threadIdx.x == 0 && arrive_last(e.own(kStageCount + parity), gridDim.x))
-            for (int r = 0; r < R; ++r) raise_flag(e.peer_array(r, kStagedFrom, me), tag(e.seq, w));
-        // Pull window w of every rank, starting with the next one so that ranks spread their reads.
-        for (int j = 1; j <= R; ++j) {
-            const int s = (me + j) % R;
-            if (!(ok = block_wait(e, kStagedFrom, s, s + 1, tag(e.seq, w), kErrStaged, w))) break;
-            const uint8_t* window = e.window(s, parity);
-            const int n = clamp_count(src_tokens[s], first, window_tokens);
-            // A warp reads the destination rows of 32 slots at once, then copies the ones meant here.
-            for (int b = 0; b * num_warps * 32 < n; ++b) {
-                const int mine = (b * 32 + lane) * num_warps + warp_id;
-                const int p = mine < n ? __ldcg(reinterpret_cast<const int*>(window + mine * slot.bytes + slot.pos_offset) + me) : -1;
-                for (unsigned todo = __ballot_sync(kFullMask, p >= 0); todo != 0; todo &= todo - 1) {
-                    const int j = __ffs(todo) - 1, i = (b * 32 + j) * num_warps + warp_id;
-                    const int64_t row = base[s] + __shfl_sync(kFullMask, p, j);
-                    const uint8_t* src = window + i * slot.bytes;
-                    if (row >= a.num_recv_rows) {  // num_worst_tokens too small: report, write nothing
-                        if (lane == 0) reinterpret_cast<volatile int*>(e.host)[kHostOverflow] = total;
-                        continue;
-                    }
-                    int64_t expert = -1;
-                    float weight = 0.f;
-                    if (lane < K) {  // issued before the row copy, so their latency overlaps it
-                        expert = __ldcg(reinterpret_cast<const long long*>(src + slot.idx_offset) + lane);
-                        weight = __ldcg(reinterpret_cast<const float*>(src + slot.weight_offset) + lane);
-                    }
-                    warp_copy<Src::kShared>(static_cast<uint8_t*>(a.recv_x) + row * a.x_bytes, src + slot.x_offset, a.x_bytes, lane);
-                    if (a.scale_bytes > 0)
-                        warp_copy<Src::kShared>(static_cast<uint8_t*>(a.recv_scales) + row * a.scale_bytes,
-                                                src + slot.scale_offset, a.scale_bytes, lane);
-                    if (lane < K) {
-                        const int64_t local = expert - static_cast<int64_t>(me) * a.experts_per_rank;
-                        const bool here = expert >= 0 && local >= 0 && local < a.experts_per_rank;
-                        a.recv_topk_idx[row * K + lane] = here ? local : -1;
-                        a.recv_topk_weights[row * K + lane] = here ? weight : 0.f;
-                    }
-                    if (lane == 0) a.recv_src_idx[row] = first + i;
-                }
-            }
-            __syncthreads();
-            if (threadIdx.x == 0 && arrive_last(e.own(signal_index(kPullCount, R, s, parity)), gridDim.x))
-                raise_flag(e.peer_array(s, kReleasedBy, me), tag(e.seq, w));
-        }
+        if (roles.first) ok = stage_window(e, a, slot, window_tokens, roles.role, w);
+        if (ok && roles.second) ok = pull_window(e, a, slot, window_tokens, roles.role, w);
     }
     // Padding rows of a num_worst_tokens dispatch: no data, no expert.
     if (ok) {
@@ -347,11 +389,6 @@ struct CombineCall {
     int64_t slot_bytes, x_bytes, weights_offset;
     int window_tokens;
     const int* base;  // first received row of each source rank (R + 1)
-};
-
-// Blocks of one role (pushing, reducing, or both) and this warp's place among their warps.
-struct Role {
-    int blocks, warp, num_warps;
 };
 
 // Push: every row this rank holds for a token of owner s's window w goes to the owner's slot (token,
@@ -479,20 +516,14 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(kThreads))
     const CombineCall call{a, slot_bytes, x_bytes, align_up(x_bytes, kSlotAlign), window_tokens, a.recv_info + 2};
     const int max_tokens = a.recv_info[0];
     const int num_windows = max(1, ceil_div(max_tokens, window_tokens));
-    const int pushers = a.num_pushers > 0 && a.num_pushers < static_cast<int>(gridDim.x) ? a.num_pushers : 0;
-    const bool pushes = pushers == 0 || static_cast<int>(blockIdx.x) < pushers;
-    const bool reduces = pushers == 0 || static_cast<int>(blockIdx.x) >= pushers;
-    const int role_first = pushers == 0 || pushes ? 0 : pushers;
-    const int role_blocks = pushers == 0 ? gridDim.x : (pushes ? pushers : gridDim.x - pushers);
-    const Role role{role_blocks, (static_cast<int>(blockIdx.x) - role_first) * kWarps + static_cast<int>(threadIdx.x) / 32,
-                    role_blocks * kWarps};
+    const Roles roles = split_roles<kWarps>(a.num_pushers);
     bool ok = load_volatile(e.own(kAbort)) == 0;
     // Windows 0 and 1 of this rank accept rows from now on (the previous kernel left them unused).
     if (ok && blockIdx.x == 0 && threadIdx.x == 0)
         for (int r = 0; r < e.num_ranks; ++r) raise_flag(e.peer_array(r, kOpenFrom, e.rank), tag(e.seq, 1));
     for (int w = 0; ok && w < num_windows; ++w) {
-        if (pushes) ok = push_window<T, V>(e, call, role, w);
-        if (ok && reduces) ok = reduce_window<T, V>(e, call, role, w);
+        if (roles.first) ok = push_window<T, V>(e, call, roles.role, w);
+        if (ok && roles.second) ok = reduce_window<T, V>(e, call, roles.role, w);
     }
     finish_kernel(e, e.own(kDoneCount));
 }

@@ -24,21 +24,23 @@ from .peers import HOST_COUNTS, HOST_DONE, HOST_OVERFLOW, PeerBuffers, aligned
 _HOST_GRACE_S = 5.0
 
 
-def combine_pusher_share() -> float:
-    """MOE_EP_COMBINE_SPLIT (experiment, to be settled by the benchmark): the share of the combine's
-    blocks that only push rows while the others only reduce; 0 (default) lets every block do both."""
-    raw = os.environ.get("MOE_EP_COMBINE_SPLIT", "0")
+def role_share(variable: str) -> float:
+    """MOE_EP_DISPATCH_SPLIT / MOE_EP_COMBINE_SPLIT (experiments, to be settled by the benchmark): the
+    share of a kernel's blocks that only stage (dispatch) or push (combine) while the others only pull
+    or reduce; 0 (default) lets every block do both."""
+    raw = os.environ.get(variable, "0")
     try:
         share = float(raw)
     except ValueError:
-        raise ValueError(f"MOE_EP_COMBINE_SPLIT: expected a number in [0, 1), got {raw!r}") from None
+        raise ValueError(f"{variable}: expected a number in [0, 1), got {raw!r}") from None
     if not 0 <= share < 1:
-        raise ValueError(f"MOE_EP_COMBINE_SPLIT: expected a number in [0, 1), got {raw!r}")
+        raise ValueError(f"{variable}: expected a number in [0, 1), got {raw!r}")
     return share
 
 
-def combine_pushers(num_blocks: int, share: float) -> int:
-    """Pushing blocks for a share (0: none, every block does both); at least one block of each role."""
+def first_role_blocks(num_blocks: int, share: float) -> int:
+    """Blocks of the first role for a share (0: no split, every block does both); at least one block of
+    each role."""
     if share == 0 or num_blocks < 2:
         return 0
     return min(num_blocks - 1, max(1, round(num_blocks * share)))
@@ -228,6 +230,7 @@ class IntranodeBackend:
             self.ops.intranode_dispatch(
                 self.ctx, config.num_sms, x, scales, None if cached else topk_idx, None if cached else topk_weights,
                 local, state.send_pos, state.recv_info, recv_x, recv_scales, recv_idx, recv_weights, state.recv_src_idx,
+                first_role_blocks(config.num_sms, role_share("MOE_EP_DISPATCH_SPLIT")),
             )
         recv = [recv_x] if scales is None else [recv_x, recv_scales]
         event = self._leave(
@@ -291,7 +294,7 @@ class IntranodeBackend:
         with torch.cuda.stream(self.comm_stream):
             self.ops.intranode_combine(
                 self.ctx, config.num_sms, x, topk_weights, state.recv_src_idx, state.recv_info, state.send_pos,
-                biases[0], biases[1], out, out_weights, combine_pushers(config.num_sms, combine_pusher_share()),
+                biases[0], biases[1], out, out_weights, first_role_blocks(config.num_sms, role_share("MOE_EP_COMBINE_SPLIT")),
             )
         event = self._leave(
             compute, async_finish, allocate_on_comm_stream, [x, topk_weights, *biases], [out, out_weights]
