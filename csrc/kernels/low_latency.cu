@@ -324,9 +324,10 @@ int blocks_for(int64_t warps_of_work, int num_sms) {
 // The receive kernels' blocks spin until the peers' send kernels have run. When ranks share a GPU, the
 // spinning blocks of all of them must leave room for those sends, or no send is scheduled and every
 // wait runs into its deadline: each rank spins on at most half its share of the SMs and of the blocks
-// the GPU holds (`resident`, asked once: occupancy does not change during a run).
+// the GPU holds (`resident`, asked once: occupancy does not change during a run). A rank alone on its
+// GPU has its own sends ahead of it in its stream: it may use the whole GPU.
 int waiting_blocks(const Ctx& ctx, int resident, int num_sms, int wanted) {
-    const int sharing = 2 * (ctx.ranks_on_device > 1 ? ctx.ranks_on_device : 1);
+    const int sharing = ctx.ranks_on_device > 1 ? 2 * ctx.ranks_on_device : 1;
     const int cap = std::max(1, std::min(num_sms, resident) / sharing);
     return std::max(1, std::min(wanted, cap));
 }
