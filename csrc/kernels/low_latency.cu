@@ -23,6 +23,10 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+// The receive kernels' blocks are larger: with ranks sharing a GPU each spins on few blocks (see
+// waiting_blocks), and those few should still have as many threads copying as a block per expert had.
+constexpr int kRecvThreads = 1024;         // dispatch receive: a warp per row (48 registers)
+constexpr int kCombineRecvThreads = 512;   // combine receive: a thread per (token, 16 bytes) (76 registers)
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kCountBits = 24;  // peer::tag keeps the step (here: a row count) in the low 24 bits
 
@@ -118,11 +122,11 @@ __device__ void cast_piece(const __nv_bfloat16* row, uint8_t* out, int hidden, i
 // Bytes of a bf16 row one work item copies.
 constexpr int64_t kCopyPieceBytes = 32 * 16 * 4;
 
-// One block per expert: warp 0 lists the expert's (token, slot) entries in order (a row's slot index is
-// its place in that list, the portable backend's order); then all warps write the rows, a 512-column
+// One block per expert: its warps list the expert's (token, slot) entries in order (a row's slot index
+// is its place in that list, the portable backend's order); then all warps write the rows, a 512-column
 // piece (fp8) or 2 KB (bf16) at a time, into the receiver's slots; then the count flag. The list goes
-// to the buffer's send region, not shared memory: blocks this small in shared memory fit next to any
-// other rank's spinning receive blocks (see prefer_max_shared_carveout).
+// to the buffer's send region, not shared memory: a send block then needs next to none, so no SM's
+// carveout keeps it out (see prefer_max_shared_carveout).
 constexpr int kMaxListed = 1024;  // rows per expert per call: num_max_tokens is at most this
 
 __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ctx c, const __nv_bfloat16* __restrict__ x, int num_tokens,
@@ -189,7 +193,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ctx c, const __
 // A block per local expert (looping when the grid is smaller): wait for every source rank's count, then
 // pack the rows. A count flag is tag(call, rows) >= tag(call, 0) for any row count, and below it for
 // every earlier call.
-__global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(Ctx c, int num_topk, bool use_fp8, bool use_ue8m0,
+__global__ void __launch_bounds__(kRecvThreads) dispatch_recv_kernel(Ctx c, int num_topk, bool use_fp8, bool use_ue8m0,
                                                                  uint8_t* __restrict__ recv_x, uint8_t* __restrict__ recv_scales,
                                                                  int* __restrict__ recv_count, int* __restrict__ stats,
                                                                  int* __restrict__ recv_src_info) {
@@ -221,7 +225,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(Ctx c, int num_
         const int64_t x_bytes = use_fp8 ? e.hidden : static_cast<int64_t>(e.hidden) * 2;
         const int64_t s_bytes = scale_bytes(e.hidden, use_fp8, use_ue8m0);
         const int64_t rows_per_expert = static_cast<int64_t>(e.num_ranks) * e.max_tokens;
-        for (int r = warp; r < first_row[e.num_ranks]; r += kWarps) {
+        for (int r = warp; r < first_row[e.num_ranks]; r += kRecvThreads / 32) {
             int s = 0;
             while (first_row[s + 1] <= r) ++s;
             const uint8_t* message =
@@ -265,7 +269,7 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ctx c, const uin
 }
 
 // Wait for every rank's rows, then per token acc = acc + (weight * row) over the slots in order.
-__global__ void __launch_bounds__(kThreads) combine_recv_kernel(Ctx c, const int64_t* __restrict__ topk_idx,
+__global__ void __launch_bounds__(kCombineRecvThreads) combine_recv_kernel(Ctx c, const int64_t* __restrict__ topk_idx,
                                                                 const float* __restrict__ topk_weights, int num_tokens,
                                                                 int num_topk, __nv_bfloat16* __restrict__ out) {
     __shared__ int ok;
@@ -334,9 +338,9 @@ int waiting_blocks(const Ctx& ctx, int resident, int num_sms, int wanted) {
 
 // Once per kernel and thread, before its first launch: the largest shared-memory carveout (see
 // prefer_max_shared_carveout; every kernel here asks for it), and how many of its blocks the GPU holds.
-int set_up(const void* kernel, size_t dynamic_smem) {
+int set_up(const void* kernel, int threads, size_t dynamic_smem) {
     prefer_max_shared_carveout(kernel);
-    return resident_blocks(kernel, kThreads, dynamic_smem);
+    return resident_blocks(kernel, threads, dynamic_smem);
 }
 
 }  // namespace
@@ -345,7 +349,7 @@ void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t*
                    bool round_scale, bool use_ue8m0) {
     if (num_tokens > kMaxListed)
         throw std::invalid_argument("moe_ep: low-latency dispatch takes at most 1024 tokens per rank");
-    static thread_local const int resident = set_up(reinterpret_cast<const void*>(dispatch_send_kernel), 0);
+    static thread_local const int resident = set_up(reinterpret_cast<const void*>(dispatch_send_kernel), kThreads, 0);
     (void)resident;
     dispatch_send_kernel<<<ctx.num_experts, kThreads, 0, ctx.stream>>>(ctx, static_cast<const __nv_bfloat16*>(x), num_tokens,
                                                               topk_idx, num_topk, use_fp8, round_scale, use_ue8m0);
@@ -356,9 +360,9 @@ void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, v
                    int* recv_count, int* stats, int* recv_src_info, int num_sms) {
     const size_t smem = sizeof(int) * (ctx.num_ranks + 1);
     static thread_local const int resident =
-        set_up(reinterpret_cast<const void*>(dispatch_recv_kernel), sizeof(int) * 65);  // smem of up to 64 ranks
+        set_up(reinterpret_cast<const void*>(dispatch_recv_kernel), kRecvThreads, sizeof(int) * 65);  // <= 64 ranks
     const int blocks = waiting_blocks(ctx, resident, num_sms, ctx.num_experts / ctx.num_ranks);
-    dispatch_recv_kernel<<<blocks, kThreads, smem, ctx.stream>>>(
+    dispatch_recv_kernel<<<blocks, kRecvThreads, smem, ctx.stream>>>(
         ctx, num_topk, use_fp8, use_ue8m0, static_cast<uint8_t*>(recv_x), static_cast<uint8_t*>(recv_scales), recv_count,
         stats, recv_src_info);
     MOE_EP_LAUNCH_CHECK("low_latency dispatch_recv_kernel");
@@ -366,7 +370,7 @@ void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, v
 
 void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const int* recv_src_info, int num_topk, int num_sms) {
     const int64_t rows = static_cast<int64_t>(ctx.num_experts) * ctx.num_max_tokens;  // L * R * max
-    static thread_local const int resident = set_up(reinterpret_cast<const void*>(combine_send_kernel), 0);
+    static thread_local const int resident = set_up(reinterpret_cast<const void*>(combine_send_kernel), kThreads, 0);
     (void)resident;
     combine_send_kernel<<<blocks_for(rows, num_sms), kThreads, 0, ctx.stream>>>(ctx, static_cast<const uint8_t*>(x),
                                                                                   recv_count, recv_src_info, num_topk);
@@ -376,9 +380,11 @@ void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const in
 void combine_recv(const Ctx& ctx, const int64_t* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
                   void* out, int num_sms) {
     const int64_t items = static_cast<int64_t>(num_tokens) * (ctx.hidden / 8);  // a thread each
-    static thread_local const int resident = set_up(reinterpret_cast<const void*>(combine_recv_kernel), 0);
-    const int blocks = waiting_blocks(ctx, resident, num_sms, blocks_for((items + 31) / 32, num_sms));
-    combine_recv_kernel<<<blocks, kThreads, 0, ctx.stream>>>(
+    static thread_local const int resident =
+        set_up(reinterpret_cast<const void*>(combine_recv_kernel), kCombineRecvThreads, 0);
+    const int64_t wanted = (items + kCombineRecvThreads - 1) / kCombineRecvThreads;
+    const int blocks = waiting_blocks(ctx, resident, num_sms, static_cast<int>(std::min<int64_t>(wanted, num_sms)));
+    combine_recv_kernel<<<blocks, kCombineRecvThreads, 0, ctx.stream>>>(
         ctx, topk_idx, topk_weights, num_tokens, num_topk, static_cast<__nv_bfloat16*>(out));
     MOE_EP_LAUNCH_CHECK("low_latency combine_recv_kernel");
 }
