@@ -35,13 +35,13 @@ def normal_buffer(hidden: int, config: Config = None, **kwargs) -> Buffer:
 
 def profiled_round(p: Problem):
     """normal_round on a Buffer of its own with MOE_EP_PROFILE_WAITS=1: (its results, the wait profile)."""
-    os.environ["MOE_EP_PROFILE_WAITS"] = "1"
-    try:
+
+    def run():
         buffer = normal_buffer(p.hidden)
         result = normal_round(p, buffer=buffer)
         return result, buffer._intranode.wait_profile() if buffer._intranode is not None else {}
-    finally:
-        os.environ.pop("MOE_EP_PROFILE_WAITS", None)
+
+    return with_env({"MOE_EP_PROFILE_WAITS": "1"}, run)
 
 
 def low_latency_buffer(p: Problem) -> Buffer:

@@ -18,7 +18,7 @@ from ..config import Config
 from ..events import EventOverlap
 from ..handles import DispatchHandle
 from ..sync import ArrivalGate
-from .peers import HOST_COUNTS, HOST_DONE, HOST_OVERFLOW, PeerBuffers, aligned
+from .peers import HOST_COUNTS, HOST_DONE, HOST_OVERFLOW, WAIT_NAMES, PeerBuffers, aligned
 
 # Host-side grace on top of the kernels' own deadline before the host gives up on a count exchange.
 _HOST_GRACE_S = 5.0
@@ -63,7 +63,8 @@ class IntranodeBackend:
         self.num_nvl_bytes = num_nvl_bytes
         self.timeout_s = gate.timeout_s
         self.host_info, self._host = self.peers.host_info, self.peers.host
-        self.recv_info_ints = self.ops.intranode_layout(self.num_ranks, num_nvl_bytes, 0, 0, 0)["recv_info_ints"]
+        layout = self.ops.intranode_layout(self.num_ranks, num_nvl_bytes, 0, 0, 0)
+        self.recv_info_ints = layout["recv_info_ints"]
         self.ctx = self.ops.IntranodeCtx(
             self.peers.pointers.data_ptr(), self.rank, self.num_ranks, num_nvl_bytes, self.host_info, self.timeout_s,
             self.peers.ranks_on_device,
@@ -75,7 +76,7 @@ class IntranodeBackend:
         # they wait for) and their whole time; wait_profile() reads it. For benchmarks: it costs two
         # clock reads per wait.
         self._wait_rows = {} if os.environ.get("MOE_EP_PROFILE_WAITS") == "1" else None
-        self._wait_slots = self.ops.intranode_layout(self.num_ranks, num_nvl_bytes, 0, 0, 0)["wait_slots"]
+        self._wait_slots = layout["wait_slots"]
 
     def close(self) -> None:
         self.peers.close()
@@ -102,6 +103,13 @@ class IntranodeBackend:
             self.ops.intranode_check_blocks(self.ctx, num_sms)
             self._fitting_sms.add(num_sms)
 
+    def _start_call(self, kernel: str, num_sms: int) -> None:
+        """What every dispatch and combine does first: report what an earlier kernel found, refuse an SM
+        budget that cannot be resident, and point the kernels at this kernel's wait-profile rows."""
+        self.check_errors()
+        self.check_num_sms(num_sms)
+        self.ctx.wait_ns = self._profile_rows(kernel, num_sms)
+
     # ---------------------------------------------------------------- wait profile
     def _profile_rows(self, kernel: str, num_blocks: int) -> int:
         """Device address of `kernel`'s wait-profile rows (one per block; notify's blocks use them too),
@@ -124,11 +132,10 @@ class IntranodeBackend:
         if not self._wait_rows:
             return {}
         self.comm_stream.synchronize()
-        names = {1: "token counts", 2: "staged tokens", 3: "window read", 4: "window open", 5: "rows pushed"}
         profile = {}
         for kernel, rows in self._wait_rows.items():
             totals = rows.sum(dim=0).tolist()
-            profile[kernel] = {name: totals[kind] / 1e9 for kind, name in names.items() if totals[kind]}
+            profile[kernel] = {name: totals[kind] / 1e9 for kind, name in WAIT_NAMES.items() if totals[kind]}
             profile[kernel]["kernel"] = totals[-1] / 1e9
             profile[kernel]["blocks"] = int((rows[:, -1] > 0).sum())
         return profile
@@ -180,9 +187,7 @@ class IntranodeBackend:
         async_finish: bool,
         allocate_on_comm_stream: bool,
     ):
-        self.check_errors()
-        self.check_num_sms(config.num_sms)
-        self.ctx.wait_ns = self._profile_rows("dispatch", config.num_sms)
+        self._start_call("dispatch", config.num_sms)
         cached = handle is not None
         worst = handle.num_worst_tokens if cached else num_worst_tokens
         if torch.cuda.is_current_stream_capturing() and not worst:
@@ -278,9 +283,7 @@ class IntranodeBackend:
         async_finish: bool,
         allocate_on_comm_stream: bool,
     ):
-        self.check_errors()
-        self.check_num_sms(config.num_sms)
-        self.ctx.wait_ns = self._profile_rows("combine", config.num_sms)
+        self._start_call("combine", config.num_sms)
         state: IntranodeDispatchState = handle.backend_state
         x = aligned(x)
         topk_weights = None if topk_weights is None else topk_weights.contiguous()

@@ -32,6 +32,8 @@ WAITED_FOR = {
     6: "its tokens for expert {window} (low_latency_dispatch)",
     7: "its rows (low_latency_combine)",
 }
+# The intranode kinds again, named short for the wait profile (IntranodeBackend.wait_profile).
+WAIT_NAMES = {1: "token counts", 2: "staged tokens", 3: "window read", 4: "window open", 5: "rows pushed"}
 
 
 def aligned(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
