@@ -9,7 +9,6 @@ process's plain device copy of the same number of bytes, measured in the same ru
     python -m benchmarks.bench_intranode --ranks 2 4 8 --sms 24
     python -m benchmarks.bench_intranode --ranks 4 --sms 8 16 24 32 48     # SM sweep
     python -m benchmarks.bench_intranode --ranks 4 --recv-tokens 64 128 256 512   # window (buffer) sweep
-    python -m benchmarks.bench_intranode --ranks 4 --dispatch-split 0 0.5 --combine-split 0 0.5  # block roles
     python -m benchmarks.bench_intranode --ranks 8 --profile-waits   # where the kernels' time goes
     python -m benchmarks.bench_intranode --ranks 8 --nccl     # one rank per GPU: also NCCL's all-to-all
 
@@ -39,16 +38,6 @@ from moe_ep.launch import RankPool  # noqa: E402
 
 MODES = ("dispatch_fp8", "dispatch_bf16", "combine")
 NCCL_MODE = "nccl_all_to_all_bf16"
-
-
-def split_mode(mode: str, share: float) -> str:
-    """The name of `mode` run with its kernel's blocks split by role (MOE_EP_DISPATCH_SPLIT or
-    MOE_EP_COMBINE_SPLIT = share; 0: every block does both)."""
-    return mode if share == 0 else f"{mode}_split{share:g}"
-
-
-def split_variable(mode: str) -> str:
-    return "MOE_EP_COMBINE_SPLIT" if mode.startswith("combine") else "MOE_EP_DISPATCH_SPLIT"
 
 
 def wait_shares(profile: dict, mode: str) -> dict:
@@ -93,28 +82,22 @@ def rank_bench(args):
         rows = recv_x.shape[0]
         y = recv_x.clone()
         for i, num_sms in enumerate(args.sms):
-            calls = {}  # mode -> (call, split share)
-            for share in args.dispatch_split:
-                calls[split_mode("dispatch_fp8", share)] = (
-                    lambda c=configs["dispatch_fp8"][i]: buffer.dispatch(x_fp8, config=c, **layout), share)
-                calls[split_mode("dispatch_bf16", share)] = (
-                    lambda c=configs["dispatch_bf16"][i]: buffer.dispatch(x, config=c, **layout), share)
-            for share in args.combine_split:
-                calls[split_mode("combine", share)] = (
-                    lambda c=configs["combine"][i]: buffer.combine(y, handle, topk_weights=recv_w, config=c), share)
-            for mode, (fn, share) in calls.items():
-                os.environ[split_variable(mode)] = str(share)
+            calls = {
+                "dispatch_fp8": lambda c=configs["dispatch_fp8"][i]: buffer.dispatch(x_fp8, config=c, **layout),
+                "dispatch_bf16": lambda c=configs["dispatch_bf16"][i]: buffer.dispatch(x, config=c, **layout),
+                "combine": lambda c=configs["combine"][i]: buffer.combine(y, handle, topk_weights=recv_w, config=c),
+            }
+            for mode, fn in calls.items():
                 kernels = buffer._intranode  # None on the portable backend
                 if kernels is not None:
                     kernels.reset_wait_profile()
                 seconds = wall_seconds_per_call(fn, args.warmup, args.iters)
                 waits = wait_shares(kernels.wait_profile(), mode) if kernels is not None else {}
                 row_bytes = args.hidden * (1 + 4 / 128) if mode == "dispatch_fp8" else args.hidden * 2
-                config = configs[next(m for m in MODES if mode.startswith(m))][i]
+                config = configs[mode][i]
                 results.append(dict(rank=rank, sms=num_sms, recv_tokens=config.num_max_nvl_chunked_recv_tokens,
                                     nvl_bytes=nvl, mode=mode, us=seconds * 1e6, rows=rows, bytes=rows * row_bytes,
                                     gbps=rows * row_bytes / seconds / 1e9, waits=waits))
-                os.environ.pop(split_variable(mode), None)
         buffer.destroy()  # collective: no peer reads this rank's windows any more
     if args.nccl:  # the routing is the same for every buffer: the last one's layout serves
         results.append(nccl_reference(args, x, in_rank, per_rank, rows))
@@ -167,10 +150,6 @@ def main():
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--sms", type=int, nargs="+", default=[24])
-    parser.add_argument("--dispatch-split", type=float, nargs="+", default=[0.0],
-                        help="MOE_EP_DISPATCH_SPLIT values to compare (share of dispatch blocks that only stage)")
-    parser.add_argument("--combine-split", type=float, nargs="+", default=[0.0],
-                        help="MOE_EP_COMBINE_SPLIT values to compare (share of combine blocks that only push)")
     parser.add_argument("--recv-tokens", type=int, nargs="+", default=[],
                         help="num_max_nvl_chunked_recv_tokens values to sweep (the buffer, hence window, size); "
                              "default: the tuned config's")
@@ -193,9 +172,7 @@ def main():
         best = {}
         for key in sorted({(r["sms"], r.get("recv_tokens", 0)) for r in flat}):
             num_sms, recv_tokens = key
-            modes = tuple(split_mode(m, sh) for m in MODES[:2] for sh in args.dispatch_split)
-            modes += tuple(split_mode("combine", sh) for sh in args.combine_split)
-            modes += (NCCL_MODE,) if args.nccl and num_sms == args.sms[0] else ()
+            modes = MODES + ((NCCL_MODE,) if args.nccl and num_sms == args.sms[0] else ())
             for mode in modes:
                 rows = [r for r in flat if r["sms"] == num_sms and r.get("recv_tokens", 0) == recv_tokens
                         and r["mode"] == mode]

@@ -6,7 +6,7 @@ Bandwidth in DeepEP's metric: dispatch moves (hidden + hidden/128 * 4 + 16) byte
 selection in fp8, combine hidden * 2 bytes per selection.
 
     python -m benchmarks.bench_low_latency --ranks 8                 # 288 experts with 8 ranks
-    MOE_EP_LL_KERNELS=1 python -m benchmarks.bench_low_latency ...   # the kernels (opt-in for now)
+    MOE_EP_LL_KERNELS=0 python -m benchmarks.bench_low_latency ...   # the portable backend on the GPU
 """
 from __future__ import annotations
 

@@ -54,7 +54,6 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stub-kernels", action="store_true")
     args = parser.parse_args()
-    os.environ.setdefault("MOE_EP_LL_KERNELS", "1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     device = "cpu" if args.stub_kernels else "cuda"
     x = torch.randn(TOKENS, HIDDEN, device=device).to(torch.bfloat16)

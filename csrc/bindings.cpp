@@ -203,8 +203,7 @@ void intranode_dispatch(const IntranodeCtx& c, int64_t num_blocks, const torch::
                         const torch::Tensor& send_pos, const torch::Tensor& recv_info, const torch::Tensor& recv_x,
                         const std::optional<torch::Tensor>& recv_scales,
                         const std::optional<torch::Tensor>& recv_topk_idx,
-                        const std::optional<torch::Tensor>& recv_topk_weights, const torch::Tensor& recv_src_idx,
-                        int64_t num_stagers) {
+                        const std::optional<torch::Tensor>& recv_topk_weights, const torch::Tensor& recv_src_idx) {
     const c10::cuda::CUDAGuard guard(x.device());
     for (const auto* t : {&x, &recv_x}) check_rows(*t, "x");
     intranode::DispatchArgs a{};
@@ -225,7 +224,6 @@ void intranode_dispatch(const IntranodeCtx& c, int64_t num_blocks, const torch::
     a.recv_topk_weights = optional_ptr<float>(recv_topk_weights);
     a.recv_src_idx = recv_src_idx.data_ptr<int>();
     a.num_recv_rows = static_cast<int>(recv_x.size(0));
-    a.num_stagers = static_cast<int>(num_stagers);
     intranode::dispatch(make_ctx(c, num_blocks), a);
 }
 
@@ -233,8 +231,7 @@ void intranode_combine(const IntranodeCtx& c, int64_t num_blocks, const torch::T
                        const std::optional<torch::Tensor>& topk_weights, const torch::Tensor& recv_src_idx,
                        const torch::Tensor& recv_info, const torch::Tensor& send_pos,
                        const std::optional<torch::Tensor>& bias0, const std::optional<torch::Tensor>& bias1,
-                       const torch::Tensor& out, const std::optional<torch::Tensor>& out_weights,
-                       int64_t num_pushers) {
+                       const torch::Tensor& out, const std::optional<torch::Tensor>& out_weights) {
     const c10::cuda::CUDAGuard guard(x.device());
     check_rows(x, "x");
     check_rows(out, "out");
@@ -254,7 +251,6 @@ void intranode_combine(const IntranodeCtx& c, int64_t num_blocks, const torch::T
     a.bias1 = optional_ptr<const void>(bias1);
     a.out = out.data_ptr();
     a.out_weights = optional_ptr<float>(out_weights);
-    a.num_pushers = static_cast<int>(num_pushers);
     intranode::combine(make_ctx(c, num_blocks), a);
 }
 

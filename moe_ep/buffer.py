@@ -137,11 +137,12 @@ class Buffer:
         )
 
     def _low_latency_kernels_usable(self) -> bool:
-        """The low-latency kernels (ranks of one host; their buffers mapped with CUDA IPC, or with
-        NVSHMEM under MOE_EP_LL_MEMORY=nvshmem) are opt-in with MOE_EP_LL_KERNELS=1 until they have
-        run on a GPU (docs/DESIGN.md); CUDA tensors use the portable backend otherwise."""
+        """The low-latency kernels serve CUDA tensors when the whole group is on this host (their
+        buffers mapped with CUDA IPC, or with NVSHMEM under MOE_EP_LL_MEMORY=nvshmem).
+        MOE_EP_LL_KERNELS=0 (or MOE_EP_KERNELS=0) keeps low-latency calls on the portable backend."""
         return (
-            os.environ.get("MOE_EP_LL_KERNELS", "0") == "1"
+            os.environ.get("MOE_EP_LL_KERNELS", "1") != "0"
+            and os.environ.get("MOE_EP_KERNELS", "1") != "0"
             and _native.has_kernels()
             and self.ranks_per_node == self.group_size
             and self.low_latency_mode

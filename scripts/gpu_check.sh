@@ -54,18 +54,15 @@ if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
   $PY -m benchmarks.profile_layout_call 2>&1 | tee -a "$OUT/summary.txt"
   $PY -m benchmarks.bench_layout --json "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_layout.txt" | tee -a "$OUT/summary.txt"
   $PY -m benchmarks.bench_fp8 --json "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_fp8.txt" | tee -a "$OUT/summary.txt"
-  # BENCH_SMS / BENCH_RECV_TOKENS / BENCH_DISPATCH_SPLIT / BENCH_COMBINE_SPLIT: space-separated sweeps
-  # (SM budgets; chunk = window sizes; shares of blocks that only stage / only push).
+  # BENCH_SMS / BENCH_RECV_TOKENS: space-separated sweeps (SM budgets; chunk = window sizes).
   timeout 300 $PY -m benchmarks.bench_intranode --ranks 2 4 8 --sms ${BENCH_SMS:-24} \
-    ${BENCH_RECV_TOKENS:+--recv-tokens $BENCH_RECV_TOKENS} ${BENCH_DISPATCH_SPLIT:+--dispatch-split $BENCH_DISPATCH_SPLIT} \
-    ${BENCH_COMBINE_SPLIT:+--combine-split $BENCH_COMBINE_SPLIT} --json "$OUT/bench.jsonl" 2>&1 \
+    ${BENCH_RECV_TOKENS:+--recv-tokens $BENCH_RECV_TOKENS} --json "$OUT/bench.jsonl" 2>&1 \
     | tee "$OUT/bench_intranode.txt" | tee -a "$OUT/summary.txt"
   # Where the intranode kernels' time goes (their blocks' waits on peers), apart from the figures above.
   [[ ${BENCH_PROFILE_WAITS:-0} == 1 ]] && timeout 200 $PY -m benchmarks.bench_intranode --ranks 4 8 --sms ${BENCH_SMS:-24} \
-    --profile-waits ${BENCH_DISPATCH_SPLIT:+--dispatch-split $BENCH_DISPATCH_SPLIT} \
-    ${BENCH_COMBINE_SPLIT:+--combine-split $BENCH_COMBINE_SPLIT} 2>&1 | tee -a "$OUT/summary.txt"
+    --profile-waits 2>&1 | tee -a "$OUT/summary.txt"
   timeout 60 $PY -m benchmarks.profile_low_latency_call 2>&1 | tee -a "$OUT/summary.txt"
-  MOE_EP_LL_KERNELS=1 timeout 240 $PY -m benchmarks.bench_low_latency --ranks ${BENCH_LL_RANKS:-2 4 8} --json "$OUT/bench.jsonl" 2>&1 \
+  timeout 240 $PY -m benchmarks.bench_low_latency --ranks ${BENCH_LL_RANKS:-2 4 8} --json "$OUT/bench.jsonl" 2>&1 \
     | tee "$OUT/bench_low_latency.txt" | tee -a "$OUT/summary.txt"
 fi
 exit $status

@@ -41,7 +41,7 @@ timeout 240 $PY -m benchmarks.bench_intranode --ranks "$RANKS" --sms 24 $NCCL_FL
   | tee -a "$OUT/summary.txt"
 timeout 240 $PY -m benchmarks.bench_intranode --ranks "$RANKS" --sms 8 16 32 48 --json "$OUT/sweep.jsonl" 2>&1 \
   | tee -a "$OUT/summary.txt"
-MOE_EP_LL_KERNELS=1 timeout 200 $PY -m benchmarks.bench_low_latency --ranks "$RANKS" --json "$OUT/bench.jsonl" 2>&1 \
+timeout 200 $PY -m benchmarks.bench_low_latency --ranks "$RANKS" --json "$OUT/bench.jsonl" 2>&1 \
   | tee -a "$OUT/summary.txt"
 
 # megatron-core at EP=$RANKS, both dispatchers, same seeds (a carried .whl/megatron_core-*.whl is used).

@@ -74,19 +74,6 @@ def test_many_windows_in_a_small_buffer(pools, gpu_pools, seed, num_ranks, use_f
                           config=config))
 
 
-@pytest.mark.parametrize("num_ranks", [2, 4, 8])
-@pytest.mark.parametrize("share,config", [("0.5", None), ("0.75", Config(4, 2, 4, 2, 4)), ("0.25", Config(8, 2, 4, 2, 4))])
-def test_kernels_with_blocks_split_by_role(pools, gpu_pools, seed, num_ranks, share, config):
-    """MOE_EP_DISPATCH_SPLIT / MOE_EP_COMBINE_SPLIT: some blocks only stage (push), the others only pull
-    (reduce), with one window and many; fp8 with num_worst_tokens pads rows past the received ones."""
-    p = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=200)
-    env = {"MOE_EP_DISPATCH_SPLIT": share, "MOE_EP_COMBINE_SPLIT": share}
-    worst = num_ranks * p.max_tokens  # every token of every rank: never too small
-    for kwargs in (dict(use_fp8=False, num_biases=2, config=config), dict(use_fp8=True, num_worst_tokens=worst)):
-        on_gpu = gpu_pools(num_ranks).run(rank_fns.with_env, env, rank_fns.normal_round, p, **kwargs)
-        _compare(seed, on_gpu, pools(num_ranks).run(rank_fns.normal_round, p, **kwargs))
-
-
 def test_wait_profile_adds_up(pools, gpu_pools, seed):
     """MOE_EP_PROFILE_WAITS: results unchanged; every block's waits inside the kernel fit in its time."""
     p = Problem(seed, 4, 16, 256, 4, max_tokens=64)

@@ -1,7 +1,8 @@
 """Low-latency kernels against the portable backend, bit for bit, with ranks sharing one GPU.
 
-The kernels are opt-in (MOE_EP_LL_KERNELS=1) until these tests have passed on a GPU; the rank
-functions switch them on. Rows past recv_count are not data and are not compared.
+The kernels serve CUDA tensors by default; the rank functions set MOE_EP_LL_KERNELS=1 anyway, so that
+a caller's environment cannot turn these tests into portable-against-portable ones. Rows past
+recv_count are not data and are not compared.
 """
 import pytest
 import torch

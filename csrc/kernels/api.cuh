@@ -107,7 +107,6 @@ struct DispatchArgs {
     float* recv_topk_weights;
     int* recv_src_idx;            // [num_recv_rows] source token index of each row (for combine)
     int num_recv_rows;            // rows allocated; rows past the received ones are padding
-    int num_stagers;              // 0: every block stages and pulls; else blocks [0, n) stage, the rest pull
 };
 // Throws std::invalid_argument when the blocks of all ranks on this GPU cannot be resident together;
 // check_blocks_fit(ctx) says so before a call starts (the count exchange would run otherwise).
@@ -128,7 +127,6 @@ struct CombineArgs {
     const void* bias1;
     void* out;                    // [N, hidden]
     float* out_weights;           // [N, K] or null
-    int num_pushers;              // 0: every block pushes and reduces; else blocks [0, n) push, the rest reduce
 };
 void combine(const Ctx& ctx, const CombineArgs& args);
 

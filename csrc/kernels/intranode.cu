@@ -199,31 +199,21 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Ctx c, const boo
 }
 
 // ------------------------------------------------------------------ dispatch
-// Blocks of one role (staging, pulling, or both; the combine's pushing and reducing likewise) and this
-// warp's place among their warps.
-struct Role {
+// The kernel's blocks and this warp's place among all their warps. (Blocks split by role, some only
+// staging or pushing and the others only pulling or reducing, were measured and lost: DESIGN.md.)
+struct Warps {
     int blocks, warp, num_warps;
 };
-
-// The role of this block when the first `first_role_blocks` blocks take the first role and the others
-// the second; first_role_blocks == 0 (or out of range): every block takes both.
-struct Roles {
-    bool first, second;
-    Role role;
-};
 template <int kWarps>
-__device__ Roles split_roles(int first_role_blocks) {
-    const int blocks = gridDim.x, block = blockIdx.x, warp = threadIdx.x / 32;
-    const int n = first_role_blocks > 0 && first_role_blocks < blocks ? first_role_blocks : 0;
-    if (n == 0) return {true, true, {blocks, block * kWarps + warp, blocks * kWarps}};
-    if (block < n) return {true, false, {n, block * kWarps + warp, n * kWarps}};
-    return {false, true, {blocks - n, (block - n) * kWarps + warp, (blocks - n) * kWarps}};
+__device__ Warps grid_warps() {
+    return {static_cast<int>(gridDim.x), static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x) / 32,
+            static_cast<int>(gridDim.x) * kWarps};
 }
 
 // Stage window w of this rank's tokens in its own buffer (the half of window w - 2, once every rank has
-// finished reading it); the role's last block raises every rank's staged flag.
+// finished reading it); the last block raises every rank's staged flag.
 __device__ bool stage_window(const Env& e, const DispatchArgs& a, const DispatchSlot& slot, int window_tokens,
-                             const Role& role, int w) {
+                             const Warps& warps, int w) {
     const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
     const int parity = w & 1, first = w * window_tokens;
     if (w >= 2 && !block_wait(e, kReleasedBy, 0, R, tag(e.seq, w - 2), kErrReleased, w - 2)) return false;
@@ -231,8 +221,8 @@ __device__ bool stage_window(const Env& e, const DispatchArgs& a, const Dispatch
     const int count = clamp_count(a.num_tokens, first, window_tokens);
     // A warp takes 32 tokens (spaced by the number of warps, so that all warps have work): each lane
     // writes its token's destination rows, then the warp copies the tokens that go anywhere.
-    for (int b = 0; b * role.num_warps * 32 < count; ++b) {
-        const int mine = (b * 32 + lane) * role.num_warps + role.warp;
+    for (int b = 0; b * warps.num_warps * 32 < count; ++b) {
+        const int mine = (b * 32 + lane) * warps.num_warps + warps.warp;
         bool sent = false;
         if (mine < count) {
             int* pos = reinterpret_cast<int*>(staged + mine * slot.bytes + slot.pos_offset);
@@ -243,7 +233,7 @@ __device__ bool stage_window(const Env& e, const DispatchArgs& a, const Dispatch
             }
         }
         for (unsigned todo = __ballot_sync(kFullMask, sent); todo != 0; todo &= todo - 1) {
-            const int i = (b * 32 + __ffs(todo) - 1) * role.num_warps + role.warp;
+            const int i = (b * 32 + __ffs(todo) - 1) * warps.num_warps + warps.warp;
             const int64_t t = first + i;
             uint8_t* dst = staged + i * slot.bytes;
             for (int k = lane; k < K; k += 32) {
@@ -257,15 +247,15 @@ __device__ bool stage_window(const Env& e, const DispatchArgs& a, const Dispatch
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0 && arrive_last(e.own(kStageCount + parity), role.blocks))
+    if (threadIdx.x == 0 && arrive_last(e.own(kStageCount + parity), warps.blocks))
         for (int r = 0; r < R; ++r) raise_flag(e.peer_array(r, kStagedFrom, me), tag(e.seq, w));
     return true;
 }
 
 // Pull window w of every rank (starting with the next one, so that ranks spread their reads) into the
-// outputs; the role's last block to finish a source raises its released flag.
+// outputs; the last block to finish a source raises its released flag.
 __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchSlot& slot, int window_tokens,
-                            const Role& role, int w) {
+                            const Warps& warps, int w) {
     const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
     const int parity = w & 1, first = w * window_tokens;
     const int total = a.recv_info[1];
@@ -277,11 +267,11 @@ __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchS
         const uint8_t* window = e.window(s, parity);
         const int n = clamp_count(src_tokens[s], first, window_tokens);
         // A warp reads the destination rows of 32 slots at once, then copies the ones meant here.
-        for (int b = 0; b * role.num_warps * 32 < n; ++b) {
-            const int mine = (b * 32 + lane) * role.num_warps + role.warp;
+        for (int b = 0; b * warps.num_warps * 32 < n; ++b) {
+            const int mine = (b * 32 + lane) * warps.num_warps + warps.warp;
             const int p = mine < n ? __ldcg(reinterpret_cast<const int*>(window + mine * slot.bytes + slot.pos_offset) + me) : -1;
             for (unsigned todo = __ballot_sync(kFullMask, p >= 0); todo != 0; todo &= todo - 1) {
-                const int jj = __ffs(todo) - 1, i = (b * 32 + jj) * role.num_warps + role.warp;
+                const int jj = __ffs(todo) - 1, i = (b * 32 + jj) * warps.num_warps + warps.warp;
                 const int64_t row = base[s] + __shfl_sync(kFullMask, p, jj);
                 const uint8_t* src = window + i * slot.bytes;
                 if (row >= a.num_recv_rows) {  // num_worst_tokens too small: report, write nothing
@@ -308,32 +298,30 @@ __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchS
             }
         }
         __syncthreads();
-        if (threadIdx.x == 0 && arrive_last(e.own(signal_index(kPullCount, R, s, parity)), role.blocks))
+        if (threadIdx.x == 0 && arrive_last(e.own(signal_index(kPullCount, R, s, parity)), warps.blocks))
             raise_flag(e.peer_array(s, kReleasedBy, me), tag(e.seq, w));
     }
     return true;
 }
 
-// a.num_stagers == 0: every block stages window w, then pulls it. Otherwise the first num_stagers blocks
-// only stage and the others only pull, so window w + 1 is staged while window w is pulled.
+// Every block stages its share of window w, then pulls its share of every rank's window w.
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(kThreads))
     dispatch_kernel(Ctx c, DispatchArgs a, DispatchSlot slot, int window_tokens) {
     constexpr int kWarps = kThreads / 32;
     const Env e = make_env(c);
     const int R = e.num_ranks, K = a.num_topk, lane = threadIdx.x % 32;
-    const int warp_id = blockIdx.x * kWarps + threadIdx.x / 32, num_warps = gridDim.x * kWarps;
     const int max_tokens = a.recv_info[0], total = a.recv_info[1];
     const int num_windows = max(1, ceil_div(max_tokens, window_tokens));
-    const Roles roles = split_roles<kWarps>(a.num_stagers);
+    const Warps warps = grid_warps<kWarps>();
     bool ok = load_volatile(e.own(kAbort)) == 0;
     for (int w = 0; ok && w < num_windows; ++w) {
-        if (roles.first) ok = stage_window(e, a, slot, window_tokens, roles.role, w);
-        if (ok && roles.second) ok = pull_window(e, a, slot, window_tokens, roles.role, w);
+        ok = stage_window(e, a, slot, window_tokens, warps, w);
+        if (ok) ok = pull_window(e, a, slot, window_tokens, warps, w);
     }
     // Padding rows of a num_worst_tokens dispatch: no data, no expert.
     if (ok) {
-        for (int64_t row = min(total, a.num_recv_rows) + warp_id; row < a.num_recv_rows; row += num_warps) {
+        for (int64_t row = min(total, a.num_recv_rows) + warps.warp; row < a.num_recv_rows; row += warps.num_warps) {
             for (int64_t b = lane; b < a.x_bytes; b += 32) static_cast<uint8_t*>(a.recv_x)[row * a.x_bytes + b] = 0;
             for (int64_t b = lane; b < a.scale_bytes; b += 32) static_cast<uint8_t*>(a.recv_scales)[row * a.scale_bytes + b] = 0;
             for (int k = lane; k < K; k += 32) {
@@ -392,10 +380,10 @@ struct CombineCall {
 };
 
 // Push: every row this rank holds for a token of owner s's window w goes to the owner's slot (token,
-// this rank), owners in turn from the next rank on; the role's last block to finish an owner raises
+// this rank), owners in turn from the next rank on; the last block to finish an owner raises
 // its pushed flag.
 template <typename T, typename V>
-__device__ bool push_window(const Env& e, const CombineCall& call, const Role& role, int w) {
+__device__ bool push_window(const Env& e, const CombineCall& call, const Warps& warps, int w) {
     const CombineArgs& a = call.a;
     const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
     const int parity = w & 1, first = w * call.window_tokens;
@@ -412,7 +400,7 @@ __device__ bool push_window(const Env& e, const CombineCall& call, const Role& r
         if (hi > lo) {
             if (!block_wait(e, kOpenFrom, s, s + 1, tag(e.seq, w), kErrOpen, w)) return false;
             uint8_t* window = e.window(s, parity);
-            for (int64_t i = lo + role.warp; i < hi; i += role.num_warps) {
+            for (int64_t i = lo + warps.warp; i < hi; i += warps.num_warps) {
                 const int64_t t = a.recv_src_idx[i];
                 uint8_t* dst = window + ((t - first) * R + me) * call.slot_bytes;
                 warp_copy<Src::kReadOnly>(dst, static_cast<const uint8_t*>(a.x) + i * call.x_bytes, call.x_bytes, lane);
@@ -421,16 +409,16 @@ __device__ bool push_window(const Env& e, const CombineCall& call, const Role& r
             }
         }
         __syncthreads();
-        if (threadIdx.x == 0 && arrive_last(e.own(signal_index(kPushCount, R, s, parity)), role.blocks))
+        if (threadIdx.x == 0 && arrive_last(e.own(signal_index(kPushCount, R, s, parity)), warps.blocks))
             raise_flag(e.peer_array(s, kPushedFrom, me), tag(e.seq, w));
     }
     return true;
 }
 
 // Reduce this rank's window w once every rank pushed into it: bias, then every rank's row in ascending
-// rank order, in float32; the role's last block to finish reopens the window half for window w + 2.
+// rank order, in float32; the last block to finish reopens the window half for window w + 2.
 template <typename T, typename V>
-__device__ bool reduce_window(const Env& e, const CombineCall& call, const Role& role, int w) {
+__device__ bool reduce_window(const Env& e, const CombineCall& call, const Warps& warps, int w) {
     constexpr int kElems = sizeof(V) / sizeof(T);
     const CombineArgs& a = call.a;
     const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
@@ -439,7 +427,7 @@ __device__ bool reduce_window(const Env& e, const CombineCall& call, const Role&
     if (!block_wait(e, kPushedFrom, 0, R, tag(e.seq, w), kErrPushed, w)) return false;
     const uint8_t* window = e.window(me, parity);
     const int count = clamp_count(a.num_tokens, first, call.window_tokens);
-    for (int i = role.warp; i < count; i += role.num_warps) {
+    for (int i = warps.warp; i < count; i += warps.num_warps) {
         const int64_t t = first + i;
         uint64_t sent = 0;
         for (int r0 = 0; r0 < R; r0 += 32) {
@@ -499,14 +487,13 @@ __device__ bool reduce_window(const Env& e, const CombineCall& call, const Role&
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0 && arrive_last(e.own(kReduceCount + parity), role.blocks))
+    if (threadIdx.x == 0 && arrive_last(e.own(kReduceCount + parity), warps.blocks))
         for (int r = 0; r < R; ++r) raise_flag(e.peer_array(r, kOpenFrom, me), tag(e.seq, w + 2));
     return true;
 }
 
 // T: element type; V: the vector a lane moves at once (16 bytes, or 8 for rows of 8-byte multiples).
-// a.num_pushers == 0: every block pushes window w, then reduces it. Otherwise the first num_pushers
-// blocks only push and the others only reduce, so pushing window w + 1 overlaps reducing window w.
+// Every block pushes its share of window w to every owner, then reduces its share of its own window w.
 template <typename T, typename V, int kThreads>
 __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(kThreads))
     combine_kernel(Ctx c, CombineArgs a, int64_t slot_bytes, int window_tokens) {
@@ -516,14 +503,14 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm(kThreads))
     const CombineCall call{a, slot_bytes, x_bytes, align_up(x_bytes, kSlotAlign), window_tokens, a.recv_info + 2};
     const int max_tokens = a.recv_info[0];
     const int num_windows = max(1, ceil_div(max_tokens, window_tokens));
-    const Roles roles = split_roles<kWarps>(a.num_pushers);
+    const Warps warps = grid_warps<kWarps>();
     bool ok = load_volatile(e.own(kAbort)) == 0;
     // Windows 0 and 1 of this rank accept rows from now on (the previous kernel left them unused).
     if (ok && blockIdx.x == 0 && threadIdx.x == 0)
         for (int r = 0; r < e.num_ranks; ++r) raise_flag(e.peer_array(r, kOpenFrom, e.rank), tag(e.seq, 1));
     for (int w = 0; ok && w < num_windows; ++w) {
-        if (roles.first) ok = push_window<T, V>(e, call, roles.role, w);
-        if (ok && roles.second) ok = reduce_window<T, V>(e, call, roles.role, w);
+        ok = push_window<T, V>(e, call, warps, w);
+        if (ok) ok = reduce_window<T, V>(e, call, warps, w);
     }
     finish_kernel(e, e.own(kDoneCount));
 }

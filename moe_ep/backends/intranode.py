@@ -24,28 +24,6 @@ from .peers import HOST_COUNTS, HOST_DONE, HOST_OVERFLOW, WAIT_NAMES, PeerBuffer
 _HOST_GRACE_S = 5.0
 
 
-def role_share(variable: str) -> float:
-    """MOE_EP_DISPATCH_SPLIT / MOE_EP_COMBINE_SPLIT (experiments, to be settled by the benchmark): the
-    share of a kernel's blocks that only stage (dispatch) or push (combine) while the others only pull
-    or reduce; 0 (default) lets every block do both."""
-    raw = os.environ.get(variable, "0")
-    try:
-        share = float(raw)
-    except ValueError:
-        raise ValueError(f"{variable}: expected a number in [0, 1), got {raw!r}") from None
-    if not 0 <= share < 1:
-        raise ValueError(f"{variable}: expected a number in [0, 1), got {raw!r}")
-    return share
-
-
-def first_role_blocks(num_blocks: int, share: float) -> int:
-    """Blocks of the first role for a share (0: no split, every block does both); at least one block of
-    each role."""
-    if share == 0 or num_blocks < 2:
-        return 0
-    return min(num_blocks - 1, max(1, round(num_blocks * share)))
-
-
 @dataclass
 class IntranodeDispatchState:
     """Device-side layout a kernel dispatch leaves for its combine and cached dispatches."""
@@ -235,7 +213,6 @@ class IntranodeBackend:
             self.ops.intranode_dispatch(
                 self.ctx, config.num_sms, x, scales, None if cached else topk_idx, None if cached else topk_weights,
                 local, state.send_pos, state.recv_info, recv_x, recv_scales, recv_idx, recv_weights, state.recv_src_idx,
-                first_role_blocks(config.num_sms, role_share("MOE_EP_DISPATCH_SPLIT")),
             )
         recv = [recv_x] if scales is None else [recv_x, recv_scales]
         event = self._leave(
@@ -297,7 +274,7 @@ class IntranodeBackend:
         with torch.cuda.stream(self.comm_stream):
             self.ops.intranode_combine(
                 self.ctx, config.num_sms, x, topk_weights, state.recv_src_idx, state.recv_info, state.send_pos,
-                biases[0], biases[1], out, out_weights, first_role_blocks(config.num_sms, role_share("MOE_EP_COMBINE_SPLIT")),
+                biases[0], biases[1], out, out_weights,
             )
         event = self._leave(
             compute, async_finish, allocate_on_comm_stream, [x, topk_weights, *biases], [out, out_weights]
