@@ -24,16 +24,29 @@ namespace {
 
 // Every block of every rank must be resident at once (they wait on each other), and with several
 // ranks on one GPU two consecutive kernels of different ranks can be alive together (one rank in
-// combine while another finishes its dispatch): 2 * ranks * blocks must fit. Both block sizes below
-// are built with at most 64 registers per thread; a launch takes the larger one whose blocks fit
-// (pick_threads). Measured on an H200: 512-thread blocks moved 15-20% more than 256-thread ones at
-// 2 and 4 ranks, and deadlocked until the deadline with 8 ranks of 20 blocks (2 per SM: 264 fit).
-constexpr int kWideThreads = 512;
-constexpr int kNarrowThreads = 256;
-constexpr int min_blocks_per_sm(int threads) { return 1024 / threads; }  // 64 registers per thread
-// Combine loads up to this many ranks' slots of a token at once before summing them in rank order.
-constexpr int kCombineBatch = 2;
-// ... for this many 16-byte (or 8-byte) vectors of the row per lane.
+// combine while another finishes its dispatch): 2 * ranks * blocks must fit. Each kernel is built in
+// three shapes and a launch takes the first whose blocks fit (launch_resident):
+//  - Solo: 512 threads, one block per SM, so 128 registers per thread: no spills, and twice the
+//    loads in flight per lane. The kernels are bound by memory latency (every warp waits on its own
+//    loads; the wait profile shows little waiting on peers), so loads in flight are what moves bytes.
+//  - Wide: 512 threads, two blocks per SM (64 registers).
+//  - Narrow: 256 threads, four per SM. Measured on an H200: 512-thread blocks moved 15-20% more than
+//    256-thread ones at 2 and 4 ranks, and deadlocked until the deadline with 8 ranks of 20 blocks
+//    (2 per SM: 264 fit) before the shape was chosen by residency.
+template <int kThreadsPerBlock, int kBlocksPerSm>
+struct Shape {
+    static constexpr int kThreads = kThreadsPerBlock;
+    static constexpr int kMinBlocks = kBlocksPerSm;
+    static constexpr int kWarps = kThreads / 32;
+    // 16-byte loads in flight per lane in a row copy.
+    static constexpr int kCopyDepth = kBlocksPerSm == 1 ? 12 : 6;
+    // Combine loads up to this many ranks' slots of a token at once (kChunks vectors of each per lane)
+    // before summing them in rank order.
+    static constexpr int kCombineBatch = kBlocksPerSm == 1 ? 4 : 2;
+};
+using Solo = Shape<512, 1>;
+using Wide = Shape<512, 2>;
+using Narrow = Shape<256, 4>;
 constexpr int kChunks = 2;
 constexpr int kNotifyThreads = 512;
 constexpr int kScanItems = 4;
@@ -212,6 +225,7 @@ __device__ Warps grid_warps() {
 
 // Stage window w of this rank's tokens in its own buffer (the half of window w - 2, once every rank has
 // finished reading it); the last block raises every rank's staged flag.
+template <typename S>
 __device__ bool stage_window(const Env& e, const DispatchArgs& a, const DispatchSlot& slot, int window_tokens,
                              const Warps& warps, int w) {
     const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
@@ -240,9 +254,9 @@ __device__ bool stage_window(const Env& e, const DispatchArgs& a, const Dispatch
                 reinterpret_cast<int64_t*>(dst + slot.idx_offset)[k] = a.topk_idx[t * K + k];
                 reinterpret_cast<float*>(dst + slot.weight_offset)[k] = a.topk_weights[t * K + k];
             }
-            warp_copy<Src::kReadOnly>(dst + slot.x_offset, static_cast<const uint8_t*>(a.x) + t * a.x_bytes, a.x_bytes, lane);
+            warp_copy<Src::kReadOnly, S::kCopyDepth>(dst + slot.x_offset, static_cast<const uint8_t*>(a.x) + t * a.x_bytes, a.x_bytes, lane);
             if (a.scale_bytes > 0)
-                warp_copy<Src::kReadOnly>(dst + slot.scale_offset, static_cast<const uint8_t*>(a.scales) + t * a.scale_bytes,
+                warp_copy<Src::kReadOnly, S::kCopyDepth>(dst + slot.scale_offset, static_cast<const uint8_t*>(a.scales) + t * a.scale_bytes,
                                           a.scale_bytes, lane);
         }
     }
@@ -254,6 +268,7 @@ __device__ bool stage_window(const Env& e, const DispatchArgs& a, const Dispatch
 
 // Pull window w of every rank (starting with the next one, so that ranks spread their reads) into the
 // outputs; the last block to finish a source raises its released flag.
+template <typename S>
 __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchSlot& slot, int window_tokens,
                             const Warps& warps, int w) {
     const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
@@ -284,9 +299,9 @@ __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchS
                     expert = __ldcg(reinterpret_cast<const long long*>(src + slot.idx_offset) + lane);
                     weight = __ldcg(reinterpret_cast<const float*>(src + slot.weight_offset) + lane);
                 }
-                warp_copy<Src::kShared>(static_cast<uint8_t*>(a.recv_x) + row * a.x_bytes, src + slot.x_offset, a.x_bytes, lane);
+                warp_copy<Src::kShared, S::kCopyDepth>(static_cast<uint8_t*>(a.recv_x) + row * a.x_bytes, src + slot.x_offset, a.x_bytes, lane);
                 if (a.scale_bytes > 0)
-                    warp_copy<Src::kShared>(static_cast<uint8_t*>(a.recv_scales) + row * a.scale_bytes,
+                    warp_copy<Src::kShared, S::kCopyDepth>(static_cast<uint8_t*>(a.recv_scales) + row * a.scale_bytes,
                                             src + slot.scale_offset, a.scale_bytes, lane);
                 if (lane < K) {
                     const int64_t local = expert - static_cast<int64_t>(me) * a.experts_per_rank;
@@ -305,19 +320,18 @@ __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchS
 }
 
 // Every block stages its share of window w, then pulls its share of every rank's window w.
-template <int kThreads>
-__global__ void __launch_bounds__(kThreads, min_blocks_per_sm(kThreads))
+template <typename S>
+__global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     dispatch_kernel(Ctx c, DispatchArgs a, DispatchSlot slot, int window_tokens) {
-    constexpr int kWarps = kThreads / 32;
     const Env e = make_env(c);
     const int R = e.num_ranks, K = a.num_topk, lane = threadIdx.x % 32;
     const int max_tokens = a.recv_info[0], total = a.recv_info[1];
     const int num_windows = max(1, ceil_div(max_tokens, window_tokens));
-    const Warps warps = grid_warps<kWarps>();
+    const Warps warps = grid_warps<S::kWarps>();
     bool ok = load_volatile(e.own(kAbort)) == 0;
     for (int w = 0; ok && w < num_windows; ++w) {
-        ok = stage_window(e, a, slot, window_tokens, warps, w);
-        if (ok) ok = pull_window(e, a, slot, window_tokens, warps, w);
+        ok = stage_window<S>(e, a, slot, window_tokens, warps, w);
+        if (ok) ok = pull_window<S>(e, a, slot, window_tokens, warps, w);
     }
     // Padding rows of a num_worst_tokens dispatch: no data, no expert.
     if (ok) {
@@ -382,7 +396,7 @@ struct CombineCall {
 // Push: every row this rank holds for a token of owner s's window w goes to the owner's slot (token,
 // this rank), owners in turn from the next rank on; the last block to finish an owner raises
 // its pushed flag.
-template <typename T, typename V>
+template <typename T, typename V, typename S>
 __device__ bool push_window(const Env& e, const CombineCall& call, const Warps& warps, int w) {
     const CombineArgs& a = call.a;
     const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
@@ -403,7 +417,7 @@ __device__ bool push_window(const Env& e, const CombineCall& call, const Warps& 
             for (int64_t i = lo + warps.warp; i < hi; i += warps.num_warps) {
                 const int64_t t = a.recv_src_idx[i];
                 uint8_t* dst = window + ((t - first) * R + me) * call.slot_bytes;
-                warp_copy<Src::kReadOnly>(dst, static_cast<const uint8_t*>(a.x) + i * call.x_bytes, call.x_bytes, lane);
+                warp_copy<Src::kReadOnly, S::kCopyDepth>(dst, static_cast<const uint8_t*>(a.x) + i * call.x_bytes, call.x_bytes, lane);
                 for (int k = lane; k < K; k += 32)
                     reinterpret_cast<float*>(dst + call.weights_offset)[k] = a.topk_weights[i * K + k];
             }
@@ -417,7 +431,7 @@ __device__ bool push_window(const Env& e, const CombineCall& call, const Warps& 
 
 // Reduce this rank's window w once every rank pushed into it: bias, then every rank's row in ascending
 // rank order, in float32; the last block to finish reopens the window half for window w + 2.
-template <typename T, typename V>
+template <typename T, typename V, typename S>
 __device__ bool reduce_window(const Env& e, const CombineCall& call, const Warps& warps, int w) {
     constexpr int kElems = sizeof(V) / sizeof(T);
     const CombineArgs& a = call.a;
@@ -436,7 +450,7 @@ __device__ bool reduce_window(const Env& e, const CombineCall& call, const Warps
             sent |= static_cast<uint64_t>(bits) << r0;
         }
         const uint8_t* slots = window + static_cast<int64_t>(i) * R * call.slot_bytes;
-        // kChunks vectors per lane and up to kCombineBatch ranks each: their loads are all in flight
+        // kChunks vectors per lane and up to S::kCombineBatch ranks each: their loads are all in flight
         // together, then summed per vector in ascending rank order.
         for (int64_t chunk0 = lane; chunk0 < chunks; chunk0 += 32 * kChunks) {
             float acc[kChunks][kElems];
@@ -451,10 +465,10 @@ __device__ bool reduce_window(const Env& e, const CombineCall& call, const Warps
                 }
             }
             for (uint64_t rest = sent; rest != 0;) {
-                V vals[kCombineBatch][kChunks];
+                V vals[S::kCombineBatch][kChunks];
                 int loaded = 0;
 #pragma unroll
-                for (int j = 0; j < kCombineBatch; ++j) {
+                for (int j = 0; j < S::kCombineBatch; ++j) {
                     if (rest != 0) {
                         const int r = __ffsll(static_cast<long long>(rest)) - 1;
                         rest &= rest - 1;
@@ -466,7 +480,7 @@ __device__ bool reduce_window(const Env& e, const CombineCall& call, const Warps
                     }
                 }
 #pragma unroll
-                for (int j = 0; j < kCombineBatch; ++j)
+                for (int j = 0; j < S::kCombineBatch; ++j)
 #pragma unroll
                     for (int c = 0; c < kChunks; ++c)
                         if (j < loaded && chunk0 + c * 32 < chunks) add_to<T>(acc[c], vals[j][c]);
@@ -494,64 +508,101 @@ __device__ bool reduce_window(const Env& e, const CombineCall& call, const Warps
 
 // T: element type; V: the vector a lane moves at once (16 bytes, or 8 for rows of 8-byte multiples).
 // Every block pushes its share of window w to every owner, then reduces its share of its own window w.
-template <typename T, typename V, int kThreads>
-__global__ void __launch_bounds__(kThreads, min_blocks_per_sm(kThreads))
+template <typename T, typename V, typename S>
+__global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     combine_kernel(Ctx c, CombineArgs a, int64_t slot_bytes, int window_tokens) {
-    constexpr int kWarps = kThreads / 32;
     const Env e = make_env(c);
     const int64_t x_bytes = static_cast<int64_t>(a.hidden) * sizeof(T);
     const CombineCall call{a, slot_bytes, x_bytes, align_up(x_bytes, kSlotAlign), window_tokens, a.recv_info + 2};
     const int max_tokens = a.recv_info[0];
     const int num_windows = max(1, ceil_div(max_tokens, window_tokens));
-    const Warps warps = grid_warps<kWarps>();
+    const Warps warps = grid_warps<S::kWarps>();
     bool ok = load_volatile(e.own(kAbort)) == 0;
     // Windows 0 and 1 of this rank accept rows from now on (the previous kernel left them unused).
     if (ok && blockIdx.x == 0 && threadIdx.x == 0)
         for (int r = 0; r < e.num_ranks; ++r) raise_flag(e.peer_array(r, kOpenFrom, e.rank), tag(e.seq, 1));
     for (int w = 0; ok && w < num_windows; ++w) {
-        ok = push_window<T, V>(e, call, warps, w);
-        if (ok) ok = reduce_window<T, V>(e, call, warps, w);
+        ok = push_window<T, V, S>(e, call, warps, w);
+        if (ok) ok = reduce_window<T, V, S>(e, call, warps, w);
     }
     finish_kernel(e, e.own(kDoneCount));
 }
 
-// The wide kernel where all blocks of every rank on this GPU (two kernels each when ranks share it)
-// are resident together, else the narrow one; neither: an error that names the limit.
+// A kernel built in the three shapes.
+struct Shapes {
+    const void* kernel[3];  // Solo, Wide, Narrow
+};
+constexpr int kShapeThreads[3] = {Solo::kThreads, Wide::kThreads, Narrow::kThreads};
+
+// How many blocks of `kernel` the GPU holds at once. Occupancy does not change during a run: asked
+// once per kernel (a handful of kernels per process).
+int cached_resident_blocks(const void* kernel, int threads) {
+    static thread_local const void* kernels[32] = {};
+    static thread_local int blocks[32] = {};
+    for (int i = 0; i < 32; ++i) {
+        if (kernels[i] == kernel) return blocks[i];
+        if (kernels[i] == nullptr) {
+            kernels[i] = kernel;
+            return blocks[i] = resident_blocks(kernel, threads);
+        }
+    }
+    return resident_blocks(kernel, threads);
+}
+
+// Launches the first shape whose blocks, for every rank on this GPU (two kernels each when ranks
+// share it), are resident together; none: an error that names the limit. launch(shape index).
 template <typename Launch>
-void launch_resident(const Ctx& ctx, const void* wide, const void* narrow, const char* what, Launch launch) {
+void launch_resident(const Ctx& ctx, const Shapes& shapes, const char* what, Launch launch) {
     const int sharing = ctx.ranks_on_device > 1 ? 2 * ctx.ranks_on_device : 1;
     const int64_t needed = static_cast<int64_t>(sharing) * ctx.num_blocks;
-    // Occupancy does not change during a run: ask once per kernel.
-    static thread_local const void* cached_kernel[2] = {nullptr, nullptr};
-    static thread_local int cached_blocks[2] = {0, 0};
-    const void* kernels[2] = {wide, narrow};
-    const int threads[2] = {kWideThreads, kNarrowThreads};
-    int narrow_capacity = 0;
-    for (int i = 0; i < 2; ++i) {
-        if (cached_kernel[i] != kernels[i]) {
-            cached_blocks[i] = resident_blocks(kernels[i], threads[i]);
-            cached_kernel[i] = kernels[i];
-        }
-        if (needed <= cached_blocks[i]) {
-            launch(threads[i]);
+    int capacity = 0;
+    for (int i = 0; i < 3; ++i) {
+        capacity = cached_resident_blocks(shapes.kernel[i], kShapeThreads[i]);
+        if (needed <= capacity) {
+            launch(i);
             MOE_EP_LAUNCH_CHECK(what);
             return;
         }
-        narrow_capacity = cached_blocks[i];
     }
     throw std::invalid_argument(
         "num_sms (Config): " + std::to_string(ctx.num_blocks) + " blocks per kernel with " +
         std::to_string(ctx.ranks_on_device) + " rank(s) on this GPU need " + std::to_string(needed) +
-        " resident blocks, the GPU holds " + std::to_string(narrow_capacity) + ": use num_sms <= " +
-        std::to_string(narrow_capacity / sharing));
+        " resident blocks, the GPU holds " + std::to_string(capacity) + ": use num_sms <= " +
+        std::to_string(capacity / sharing));
 }
+
+// Launches kernel<Solo | Wide | Narrow>(args...) on the first shape that fits.
+template <template <typename> class Kernel, typename... Args>
+void launch_shaped(const Ctx& ctx, const char* what, Args... args) {
+    const Shapes shapes{{reinterpret_cast<const void*>(Kernel<Solo>::fn), reinterpret_cast<const void*>(Kernel<Wide>::fn),
+                         reinterpret_cast<const void*>(Kernel<Narrow>::fn)}};
+    launch_resident(ctx, shapes, what, [&](int i) {
+        const dim3 grid(ctx.num_blocks), block(kShapeThreads[i]);
+        if (i == 0) Kernel<Solo>::fn<<<grid, block, 0, ctx.stream>>>(ctx, args...);
+        else if (i == 1) Kernel<Wide>::fn<<<grid, block, 0, ctx.stream>>>(ctx, args...);
+        else Kernel<Narrow>::fn<<<grid, block, 0, ctx.stream>>>(ctx, args...);
+    });
+}
+
+template <typename S>
+struct DispatchKernel {
+    static constexpr auto fn = dispatch_kernel<S>;
+};
+template <typename T, typename V>
+struct CombineKernels {
+    template <typename S>
+    struct Of {
+        static constexpr auto fn = combine_kernel<T, V, S>;
+    };
+};
 
 }  // namespace
 
 void check_blocks_fit(const Ctx& ctx) {
-    // The combine kernels use the same resources (64 registers per thread, no dynamic shared memory).
-    launch_resident(ctx, reinterpret_cast<const void*>(dispatch_kernel<kWideThreads>),
-                    reinterpret_cast<const void*>(dispatch_kernel<kNarrowThreads>), "check_blocks_fit", [](int) {});
+    // The combine kernels have the same shapes (launch bounds, no dynamic shared memory).
+    const Shapes shapes{{reinterpret_cast<const void*>(dispatch_kernel<Solo>), reinterpret_cast<const void*>(dispatch_kernel<Wide>),
+                         reinterpret_cast<const void*>(dispatch_kernel<Narrow>)}};
+    launch_resident(ctx, shapes, "check_blocks_fit", [](int) {});
 }
 
 int dispatch_window_tokens(int num_ranks, int64_t num_nvl_bytes, int64_t x_bytes, int64_t scale_bytes, int num_topk) {
@@ -582,12 +633,7 @@ void dispatch(const Ctx& ctx, const DispatchArgs& args) {
     const DispatchSlot slot = dispatch_slot(ctx.num_ranks, args.x_bytes, args.scale_bytes, args.num_topk);
     const int window = dispatch_window_tokens(ctx.num_ranks, ctx.num_nvl_bytes, args.x_bytes, args.scale_bytes, args.num_topk);
     if (window < 1) throw std::runtime_error("moe_ep: the intranode buffer cannot hold one dispatch slot");
-    launch_resident(ctx, reinterpret_cast<const void*>(dispatch_kernel<kWideThreads>),
-                    reinterpret_cast<const void*>(dispatch_kernel<kNarrowThreads>), "intranode dispatch_kernel",
-                    [&](int threads) {
-                        const auto kernel = threads == kWideThreads ? dispatch_kernel<kWideThreads> : dispatch_kernel<kNarrowThreads>;
-                        kernel<<<ctx.num_blocks, threads, 0, ctx.stream>>>(ctx, args, slot, window);
-                    });
+    launch_shaped<DispatchKernel>(ctx, "intranode dispatch_kernel", args, slot, window);
 }
 
 void combine(const Ctx& ctx, const CombineArgs& args) {
@@ -600,21 +646,15 @@ void combine(const Ctx& ctx, const CombineArgs& args) {
     const int64_t slot = combine_slot_bytes(x_bytes, args.num_topk);
     // Outputs and biases are whole rows of x_bytes: 16-byte vectors when every row starts aligned.
     const bool wide = x_bytes % 16 == 0;
-    const auto launch = [&](auto wide_kernel, auto narrow_kernel) {
-        launch_resident(ctx, reinterpret_cast<const void*>(wide_kernel), reinterpret_cast<const void*>(narrow_kernel),
-                        "intranode combine_kernel", [&](int threads) {
-                            const auto kernel = threads == kWideThreads ? wide_kernel : narrow_kernel;
-                            kernel<<<ctx.num_blocks, threads, 0, ctx.stream>>>(ctx, args, slot, window);
-                        });
-    };
+    const char* what = "intranode combine_kernel";
     if (args.dtype == DType::kBFloat16 && wide)
-        launch(combine_kernel<__nv_bfloat16, int4, kWideThreads>, combine_kernel<__nv_bfloat16, int4, kNarrowThreads>);
+        launch_shaped<CombineKernels<__nv_bfloat16, int4>::Of>(ctx, what, args, slot, window);
     else if (args.dtype == DType::kBFloat16)
-        launch(combine_kernel<__nv_bfloat16, int2, kWideThreads>, combine_kernel<__nv_bfloat16, int2, kNarrowThreads>);
+        launch_shaped<CombineKernels<__nv_bfloat16, int2>::Of>(ctx, what, args, slot, window);
     else if (args.dtype == DType::kFloat32 && wide)
-        launch(combine_kernel<float, int4, kWideThreads>, combine_kernel<float, int4, kNarrowThreads>);
+        launch_shaped<CombineKernels<float, int4>::Of>(ctx, what, args, slot, window);
     else if (args.dtype == DType::kFloat32)
-        launch(combine_kernel<float, int2, kWideThreads>, combine_kernel<float, int2, kNarrowThreads>);
+        launch_shaped<CombineKernels<float, int2>::Of>(ctx, what, args, slot, window);
     else
         throw std::runtime_error("moe_ep: intranode combine takes bfloat16 or float32 rows");
 }

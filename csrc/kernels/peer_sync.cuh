@@ -91,9 +91,9 @@ __device__ __forceinline__ V load(const V* p) {
     else return __ldcg(p);
 }
 
-template <Src kSrc, typename V>
+// kDepth: loads in flight per lane (registers: kDepth vectors).
+template <Src kSrc, int kDepth, typename V>
 __device__ __forceinline__ void copy_vectors(V* dst, const V* src, int64_t n, int lane) {
-    constexpr int kDepth = 6;  // loads in flight per lane
     int64_t i = lane;
     for (; i + (kDepth - 1) * 32 < n; i += kDepth * 32) {
         V v[kDepth];
@@ -105,16 +105,17 @@ __device__ __forceinline__ void copy_vectors(V* dst, const V* src, int64_t n, in
     for (; i < n; i += 32) dst[i] = load<kSrc>(src + i);
 }
 
-// A warp copies `bytes` bytes in the widest vectors the sizes and addresses allow.
-template <Src kSrc>
+// A warp copies `bytes` bytes in the widest vectors the sizes and addresses allow, kDepth loads in
+// flight per lane (6 fits kernels of 64 registers per thread).
+template <Src kSrc, int kDepth = 6>
 __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes, int lane) {
     const auto bits = static_cast<uint64_t>(bytes) | reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
     if (bits % 16 == 0)
-        copy_vectors<kSrc>(static_cast<int4*>(dst), static_cast<const int4*>(src), bytes / 16, lane);
+        copy_vectors<kSrc, kDepth>(static_cast<int4*>(dst), static_cast<const int4*>(src), bytes / 16, lane);
     else if (bits % 8 == 0)
-        copy_vectors<kSrc>(static_cast<int2*>(dst), static_cast<const int2*>(src), bytes / 8, lane);
+        copy_vectors<kSrc, kDepth>(static_cast<int2*>(dst), static_cast<const int2*>(src), bytes / 8, lane);
     else if (bits % 4 == 0)
-        copy_vectors<kSrc>(static_cast<int*>(dst), static_cast<const int*>(src), bytes / 4, lane);
+        copy_vectors<kSrc, kDepth>(static_cast<int*>(dst), static_cast<const int*>(src), bytes / 4, lane);
     else
         for (int64_t i = lane; i < bytes; i += 32) static_cast<uint8_t*>(dst)[i] = static_cast<const uint8_t*>(src)[i];
 }
