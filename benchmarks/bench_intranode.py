@@ -41,11 +41,14 @@ NCCL_MODE = "nccl_all_to_all_bf16"
 
 
 def wait_shares(profile: dict, mode: str) -> dict:
-    """What the mode's kernel blocks waited for, as shares of their time (MOE_EP_PROFILE_WAITS)."""
+    """What the mode's kernel blocks waited for, and their time in each phase ("in pull": waits included),
+    as shares of their time (MOE_EP_PROFILE_WAITS)."""
     kernel = profile.get("combine" if mode.startswith("combine") else "dispatch")  # dispatch includes notify
     if not kernel or not kernel.get("kernel"):
         return {}
-    return {what: sec / kernel["kernel"] for what, sec in kernel.items() if what not in ("kernel", "blocks")}
+    shares = {what: sec / kernel["kernel"] for what, sec in kernel.items() if what not in ("kernel", "blocks", "phases")}
+    shares.update({f"in {phase}": sec / kernel["kernel"] for phase, sec in kernel.get("phases", {}).items()})
+    return shares
 
 
 def variant(config: Config, num_sms: int, recv_tokens: int = 0) -> Config:
@@ -191,7 +194,7 @@ def main():
                 waited = ", ".join(f"{what} {share:.0%}" for what, share in waits.items())
                 print(f"{num_ranks:>5} {num_sms:>4} {recv_tokens or '-':>6} {mode:>20} {max(r['us'] for r in rows):>9.0f} "
                       f"{min(r['gbps'] for r in rows):>12.0f} / {mean:<10.0f} {aggregate:>15.0f} "
-                      f"{aggregate / copy:>7.0%}" + (f"  waiting: {waited}" if waited else ""))
+                      f"{aggregate / copy:>7.0%}" + (f"  profile: {waited}" if waited else ""))
                 if args.json:
                     with open(args.json, "a") as f:
                         f.write(json.dumps(dict(bench="intranode", ranks=num_ranks, sms=num_sms,

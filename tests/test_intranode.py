@@ -75,7 +75,8 @@ def test_many_windows_in_a_small_buffer(pools, gpu_pools, seed, num_ranks, use_f
 
 
 def test_wait_profile_adds_up(pools, gpu_pools, seed):
-    """MOE_EP_PROFILE_WAITS: results unchanged; every block's waits inside the kernel fit in its time."""
+    """MOE_EP_PROFILE_WAITS: results unchanged; every block's waits inside the kernel fit in its time, and
+    so do its phases (which include those waits), both of which take time."""
     p = Problem(seed, 4, 16, 256, 4, max_tokens=64)
     got = gpu_pools(4).run(rank_fns.profiled_round, p)
     _compare(seed, [result for result, _ in got], pools(4).run(rank_fns.normal_round, p))
@@ -84,8 +85,11 @@ def test_wait_profile_adds_up(pools, gpu_pools, seed):
             times = profile[kernel]
             assert times["kernel"] > 0 and times["blocks"] > 0, f"rank {rank} {kernel}: {times}"
             # The count exchange's wait happens in the notify kernel, outside the dispatch kernel's time.
-            waited = sum(v for what, v in times.items() if what not in ("kernel", "blocks", "token counts"))
+            waited = sum(v for what, v in times.items() if what not in ("kernel", "blocks", "phases", "token counts"))
             assert waited <= times["kernel"], f"rank {rank} {kernel}: {times}"
+            phases = times["phases"]
+            assert set(phases) == ({"stage", "pull"} if kernel == "dispatch" else {"push", "reduce"}), phases
+            assert waited <= sum(phases.values()) <= times["kernel"], f"rank {rank} {kernel}: {times}"
 
 
 def test_large_problem(pools, gpu_pools, seed):

@@ -63,9 +63,11 @@ enum ErrorKind : int {
     kErrLowLatencyCombine,
 };
 inline int host_info_ints(int num_ranks) { return kHostCounts + 2 * num_ranks + 16384; }
-// Wait profile (Ctx::wait_ns): per block, nanoseconds spent waiting by ErrorKind, then the kernel's
-// whole time in the last slot.
-constexpr int kWaitSlots = kErrPushed + 2;
+// Wait profile (Ctx::wait_ns): per block, nanoseconds spent waiting by ErrorKind (kErrNotify ..
+// kErrPushed), then in each phase of the kernels (their waits included), then the kernel's whole time
+// in the last slot.
+enum ProfilePhase : int { kPhaseStage = kErrPushed + 1, kPhasePull, kPhasePush, kPhaseReduce };
+constexpr int kWaitSlots = kPhaseReduce + 2;
 
 // Device int32 summary of a count exchange: [max tokens, total rows, base row of each source (R + 1),
 // tokens of each source (R)].

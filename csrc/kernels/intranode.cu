@@ -116,6 +116,14 @@ __device__ bool block_wait(const Env& e, SignalArray array, int first, int last,
     return result;
 }
 
+// Profiled blocks (thread 0): the time since `since` goes to the phase's slot; returns now.
+__device__ uint64_t end_phase(const Env& e, int phase, uint64_t since) {
+    if (e.wait_ns == nullptr) return 0;
+    const uint64_t now = now_ns();
+    if (threadIdx.x == 0) e.wait_ns[phase] += now - since;
+    return now;
+}
+
 // The last block of a kernel advances the sequence number the next kernel's tags use.
 __device__ void finish_kernel(const Env& e, uint64_t* done_counter) {
     __syncthreads();
@@ -329,9 +337,12 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     const int num_windows = max(1, ceil_div(max_tokens, window_tokens));
     const Warps warps = grid_warps<S::kWarps>();
     bool ok = load_volatile(e.own(kAbort)) == 0;
+    uint64_t since = e.start;
     for (int w = 0; ok && w < num_windows; ++w) {
         ok = stage_window<S>(e, a, slot, window_tokens, warps, w);
+        since = end_phase(e, kPhaseStage, since);
         if (ok) ok = pull_window<S>(e, a, slot, window_tokens, warps, w);
+        since = end_phase(e, kPhasePull, since);
     }
     // Padding rows of a num_worst_tokens dispatch: no data, no expert.
     if (ok) {
@@ -521,9 +532,12 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     // Windows 0 and 1 of this rank accept rows from now on (the previous kernel left them unused).
     if (ok && blockIdx.x == 0 && threadIdx.x == 0)
         for (int r = 0; r < e.num_ranks; ++r) raise_flag(e.peer_array(r, kOpenFrom, e.rank), tag(e.seq, 1));
+    uint64_t since = e.start;
     for (int w = 0; ok && w < num_windows; ++w) {
         ok = push_window<T, V, S>(e, call, warps, w);
+        since = end_phase(e, kPhasePush, since);
         if (ok) ok = reduce_window<T, V, S>(e, call, warps, w);
+        since = end_phase(e, kPhaseReduce, since);
     }
     finish_kernel(e, e.own(kDoneCount));
 }

@@ -18,7 +18,7 @@ from ..config import Config
 from ..events import EventOverlap
 from ..handles import DispatchHandle
 from ..sync import ArrivalGate
-from .peers import HOST_COUNTS, HOST_DONE, HOST_OVERFLOW, WAIT_NAMES, PeerBuffers, aligned
+from .peers import HOST_COUNTS, HOST_DONE, HOST_OVERFLOW, PHASE_NAMES, WAIT_NAMES, PeerBuffers, aligned
 
 # Host-side grace on top of the kernels' own deadline before the host gives up on a count exchange.
 _HOST_GRACE_S = 5.0
@@ -105,8 +105,9 @@ class IntranodeBackend:
         return rows.data_ptr()
 
     def wait_profile(self) -> dict:
-        """{"dispatch" / "combine": {what was waited for: seconds, ..., "kernel": seconds}}, summed over
-        blocks and calls since the last reset (empty when MOE_EP_PROFILE_WAITS is not 1)."""
+        """{"dispatch" / "combine": {what was waited for: seconds, ..., "kernel": seconds, "blocks": n,
+        "phases": {"stage" / "pull" / "push" / "reduce": seconds, waits included}}}, summed over blocks
+        and calls since the last reset (empty when MOE_EP_PROFILE_WAITS is not 1)."""
         if not self._wait_rows:
             return {}
         self.comm_stream.synchronize()
@@ -116,6 +117,7 @@ class IntranodeBackend:
             profile[kernel] = {name: totals[kind] / 1e9 for kind, name in WAIT_NAMES.items() if totals[kind]}
             profile[kernel]["kernel"] = totals[-1] / 1e9
             profile[kernel]["blocks"] = int((rows[:, -1] > 0).sum())
+            profile[kernel]["phases"] = {name: totals[slot] / 1e9 for slot, name in PHASE_NAMES.items() if totals[slot]}
         return profile
 
     def reset_wait_profile(self) -> None:

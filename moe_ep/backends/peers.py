@@ -32,8 +32,10 @@ WAITED_FOR = {
     6: "its tokens for expert {window} (low_latency_dispatch)",
     7: "its rows (low_latency_combine)",
 }
-# The intranode kinds again, named short for the wait profile (IntranodeBackend.wait_profile).
+# The intranode kinds again, named short for the wait profile (IntranodeBackend.wait_profile), and
+# the kernels' phases after them (ProfilePhase in csrc/kernels/api.cuh).
 WAIT_NAMES = {1: "token counts", 2: "staged tokens", 3: "window read", 4: "window open", 5: "rows pushed"}
+PHASE_NAMES = {6: "stage", 7: "pull", 8: "push", 9: "reduce"}
 
 
 def aligned(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
