@@ -62,6 +62,11 @@ if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
   [[ ${BENCH_PROFILE_WAITS:-0} == 1 ]] && timeout 200 $PY -m benchmarks.bench_intranode --ranks 4 8 --sms ${BENCH_SMS:-24} \
     --profile-waits 2>&1 | tee -a "$OUT/summary.txt"
   timeout 60 $PY -m benchmarks.profile_low_latency_call 2>&1 | tee -a "$OUT/summary.txt"
+  # Device time per kernel inside the calls (BENCH_TRACE=0 skips it).
+  if [[ ${BENCH_TRACE:-1} == 1 ]]; then
+    timeout 120 $PY -m benchmarks.trace_kernels --mode low_latency --ranks 2 8 2>&1 | tee -a "$OUT/summary.txt"
+    timeout 120 $PY -m benchmarks.trace_kernels --mode normal --ranks 2 8 2>&1 | tee -a "$OUT/summary.txt"
+  fi
   timeout 240 $PY -m benchmarks.bench_low_latency --ranks ${BENCH_LL_RANKS:-2 4 8} --json "$OUT/bench.jsonl" 2>&1 \
     | tee "$OUT/bench_low_latency.txt" | tee -a "$OUT/summary.txt"
 fi

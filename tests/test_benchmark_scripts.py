@@ -32,6 +32,12 @@ def test_low_latency_benchmark(tmp_path):
     assert "portable" in out
 
 
+def test_kernel_trace_of_both_modes():
+    for mode, tokens in (("low_latency", "16"), ("normal", "64")):
+        out = _run("benchmarks.trace_kernels", *TINY[:-2], "--mode", mode, "--tokens", tokens, "--rounds", "2")
+        assert "wall time per round" in out and "2 ranks" in out
+
+
 def test_low_latency_call_profile_with_stubbed_launches():
     assert "low_latency_combine, no sync" in _run("benchmarks.profile_low_latency_call", "--stub-kernels")
 
