@@ -170,9 +170,10 @@ def low_latency_rdma_size_hint(
 
 
 # Defaults per rank count: (num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens). The
-# receive chunk sizes the buffer through the size hint, hence the kernels' windows; these are the
-# fastest of 64/256/1024 at 24 SMs on an H200 (combine: at 16 and 32 SMs too; dispatch: 256 is within 3%
-# of the best at every rank count and SM budget), 2026-11-29, bench_intranode --recv-tokens, docs/PERFORMANCE.md. The send chunk does not steer these kernels (deep_ep's meaning, kept valid).
+# receive chunk sizes the buffer through the size hint, hence the kernels' windows. These were the
+# fastest of 64/256/1024 at 24 SMs on an H200 (combine: at 16 and 32 SMs too; dispatch: 256 is within
+# 3% of the best at every rank count and SM budget); 2026-11-29, bench_intranode --recv-tokens,
+# docs/PERFORMANCE.md. The send chunk does not steer these kernels (deep_ep's meaning, kept valid).
 # Any rank count not listed gets the generic entry.
 _DISPATCH_CONFIGS = {
     2: (24, 256),
