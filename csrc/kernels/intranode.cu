@@ -585,12 +585,16 @@ void launch_resident(const Ctx& ctx, const Shapes& shapes, const char* what, Lau
         std::to_string(capacity / sharing));
 }
 
+template <template <typename> class Kernel>
+Shapes shapes_of() {
+    return {{reinterpret_cast<const void*>(Kernel<Solo>::fn), reinterpret_cast<const void*>(Kernel<Wide>::fn),
+             reinterpret_cast<const void*>(Kernel<Narrow>::fn)}};
+}
+
 // Launches kernel<Solo | Wide | Narrow>(args...) on the first shape that fits.
 template <template <typename> class Kernel, typename... Args>
 void launch_shaped(const Ctx& ctx, const char* what, Args... args) {
-    const Shapes shapes{{reinterpret_cast<const void*>(Kernel<Solo>::fn), reinterpret_cast<const void*>(Kernel<Wide>::fn),
-                         reinterpret_cast<const void*>(Kernel<Narrow>::fn)}};
-    launch_resident(ctx, shapes, what, [&](int i) {
+    launch_resident(ctx, shapes_of<Kernel>(), what, [&](int i) {
         const dim3 grid(ctx.num_blocks), block(kShapeThreads[i]);
         if (i == 0) Kernel<Solo>::fn<<<grid, block, 0, ctx.stream>>>(ctx, args...);
         else if (i == 1) Kernel<Wide>::fn<<<grid, block, 0, ctx.stream>>>(ctx, args...);
@@ -614,9 +618,7 @@ struct CombineKernels {
 
 void check_blocks_fit(const Ctx& ctx) {
     // The combine kernels have the same shapes (launch bounds, no dynamic shared memory).
-    const Shapes shapes{{reinterpret_cast<const void*>(dispatch_kernel<Solo>), reinterpret_cast<const void*>(dispatch_kernel<Wide>),
-                         reinterpret_cast<const void*>(dispatch_kernel<Narrow>)}};
-    launch_resident(ctx, shapes, "check_blocks_fit", [](int) {});
+    launch_resident(ctx, shapes_of<DispatchKernel>(), "check_blocks_fit", [](int) {});
 }
 
 int dispatch_window_tokens(int num_ranks, int64_t num_nvl_bytes, int64_t x_bytes, int64_t scale_bytes, int num_topk) {
