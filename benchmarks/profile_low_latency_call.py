@@ -29,11 +29,21 @@ TOKENS, HIDDEN, EXPERTS, TOPK = 128, 7168, 256, 8
 
 
 class _NoLaunches:
-    """The extension's low-latency entry points, doing nothing."""
+    """The extension's low-latency entry points, doing nothing; the send hands back the same outputs
+    every call (the extension allocates them, outside the Python layer timed here)."""
 
     class LowLatencyCtx:
         def __init__(self, *args):
             pass
+
+    def __init__(self):
+        local, rows = EXPERTS, TOKENS
+        self._outputs = (torch.empty(local, rows, HIDDEN, dtype=torch.float8_e4m3fn),
+                         torch.empty(local, rows, HIDDEN // 128), torch.zeros(local, dtype=torch.int32),
+                         torch.empty(local, rows, dtype=torch.int32))
+
+    def ll_dispatch_send(self, *args):
+        return self._outputs
 
     def __getattr__(self, name):
         return lambda *args: None

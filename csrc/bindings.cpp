@@ -280,13 +280,28 @@ low_latency::Ctx make_ctx(const LowLatencyCtx& c) {
     return ctx;
 }
 
-void ll_dispatch_send(const LowLatencyCtx& c, const torch::Tensor& x, const torch::Tensor& topk_idx, bool use_fp8,
-                      bool round_scale, bool use_ue8m0) {
+// Allocates the receive tensors here (a decode step's host time counts, and each allocation from
+// Python costs microseconds more than from C++) and launches the send kernel.
+// -> (recv_x [L, R * max, H], recv_scales or None, recv_count [L] zeroed, recv_src_info [L, R * max])
+py::tuple ll_dispatch_send(const LowLatencyCtx& c, const torch::Tensor& x, const torch::Tensor& topk_idx, bool use_fp8,
+                           bool round_scale, bool use_ue8m0) {
     const c10::cuda::CUDAGuard guard(x.device());
     check_rows(x, "x");
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && topk_idx.is_contiguous(), "x: bf16; topk_idx: contiguous");
+    const int64_t local = c.num_experts / c.num_ranks, rows = static_cast<int64_t>(c.num_ranks) * c.num_max_tokens;
+    const auto on_device = torch::TensorOptions().device(x.device());
+    auto recv_x = torch::empty({local, rows, c.hidden}, on_device.dtype(use_fp8 ? torch::kFloat8_e4m3fn : torch::kBFloat16));
+    py::object recv_scales = py::none();
+    if (use_fp8) {
+        const int64_t blocks = c.hidden / fp8::kBlock;
+        recv_scales = py::cast(use_ue8m0 ? torch::empty({local, rows, (blocks + 3) / 4}, on_device.dtype(torch::kInt32))
+                                         : torch::empty({local, rows, blocks}, on_device.dtype(torch::kFloat32)));
+    }
+    auto recv_count = torch::zeros({local}, on_device.dtype(torch::kInt32));
+    auto recv_src_info = torch::empty({local, rows}, on_device.dtype(torch::kInt32));
     low_latency::dispatch_send(make_ctx(c), x.data_ptr(), static_cast<int>(x.size(0)), topk_idx.data_ptr<int64_t>(),
                                static_cast<int>(topk_idx.size(1)), use_fp8, round_scale, use_ue8m0);
+    return py::make_tuple(recv_x, recv_scales, recv_count, recv_src_info);
 }
 
 void ll_dispatch_recv(const LowLatencyCtx& c, int64_t num_topk, bool use_fp8, bool use_ue8m0, const torch::Tensor& recv_x,

@@ -15,7 +15,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..checks import FP8_BLOCK, FP8_DTYPE
 from ..handles import LowLatencyHandle
 from ..sync import ArrivalGate
 from .peers import aligned, map_peer_buffers
@@ -93,18 +92,12 @@ class LowLatencyBackend:
     ):
         ctx = self._begin("low_latency_dispatch", handle)
         x, topk_idx = aligned(x), topk_idx.contiguous()
-        local, rows, hidden = num_experts // self.num_ranks, self.num_ranks * num_max_tokens, x.shape[1]
-        device = x.device
-        recv_x = torch.empty(local, rows, hidden, dtype=FP8_DTYPE if use_fp8 else torch.bfloat16, device=device)
-        recv_scales = None
-        if use_fp8:
-            blocks = hidden // FP8_BLOCK
-            columns, dtype = ((blocks + 3) // 4, torch.int32) if use_ue8m0 else (blocks, torch.float32)
-            recv_scales = torch.empty(local, rows, columns, dtype=dtype, device=device)
-        recv_count = torch.zeros(local, dtype=torch.int32, device=device)
-        state = LowLatencyKernelState(recv_count, torch.empty(local, rows, dtype=torch.int32, device=device))
+        # The extension allocates the outputs ([L, R * max, H] rows, scales, zeroed counts, sources).
+        recv_x, recv_scales, recv_count, recv_src_info = self.ops.ll_dispatch_send(
+            ctx, x, topk_idx, use_fp8, round_scale, use_ue8m0
+        )
+        state = LowLatencyKernelState(recv_count, recv_src_info)
         handle.backend_state = state
-        self.ops.ll_dispatch_send(ctx, x, topk_idx, use_fp8, round_scale, use_ue8m0)
 
         def receive():
             self.ops.ll_dispatch_recv(
