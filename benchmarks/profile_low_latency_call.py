@@ -41,9 +41,13 @@ class _NoLaunches:
         self._outputs = (torch.empty(local, rows, HIDDEN, dtype=torch.float8_e4m3fn),
                          torch.empty(local, rows, HIDDEN // 128), torch.zeros(local, dtype=torch.int32),
                          torch.empty(local, rows, dtype=torch.int32))
+        self._combined = torch.empty(TOKENS, HIDDEN, dtype=torch.bfloat16)
 
     def ll_dispatch_send(self, *args):
         return self._outputs
+
+    def ll_combine_send(self, ctx, x, recv_count, recv_src_info, num_topk, num_tokens, out):
+        return out if out is not None else self._combined
 
     def __getattr__(self, name):
         return lambda *args: None

@@ -314,12 +314,17 @@ void ll_dispatch_recv(const LowLatencyCtx& c, int64_t num_topk, bool use_fp8, bo
                                recv_src_info.data_ptr<int>(), num_sms_of_current_device());
 }
 
-void ll_combine_send(const LowLatencyCtx& c, const torch::Tensor& x, const torch::Tensor& recv_count,
-                     const torch::Tensor& recv_src_info, int64_t num_topk) {
+// Launches the send kernel; returns `out`, or where none is given a new [num_tokens, hidden] bf16
+// tensor for the receive (allocated here for the same reason as ll_dispatch_send's outputs).
+torch::Tensor ll_combine_send(const LowLatencyCtx& c, const torch::Tensor& x, const torch::Tensor& recv_count,
+                              const torch::Tensor& recv_src_info, int64_t num_topk, int64_t num_tokens,
+                              const std::optional<torch::Tensor>& out) {
     const c10::cuda::CUDAGuard guard(x.device());
     check_rows(x, "x");
+    auto target = out.has_value() ? *out : torch::empty({num_tokens, c.hidden}, x.options().dtype(torch::kBFloat16));
     low_latency::combine_send(make_ctx(c), x.data_ptr(), recv_count.data_ptr<int>(), recv_src_info.data_ptr<int>(),
                               static_cast<int>(num_topk), num_sms_of_current_device());
+    return target;
 }
 
 void ll_combine_recv(const LowLatencyCtx& c, const torch::Tensor& topk_idx, const torch::Tensor& topk_weights,

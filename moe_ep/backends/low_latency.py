@@ -127,8 +127,9 @@ class LowLatencyBackend:
         topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
         # The kernel writes 16-byte vectors: an unaligned `out` gets the result by a copy.
         direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
-        target = out if direct else torch.empty(handle.num_tokens, handle.hidden, dtype=torch.bfloat16, device=x.device)
-        self.ops.ll_combine_send(ctx, x, state.recv_count, state.recv_src_info, handle.num_topk)
+        target = self.ops.ll_combine_send(
+            ctx, x, state.recv_count, state.recv_src_info, handle.num_topk, handle.num_tokens, out if direct else None
+        )
 
         def receive():
             self.ops.ll_combine_recv(ctx, topk_idx, topk_weights, target)
