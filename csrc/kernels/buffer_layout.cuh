@@ -30,23 +30,22 @@ enum Signal : int {
     kDoneCount = 4,    // blocks of a data kernel done
     kStageCount = 5,   // [2] by window parity: blocks done staging a dispatch window
     kReduceCount = 7,  // [2] by window parity: blocks done reducing a combine window
-    kFixedSignals = 9,
+    kPullCount = 9,    // [2] by window parity: blocks done pulling every rank's dispatch window
+    kPushCount = 11,   // [2] by window parity: blocks done pushing a combine window to every owner
+    kFixedSignals = 13,
 };
 // Per-rank arrays follow the fixed slots, in this order.
 enum SignalArray : int {
-    kPullCount = 0,    // [R][2] local: blocks done pulling window (src, parity)
-    kPushCount = 2,    // [R][2] local: blocks done pushing window (owner, parity)
-    kNotifyFrom = 4,   // [R] peer r's counts for this call are in the counts area
-    kStagedFrom = 5,   // [R] peer r staged dispatch window w
-    kReleasedBy = 6,   // [R] peer r finished pulling this rank's window w
-    kOpenFrom = 7,     // [R] peer r accepts combine rows for its windows <= w
-    kPushedFrom = 8,   // [R] peer r pushed its combine rows of this rank's window w
-    kNumArraySlots = 9,
+    kNotifyFrom = 0,   // [R] peer r's counts for this call are in the counts area
+    kStagedFrom = 1,   // [R] peer r staged dispatch window w
+    kReleasedBy = 2,   // [R] peer r finished pulling this rank's window w
+    kOpenFrom = 3,     // [R] peer r accepts combine rows for its windows <= w
+    kPushedFrom = 4,   // [R] peer r pushed its combine rows of this rank's window w
+    kNumArraySlots = 5,
 };
 
-__host__ __device__ constexpr int64_t signal_index(SignalArray array, int num_ranks, int rank, int parity = 0) {
-    return kFixedSignals + (array < kNotifyFrom ? static_cast<int64_t>(array) * num_ranks + 2 * rank + parity
-                                                : 4LL * num_ranks + (array - kNotifyFrom) * num_ranks + rank);
+__host__ __device__ constexpr int64_t signal_index(SignalArray array, int num_ranks, int rank) {
+    return kFixedSignals + static_cast<int64_t>(array) * num_ranks + rank;
 }
 __host__ __device__ constexpr int64_t signal_bytes(int num_ranks) {
     return (kFixedSignals + kNumArraySlots * static_cast<int64_t>(num_ranks)) * 8;

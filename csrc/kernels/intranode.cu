@@ -51,8 +51,8 @@ constexpr int kChunks = 2;
 constexpr int kNotifyThreads = 512;
 constexpr int kScanItems = 4;
 constexpr unsigned kFullMask = 0xffffffffu;
-// Combine keeps one bit per sending rank.
-constexpr int kMaxCombineRanks = 64;
+// Combine keeps one bit per sending rank; dispatch's pull and combine's push a list start per rank.
+constexpr int kMaxRanks = 64;
 
 using peer::arrive_last;
 using peer::load_volatile;
@@ -73,8 +73,8 @@ struct Env {
 
     __device__ uint64_t* signals(int r) const { return reinterpret_cast<uint64_t*>(buffers[r]); }
     __device__ uint64_t* own(int64_t index) const { return signals(rank) + index; }
-    __device__ uint64_t* peer_array(int r, SignalArray array, int slot, int parity = 0) const {
-        return signals(r) + signal_index(array, num_ranks, slot, parity);
+    __device__ uint64_t* peer_array(int r, SignalArray array, int slot) const {
+        return signals(r) + signal_index(array, num_ranks, slot);
     }
     __device__ uint8_t* window(int r, int parity) const { return buffers[r] + header + parity * half; }
 };
@@ -274,8 +274,9 @@ __device__ bool stage_window(const Env& e, const DispatchArgs& a, const Dispatch
     return true;
 }
 
-// Pull window w of every rank (starting with the next one, so that ranks spread their reads) into the
-// outputs; the last block to finish a source raises its released flag.
+// Pull window w of every rank into the outputs. The slots of all sources form one list (sources from
+// the next rank on, so that ranks spread their reads) spread over all warps of the kernel, so no
+// barrier separates the sources; the last block to finish raises every source's released flag.
 template <typename S>
 __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchSlot& slot, int window_tokens,
                             const Warps& warps, int w) {
@@ -284,46 +285,51 @@ __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchS
     const int total = a.recv_info[1];
     const int* base = a.recv_info + 2;
     const int* src_tokens = a.recv_info + 3 + R;
-    for (int j = 1; j <= R; ++j) {
-        const int s = (me + j) % R;
-        if (!block_wait(e, kStagedFrom, s, s + 1, tag(e.seq, w), kErrStaged, w)) return false;
-        const uint8_t* window = e.window(s, parity);
-        const int n = clamp_count(src_tokens[s], first, window_tokens);
-        // A warp reads the destination rows of 32 slots at once, then copies the ones meant here.
-        for (int b = 0; b * warps.num_warps * 32 < n; ++b) {
-            const int mine = (b * 32 + lane) * warps.num_warps + warps.warp;
-            const int p = mine < n ? __ldcg(reinterpret_cast<const int*>(window + mine * slot.bytes + slot.pos_offset) + me) : -1;
-            for (unsigned todo = __ballot_sync(kFullMask, p >= 0); todo != 0; todo &= todo - 1) {
-                const int jj = __ffs(todo) - 1, i = (b * 32 + jj) * warps.num_warps + warps.warp;
-                const int64_t row = base[s] + __shfl_sync(kFullMask, p, jj);
-                const uint8_t* src = window + i * slot.bytes;
-                if (row >= a.num_recv_rows) {  // num_worst_tokens too small: report, write nothing
-                    if (lane == 0) reinterpret_cast<volatile int*>(e.host)[kHostOverflow] = total;
-                    continue;
-                }
-                int64_t expert = -1;
-                float weight = 0.f;
-                if (lane < K) {  // issued before the row copy, so their latency overlaps it
-                    expert = __ldcg(reinterpret_cast<const long long*>(src + slot.idx_offset) + lane);
-                    weight = __ldcg(reinterpret_cast<const float*>(src + slot.weight_offset) + lane);
-                }
-                warp_copy<Src::kShared, S::kCopyDepth>(static_cast<uint8_t*>(a.recv_x) + row * a.x_bytes, src + slot.x_offset, a.x_bytes, lane);
-                if (a.scale_bytes > 0)
-                    warp_copy<Src::kShared, S::kCopyDepth>(static_cast<uint8_t*>(a.recv_scales) + row * a.scale_bytes,
-                                            src + slot.scale_offset, a.scale_bytes, lane);
-                if (lane < K) {
-                    const int64_t local = expert - static_cast<int64_t>(me) * a.experts_per_rank;
-                    const bool here = expert >= 0 && local >= 0 && local < a.experts_per_rank;
-                    a.recv_topk_idx[row * K + lane] = here ? local : -1;
-                    a.recv_topk_weights[row * K + lane] = here ? weight : 0.f;
-                }
-                if (lane == 0) a.recv_src_idx[row] = first + i;
-            }
-        }
-        __syncthreads();
-        if (threadIdx.x == 0 && arrive_last(e.own(signal_index(kPullCount, R, s, parity)), warps.blocks))
-            raise_flag(e.peer_array(s, kReleasedBy, me), tag(e.seq, w));
+    __shared__ int starts[kMaxRanks + 1];  // starts[j]: first list entry of source (me + 1 + j) % R
+    if (threadIdx.x == 0) {
+        starts[0] = 0;
+        for (int j = 0; j < R; ++j) starts[j + 1] = starts[j] + clamp_count(src_tokens[(me + 1 + j) % R], first, window_tokens);
     }
+    if (!block_wait(e, kStagedFrom, 0, R, tag(e.seq, w), kErrStaged, w)) return false;  // its barrier publishes starts
+    const int n = starts[R];
+    // A warp reads the destination rows of 32 slots at once, then copies the ones meant here.
+    for (int b = 0; b * warps.num_warps * 32 < n; ++b) {
+        const int mine = (b * 32 + lane) * warps.num_warps + warps.warp;
+        int j = 0;
+        while (j + 1 < R && starts[j + 1] <= mine) ++j;
+        const int s = (me + 1 + j) % R, i = mine - starts[j];
+        const int p = mine < n ? __ldcg(reinterpret_cast<const int*>(e.window(s, parity) + i * slot.bytes + slot.pos_offset) + me) : -1;
+        for (unsigned todo = __ballot_sync(kFullMask, p >= 0); todo != 0; todo &= todo - 1) {
+            const int jj = __ffs(todo) - 1;
+            const int src = __shfl_sync(kFullMask, s, jj), token = __shfl_sync(kFullMask, i, jj);
+            const int64_t row = base[src] + __shfl_sync(kFullMask, p, jj);
+            const uint8_t* from = e.window(src, parity) + token * slot.bytes;
+            if (row >= a.num_recv_rows) {  // num_worst_tokens too small: report, write nothing
+                if (lane == 0) reinterpret_cast<volatile int*>(e.host)[kHostOverflow] = total;
+                continue;
+            }
+            int64_t expert = -1;
+            float weight = 0.f;
+            if (lane < K) {  // issued before the row copy, so their latency overlaps it
+                expert = __ldcg(reinterpret_cast<const long long*>(from + slot.idx_offset) + lane);
+                weight = __ldcg(reinterpret_cast<const float*>(from + slot.weight_offset) + lane);
+            }
+            warp_copy<Src::kShared, S::kCopyDepth>(static_cast<uint8_t*>(a.recv_x) + row * a.x_bytes, from + slot.x_offset, a.x_bytes, lane);
+            if (a.scale_bytes > 0)
+                warp_copy<Src::kShared, S::kCopyDepth>(static_cast<uint8_t*>(a.recv_scales) + row * a.scale_bytes,
+                                                       from + slot.scale_offset, a.scale_bytes, lane);
+            if (lane < K) {
+                const int64_t local = expert - static_cast<int64_t>(me) * a.experts_per_rank;
+                const bool here = expert >= 0 && local >= 0 && local < a.experts_per_rank;
+                a.recv_topk_idx[row * K + lane] = here ? local : -1;
+                a.recv_topk_weights[row * K + lane] = here ? weight : 0.f;
+            }
+            if (lane == 0) a.recv_src_idx[row] = first + token;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && arrive_last(e.own(kPullCount + parity), warps.blocks))
+        for (int r = 0; r < R; ++r) raise_flag(e.peer_array(r, kReleasedBy, me), tag(e.seq, w));
     return true;
 }
 
@@ -404,44 +410,49 @@ struct CombineCall {
     const int* base;  // first received row of each source rank (R + 1)
 };
 
-// Push: every row this rank holds for a token of owner s's window w goes to the owner's slot (token,
-// this rank), owners in turn from the next rank on; the last block to finish an owner raises
-// its pushed flag.
+// Push: every row this rank holds for a token of window w goes to its owner's slot (token, this rank).
+// The rows of all owners form one list (owners from the next rank on) spread over all warps of the
+// kernel; the last block to finish raises every owner's pushed flag.
 template <typename T, typename V, typename S>
 __device__ bool push_window(const Env& e, const CombineCall& call, const Warps& warps, int w) {
     const CombineArgs& a = call.a;
     const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
     const int parity = w & 1, first = w * call.window_tokens;
-    __shared__ int range[2];
-    for (int j = 1; j <= R; ++j) {
-        const int s = (me + j) % R;
-        if (threadIdx.x == 0) {  // rows for owner s are sorted by token: the window's are contiguous
-            range[0] = lower_bound(a.recv_src_idx, call.base[s], call.base[s + 1], first);
-            range[1] = lower_bound(a.recv_src_idx, range[0], call.base[s + 1], first + call.window_tokens);
-        }
-        __syncthreads();
-        const int lo = range[0], hi = range[1];
-        __syncthreads();
-        if (hi > lo) {
-            if (!block_wait(e, kOpenFrom, s, s + 1, tag(e.seq, w), kErrOpen, w)) return false;
-            uint8_t* window = e.window(s, parity);
-            for (int64_t i = lo + warps.warp; i < hi; i += warps.num_warps) {
-                const int64_t t = a.recv_src_idx[i];
-                uint8_t* dst = window + ((t - first) * R + me) * call.slot_bytes;
-                warp_copy<Src::kReadOnly, S::kCopyDepth>(dst, static_cast<const uint8_t*>(a.x) + i * call.x_bytes, call.x_bytes, lane);
-                for (int k = lane; k < K; k += 32)
-                    reinterpret_cast<float*>(dst + call.weights_offset)[k] = a.topk_weights[i * K + k];
-            }
-        }
-        __syncthreads();
-        if (threadIdx.x == 0 && arrive_last(e.own(signal_index(kPushCount, R, s, parity)), warps.blocks))
-            raise_flag(e.peer_array(s, kPushedFrom, me), tag(e.seq, w));
+    // Entry i of the list is received row lo[j] + i - starts[j] for owner (me + 1 + j) % R, where
+    // starts[j] <= i < starts[j + 1]: rows for an owner are sorted by token, so a window's are contiguous.
+    __shared__ int lo[kMaxRanks], starts[kMaxRanks + 1];
+    for (int j = threadIdx.x; j < R; j += blockDim.x) {
+        const int s = (me + 1 + j) % R;
+        lo[j] = lower_bound(a.recv_src_idx, call.base[s], call.base[s + 1], first);
+        starts[j + 1] = lower_bound(a.recv_src_idx, lo[j], call.base[s + 1], first + call.window_tokens) - lo[j];
     }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        starts[0] = 0;
+        for (int j = 0; j < R; ++j) starts[j + 1] += starts[j];
+    }
+    // Every owner opens window w for every rank: waiting for all of them never waits in vain. The
+    // wait's barrier publishes starts.
+    if (!block_wait(e, kOpenFrom, 0, R, tag(e.seq, w), kErrOpen, w)) return false;
+    for (int item = warps.warp; item < starts[R]; item += warps.num_warps) {
+        int j = 0;
+        while (starts[j + 1] <= item) ++j;
+        const int s = (me + 1 + j) % R;
+        const int64_t i = lo[j] + item - starts[j], t = a.recv_src_idx[i];
+        uint8_t* dst = e.window(s, parity) + ((t - first) * R + me) * call.slot_bytes;
+        warp_copy<Src::kReadOnly, S::kCopyDepth>(dst, static_cast<const uint8_t*>(a.x) + i * call.x_bytes, call.x_bytes, lane);
+        for (int k = lane; k < K; k += 32)
+            reinterpret_cast<float*>(dst + call.weights_offset)[k] = a.topk_weights[i * K + k];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && arrive_last(e.own(kPushCount + parity), warps.blocks))
+        for (int r = 0; r < R; ++r) raise_flag(e.peer_array(r, kPushedFrom, me), tag(e.seq, w));
     return true;
 }
 
 // Reduce this rank's window w once every rank pushed into it: bias, then every rank's row in ascending
-// rank order, in float32; the last block to finish reopens the window half for window w + 2.
+// rank order, in float32; the last block to finish reopens the window half for window w + 2. A window
+// may hold fewer tokens than the kernel has warps: then each token's row is cut into parts, a warp each.
 template <typename T, typename V, typename S>
 __device__ bool reduce_window(const Env& e, const CombineCall& call, const Warps& warps, int w) {
     constexpr int kElems = sizeof(V) / sizeof(T);
@@ -452,7 +463,10 @@ __device__ bool reduce_window(const Env& e, const CombineCall& call, const Warps
     if (!block_wait(e, kPushedFrom, 0, R, tag(e.seq, w), kErrPushed, w)) return false;
     const uint8_t* window = e.window(me, parity);
     const int count = clamp_count(a.num_tokens, first, call.window_tokens);
-    for (int i = warps.warp; i < count; i += warps.num_warps) {
+    const int steps = static_cast<int>((chunks + 32 * kChunks - 1) / (32 * kChunks));  // a warp's passes over a row
+    const int parts = count == 0 ? 1 : max(1, min(steps, warps.num_warps / count));
+    for (int item = warps.warp; item < count * parts; item += warps.num_warps) {
+        const int i = item / parts, part = item % parts;
         const int64_t t = first + i;
         uint64_t sent = 0;
         for (int r0 = 0; r0 < R; r0 += 32) {
@@ -463,14 +477,16 @@ __device__ bool reduce_window(const Env& e, const CombineCall& call, const Warps
         const uint8_t* slots = window + static_cast<int64_t>(i) * R * call.slot_bytes;
         // kChunks vectors per lane and up to S::kCombineBatch ranks each: their loads are all in flight
         // together, then summed per vector in ascending rank order.
-        for (int64_t chunk0 = lane; chunk0 < chunks; chunk0 += 32 * kChunks) {
+        const int64_t begin = static_cast<int64_t>(steps) * part / parts * 32 * kChunks;
+        const int64_t end = min(chunks, static_cast<int64_t>(steps) * (part + 1) / parts * 32 * kChunks);
+        for (int64_t chunk0 = begin + lane; chunk0 < end; chunk0 += 32 * kChunks) {
             float acc[kChunks][kElems];
 #pragma unroll
             for (int c = 0; c < kChunks; ++c) {
                 const int64_t chunk = chunk0 + c * 32;
 #pragma unroll
                 for (int v = 0; v < kElems; ++v) acc[c][v] = 0.f;
-                if (chunk < chunks) {
+                if (chunk < end) {
                     if (a.bias0 != nullptr) add_to<T>(acc[c], __ldg(static_cast<const V*>(a.bias0) + t * chunks + chunk));
                     if (a.bias1 != nullptr) add_to<T>(acc[c], __ldg(static_cast<const V*>(a.bias1) + t * chunks + chunk));
                 }
@@ -486,7 +502,7 @@ __device__ bool reduce_window(const Env& e, const CombineCall& call, const Warps
                         const V* slot = reinterpret_cast<const V*>(slots + r * call.slot_bytes);
 #pragma unroll
                         for (int c = 0; c < kChunks; ++c)
-                            if (chunk0 + c * 32 < chunks) vals[j][c] = __ldcg(slot + chunk0 + c * 32);
+                            if (chunk0 + c * 32 < end) vals[j][c] = __ldcg(slot + chunk0 + c * 32);
                         loaded = j + 1;
                     }
                 }
@@ -494,13 +510,13 @@ __device__ bool reduce_window(const Env& e, const CombineCall& call, const Warps
                 for (int j = 0; j < S::kCombineBatch; ++j)
 #pragma unroll
                     for (int c = 0; c < kChunks; ++c)
-                        if (j < loaded && chunk0 + c * 32 < chunks) add_to<T>(acc[c], vals[j][c]);
+                        if (j < loaded && chunk0 + c * 32 < end) add_to<T>(acc[c], vals[j][c]);
             }
 #pragma unroll
             for (int c = 0; c < kChunks; ++c)
-                if (chunk0 + c * 32 < chunks) static_cast<V*>(a.out)[t * chunks + chunk0 + c * 32] = pack<T, V>(acc[c]);
+                if (chunk0 + c * 32 < end) static_cast<V*>(a.out)[t * chunks + chunk0 + c * 32] = pack<T, V>(acc[c]);
         }
-        if (a.out_weights != nullptr) {
+        if (a.out_weights != nullptr && part == 0) {
             for (int k = lane; k < K; k += 32) {
                 float acc = 0.f;
                 for (uint64_t rest = sent; rest != 0; rest &= rest - 1) {
@@ -646,6 +662,7 @@ void notify(const Ctx& ctx, const bool* is_token_in_rank, int num_tokens, const 
 }
 
 void dispatch(const Ctx& ctx, const DispatchArgs& args) {
+    if (ctx.num_ranks > kMaxRanks) throw std::runtime_error("moe_ep: intranode dispatch supports at most 64 ranks");
     const DispatchSlot slot = dispatch_slot(ctx.num_ranks, args.x_bytes, args.scale_bytes, args.num_topk);
     const int window = dispatch_window_tokens(ctx.num_ranks, ctx.num_nvl_bytes, args.x_bytes, args.scale_bytes, args.num_topk);
     if (window < 1) throw std::runtime_error("moe_ep: the intranode buffer cannot hold one dispatch slot");
@@ -653,8 +670,7 @@ void dispatch(const Ctx& ctx, const DispatchArgs& args) {
 }
 
 void combine(const Ctx& ctx, const CombineArgs& args) {
-    if (ctx.num_ranks > kMaxCombineRanks)
-        throw std::runtime_error("moe_ep: intranode combine supports at most 64 ranks");
+    if (ctx.num_ranks > kMaxRanks) throw std::runtime_error("moe_ep: intranode combine supports at most 64 ranks");
     const int64_t x_bytes = static_cast<int64_t>(args.hidden) * (args.dtype == DType::kFloat32 ? 4 : 2);
     if (x_bytes % 8 != 0) throw std::runtime_error("moe_ep: intranode combine needs rows of a multiple of 8 bytes");
     const int window = combine_window_tokens(ctx.num_ranks, ctx.num_nvl_bytes, x_bytes, args.num_topk);
