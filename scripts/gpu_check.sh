@@ -27,7 +27,7 @@ summary "build: ok in $(( $(date +%s) - t0 )) s; $($PY -c 'import moe_ep, json; 
 status=0
 if [[ ${MOE_EP_SKIP_TESTS:-0} != 1 ]]; then  # benchmarks alone: a second call on the still-warm machine
 t0=$(date +%s)
-$PY -m pytest -q --maxfail=${MAXFAIL:-3} -rf tests/test_gpu_kernels.py tests/test_intranode.py tests/test_low_latency_kernels.py \
+$PY -m pytest -q --maxfail=${MAXFAIL:-3} -rf tests/test_gpu_kernels.py tests/test_intranode.py tests/test_low_latency_kernels.py tests/test_benchmark_scripts.py \
   ${1:+-k "$1"} > "$OUT/gpu_tests.log" 2>&1
 status=$?
 summary "gpu tests: $(tail -1 "$OUT/gpu_tests.log") in $(( $(date +%s) - t0 )) s"
@@ -61,6 +61,9 @@ if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
   # Where the intranode kernels' time goes (their blocks' waits on peers), apart from the figures above.
   [[ ${BENCH_PROFILE_WAITS:-0} == 1 ]] && timeout 200 $PY -m benchmarks.bench_intranode --ranks 4 8 --sms ${BENCH_SMS:-24} \
     --profile-waits 2>&1 | tee -a "$OUT/summary.txt"
+  # Stores into a peer's buffer against loads from it (ranks on one GPU; BENCH_PEER_COPY=0 skips it).
+  [[ ${BENCH_PEER_COPY:-1} == 1 && $($PY -c 'import torch; print(torch.cuda.device_count())') == 1 ]] && \
+    timeout 120 $PY -m benchmarks.bench_peer_copy --ranks 2 8 --json "$OUT/bench.jsonl" 2>&1 | tee -a "$OUT/summary.txt"
   timeout 60 $PY -m benchmarks.profile_low_latency_call 2>&1 | tee -a "$OUT/summary.txt"
   # Device time per kernel inside the calls (BENCH_TRACE=0 skips it).
   if [[ ${BENCH_TRACE:-1} == 1 ]]; then

@@ -5,6 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--cpu", "--ranks", "2", "--hidden", "256", "--experts", "16", "--topk", "4", "--warmup", "1", "--iters", "2"]
 
@@ -46,3 +49,12 @@ def test_shell_scripts_parse():
     for script in sorted((ROOT / "scripts").glob("*.sh")) + [ROOT / ".ci" / "run"]:
         done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert done.returncode == 0, f"{script.name}: {done.stderr}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC between ranks needs a GPU")
+def test_peer_copy_benchmark_moves_bytes_between_ranks(tmp_path):
+    _run("benchmarks.bench_peer_copy", "--ranks", "2", "--mib", "8", "--warmup", "1", "--iters", "2",
+         "--json", str(tmp_path / "b.jsonl"))
+    rows = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    assert [r["mode"] for r in rows] == ["own -> own", "own -> peer (push)", "peer -> own (pull)"]
+    assert all(len(r["per_rank_gbps"]) == 2 and min(r["per_rank_gbps"]) > 0 for r in rows)

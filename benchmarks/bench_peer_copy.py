@@ -1,0 +1,100 @@
+"""Is a store into another rank's buffer slower than a load from it? Ranks on one GPU map each other's
+buffers with CUDA IPC (as the kernels do) and, all at once, move the same bytes three ways with one
+elementwise kernel each: within their own buffer, from their buffer into the next rank's (a push),
+and from the next rank's buffer into theirs (a pull). The combine pushes and the dispatch pulls; the
+per-phase profile shows the push taking twice the pull's time for the same bytes (PERFORMANCE.md).
+
+    python -m benchmarks.bench_peer_copy --ranks 2 4 8 --mib 256
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.timing import wall_seconds_per_call
+from moe_ep.backends.peers import PeerBuffers
+from moe_ep.launch import RankPool
+from moe_ep.sync import ArrivalGate
+
+MODES = ("own -> own", "own -> peer (push)", "peer -> own (pull)")
+
+
+class _DeviceBytes:
+    """A torch view of `size` bytes at a device address (a mapped peer buffer)."""
+
+    def __init__(self, address: int, size: int):
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, False), "version": 3}
+
+
+def device_bytes(address: int, size: int) -> torch.Tensor:
+    return torch.as_tensor(_DeviceBytes(address, size), device="cuda")
+
+
+def rank_copy(args):
+    """Per mode: seconds per copy of args.mib MiB, every rank copying at the same time."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    size = args.mib << 20
+    # Each rank's buffer: [source | destination]; rank r pushes into rank r + 1's destination and pulls
+    # from rank r + 1's source, so every destination has one writer.
+    gate = ArrivalGate(dist.group.WORLD, serial=0, timeout_s=60.0)  # the process's only gate
+    buffers = PeerBuffers(dist.group.WORLD, gate, 2 * size, "bench_peer_copy")
+    try:
+        if buffers.ranks_on_device != num_ranks:
+            raise RuntimeError("bench_peer_copy: run every rank on one GPU (CUDA_VISIBLE_DEVICES=<one GPU>)")
+        pointers = buffers.pointers.tolist()
+        nxt = (rank + 1) % num_ranks
+
+        def half(r: int, which: int) -> torch.Tensor:
+            return device_bytes(pointers[r] + which * size, size).view(torch.bfloat16)
+
+        own_src, own_dst, next_src, next_dst = half(rank, 0), half(rank, 1), half(nxt, 0), half(nxt, 1)
+        own_src.normal_()
+        torch.cuda.synchronize()
+        dist.barrier()
+        # torch.neg: one read and one write of every element, on the SMs (a plain copy may go to a copy engine).
+        calls = {
+            MODES[0]: lambda: torch.neg(own_src, out=own_dst),
+            MODES[1]: lambda: torch.neg(own_src, out=next_dst),
+            MODES[2]: lambda: torch.neg(next_src, out=own_dst),
+        }
+        results = {}
+        for mode, fn in calls.items():
+            results[mode] = wall_seconds_per_call(fn, args.warmup, args.iters)
+            dist.barrier()  # its copies are done on every rank: the next mode writes other destinations
+        # The last mode (pull) left the next rank's source, negated, in this rank's destination.
+        if not torch.equal(own_dst, -next_src):
+            raise RuntimeError("bench_peer_copy: the pulled bytes differ from the peer's")
+        return results
+    finally:
+        buffers.close()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--mib", type=int, default=256, help="bytes each rank moves per copy, in MiB")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--json", help="append one JSON line per (ranks, mode) here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a GPU (CUDA IPC between the ranks' processes)")
+    print(f"{'ranks':>5} {'mode':>20} {'us/copy (max)':>14} {'GB/s per rank (min)':>20} {'aggregate GB/s':>15}")
+    for num_ranks in args.ranks:
+        with RankPool(num_ranks, use_cuda=True) as pool:
+            per_rank = pool.run(rank_copy, args)
+        for mode in MODES:
+            seconds = [r[mode] for r in per_rank]
+            gbps = [(args.mib << 20) / s / 1e9 for s in seconds]
+            print(f"{num_ranks:>5} {mode:>20} {max(seconds) * 1e6:>14.0f} {min(gbps):>20.0f} {sum(gbps):>15.0f}")
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(dict(bench="peer_copy", ranks=num_ranks, mode=mode, mib=args.mib,
+                                            us=[s * 1e6 for s in seconds], per_rank_gbps=gbps)) + "\n")
+
+
+if __name__ == "__main__":
+    main()
