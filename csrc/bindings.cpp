@@ -156,6 +156,7 @@ struct IntranodeCtx {
     double timeout_s;
     int ranks_on_device;
     int64_t wait_ns = 0;  // device uint64 [blocks][kWaitSlots] wait profile, or 0 (set from Python per call)
+    bool bulk_copy = false;  // MOE_EP_BULK_COPY=1 on an sm_90 GPU (set from Python)
 };
 
 intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
@@ -170,6 +171,7 @@ intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
     ctx.num_blocks = static_cast<int>(num_blocks);
     ctx.ranks_on_device = c.ranks_on_device;
     ctx.wait_ns = reinterpret_cast<uint64_t*>(c.wait_ns);
+    ctx.bulk_copy = c.bulk_copy;
     ctx.stream = current_stream();
     return ctx;
 }
@@ -397,7 +399,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     py::class_<moe_ep::IntranodeCtx>(m, "IntranodeCtx")
         .def(py::init<int64_t, int, int, int64_t, torch::Tensor, double, int>())
         .def_readwrite("timeout_s", &moe_ep::IntranodeCtx::timeout_s)
-        .def_readwrite("wait_ns", &moe_ep::IntranodeCtx::wait_ns);
+        .def_readwrite("wait_ns", &moe_ep::IntranodeCtx::wait_ns)
+        .def_readwrite("bulk_copy", &moe_ep::IntranodeCtx::bulk_copy);
     m.def("intranode_notify", &moe_ep::intranode_notify, "count exchange of an intranode dispatch");
     m.def("intranode_dispatch", &moe_ep::intranode_dispatch, "intranode dispatch data movement");
     m.def("intranode_combine", &moe_ep::intranode_combine, "intranode combine");

@@ -44,6 +44,18 @@ def profiled_round(p: Problem):
     return with_env({"MOE_EP_PROFILE_WAITS": "1"}, run)
 
 
+def bulk_copy_round(p: Problem, config: Config = None, **kwargs):
+    """normal_round on a Buffer of its own with MOE_EP_BULK_COPY=1: (its results, whether the kernels
+    moved the rows with bulk copies)."""
+
+    def run():
+        buffer = normal_buffer(p.hidden * 2 if kwargs.get("dtype") == torch.float32 else p.hidden, config)
+        result = normal_round(p, buffer=buffer, config=config, **kwargs)
+        return result, buffer._intranode is not None and buffer._intranode.ctx.bulk_copy
+
+    return with_env({"MOE_EP_BULK_COPY": "1"}, run)
+
+
 def low_latency_buffer(p: Problem) -> Buffer:
     size = Buffer.get_low_latency_rdma_size_hint(p.max_tokens, p.hidden, p.num_ranks, p.num_experts)
     return Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, num_qps_per_rank=p.local_experts)

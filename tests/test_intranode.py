@@ -63,6 +63,23 @@ def test_odd_rank_counts_and_row_sizes(pools, gpu_pools, seed, num_ranks, hidden
     _compare(seed, *_both(pools, gpu_pools, num_ranks, rank_fns.normal_round, p, num_biases=2, dtype=dtype))
 
 
+@pytest.mark.parametrize("num_ranks,hidden,use_fp8,small_buffer", [
+    (2, 7168, False, False), (4, 7168, True, False), (8, 7168, False, False), (4, 2048, True, True),
+    (3, 132, False, True),
+])
+def test_bulk_copies_give_the_same_bits(pools, gpu_pools, seed, num_ranks, hidden, use_fp8, small_buffer):
+    """MOE_EP_BULK_COPY=1 (TMA through shared memory, sm_90): rows of several chunks (7168 bf16 is 14 KB),
+    many windows per call in a small buffer, and rows that are no 16-byte multiple (register copies)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("bulk copies need sm_90")
+    config = Config(4, 2, 4, 2, 4) if small_buffer else None
+    p = Problem(seed, num_ranks, num_ranks * 8, hidden, 6, max_tokens=96)
+    kwargs = dict(use_fp8=use_fp8, num_biases=1, config=config)
+    on_gpu = gpu_pools(num_ranks).run(rank_fns.bulk_copy_round, p, **kwargs)
+    assert all(bulk for _, bulk in on_gpu), "the kernels did not take MOE_EP_BULK_COPY=1"
+    _compare(seed, [result for result, _ in on_gpu], pools(num_ranks).run(rank_fns.normal_round, p, **kwargs))
+
+
 @pytest.mark.parametrize("num_ranks", [2, 4])
 @pytest.mark.parametrize("use_fp8", [False, True])
 def test_many_windows_in_a_small_buffer(pools, gpu_pools, seed, num_ranks, use_fp8):

@@ -47,6 +47,10 @@ class IntranodeBackend:
             self.peers.pointers.data_ptr(), self.rank, self.num_ranks, num_nvl_bytes, self.host_info, self.timeout_s,
             self.peers.ranks_on_device,
         )
+        # MOE_EP_BULK_COPY=1: rows move by TMA bulk copies through shared memory (Hopper and later), an
+        # experiment against the register copies (docs/DESIGN.md, "Where the speed stands").
+        self.ctx.bulk_copy = (os.environ.get("MOE_EP_BULK_COPY") == "1"
+                              and torch.cuda.get_device_capability(self.peers.device)[0] >= 9)
         self.comm_stream = comm_stream
         self._nonce = 0
         self._fitting_sms = set()  # SM budgets known to fit this GPU together with its other ranks
