@@ -92,7 +92,7 @@ class LowLatencyBackend:
     ):
         ctx = self._begin("low_latency_dispatch", handle)
         x, topk_idx = aligned(x), topk_idx.contiguous()
-        # The extension allocates the outputs ([L, R * max, H] rows, scales, zeroed counts, sources).
+        # The extension allocates the outputs ([L, R * max, H] rows, scales, counts, sources).
         recv_x, recv_scales, recv_count, recv_src_info = self.ops.ll_dispatch_send(
             ctx, x, topk_idx, use_fp8, round_scale, use_ue8m0
         )
