@@ -1,6 +1,7 @@
 """The GPU benchmarks' scripts run end to end on CPU ranks (portable backend, tiny shapes), so a
 script error shows up here and not in the GPU machine's limited time. The figures are not checked."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--cpu", "--ranks", "2", "--hidden", "256", "--experts", "16", "--topk", "4", "--warmup", "1", "--iters", "2"]
 
 
-def _run(module: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+def _run(module: str, *args: str, env: dict = None) -> str:
+    done = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=None if env is None else {**os.environ, **env})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 
@@ -54,7 +56,7 @@ def test_shell_scripts_parse():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC between ranks needs a GPU")
 def test_peer_copy_benchmark_moves_bytes_between_ranks(tmp_path):
     _run("benchmarks.bench_peer_copy", "--ranks", "2", "--mib", "8", "--warmup", "1", "--iters", "2",
-         "--json", str(tmp_path / "b.jsonl"))
+         "--json", str(tmp_path / "b.jsonl"), env={"CUDA_VISIBLE_DEVICES": "0"})  # its ranks share one GPU
     rows = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
     assert [r["mode"] for r in rows] == ["own -> own", "own -> peer (push)", "peer -> own (pull)"]
     assert all(len(r["per_rank_gbps"]) == 2 and min(r["per_rank_gbps"]) > 0 for r in rows)
