@@ -284,7 +284,9 @@ low_latency::Ctx make_ctx(const LowLatencyCtx& c) {
 
 // Allocates the receive tensors here (a decode step's host time counts, and each allocation from
 // Python costs microseconds more than from C++) and launches the send kernel.
-// -> (recv_x [L, R * max, H], recv_scales or None, recv_count [L] zeroed, recv_src_info [L, R * max])
+// -> (recv_x [L, R * max, H], recv_scales or None, recv_count [L], recv_src_info [L, R * max]); the
+// receive kernel writes every count (no fill kernel per call), and after a failed receive the call
+// raises TimeoutError, so no one reads counts it left unwritten.
 py::tuple ll_dispatch_send(const LowLatencyCtx& c, const torch::Tensor& x, const torch::Tensor& topk_idx, bool use_fp8,
                            bool round_scale, bool use_ue8m0) {
     const c10::cuda::CUDAGuard guard(x.device());
@@ -299,7 +301,7 @@ py::tuple ll_dispatch_send(const LowLatencyCtx& c, const torch::Tensor& x, const
         recv_scales = py::cast(use_ue8m0 ? torch::empty({local, rows, (blocks + 3) / 4}, on_device.dtype(torch::kInt32))
                                          : torch::empty({local, rows, blocks}, on_device.dtype(torch::kFloat32)));
     }
-    auto recv_count = torch::zeros({local}, on_device.dtype(torch::kInt32));
+    auto recv_count = torch::empty({local}, on_device.dtype(torch::kInt32));
     auto recv_src_info = torch::empty({local, rows}, on_device.dtype(torch::kInt32));
     low_latency::dispatch_send(make_ctx(c), x.data_ptr(), static_cast<int>(x.size(0)), topk_idx.data_ptr<int64_t>(),
                                static_cast<int>(topk_idx.size(1)), use_fp8, round_scale, use_ue8m0);
@@ -318,25 +320,26 @@ void ll_dispatch_recv(const LowLatencyCtx& c, int64_t num_topk, bool use_fp8, bo
 
 // Launches the send kernel; returns `out`, or where none is given a new [num_tokens, hidden] bf16
 // tensor for the receive (allocated here for the same reason as ll_dispatch_send's outputs).
+// zero_copy_slot: -1, or the slot of this rank's buffer that x is (zero_copy_rows): then no row moves.
 torch::Tensor ll_combine_send(const LowLatencyCtx& c, const torch::Tensor& x, const torch::Tensor& recv_count,
                               const torch::Tensor& recv_src_info, int64_t num_topk, int64_t num_tokens,
-                              const std::optional<torch::Tensor>& out) {
+                              const std::optional<torch::Tensor>& out, int64_t zero_copy_slot) {
     const c10::cuda::CUDAGuard guard(x.device());
     check_rows(x, "x");
     auto target = out.has_value() ? *out : torch::empty({num_tokens, c.hidden}, x.options().dtype(torch::kBFloat16));
     low_latency::combine_send(make_ctx(c), x.data_ptr(), recv_count.data_ptr<int>(), recv_src_info.data_ptr<int>(),
-                              static_cast<int>(num_topk), num_sms_of_current_device());
+                              static_cast<int>(num_topk), num_sms_of_current_device(), static_cast<int>(zero_copy_slot));
     return target;
 }
 
 void ll_combine_recv(const LowLatencyCtx& c, const torch::Tensor& topk_idx, const torch::Tensor& topk_weights,
-                     const torch::Tensor& out) {
+                     const torch::Tensor& out, int64_t zero_copy_slot) {
     const c10::cuda::CUDAGuard guard(out.device());
     check_rows(out, "out");
     TORCH_CHECK(topk_idx.is_contiguous() && topk_weights.is_contiguous(), "topk_idx, topk_weights: contiguous");
     low_latency::combine_recv(make_ctx(c), topk_idx.data_ptr<int64_t>(), topk_weights.data_ptr<float>(),
                               static_cast<int>(topk_idx.size(0)), static_cast<int>(topk_idx.size(1)), out.data_ptr(),
-                              num_sms_of_current_device());
+                              num_sms_of_current_device(), static_cast<int>(zero_copy_slot));
 }
 
 py::dict low_latency_layout(int64_t num_max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts) {
@@ -344,6 +347,7 @@ py::dict low_latency_layout(int64_t num_max_tokens, int64_t hidden, int64_t num_
     py::dict d;
     d["dispatch_message_bytes"] = r.dispatch_message;
     d["combine_message_bytes"] = r.combine_message;
+    d["zero_copy_offset"] = r.zero_copy_offset;
     d["send_bytes"] = r.send;
     d["recv_bytes"] = r.recv;
     d["signal_bytes"] = r.signal;
