@@ -682,6 +682,10 @@ class Buffer:
             self.group_size * handle.num_max_dispatch_tokens_per_rank,
             handle.hidden,
         )
+        self._check_low_latency(  # the view must lie inside the buffer
+            "get_next_low_latency_combine_buffer", handle.num_max_dispatch_tokens_per_rank, handle.hidden,
+            handle.num_experts,
+        )
         current = self._ll_combine_buffers[self._ll_next]
         kernels = isinstance(handle.backend_state, LowLatencyKernelState) and self._low_latency is not None
         if current is None or tuple(current.shape) != shape or kernels != self._ll_combine_in_place[self._ll_next]:
