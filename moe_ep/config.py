@@ -105,10 +105,11 @@ INTRANODE_SLOT_ALIGN = 16
 INTRANODE_MAX_EXPERTS = 16384
 _INTRANODE_FIXED_SIGNALS = 13
 _INTRANODE_SIGNAL_ARRAYS = 5
+_INTRANODE_STREAM_SIGNALS = 2 * 32  # the streaming combine's two [channel][rank] ring counters
 
 
 def intranode_header_bytes(num_ranks: int) -> int:
-    signals = (_INTRANODE_FIXED_SIGNALS + _INTRANODE_SIGNAL_ARRAYS * num_ranks) * 8
+    signals = (_INTRANODE_FIXED_SIGNALS + (_INTRANODE_SIGNAL_ARRAYS + _INTRANODE_STREAM_SIGNALS) * num_ranks) * 8
     return _align(signals + 4 * (2 * num_ranks + INTRANODE_MAX_EXPERTS), INTRANODE_HEADER_ALIGN)
 
 

@@ -56,6 +56,24 @@ def bulk_copy_round(p: Problem, config: Config = None, **kwargs):
     return with_env({"MOE_EP_BULK_COPY": "1"}, run)
 
 
+def stream_combine_round(p: Problem, config: Config = None, **kwargs):
+    """normal_round on a Buffer of its own with MOE_EP_STREAM_COMBINE=1: (its results, the rows per ring
+    its combine had; 0 would mean the windowed combine ran instead)."""
+
+    def run():
+        wide = kwargs.get("dtype") == torch.float32
+        buffer = normal_buffer(p.hidden * 2 if wide else p.hidden, config)
+        result = normal_round(p, buffer=buffer, config=config, **kwargs)
+        kernels = buffer._intranode
+        if kernels is None:
+            return result, 0
+        num_sms = (config or Buffer.get_combine_config(p.num_ranks)).num_sms
+        rows = kernels.ops.intranode_stream_ring_rows(kernels.ctx, num_sms, p.hidden * (4 if wide else 2), p.num_topk)
+        return result, rows
+
+    return with_env({"MOE_EP_STREAM_COMBINE": "1"}, run)
+
+
 def low_latency_buffer(p: Problem) -> Buffer:
     size = Buffer.get_low_latency_rdma_size_hint(p.max_tokens, p.hidden, p.num_ranks, p.num_experts)
     return Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, num_qps_per_rank=p.local_experts)

@@ -80,6 +80,22 @@ def test_bulk_copies_give_the_same_bits(pools, gpu_pools, seed, num_ranks, hidde
     _compare(seed, [result for result, _ in on_gpu], pools(num_ranks).run(rank_fns.normal_round, p, **kwargs))
 
 
+@pytest.mark.parametrize("num_ranks,hidden,dtype,small_buffer,num_biases", [
+    (2, 7168, torch.bfloat16, False, 2), (4, 2048, torch.bfloat16, False, 0), (8, 7168, torch.bfloat16, False, 1),
+    (3, 132, torch.bfloat16, True, 2), (4, 256, torch.float32, True, 1), (5, 512, torch.bfloat16, True, 0),
+])
+def test_stream_combine_gives_the_same_bits(pools, gpu_pools, seed, num_ranks, hidden, dtype, small_buffer, num_biases):
+    """MOE_EP_STREAM_COMBINE=1 (rings per channel, sending and receiving blocks at once): the same bits,
+    with rings of a few rows in a small buffer (batches of fewer tokens than warps), odd rank counts,
+    8-byte rows and float32 rows."""
+    config = Config(4, 2, 4, 2, 4) if small_buffer else None
+    p = Problem(seed, num_ranks, num_ranks * 8, hidden, 6, max_tokens=96)
+    kwargs = dict(num_biases=num_biases, config=config, dtype=dtype)
+    on_gpu = gpu_pools(num_ranks).run(rank_fns.stream_combine_round, p, **kwargs)
+    assert all(rows > 0 for _, rows in on_gpu), "the combine did not stream"
+    _compare(seed, [result for result, _ in on_gpu], pools(num_ranks).run(rank_fns.normal_round, p, **kwargs))
+
+
 @pytest.mark.parametrize("num_ranks", [2, 4])
 @pytest.mark.parametrize("use_fp8", [False, True])
 def test_many_windows_in_a_small_buffer(pools, gpu_pools, seed, num_ranks, use_fp8):

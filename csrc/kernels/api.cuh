@@ -83,6 +83,7 @@ struct Ctx {
     int ranks_on_device;      // ranks of the group on this GPU: their blocks must all fit it at once
     uint64_t* wait_ns;        // null, or [blocks][kWaitSlots]: where the time goes, added up per call
     bool bulk_copy;           // rows moved by TMA bulk copies through shared memory (sm_90; bulk_copy.cuh)
+    bool stream_combine;      // combine through per-channel rings instead of windows (an experiment)
     cudaStream_t stream;
 };
 
@@ -132,6 +133,9 @@ struct CombineArgs {
     float* out_weights;           // [N, K] or null
 };
 void combine(const Ctx& ctx, const CombineArgs& args);
+// Rows per ring of the streaming combine for rows of x_bytes (ctx.stream_combine); 0: it is off, or
+// there are more than 32 ranks, fewer than 2 blocks or no room for a ring row, and combine uses windows.
+int stream_ring_rows(const Ctx& ctx, int64_t x_bytes, int num_topk);
 
 // Tokens per window for the given row sizes; 0 when the buffer cannot hold one.
 int dispatch_window_tokens(int num_ranks, int64_t num_nvl_bytes, int64_t x_bytes, int64_t scale_bytes, int num_topk);

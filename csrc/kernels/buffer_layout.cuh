@@ -47,8 +47,17 @@ enum SignalArray : int {
 __host__ __device__ constexpr int64_t signal_index(SignalArray array, int num_ranks, int rank) {
     return kFixedSignals + static_cast<int64_t>(array) * num_ranks + rank;
 }
+// The streaming combine's ring counters follow, [channel][rank] each: rows peer r produced into this
+// rank's ring of a channel (kProducedFrom), and rows of this rank's ring at peer r that r consumed
+// (kConsumedBy).
+constexpr int kStreamChannels = 32;
+enum StreamArray : int { kProducedFrom = 0, kConsumedBy = 1, kNumStreamArrays = 2 };
+__host__ __device__ constexpr int64_t stream_index(StreamArray array, int num_ranks, int channel, int rank) {
+    return kFixedSignals + kNumArraySlots * static_cast<int64_t>(num_ranks) +
+           (static_cast<int64_t>(array) * kStreamChannels + channel) * num_ranks + rank;
+}
 __host__ __device__ constexpr int64_t signal_bytes(int num_ranks) {
-    return (kFixedSignals + kNumArraySlots * static_cast<int64_t>(num_ranks)) * 8;
+    return (kFixedSignals + (kNumArraySlots + kNumStreamArrays * kStreamChannels) * static_cast<int64_t>(num_ranks)) * 8;
 }
 // Row of source rank s in the counts area: [num_tokens, tokens for this rank, per local expert counts].
 __host__ __device__ constexpr int counts_row_ints(int num_ranks, int num_experts) {

@@ -60,6 +60,7 @@ constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kMaxRanks = 64;
 
 using peer::arrive_last;
+using peer::load_acquire;
 using peer::load_volatile;
 using peer::now_ns;
 using peer::raise_flag;
@@ -580,6 +581,230 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     finish_kernel(e, e.own(kDoneCount));
 }
 
+// ------------------------------------------------------------------ streaming combine
+// MOE_EP_STREAM_COMBINE=1: an experiment next to the windowed combine above (DESIGN.md, "Where the
+// speed stands", step 3), which pushes a whole window before any of it is reduced, so the slots come
+// back from DRAM and every window costs an all-rank handshake. Here the first `channels` blocks
+// receive and the others send, at the same time. Every owner's tokens are cut into `channels`
+// contiguous ranges; per (channel, sending rank) the owner's buffer holds a ring of `ring_rows` slots.
+// A sending block serves one channel: its warps take the owners in turn (never waiting on one owner
+// while another has room) and write their rows of the channel, in token order, into the owner's
+// ring, as far as the owner's consumed count allows. A receiving block takes its channel's tokens in
+// batches of one token per warp, in order: a token's row from rank r is the next unread slot of ring
+// r, because r sends in token order, and is summed in rank order as in the windowed combine (the same
+// bits). Senders wait only on receivers and receivers only on senders; a batch never needs more rows
+// of a ring than it holds, and every block is resident: no cycle of waits.
+constexpr int kMaxStreamRanks = 32;  // a warp's lanes hold one rank each
+
+struct StreamCall {
+    const CombineArgs& a;
+    int64_t slot_bytes, x_bytes, weights_offset;
+    int ring_rows, channels;
+    const int* base;        // first received row of each rank (R + 1)
+    const int* src_tokens;  // every rank's num_tokens
+};
+
+// Tokens [first, last) of a rank with n tokens that channel c covers.
+__device__ __forceinline__ void channel_tokens(int n, int c, int channels, int& first, int& last) {
+    first = static_cast<int>(static_cast<int64_t>(n) * c / channels);
+    last = static_cast<int>(static_cast<int64_t>(n) * (c + 1) / channels);
+}
+
+// Rank `owner`'s ring of channel c for rows from rank `from` (in the window area, unused meanwhile).
+__device__ __forceinline__ uint8_t* stream_ring(const Env& e, const StreamCall& call, int owner, int c, int from) {
+    return e.window(owner, 0) + (static_cast<int64_t>(c) * e.num_ranks + from) * call.ring_rows * call.slot_bytes;
+}
+
+// Rows counted in a ring counter of this call (tag(seq, rows)); a counter of a later call counts as
+// everything (its rank is past this call), one of an earlier call as nothing.
+__device__ __forceinline__ int counted_rows(uint64_t flag, uint64_t seq, int everything) {
+    if (flag < tag(seq, 0)) return -1;
+    return (flag >> 24) == seq ? static_cast<int>(flag & 0xffffff) - 1 : everything;
+}
+
+template <typename T, typename V, typename S>
+__device__ bool stream_send(const Env& e, const StreamCall& call, int c) {
+    const CombineArgs& a = call.a;
+    const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    constexpr int kOwners = (kMaxStreamRanks + S::kWarps - 1) / S::kWarps;  // per warp, at most
+    int lo[kOwners], count[kOwners], sent[kOwners], mine = 0;
+    for (int s = warp; s < R; s += S::kWarps, ++mine) {  // this warp's owners: rows sorted by token
+        int first, last;
+        channel_tokens(call.src_tokens[s], c, call.channels, first, last);
+        lo[mine] = lower_bound(a.recv_src_idx, call.base[s], call.base[s + 1], first);
+        count[mine] = lower_bound(a.recv_src_idx, lo[mine], call.base[s + 1], last) - lo[mine];
+        sent[mine] = 0;
+    }
+    const uint8_t* x = static_cast<const uint8_t*>(a.x);
+    while (true) {
+        bool done = true, moved = false;
+        for (int j = 0; j < mine; ++j) {
+            if (sent[j] == count[j]) continue;
+            done = false;
+            const int s = warp + j * S::kWarps;
+            uint64_t flag = 0;
+            if (lane == 0) flag = load_acquire(e.own(stream_index(kConsumedBy, R, c, s)));
+            const int consumed = counted_rows(__shfl_sync(kFullMask, flag, 0), e.seq, count[j]);
+            if (consumed < 0) continue;  // the owner has not opened this call's rings yet
+            const int upto = min(count[j], consumed + call.ring_rows);
+            if (upto <= sent[j]) continue;
+            uint8_t* ring = stream_ring(e, call, s, c, me);
+            for (int k = sent[j]; k < upto; ++k) {
+                const int64_t i = lo[j] + k;
+                uint8_t* dst = ring + static_cast<int64_t>(k % call.ring_rows) * call.slot_bytes;
+                warp_copy<Src::kReadOnly, S::kCopyDepth>(dst, x + i * call.x_bytes, call.x_bytes, lane);
+                if (lane < K) reinterpret_cast<float*>(dst + call.weights_offset)[lane] = a.topk_weights[i * K + lane];
+            }
+            __syncwarp();  // the warp's stores before lane 0's release
+            if (lane == 0) raise_flag(e.signals(s) + stream_index(kProducedFrom, R, c, me), tag(e.seq, upto));
+            sent[j] = upto;
+            moved = true;
+        }
+        if (done) return true;
+        if (!moved) {  // every unfinished owner's ring is full: give up only at the deadline
+            int failed = 0;
+            if (lane == 0) {
+                if (load_volatile(e.own(kAbort)) != 0) {
+                    failed = 1;
+                } else if (now_ns() > e.deadline) {
+                    int s = warp;
+                    for (int j = 0; j < mine; ++j)
+                        if (sent[j] < count[j]) { s = warp + j * S::kWarps; break; }
+                    const uint64_t* flag = e.own(stream_index(kConsumedBy, R, c, s));
+                    peer::report_timeout({e.own(kAbort), e.own(kErrorClaim), e.host, e.deadline}, kErrOpen, s, c,
+                                         tag(e.seq, 0), load_volatile(flag));
+                    failed = 1;
+                }
+            }
+            if (__shfl_sync(kFullMask, failed, 0)) return false;
+        }
+    }
+}
+
+template <typename T, typename V, typename S>
+__device__ bool stream_receive(const Env& e, const StreamCall& call, int c) {
+    constexpr int kElems = sizeof(V) / sizeof(T);
+    const CombineArgs& a = call.a;
+    const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int64_t chunks = call.x_bytes / sizeof(V);
+    __shared__ int ring_first[kMaxStreamRanks];  // per sender: send_pos of the channel's first token it got
+    __shared__ int consumed[kMaxStreamRanks];    // per sender: its ring rows read so far
+    __shared__ int failed;
+    // This call's rings are open: the previous call read them all before its kernel ended.
+    if (threadIdx.x < R) {
+        raise_flag(e.signals(threadIdx.x) + stream_index(kConsumedBy, R, c, me), tag(e.seq, 0));
+        consumed[threadIdx.x] = 0;
+    }
+    if (threadIdx.x == 0) failed = 0;
+    int first, last;
+    channel_tokens(a.num_tokens, c, call.channels, first, last);
+    for (int r = warp; r < R; r += S::kWarps) {
+        int found = 0;
+        for (int t0 = first; t0 < last; t0 += 32) {
+            const int p = t0 + lane < last ? a.send_pos[static_cast<int64_t>(t0 + lane) * R + r] : -1;
+            const unsigned hits = __ballot_sync(kFullMask, p >= 0);
+            if (hits != 0) {
+                found = __shfl_sync(kFullMask, p, __ffs(hits) - 1);
+                break;
+            }
+        }
+        if (lane == 0) ring_first[r] = found;
+    }
+    __syncthreads();
+    const int batch = min(S::kWarps, call.ring_rows);  // rows of one ring a batch needs, at most
+    const uint8_t* rings = stream_ring(e, call, me, c, 0);
+    const int64_t ring_bytes = static_cast<int64_t>(call.ring_rows) * call.slot_bytes;
+    for (int b0 = first; b0 < last; b0 += batch) {
+        const int64_t t = b0 + warp;
+        if (warp < batch && t < last) {
+            int k = -1;  // lane r: ring index of this token's row from rank r
+            if (lane < R) {
+                const int p = a.send_pos[t * R + lane];
+                if (p >= 0) k = p - ring_first[lane];
+            }
+            bool ready = true;
+            if (k >= 0)
+                ready = wait_flag(e, e.own(stream_index(kProducedFrom, R, c, lane)), tag(e.seq, k + 1), kErrPushed, lane, c);
+            if (!__all_sync(kFullMask, ready)) {
+                if (lane == 0) failed = 1;
+            } else {
+                const unsigned sent = __ballot_sync(kFullMask, k >= 0);
+                const int64_t offset = k >= 0 ? lane * ring_bytes + static_cast<int64_t>(k % call.ring_rows) * call.slot_bytes : 0;
+                for (int64_t chunk0 = lane; chunk0 < chunks; chunk0 += 32 * kChunks) {
+                    float acc[kChunks][kElems];
+#pragma unroll
+                    for (int q = 0; q < kChunks; ++q) {
+                        const int64_t chunk = chunk0 + q * 32;
+#pragma unroll
+                        for (int v = 0; v < kElems; ++v) acc[q][v] = 0.f;
+                        if (chunk < chunks) {
+                            if (a.bias0 != nullptr) add_to<T>(acc[q], __ldg(static_cast<const V*>(a.bias0) + t * chunks + chunk));
+                            if (a.bias1 != nullptr) add_to<T>(acc[q], __ldg(static_cast<const V*>(a.bias1) + t * chunks + chunk));
+                        }
+                    }
+                    for (unsigned rest = sent; rest != 0;) {
+                        V vals[S::kCombineBatch][kChunks];
+                        int loaded = 0;
+#pragma unroll
+                        for (int j = 0; j < S::kCombineBatch; ++j) {
+                            if (rest != 0) {
+                                const int r = __ffs(rest) - 1;
+                                rest &= rest - 1;
+                                const V* slot = reinterpret_cast<const V*>(rings + __shfl_sync(kFullMask, offset, r));
+#pragma unroll
+                                for (int q = 0; q < kChunks; ++q)
+                                    if (chunk0 + q * 32 < chunks) vals[j][q] = __ldcg(slot + chunk0 + q * 32);
+                                loaded = j + 1;
+                            }
+                        }
+#pragma unroll
+                        for (int j = 0; j < S::kCombineBatch; ++j)
+#pragma unroll
+                            for (int q = 0; q < kChunks; ++q)
+                                if (j < loaded && chunk0 + q * 32 < chunks) add_to<T>(acc[q], vals[j][q]);
+                    }
+#pragma unroll
+                    for (int q = 0; q < kChunks; ++q)
+                        if (chunk0 + q * 32 < chunks) static_cast<V*>(a.out)[t * chunks + chunk0 + q * 32] = pack<T, V>(acc[q]);
+                }
+                if (a.out_weights != nullptr) {
+                    float acc = 0.f;
+                    for (unsigned rest = sent; rest != 0; rest &= rest - 1) {
+                        const int64_t slot = __shfl_sync(kFullMask, offset, __ffs(rest) - 1);
+                        if (lane < K) acc += __ldcg(reinterpret_cast<const float*>(rings + slot + call.weights_offset) + lane);
+                    }
+                    if (lane < K) a.out_weights[t * K + lane] = acc;
+                }
+                if (k >= 0) atomicMax(&consumed[lane], k + 1);
+            }
+        }
+        __syncthreads();  // the batch's rows are read: their slots may be refilled
+        if (failed) return false;
+        if (threadIdx.x < R)
+            raise_flag(e.signals(threadIdx.x) + stream_index(kConsumedBy, R, c, me), tag(e.seq, consumed[threadIdx.x]));
+    }
+    return true;
+}
+
+template <typename T, typename V, typename S>
+__global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
+    stream_combine_kernel(Ctx c, CombineArgs a, int64_t slot_bytes, int ring_rows, int channels) {
+    const Env e = make_env(c);
+    const int64_t x_bytes = static_cast<int64_t>(a.hidden) * sizeof(T);
+    const StreamCall call{a, slot_bytes, x_bytes, align_up(x_bytes, kSlotAlign), ring_rows, channels,
+                          a.recv_info + 2, a.recv_info + 3 + e.num_ranks};
+    if (load_volatile(e.own(kAbort)) == 0) {
+        if (blockIdx.x < channels) {
+            stream_receive<T, V, S>(e, call, blockIdx.x);
+            end_phase(e, kPhaseReduce, e.start);
+        } else if (blockIdx.x < 2 * channels) {
+            stream_send<T, V, S>(e, call, blockIdx.x - channels);
+            end_phase(e, kPhasePush, e.start);
+        }
+    }
+    finish_kernel(e, e.own(kDoneCount));
+}
+
 // A kernel built in the three shapes.
 struct Shapes {
     const void* kernel[3];  // Solo, Wide, Narrow
@@ -662,6 +887,13 @@ struct CombineKernels {
         static constexpr auto fn = combine_kernel<T, V, S>;
     };
 };
+template <typename T, typename V>
+struct StreamCombineKernels {
+    template <typename S>
+    struct Of {
+        static constexpr auto fn = stream_combine_kernel<T, V, S>;
+    };
+};
 
 }  // namespace
 
@@ -702,6 +934,17 @@ void dispatch(const Ctx& ctx, const DispatchArgs& args) {
     launch_shaped<DispatchKernel>(ctx, "intranode dispatch_kernel", args, slot, window);
 }
 
+// The streaming combine needs a receiving and a sending block per channel.
+static int stream_channels(const Ctx& ctx) { return std::min(ctx.num_blocks / 2, kStreamChannels); }
+
+int stream_ring_rows(const Ctx& ctx, int64_t x_bytes, int num_topk) {
+    const int channels = stream_channels(ctx);
+    if (!ctx.stream_combine || ctx.num_ranks > kMaxStreamRanks || channels < 1) return 0;
+    const int64_t rows = 2 * half_bytes(ctx.num_nvl_bytes, ctx.num_ranks) /
+                         (channels * ctx.num_ranks * combine_slot_bytes(x_bytes, num_topk));
+    return static_cast<int>(std::min<int64_t>(rows, 1 << 20));
+}
+
 void combine(const Ctx& ctx, const CombineArgs& args) {
     if (ctx.num_ranks > kMaxRanks) throw std::runtime_error("moe_ep: intranode combine supports at most 64 ranks");
     const int64_t x_bytes = static_cast<int64_t>(args.hidden) * (args.dtype == DType::kFloat32 ? 4 : 2);
@@ -711,6 +954,22 @@ void combine(const Ctx& ctx, const CombineArgs& args) {
     const int64_t slot = combine_slot_bytes(x_bytes, args.num_topk);
     // Outputs and biases are whole rows of x_bytes: 16-byte vectors when every row starts aligned.
     const bool wide = x_bytes % 16 == 0;
+    const int rows = stream_ring_rows(ctx, x_bytes, args.num_topk);
+    if (rows > 0) {
+        const int channels = stream_channels(ctx);
+        const char* streaming = "intranode stream_combine_kernel";
+        if (args.dtype == DType::kBFloat16 && wide)
+            launch_shaped<StreamCombineKernels<__nv_bfloat16, int4>::Of>(ctx, streaming, args, slot, rows, channels);
+        else if (args.dtype == DType::kBFloat16)
+            launch_shaped<StreamCombineKernels<__nv_bfloat16, int2>::Of>(ctx, streaming, args, slot, rows, channels);
+        else if (args.dtype == DType::kFloat32 && wide)
+            launch_shaped<StreamCombineKernels<float, int4>::Of>(ctx, streaming, args, slot, rows, channels);
+        else if (args.dtype == DType::kFloat32)
+            launch_shaped<StreamCombineKernels<float, int2>::Of>(ctx, streaming, args, slot, rows, channels);
+        else
+            throw std::runtime_error("moe_ep: intranode combine takes bfloat16 or float32 rows");
+        return;
+    }
     const char* what = "intranode combine_kernel";
     if (args.dtype == DType::kBFloat16 && wide)
         launch_shaped<CombineKernels<__nv_bfloat16, int4>::Of>(ctx, what, args, slot, window);

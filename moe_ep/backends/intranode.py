@@ -51,6 +51,9 @@ class IntranodeBackend:
         # experiment against the register copies (docs/DESIGN.md, "Where the speed stands").
         self.ctx.bulk_copy = (os.environ.get("MOE_EP_BULK_COPY") == "1"
                               and torch.cuda.get_device_capability(self.peers.device)[0] >= 9)
+        # MOE_EP_STREAM_COMBINE=1: combine through per-channel rings, sending and receiving blocks at once,
+        # an experiment against the windowed combine (docs/DESIGN.md, "Where the speed stands").
+        self.ctx.stream_combine = os.environ.get("MOE_EP_STREAM_COMBINE") == "1"
         self.comm_stream = comm_stream
         self._nonce = 0
         self._fitting_sms = set()  # SM budgets known to fit this GPU together with its other ranks
