@@ -471,14 +471,73 @@ __device__ bool push_window(const Env& e, const CombineCall& call, const Warps& 
     return true;
 }
 
+// Token t's combined row, vectors [begin, end) of it: bias0, bias1, then the row of every rank in
+// `sent`, ascending, in float32 (the portable backend's order, so the same bits); row_of(r) is where
+// rank r's row is (warp-uniform calls). kChunks vectors per lane and up to S::kCombineBatch ranks
+// each: their loads are all in flight together, then summed per vector in rank order. With
+// `weights_offset` >= 0 also out_weights[t] = the sum of the ranks' weights there.
+template <typename T, typename V, typename S, typename RowOf>
+__device__ void sum_token(const CombineArgs& a, int64_t t, int64_t chunks, int64_t begin, int64_t end, uint64_t sent,
+                          RowOf row_of, int64_t weights_offset, int lane) {
+    constexpr int kElems = sizeof(V) / sizeof(T);
+    for (int64_t chunk0 = begin + lane; chunk0 < end; chunk0 += 32 * kChunks) {
+        float acc[kChunks][kElems];
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+            const int64_t chunk = chunk0 + c * 32;
+#pragma unroll
+            for (int v = 0; v < kElems; ++v) acc[c][v] = 0.f;
+            if (chunk < end) {
+                if (a.bias0 != nullptr) add_to<T>(acc[c], __ldg(static_cast<const V*>(a.bias0) + t * chunks + chunk));
+                if (a.bias1 != nullptr) add_to<T>(acc[c], __ldg(static_cast<const V*>(a.bias1) + t * chunks + chunk));
+            }
+        }
+        for (uint64_t rest = sent; rest != 0;) {
+            V vals[S::kCombineBatch][kChunks];
+            int loaded = 0;
+#pragma unroll
+            for (int j = 0; j < S::kCombineBatch; ++j) {
+                if (rest != 0) {
+                    const int r = __ffsll(static_cast<long long>(rest)) - 1;
+                    rest &= rest - 1;
+                    const V* slot = reinterpret_cast<const V*>(row_of(r));
+#pragma unroll
+                    for (int c = 0; c < kChunks; ++c)
+                        if (chunk0 + c * 32 < end) vals[j][c] = __ldcg(slot + chunk0 + c * 32);
+                    loaded = j + 1;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < S::kCombineBatch; ++j)
+#pragma unroll
+                for (int c = 0; c < kChunks; ++c)
+                    if (j < loaded && chunk0 + c * 32 < end) add_to<T>(acc[c], vals[j][c]);
+        }
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c)
+            if (chunk0 + c * 32 < end) static_cast<V*>(a.out)[t * chunks + chunk0 + c * 32] = pack<T, V>(acc[c]);
+    }
+    if (a.out_weights != nullptr && weights_offset >= 0) {
+        const int K = a.num_topk;
+        for (int k0 = 0; k0 < K; k0 += 32) {  // every lane walks the ranks: row_of may shuffle
+            const int k = k0 + lane;
+            float acc = 0.f;
+            for (uint64_t rest = sent; rest != 0; rest &= rest - 1) {
+                const uint8_t* row = row_of(__ffsll(static_cast<long long>(rest)) - 1);
+                if (k < K) acc += __ldcg(reinterpret_cast<const float*>(row + weights_offset) + k);
+            }
+            if (k < K) a.out_weights[t * K + k] = acc;
+        }
+    }
+}
+
 // Reduce this rank's window w once every rank pushed into it: bias, then every rank's row in ascending
 // rank order, in float32; the last block to finish reopens the window half for window w + 2. A window
 // may hold fewer tokens than the kernel has warps: then each token's row is cut into parts, a warp each.
 template <typename T, typename V, typename S>
 __device__ bool reduce_window(const Env& e, const CombineCall& call, const Warps& warps, int w) {
-    constexpr int kElems = sizeof(V) / sizeof(T);
     const CombineArgs& a = call.a;
-    const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
+    const int R = e.num_ranks, me = e.rank, lane = threadIdx.x % 32;
     const int parity = w & 1, first = w * call.window_tokens;
     const int64_t chunks = call.x_bytes / sizeof(V);
     if (!block_wait(e, kPushedFrom, 0, R, tag(e.seq, w), kErrPushed, w)) return false;
@@ -496,57 +555,10 @@ __device__ bool reduce_window(const Env& e, const CombineCall& call, const Warps
             sent |= static_cast<uint64_t>(bits) << r0;
         }
         const uint8_t* slots = window + static_cast<int64_t>(i) * R * call.slot_bytes;
-        // kChunks vectors per lane and up to S::kCombineBatch ranks each: their loads are all in flight
-        // together, then summed per vector in ascending rank order.
         const int64_t begin = static_cast<int64_t>(steps) * part / parts * 32 * kChunks;
         const int64_t end = min(chunks, static_cast<int64_t>(steps) * (part + 1) / parts * 32 * kChunks);
-        for (int64_t chunk0 = begin + lane; chunk0 < end; chunk0 += 32 * kChunks) {
-            float acc[kChunks][kElems];
-#pragma unroll
-            for (int c = 0; c < kChunks; ++c) {
-                const int64_t chunk = chunk0 + c * 32;
-#pragma unroll
-                for (int v = 0; v < kElems; ++v) acc[c][v] = 0.f;
-                if (chunk < end) {
-                    if (a.bias0 != nullptr) add_to<T>(acc[c], __ldg(static_cast<const V*>(a.bias0) + t * chunks + chunk));
-                    if (a.bias1 != nullptr) add_to<T>(acc[c], __ldg(static_cast<const V*>(a.bias1) + t * chunks + chunk));
-                }
-            }
-            for (uint64_t rest = sent; rest != 0;) {
-                V vals[S::kCombineBatch][kChunks];
-                int loaded = 0;
-#pragma unroll
-                for (int j = 0; j < S::kCombineBatch; ++j) {
-                    if (rest != 0) {
-                        const int r = __ffsll(static_cast<long long>(rest)) - 1;
-                        rest &= rest - 1;
-                        const V* slot = reinterpret_cast<const V*>(slots + r * call.slot_bytes);
-#pragma unroll
-                        for (int c = 0; c < kChunks; ++c)
-                            if (chunk0 + c * 32 < end) vals[j][c] = __ldcg(slot + chunk0 + c * 32);
-                        loaded = j + 1;
-                    }
-                }
-#pragma unroll
-                for (int j = 0; j < S::kCombineBatch; ++j)
-#pragma unroll
-                    for (int c = 0; c < kChunks; ++c)
-                        if (j < loaded && chunk0 + c * 32 < end) add_to<T>(acc[c], vals[j][c]);
-            }
-#pragma unroll
-            for (int c = 0; c < kChunks; ++c)
-                if (chunk0 + c * 32 < end) static_cast<V*>(a.out)[t * chunks + chunk0 + c * 32] = pack<T, V>(acc[c]);
-        }
-        if (a.out_weights != nullptr && part == 0) {
-            for (int k = lane; k < K; k += 32) {
-                float acc = 0.f;
-                for (uint64_t rest = sent; rest != 0; rest &= rest - 1) {
-                    const int r = __ffsll(static_cast<long long>(rest)) - 1;
-                    acc += __ldcg(reinterpret_cast<const float*>(slots + r * call.slot_bytes + call.weights_offset) + k);
-                }
-                a.out_weights[t * K + k] = acc;
-            }
-        }
+        sum_token<T, V, S>(a, t, chunks, begin, end, sent, [&](int r) { return slots + r * call.slot_bytes; },
+                           part == 0 ? call.weights_offset : -1, lane);
     }
     __syncthreads();
     if (threadIdx.x == 0 && arrive_last(e.own(kReduceCount + parity), warps.blocks))
@@ -683,19 +695,16 @@ __device__ bool stream_send(const Env& e, const StreamCall& call, int c) {
 
 template <typename T, typename V, typename S>
 __device__ bool stream_receive(const Env& e, const StreamCall& call, int c) {
-    constexpr int kElems = sizeof(V) / sizeof(T);
     const CombineArgs& a = call.a;
-    const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int R = e.num_ranks, me = e.rank, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int64_t chunks = call.x_bytes / sizeof(V);
     __shared__ int ring_first[kMaxStreamRanks];  // per sender: send_pos of the channel's first token it got
     __shared__ int consumed[kMaxStreamRanks];    // per sender: its ring rows read so far
-    __shared__ int failed;
     // This call's rings are open: the previous call read them all before its kernel ended.
     if (threadIdx.x < R) {
         raise_flag(e.signals(threadIdx.x) + stream_index(kConsumedBy, R, c, me), tag(e.seq, 0));
         consumed[threadIdx.x] = 0;
     }
-    if (threadIdx.x == 0) failed = 0;
     int first, last;
     channel_tokens(a.num_tokens, c, call.channels, first, last);
     for (int r = warp; r < R; r += S::kWarps) {
@@ -716,6 +725,7 @@ __device__ bool stream_receive(const Env& e, const StreamCall& call, int c) {
     const int64_t ring_bytes = static_cast<int64_t>(call.ring_rows) * call.slot_bytes;
     for (int b0 = first; b0 < last; b0 += batch) {
         const int64_t t = b0 + warp;
+        bool failed = false;
         if (warp < batch && t < last) {
             int k = -1;  // lane r: ring index of this token's row from rank r
             if (lane < R) {
@@ -726,60 +736,17 @@ __device__ bool stream_receive(const Env& e, const StreamCall& call, int c) {
             if (k >= 0)
                 ready = wait_flag(e, e.own(stream_index(kProducedFrom, R, c, lane)), tag(e.seq, k + 1), kErrPushed, lane, c);
             if (!__all_sync(kFullMask, ready)) {
-                if (lane == 0) failed = 1;
+                failed = true;
             } else {
                 const unsigned sent = __ballot_sync(kFullMask, k >= 0);
                 const int64_t offset = k >= 0 ? lane * ring_bytes + static_cast<int64_t>(k % call.ring_rows) * call.slot_bytes : 0;
-                for (int64_t chunk0 = lane; chunk0 < chunks; chunk0 += 32 * kChunks) {
-                    float acc[kChunks][kElems];
-#pragma unroll
-                    for (int q = 0; q < kChunks; ++q) {
-                        const int64_t chunk = chunk0 + q * 32;
-#pragma unroll
-                        for (int v = 0; v < kElems; ++v) acc[q][v] = 0.f;
-                        if (chunk < chunks) {
-                            if (a.bias0 != nullptr) add_to<T>(acc[q], __ldg(static_cast<const V*>(a.bias0) + t * chunks + chunk));
-                            if (a.bias1 != nullptr) add_to<T>(acc[q], __ldg(static_cast<const V*>(a.bias1) + t * chunks + chunk));
-                        }
-                    }
-                    for (unsigned rest = sent; rest != 0;) {
-                        V vals[S::kCombineBatch][kChunks];
-                        int loaded = 0;
-#pragma unroll
-                        for (int j = 0; j < S::kCombineBatch; ++j) {
-                            if (rest != 0) {
-                                const int r = __ffs(rest) - 1;
-                                rest &= rest - 1;
-                                const V* slot = reinterpret_cast<const V*>(rings + __shfl_sync(kFullMask, offset, r));
-#pragma unroll
-                                for (int q = 0; q < kChunks; ++q)
-                                    if (chunk0 + q * 32 < chunks) vals[j][q] = __ldcg(slot + chunk0 + q * 32);
-                                loaded = j + 1;
-                            }
-                        }
-#pragma unroll
-                        for (int j = 0; j < S::kCombineBatch; ++j)
-#pragma unroll
-                            for (int q = 0; q < kChunks; ++q)
-                                if (j < loaded && chunk0 + q * 32 < chunks) add_to<T>(acc[q], vals[j][q]);
-                    }
-#pragma unroll
-                    for (int q = 0; q < kChunks; ++q)
-                        if (chunk0 + q * 32 < chunks) static_cast<V*>(a.out)[t * chunks + chunk0 + q * 32] = pack<T, V>(acc[q]);
-                }
-                if (a.out_weights != nullptr) {
-                    float acc = 0.f;
-                    for (unsigned rest = sent; rest != 0; rest &= rest - 1) {
-                        const int64_t slot = __shfl_sync(kFullMask, offset, __ffs(rest) - 1);
-                        if (lane < K) acc += __ldcg(reinterpret_cast<const float*>(rings + slot + call.weights_offset) + lane);
-                    }
-                    if (lane < K) a.out_weights[t * K + lane] = acc;
-                }
+                sum_token<T, V, S>(a, t, chunks, 0, chunks, sent,
+                                   [&](int r) { return rings + __shfl_sync(kFullMask, offset, r); }, call.weights_offset, lane);
                 if (k >= 0) atomicMax(&consumed[lane], k + 1);
             }
         }
-        __syncthreads();  // the batch's rows are read: their slots may be refilled
-        if (failed) return false;
+        // The batch's rows are read (their slots may be refilled), and every thread learns of a failed wait.
+        if (__syncthreads_or(failed)) return false;
         if (threadIdx.x < R)
             raise_flag(e.signals(threadIdx.x) + stream_index(kConsumedBy, R, c, me), tag(e.seq, consumed[threadIdx.x]));
     }
