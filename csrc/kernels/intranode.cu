@@ -140,6 +140,13 @@ __device__ void finish_kernel(const Env& e, uint64_t* done_counter) {
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 __device__ __forceinline__ int clamp_count(int n, int first, int capacity) { return max(0, min(n - first, capacity)); }
+// The part a list entry falls in, for `parts` parts laid back to back, part j from entry starts[j];
+// entries past the list's end fall in the last part.
+__device__ __forceinline__ int list_part(const int* starts, int parts, int entry) {
+    int j = 0;
+    while (j + 1 < parts && starts[j + 1] <= entry) ++j;
+    return j;
+}
 
 // ------------------------------------------------------------------ notify
 // Block d scans column d of is_token_in_rank, sends this rank's counts to rank d, and waits for
@@ -311,9 +318,7 @@ __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchS
     const int n = starts[R];
     // A warp reads the destination rows of 32 slots at once, then copies the ones meant here.
     for (int b = 0; b * warps.num_warps * 32 < n; ++b) {
-        const int mine = (b * 32 + lane) * warps.num_warps + warps.warp;
-        int j = 0;
-        while (j + 1 < R && starts[j + 1] <= mine) ++j;
+        const int mine = (b * 32 + lane) * warps.num_warps + warps.warp, j = list_part(starts, R, mine);
         const int s = (me + 1 + j) % R, i = mine - starts[j];
         const int p = mine < n ? __ldcg(reinterpret_cast<const int*>(e.window(s, parity) + i * slot.bytes + slot.pos_offset) + me) : -1;
         for (unsigned todo = __ballot_sync(kFullMask, p >= 0); todo != 0; todo &= todo - 1) {
@@ -455,9 +460,7 @@ __device__ bool push_window(const Env& e, const CombineCall& call, const Warps& 
     // wait's barrier publishes starts.
     if (!block_wait(e, kOpenFrom, 0, R, tag(e.seq, w), kErrOpen, w)) return false;
     for (int item = warps.warp; item < starts[R]; item += warps.num_warps) {
-        int j = 0;
-        while (starts[j + 1] <= item) ++j;
-        const int s = (me + 1 + j) % R;
+        const int j = list_part(starts, R, item), s = (me + 1 + j) % R;
         const int64_t i = lo[j] + item - starts[j], t = a.recv_src_idx[i];
         uint8_t* dst = e.window(s, parity) + ((t - first) * R + me) * call.slot_bytes;
         staging.template copy<Src::kReadOnly, S::kCopyDepth>(dst, static_cast<const uint8_t*>(a.x) + i * call.x_bytes, call.x_bytes, lane);
