@@ -291,8 +291,7 @@ low_latency::Ctx make_ctx(const LowLatencyCtx& c) {
 // Allocates the receive tensors here (a decode step's host time counts, and each allocation from
 // Python costs microseconds more than from C++) and launches the send kernel.
 // -> (recv_x [L, R * max, H], recv_scales or None, recv_count [L], recv_src_info [L, R * max]); the
-// receive kernel writes every count (no fill kernel per call), and after a failed receive the call
-// raises TimeoutError, so no one reads counts it left unwritten.
+// send kernel zeroes the counts (no fill kernel per call) and the receive kernel writes them.
 py::tuple ll_dispatch_send(const LowLatencyCtx& c, const torch::Tensor& x, const torch::Tensor& topk_idx, bool use_fp8,
                            bool round_scale, bool use_ue8m0) {
     const c10::cuda::CUDAGuard guard(x.device());
@@ -310,7 +309,8 @@ py::tuple ll_dispatch_send(const LowLatencyCtx& c, const torch::Tensor& x, const
     auto recv_count = torch::empty({local}, on_device.dtype(torch::kInt32));
     auto recv_src_info = torch::empty({local, rows}, on_device.dtype(torch::kInt32));
     low_latency::dispatch_send(make_ctx(c), x.data_ptr(), static_cast<int>(x.size(0)), topk_idx.data_ptr<int64_t>(),
-                               static_cast<int>(topk_idx.size(1)), use_fp8, round_scale, use_ue8m0);
+                               static_cast<int>(topk_idx.size(1)), use_fp8, round_scale, use_ue8m0,
+                               recv_count.data_ptr<int>());
     return py::make_tuple(recv_x, recv_scales, recv_count, recv_src_info);
 }
 

@@ -160,9 +160,10 @@ struct Ctx {
 };
 
 // Writes every (token, top-k slot) with an expert into that expert's rank: bf16 rows, or e4m3 rows
-// cast here with their 1x128 scales (float32, or UE8M0 packed four to an int32). Waits for nothing.
+// cast here with their 1x128 scales (float32, or UE8M0 packed four to an int32), and zeroes recv_count
+// [L] (the receive writes it). Waits for nothing.
 void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t* topk_idx, int num_topk,
-                   bool use_fp8, bool round_scale, bool use_ue8m0);
+                   bool use_fp8, bool round_scale, bool use_ue8m0, int* recv_count);
 // Waits for every rank's rows and packs them per local expert, ordered by source rank, token, slot:
 // recv_x [L, R * max, H] (+ recv_scales), recv_count [L], stats [L] += counts (nullable), and
 // recv_src_info [L, R * max]: (source rank * max + token) * num_topk + slot of each row.

@@ -602,9 +602,9 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
 // back from DRAM and every window costs an all-rank handshake. Here the first `channels` blocks
 // receive and the others send, at the same time. Every owner's tokens are cut into `channels`
 // contiguous ranges; per (channel, sending rank) the owner's buffer holds a ring of `ring_rows` slots.
-// A sending block serves one channel: its warps take the owners in turn (never waiting on one owner
-// while another has room) and write their rows of the channel, in token order, into the owner's
-// ring, as far as the owner's consumed count allows. A receiving block takes its channel's tokens in
+// A sending block serves one channel: in rounds, its warps write every owner's next rows of the
+// channel, in token order, into the owner's ring, as far as each owner's consumed count allows (never
+// waiting on one owner while another has room). A receiving block takes its channel's tokens in
 // batches of one token per warp, in order: a token's row from rank r is the next unread slot of ring
 // r, because r sends in token order, and is summed in rank order as in the windowed combine (the same
 // bits). Senders wait only on receivers and receivers only on senders; a batch never needs more rows
@@ -641,57 +641,68 @@ template <typename T, typename V, typename S>
 __device__ bool stream_send(const Env& e, const StreamCall& call, int c) {
     const CombineArgs& a = call.a;
     const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    constexpr int kOwners = (kMaxStreamRanks + S::kWarps - 1) / S::kWarps;  // per warp, at most
-    int lo[kOwners], count[kOwners], sent[kOwners], mine = 0;
-    for (int s = warp; s < R; s += S::kWarps, ++mine) {  // this warp's owners: rows sorted by token
+    // Per owner j (rank (me + 1 + j) % R, so the senders start on different owners): its rows of the
+    // channel (lo, count, sorted by token), rows written so far, and rows its ring has room up to.
+    __shared__ int lo[kMaxStreamRanks], count[kMaxStreamRanks], sent[kMaxStreamRanks], room[kMaxStreamRanks];
+    __shared__ int starts[kMaxStreamRanks + 1];
+    __shared__ int state;
+    enum { kGo, kDone, kFailed };
+    if (threadIdx.x < R) {
+        const int j = threadIdx.x, s = (me + 1 + j) % R;
         int first, last;
         channel_tokens(call.src_tokens[s], c, call.channels, first, last);
-        lo[mine] = lower_bound(a.recv_src_idx, call.base[s], call.base[s + 1], first);
-        count[mine] = lower_bound(a.recv_src_idx, lo[mine], call.base[s + 1], last) - lo[mine];
-        sent[mine] = 0;
+        lo[j] = lower_bound(a.recv_src_idx, call.base[s], call.base[s + 1], first);
+        count[j] = lower_bound(a.recv_src_idx, lo[j], call.base[s + 1], last) - lo[j];
+        sent[j] = 0;
     }
     const uint8_t* x = static_cast<const uint8_t*>(a.x);
     while (true) {
-        bool done = true, moved = false;
-        for (int j = 0; j < mine; ++j) {
-            if (sent[j] == count[j]) continue;
-            done = false;
-            const int s = warp + j * S::kWarps;
-            uint64_t flag = 0;
-            if (lane == 0) flag = load_acquire(e.own(stream_index(kConsumedBy, R, c, s)));
-            const int consumed = counted_rows(__shfl_sync(kFullMask, flag, 0), e.seq, count[j]);
-            if (consumed < 0) continue;  // the owner has not opened this call's rings yet
-            const int upto = min(count[j], consumed + call.ring_rows);
-            if (upto <= sent[j]) continue;
-            uint8_t* ring = stream_ring(e, call, s, c, me);
-            for (int k = sent[j]; k < upto; ++k) {
-                const int64_t i = lo[j] + k;
-                uint8_t* dst = ring + static_cast<int64_t>(k % call.ring_rows) * call.slot_bytes;
-                warp_copy<Src::kReadOnly, S::kCopyDepth>(dst, x + i * call.x_bytes, call.x_bytes, lane);
-                if (lane < K) reinterpret_cast<float*>(dst + call.weights_offset)[lane] = a.topk_weights[i * K + lane];
+        // Each round writes whatever room every owner's ring has, all warps over one list (a warp per
+        // owner would leave most warps idle at few ranks), so no owner waits on another's ring.
+        if (threadIdx.x < R) {
+            const int j = threadIdx.x, s = (me + 1 + j) % R;
+            room[j] = sent[j];
+            if (sent[j] < count[j]) {
+                const int consumed = counted_rows(load_acquire(e.own(stream_index(kConsumedBy, R, c, s))), e.seq, count[j]);
+                if (consumed >= 0) room[j] = min(count[j], consumed + call.ring_rows);
             }
-            __syncwarp();  // the warp's stores before lane 0's release
-            if (lane == 0) raise_flag(e.signals(s) + stream_index(kProducedFrom, R, c, me), tag(e.seq, upto));
-            sent[j] = upto;
-            moved = true;
         }
-        if (done) return true;
-        if (!moved) {  // every unfinished owner's ring is full: give up only at the deadline
-            int failed = 0;
-            if (lane == 0) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int waiting_on = -1;
+            starts[0] = 0;
+            for (int j = 0; j < R; ++j) {
+                starts[j + 1] = starts[j] + room[j] - sent[j];
+                if (waiting_on < 0 && sent[j] < count[j]) waiting_on = j;
+            }
+            state = waiting_on < 0 ? kDone : kGo;
+            // Every unfinished owner's ring is full: give up only at the deadline.
+            if (waiting_on >= 0 && starts[R] == 0) {
                 if (load_volatile(e.own(kAbort)) != 0) {
-                    failed = 1;
+                    state = kFailed;
                 } else if (now_ns() > e.deadline) {
-                    int s = warp;
-                    for (int j = 0; j < mine; ++j)
-                        if (sent[j] < count[j]) { s = warp + j * S::kWarps; break; }
-                    const uint64_t* flag = e.own(stream_index(kConsumedBy, R, c, s));
+                    const int s = (me + 1 + waiting_on) % R;
                     peer::report_timeout({e.own(kAbort), e.own(kErrorClaim), e.host, e.deadline}, kErrOpen, s, c,
-                                         tag(e.seq, 0), load_volatile(flag));
-                    failed = 1;
+                                         tag(e.seq, 0), load_volatile(e.own(stream_index(kConsumedBy, R, c, s))));
+                    state = kFailed;
                 }
             }
-            if (__shfl_sync(kFullMask, failed, 0)) return false;
+        }
+        __syncthreads();
+        if (state != kGo) return state == kDone;
+        for (int item = warp; item < starts[R]; item += S::kWarps) {
+            const int j = list_part(starts, R, item), s = (me + 1 + j) % R;
+            const int k = sent[j] + item - starts[j];
+            const int64_t i = lo[j] + k;
+            uint8_t* dst = stream_ring(e, call, s, c, me) + static_cast<int64_t>(k % call.ring_rows) * call.slot_bytes;
+            warp_copy<Src::kReadOnly, S::kCopyDepth>(dst, x + i * call.x_bytes, call.x_bytes, lane);
+            for (int k2 = lane; k2 < K; k2 += 32) reinterpret_cast<float*>(dst + call.weights_offset)[k2] = a.topk_weights[i * K + k2];
+        }
+        __syncthreads();  // the block's stores before the releases
+        if (threadIdx.x < R && room[threadIdx.x] > sent[threadIdx.x]) {
+            const int j = threadIdx.x, s = (me + 1 + j) % R;
+            raise_flag(e.signals(s) + stream_index(kProducedFrom, R, c, me), tag(e.seq, room[j]));
+            sent[j] = room[j];
         }
     }
 }

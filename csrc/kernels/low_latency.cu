@@ -137,11 +137,15 @@ constexpr int kMaxListed = 1024;  // rows per expert per call: num_max_tokens is
 
 __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ctx c, const __nv_bfloat16* __restrict__ x, int num_tokens,
                                                                  const int64_t* __restrict__ topk_idx, int num_topk,
-                                                                 bool use_fp8, bool round_scale, bool use_ue8m0) {
+                                                                 bool use_fp8, bool round_scale, bool use_ue8m0,
+                                                                 int* __restrict__ recv_count) {
     __shared__ int warp_matches[kWarps];
     __shared__ bool stop;
     const Env e = make_env(c);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, expert = blockIdx.x;
+    // Nothing has arrived before the hook: the receive kernel writes the real counts later on this stream.
+    if (expert == 0)
+        for (int i = threadIdx.x; i < c.num_experts / c.num_ranks; i += kThreads) recv_count[i] = 0;
     int* entries_of_expert = e.send_scratch() + static_cast<int64_t>(expert) * e.max_tokens;
     if (threadIdx.x == 0) stop = e.aborted();
     __syncthreads();
@@ -366,13 +370,13 @@ int set_up(const void* kernel, int threads, size_t dynamic_smem) {
 }  // namespace
 
 void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t* topk_idx, int num_topk, bool use_fp8,
-                   bool round_scale, bool use_ue8m0) {
+                   bool round_scale, bool use_ue8m0, int* recv_count) {
     if (num_tokens > kMaxListed)
         throw std::invalid_argument("moe_ep: low-latency dispatch takes at most 1024 tokens per rank");
     static thread_local const int resident = set_up(reinterpret_cast<const void*>(dispatch_send_kernel), kThreads, 0);
     (void)resident;
     dispatch_send_kernel<<<ctx.num_experts, kThreads, 0, ctx.stream>>>(ctx, static_cast<const __nv_bfloat16*>(x), num_tokens,
-                                                              topk_idx, num_topk, use_fp8, round_scale, use_ue8m0);
+                                                              topk_idx, num_topk, use_fp8, round_scale, use_ue8m0, recv_count);
     MOE_EP_LAUNCH_CHECK("low_latency dispatch_send_kernel");
 }
 
