@@ -203,8 +203,7 @@ def main():
                                                 experts=args.experts, per_rank_gbps=[r["gbps"] for r in rows],
                                                 us=[r["us"] for r in rows], aggregate_gbps=aggregate,
                                                 copy_gbps=copy, waits=waits,
-                                                bulk_copy=os.environ.get("MOE_EP_BULK_COPY") == "1",
-                                                stream_combine=os.environ.get("MOE_EP_STREAM_COMBINE") == "1")) + "\n")
+                                                stream_combine=os.environ.get("MOE_EP_STREAM_COMBINE", "auto"))) + "\n")
         if len(args.recv_tokens) > 1:
             for (num_sms, mode), (gbps, recv_tokens) in sorted(best.items()):
                 print(f"  best chunk at {num_ranks} ranks, {num_sms} SMs, {mode}: num_max_nvl_chunked_recv_tokens="

@@ -156,7 +156,6 @@ struct IntranodeCtx {
     double timeout_s;
     int ranks_on_device;
     int64_t wait_ns = 0;  // device uint64 [blocks][kWaitSlots] wait profile, or 0 (set from Python per call)
-    bool bulk_copy = false;  // MOE_EP_BULK_COPY=1 on an sm_90 GPU (set from Python)
     bool stream_combine = false;  // MOE_EP_STREAM_COMBINE=1 (set from Python)
 };
 
@@ -172,7 +171,6 @@ intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
     ctx.num_blocks = static_cast<int>(num_blocks);
     ctx.ranks_on_device = c.ranks_on_device;
     ctx.wait_ns = reinterpret_cast<uint64_t*>(c.wait_ns);
-    ctx.bulk_copy = c.bulk_copy;
     ctx.stream_combine = c.stream_combine;
     ctx.stream = current_stream();
     return ctx;
@@ -410,7 +408,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def(py::init<int64_t, int, int, int64_t, torch::Tensor, double, int>())
         .def_readwrite("timeout_s", &moe_ep::IntranodeCtx::timeout_s)
         .def_readwrite("wait_ns", &moe_ep::IntranodeCtx::wait_ns)
-        .def_readwrite("bulk_copy", &moe_ep::IntranodeCtx::bulk_copy)
         .def_readwrite("stream_combine", &moe_ep::IntranodeCtx::stream_combine);
     m.def("intranode_stream_ring_rows", &moe_ep::intranode_stream_ring_rows,
           "rows per ring of the streaming combine (0: the combine uses windows)");

@@ -44,21 +44,9 @@ def profiled_round(p: Problem):
     return with_env({"MOE_EP_PROFILE_WAITS": "1"}, run)
 
 
-def bulk_copy_round(p: Problem, config: Config = None, **kwargs):
-    """normal_round on a Buffer of its own with MOE_EP_BULK_COPY=1: (its results, whether the kernels
-    moved the rows with bulk copies)."""
-
-    def run():
-        buffer = normal_buffer(p.hidden * 2 if kwargs.get("dtype") == torch.float32 else p.hidden, config)
-        result = normal_round(p, buffer=buffer, config=config, **kwargs)
-        return result, buffer._intranode is not None and buffer._intranode.ctx.bulk_copy
-
-    return with_env({"MOE_EP_BULK_COPY": "1"}, run)
-
-
-def stream_combine_round(p: Problem, config: Config = None, **kwargs):
-    """normal_round on a Buffer of its own with MOE_EP_STREAM_COMBINE=1: (its results, the rows per ring
-    its combine had; 0 would mean the windowed combine ran instead)."""
+def forced_combine_round(p: Problem, stream: bool, config: Config = None, **kwargs):
+    """normal_round on a Buffer of its own with MOE_EP_STREAM_COMBINE forced to `stream`: (its results,
+    the rows per ring its combine had; 0: the windowed combine ran)."""
 
     def run():
         wide = kwargs.get("dtype") == torch.float32
@@ -71,7 +59,7 @@ def stream_combine_round(p: Problem, config: Config = None, **kwargs):
         rows = kernels.ops.intranode_stream_ring_rows(kernels.ctx, num_sms, p.hidden * (4 if wide else 2), p.num_topk)
         return result, rows
 
-    return with_env({"MOE_EP_STREAM_COMBINE": "1"}, run)
+    return with_env({"MOE_EP_STREAM_COMBINE": "1" if stream else "0"}, run)
 
 
 def low_latency_buffer(p: Problem) -> Buffer:

@@ -63,36 +63,21 @@ def test_odd_rank_counts_and_row_sizes(pools, gpu_pools, seed, num_ranks, hidden
     _compare(seed, *_both(pools, gpu_pools, num_ranks, rank_fns.normal_round, p, num_biases=2, dtype=dtype))
 
 
-@pytest.mark.parametrize("num_ranks,hidden,use_fp8,small_buffer", [
-    (2, 7168, False, False), (4, 7168, True, False), (8, 7168, False, False), (4, 2048, True, True),
-    (3, 132, False, True),
-])
-def test_bulk_copies_give_the_same_bits(pools, gpu_pools, seed, num_ranks, hidden, use_fp8, small_buffer):
-    """MOE_EP_BULK_COPY=1 (TMA through shared memory, sm_90): rows of several chunks (7168 bf16 is 14 KB),
-    many windows per call in a small buffer, and rows that are no 16-byte multiple (register copies)."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("bulk copies need sm_90")
-    config = Config(4, 2, 4, 2, 4) if small_buffer else None
-    p = Problem(seed, num_ranks, num_ranks * 8, hidden, 6, max_tokens=96)
-    kwargs = dict(use_fp8=use_fp8, num_biases=1, config=config)
-    on_gpu = gpu_pools(num_ranks).run(rank_fns.bulk_copy_round, p, **kwargs)
-    assert all(bulk for _, bulk in on_gpu), "the kernels did not take MOE_EP_BULK_COPY=1"
-    _compare(seed, [result for result, _ in on_gpu], pools(num_ranks).run(rank_fns.normal_round, p, **kwargs))
-
-
 @pytest.mark.parametrize("num_ranks,hidden,dtype,small_buffer,num_biases", [
     (2, 7168, torch.bfloat16, False, 2), (4, 2048, torch.bfloat16, False, 0), (8, 7168, torch.bfloat16, False, 1),
     (3, 132, torch.bfloat16, True, 2), (4, 256, torch.float32, True, 1), (5, 512, torch.bfloat16, True, 0),
 ])
-def test_stream_combine_gives_the_same_bits(pools, gpu_pools, seed, num_ranks, hidden, dtype, small_buffer, num_biases):
-    """MOE_EP_STREAM_COMBINE=1 (rings per channel, sending and receiving blocks at once): the same bits,
-    with rings of a few rows in a small buffer (batches of fewer tokens than warps), odd rank counts,
-    8-byte rows and float32 rows."""
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "windowed"])
+def test_both_combines_give_the_same_bits(pools, gpu_pools, seed, num_ranks, hidden, dtype, small_buffer, num_biases,
+                                          stream):
+    """Either combine, whatever the rank count picks by default (MOE_EP_STREAM_COMBINE forces it): the
+    same bits, with rings or windows of a few rows in a small buffer (batches of fewer tokens than
+    warps), odd rank counts, 8-byte rows and float32 rows."""
     config = Config(4, 2, 4, 2, 4) if small_buffer else None
     p = Problem(seed, num_ranks, num_ranks * 8, hidden, 6, max_tokens=96)
     kwargs = dict(num_biases=num_biases, config=config, dtype=dtype)
-    on_gpu = gpu_pools(num_ranks).run(rank_fns.stream_combine_round, p, **kwargs)
-    assert all(rows > 0 for _, rows in on_gpu), "the combine did not stream"
+    on_gpu = gpu_pools(num_ranks).run(rank_fns.forced_combine_round, p, stream, **kwargs)
+    assert all((rows > 0) == stream for _, rows in on_gpu), "the combine did not take the forced path"
     _compare(seed, [result for result, _ in on_gpu], pools(num_ranks).run(rank_fns.normal_round, p, **kwargs))
 
 

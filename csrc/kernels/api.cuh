@@ -82,7 +82,6 @@ struct Ctx {
     int num_blocks;           // the SM budget of data kernels
     int ranks_on_device;      // ranks of the group on this GPU: their blocks must all fit it at once
     uint64_t* wait_ns;        // null, or [blocks][kWaitSlots]: where the time goes, added up per call
-    bool bulk_copy;           // rows moved by TMA bulk copies through shared memory (sm_90; bulk_copy.cuh)
     bool stream_combine;      // combine through per-channel rings instead of windows (an experiment)
     cudaStream_t stream;
 };

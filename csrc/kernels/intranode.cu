@@ -15,7 +15,6 @@
 
 #include "api.cuh"
 #include "buffer_layout.cuh"
-#include "bulk_copy.cuh"
 #include "cuda_check.cuh"
 #include "peer_sync.cuh"
 
@@ -44,10 +43,6 @@ struct Shape {
     // Combine loads up to this many ranks' slots of a token at once (kChunks vectors of each per lane)
     // before summing them in rank order.
     static constexpr int kCombineBatch = kBlocksPerSm == 1 ? 4 : 2;
-    // MOE_EP_BULK_COPY=1 (bulk_copy.cuh): three chunks per warp in shared memory, ~197 KB per SM in
-    // every shape.
-    using Staging = bulk::WarpStaging<3, kBlocksPerSm == 1 ? 4096 : 2048>;
-    static constexpr int kBulkSmem = kWarps * (Staging::kChunkArea + Staging::kBarrierArea);
 };
 using Solo = Shape<512, 1>;
 using Wide = Shape<512, 2>;
@@ -232,16 +227,6 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Ctx c, const boo
     }
 }
 
-// This warp's staging for bulk copies: with MOE_EP_BULK_COPY=1 the launch gives every block
-// S::kBulkSmem bytes of dynamic shared memory; otherwise an empty one (register copies).
-template <typename S>
-__device__ typename S::Staging warp_staging(const Ctx& c) {
-    extern __shared__ __align__(16) uint8_t dynamic_smem[];
-    typename S::Staging staging;
-    staging.init(c.bulk_copy ? dynamic_smem : nullptr, threadIdx.x / 32, S::kWarps, threadIdx.x % 32);
-    return staging;
-}
-
 // ------------------------------------------------------------------ dispatch
 // The kernel's blocks and this warp's place among all their warps. (Blocks split by role, some only
 // staging or pushing and the others only pulling or reducing, were measured and lost: DESIGN.md.)
@@ -258,7 +243,7 @@ __device__ Warps grid_warps() {
 // finished reading it); the last block raises every rank's staged flag.
 template <typename S>
 __device__ bool stage_window(const Env& e, const DispatchArgs& a, const DispatchSlot& slot, int window_tokens,
-                             const Warps& warps, typename S::Staging& staging, int w) {
+                             const Warps& warps, int w) {
     const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
     const int parity = w & 1, first = w * window_tokens;
     if (w >= 2 && !block_wait(e, kReleasedBy, 0, R, tag(e.seq, w - 2), kErrReleased, w - 2)) return false;
@@ -285,13 +270,12 @@ __device__ bool stage_window(const Env& e, const DispatchArgs& a, const Dispatch
                 reinterpret_cast<int64_t*>(dst + slot.idx_offset)[k] = a.topk_idx[t * K + k];
                 reinterpret_cast<float*>(dst + slot.weight_offset)[k] = a.topk_weights[t * K + k];
             }
-            staging.template copy<Src::kReadOnly, S::kCopyDepth>(dst + slot.x_offset, static_cast<const uint8_t*>(a.x) + t * a.x_bytes, a.x_bytes, lane);
+            warp_copy<Src::kReadOnly, S::kCopyDepth>(dst + slot.x_offset, static_cast<const uint8_t*>(a.x) + t * a.x_bytes, a.x_bytes, lane);
             if (a.scale_bytes > 0)
-                staging.template copy<Src::kReadOnly, S::kCopyDepth>(dst + slot.scale_offset, static_cast<const uint8_t*>(a.scales) + t * a.scale_bytes,
+                warp_copy<Src::kReadOnly, S::kCopyDepth>(dst + slot.scale_offset, static_cast<const uint8_t*>(a.scales) + t * a.scale_bytes,
                                           a.scale_bytes, lane);
         }
     }
-    staging.drain(lane);
     __syncthreads();
     if (threadIdx.x == 0 && arrive_last(e.own(kStageCount + parity), warps.blocks))
         for (int r = 0; r < R; ++r) raise_flag(e.peer_array(r, kStagedFrom, me), tag(e.seq, w));
@@ -303,7 +287,7 @@ __device__ bool stage_window(const Env& e, const DispatchArgs& a, const Dispatch
 // barrier separates the sources; the last block to finish raises every source's released flag.
 template <typename S>
 __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchSlot& slot, int window_tokens,
-                            const Warps& warps, typename S::Staging& staging, int w) {
+                            const Warps& warps, int w) {
     const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
     const int parity = w & 1, first = w * window_tokens;
     const int total = a.recv_info[1];
@@ -336,9 +320,9 @@ __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchS
                 expert = __ldcg(reinterpret_cast<const long long*>(from + slot.idx_offset) + lane);
                 weight = __ldcg(reinterpret_cast<const float*>(from + slot.weight_offset) + lane);
             }
-            staging.template copy<Src::kShared, S::kCopyDepth>(static_cast<uint8_t*>(a.recv_x) + row * a.x_bytes, from + slot.x_offset, a.x_bytes, lane);
+            warp_copy<Src::kShared, S::kCopyDepth>(static_cast<uint8_t*>(a.recv_x) + row * a.x_bytes, from + slot.x_offset, a.x_bytes, lane);
             if (a.scale_bytes > 0)
-                staging.template copy<Src::kShared, S::kCopyDepth>(static_cast<uint8_t*>(a.recv_scales) + row * a.scale_bytes,
+                warp_copy<Src::kShared, S::kCopyDepth>(static_cast<uint8_t*>(a.recv_scales) + row * a.scale_bytes,
                                                        from + slot.scale_offset, a.scale_bytes, lane);
             if (lane < K) {
                 const int64_t local = expert - static_cast<int64_t>(me) * a.experts_per_rank;
@@ -349,7 +333,6 @@ __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchS
             if (lane == 0) a.recv_src_idx[row] = first + token;
         }
     }
-    staging.drain(lane);
     __syncthreads();
     if (threadIdx.x == 0 && arrive_last(e.own(kPullCount + parity), warps.blocks))
         for (int r = 0; r < R; ++r) raise_flag(e.peer_array(r, kReleasedBy, me), tag(e.seq, w));
@@ -365,13 +348,12 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     const int max_tokens = a.recv_info[0], total = a.recv_info[1];
     const int num_windows = max(1, ceil_div(max_tokens, window_tokens));
     const Warps warps = grid_warps<S::kWarps>();
-    auto staging = warp_staging<S>(c);
     bool ok = load_volatile(e.own(kAbort)) == 0;
     uint64_t since = e.start;
     for (int w = 0; ok && w < num_windows; ++w) {
-        ok = stage_window<S>(e, a, slot, window_tokens, warps, staging, w);
+        ok = stage_window<S>(e, a, slot, window_tokens, warps, w);
         since = end_phase(e, kPhaseStage, since);
-        if (ok) ok = pull_window<S>(e, a, slot, window_tokens, warps, staging, w);
+        if (ok) ok = pull_window<S>(e, a, slot, window_tokens, warps, w);
         since = end_phase(e, kPhasePull, since);
     }
     // Padding rows of a num_worst_tokens dispatch: no data, no expert.
@@ -388,7 +370,6 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     }
     // The next kernel may overwrite this rank's windows: wait until every rank has read them.
     if (ok && blockIdx.x == 0) block_wait(e, kReleasedBy, 0, R, tag(e.seq, num_windows - 1), kErrReleased, num_windows - 1);
-    staging.drain(lane);  // a failed wait may leave stores of its window in flight
     finish_kernel(e, e.own(kDoneCount));
 }
 
@@ -439,7 +420,7 @@ struct CombineCall {
 // The rows of all owners form one list (owners from the next rank on) spread over all warps of the
 // kernel; the last block to finish raises every owner's pushed flag.
 template <typename T, typename V, typename S>
-__device__ bool push_window(const Env& e, const CombineCall& call, const Warps& warps, typename S::Staging& staging, int w) {
+__device__ bool push_window(const Env& e, const CombineCall& call, const Warps& warps, int w) {
     const CombineArgs& a = call.a;
     const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
     const int parity = w & 1, first = w * call.window_tokens;
@@ -463,11 +444,10 @@ __device__ bool push_window(const Env& e, const CombineCall& call, const Warps& 
         const int j = list_part(starts, R, item), s = (me + 1 + j) % R;
         const int64_t i = lo[j] + item - starts[j], t = a.recv_src_idx[i];
         uint8_t* dst = e.window(s, parity) + ((t - first) * R + me) * call.slot_bytes;
-        staging.template copy<Src::kReadOnly, S::kCopyDepth>(dst, static_cast<const uint8_t*>(a.x) + i * call.x_bytes, call.x_bytes, lane);
+        warp_copy<Src::kReadOnly, S::kCopyDepth>(dst, static_cast<const uint8_t*>(a.x) + i * call.x_bytes, call.x_bytes, lane);
         for (int k = lane; k < K; k += 32)
             reinterpret_cast<float*>(dst + call.weights_offset)[k] = a.topk_weights[i * K + k];
     }
-    staging.drain(lane);
     __syncthreads();
     if (threadIdx.x == 0 && arrive_last(e.own(kPushCount + parity), warps.blocks))
         for (int r = 0; r < R; ++r) raise_flag(e.peer_array(r, kPushedFrom, me), tag(e.seq, w));
@@ -580,19 +560,17 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     const int max_tokens = a.recv_info[0];
     const int num_windows = max(1, ceil_div(max_tokens, window_tokens));
     const Warps warps = grid_warps<S::kWarps>();
-    auto staging = warp_staging<S>(c);
     bool ok = load_volatile(e.own(kAbort)) == 0;
     // Windows 0 and 1 of this rank accept rows from now on (the previous kernel left them unused).
     if (ok && blockIdx.x == 0 && threadIdx.x == 0)
         for (int r = 0; r < e.num_ranks; ++r) raise_flag(e.peer_array(r, kOpenFrom, e.rank), tag(e.seq, 1));
     uint64_t since = e.start;
     for (int w = 0; ok && w < num_windows; ++w) {
-        ok = push_window<T, V, S>(e, call, warps, staging, w);
+        ok = push_window<T, V, S>(e, call, warps, w);
         since = end_phase(e, kPhasePush, since);
         if (ok) ok = reduce_window<T, V, S>(e, call, warps, w);
         since = end_phase(e, kPhaseReduce, since);
     }
-    staging.drain(threadIdx.x % 32);  // a failed wait may leave stores of its window in flight
     finish_kernel(e, e.own(kDoneCount));
 }
 
@@ -791,30 +769,19 @@ struct Shapes {
     const void* kernel[3];  // Solo, Wide, Narrow
 };
 constexpr int kShapeThreads[3] = {Solo::kThreads, Wide::kThreads, Narrow::kThreads};
-constexpr int kShapeBulkSmem[3] = {Solo::kBulkSmem, Wide::kBulkSmem, Narrow::kBulkSmem};
-
-// Dynamic shared memory of a launch of shape i: the bulk copies' staging, if on.
-int shape_smem(const Ctx& ctx, int i) { return ctx.bulk_copy ? kShapeBulkSmem[i] : 0; }
-
-// How many blocks of `kernel` the GPU holds at once with `smem` bytes of dynamic shared memory (which
-// the kernel is allowed first). Occupancy does not change during a run: asked once per kernel and size.
-int cached_resident_blocks(const void* kernel, int threads, int smem) {
-    static thread_local const void* kernels[64] = {};
-    static thread_local int sizes[64] = {};
-    static thread_local int blocks[64] = {};
-    for (int i = 0; i < 64; ++i) {
-        if (kernels[i] == kernel && sizes[i] == smem) return blocks[i];
+// How many blocks of `kernel` the GPU holds at once. Occupancy does not change during a run: asked
+// once per kernel (a handful of kernels per process).
+int cached_resident_blocks(const void* kernel, int threads) {
+    static thread_local const void* kernels[32] = {};
+    static thread_local int blocks[32] = {};
+    for (int i = 0; i < 32; ++i) {
+        if (kernels[i] == kernel) return blocks[i];
         if (kernels[i] == nullptr) {
-            if (smem > 0) {
-                MOE_EP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-                prefer_max_shared_carveout(kernel);
-            }
             kernels[i] = kernel;
-            sizes[i] = smem;
-            return blocks[i] = resident_blocks(kernel, threads, smem);
+            return blocks[i] = resident_blocks(kernel, threads);
         }
     }
-    return resident_blocks(kernel, threads, smem);
+    return resident_blocks(kernel, threads);
 }
 
 // Launches the first shape whose blocks, for every rank on this GPU (two kernels each when ranks
@@ -825,7 +792,7 @@ void launch_resident(const Ctx& ctx, const Shapes& shapes, const char* what, Lau
     const int64_t needed = static_cast<int64_t>(sharing) * ctx.num_blocks;
     int capacity = 0;
     for (int i = 0; i < 3; ++i) {
-        capacity = cached_resident_blocks(shapes.kernel[i], kShapeThreads[i], shape_smem(ctx, i));
+        capacity = cached_resident_blocks(shapes.kernel[i], kShapeThreads[i]);
         if (needed <= capacity) {
             launch(i);
             MOE_EP_LAUNCH_CHECK(what);
@@ -850,10 +817,9 @@ template <template <typename> class Kernel, typename... Args>
 void launch_shaped(const Ctx& ctx, const char* what, Args... args) {
     launch_resident(ctx, shapes_of<Kernel>(), what, [&](int i) {
         const dim3 grid(ctx.num_blocks), block(kShapeThreads[i]);
-        const int smem = shape_smem(ctx, i);
-        if (i == 0) Kernel<Solo>::fn<<<grid, block, smem, ctx.stream>>>(ctx, args...);
-        else if (i == 1) Kernel<Wide>::fn<<<grid, block, smem, ctx.stream>>>(ctx, args...);
-        else Kernel<Narrow>::fn<<<grid, block, smem, ctx.stream>>>(ctx, args...);
+        if (i == 0) Kernel<Solo>::fn<<<grid, block, 0, ctx.stream>>>(ctx, args...);
+        else if (i == 1) Kernel<Wide>::fn<<<grid, block, 0, ctx.stream>>>(ctx, args...);
+        else Kernel<Narrow>::fn<<<grid, block, 0, ctx.stream>>>(ctx, args...);
     });
 }
 
