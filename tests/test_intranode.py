@@ -144,10 +144,14 @@ def test_a_peer_missing_at_the_first_dispatch_is_named(gpu_pools):
     assert kind == "TimeoutError" and "rank(s) 1 did not arrive" in message, message
 
 
-@pytest.mark.parametrize("phase,waited_for", [("dispatch", "its token counts"), ("combine", "combine rows")])
-def test_a_peer_missing_in_a_kernel_is_named(gpu_pools, phase, waited_for):
-    """The kernels' waits have a deadline: they report the rank they waited for and return; no hang."""
-    results = gpu_pools(3).run(rank_fns.with_env, SHORT_TIMEOUT, rank_fns.skip_after_warmup, 2, phase)
+@pytest.mark.parametrize("phase,waited_for,stream", [
+    ("dispatch", "its token counts", "0"), ("combine", "combine rows", "0"), ("combine", "combine rows", "1"),
+])
+def test_a_peer_missing_in_a_kernel_is_named(gpu_pools, phase, waited_for, stream):
+    """The kernels' waits have a deadline: they report the rank they waited for and return; no hang
+    (either combine: stream = MOE_EP_STREAM_COMBINE)."""
+    env = dict(SHORT_TIMEOUT, MOE_EP_STREAM_COMBINE=stream)
+    results = gpu_pools(3).run(rank_fns.with_env, env, rank_fns.skip_after_warmup, 2, phase)
     assert results[2] == "skipped"
     for kind, message in results[:2]:
         assert kind == "TimeoutError" and "rank 2 did not arrive" in message and waited_for in message, message
