@@ -202,7 +202,8 @@ def main():
                                                 mode=mode, tokens=args.tokens, hidden=args.hidden, topk=args.topk,
                                                 experts=args.experts, per_rank_gbps=[r["gbps"] for r in rows],
                                                 us=[r["us"] for r in rows], aggregate_gbps=aggregate,
-                                                copy_gbps=copy, waits=waits)) + "\n")
+                                                copy_gbps=copy, waits=waits,
+                                                stream_combine=os.environ.get("MOE_EP_STREAM_COMBINE", "auto"))) + "\n")
         if len(args.recv_tokens) > 1:
             for (num_sms, mode), (gbps, recv_tokens) in sorted(best.items()):
                 print(f"  best chunk at {num_ranks} ranks, {num_sms} SMs, {mode}: num_max_nvl_chunked_recv_tokens="

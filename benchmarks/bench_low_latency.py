@@ -1,7 +1,8 @@
 """Low-latency dispatch/combine latency and bandwidth (issue 4), all ranks running at once.
 
 Per rank, wall time per call (after `--warmup` calls, a barrier before, synchronized at the end),
-for the whole call and, with the hook, for the send part and the receive part (hook) separately.
+for the whole call, for a zero-copy combine (the expert outputs already in the Buffer's rows), and,
+with the hook, for the send part and the receive part (hook) separately.
 Bandwidth in DeepEP's metric: dispatch moves (hidden + hidden/128 * 4 + 16) bytes per (token, expert)
 selection in fp8, combine hidden * 2 bytes per selection.
 
@@ -49,8 +50,15 @@ def rank_bench(args, num_experts: int):
     def combine():
         return buffer.low_latency_combine(y, topk_idx, topk_weights, handle)
 
+    def combine_in_place():  # x is ignored: the rows are read where get_next_low_latency_combine_buffer put them
+        return buffer.low_latency_combine(y, topk_idx, topk_weights, handle, zero_copy=True)
+
     results["dispatch_us"] = wall_seconds_per_call(dispatch, args.warmup, args.iters) * 1e6
     results["combine_us"] = wall_seconds_per_call(combine, args.warmup, args.iters) * 1e6
+    for _ in range(2):  # both zero-copy slots hold the expert outputs
+        buffer.get_next_low_latency_combine_buffer(handle).copy_(y)
+        combine_in_place()
+    results["combine_zero_copy_us"] = wall_seconds_per_call(combine_in_place, args.warmup, args.iters) * 1e6
     # With the hook: time the send and the receive parts on their own.
     sends, recvs = [], []
     for i in range(args.warmup + args.iters):
@@ -96,7 +104,7 @@ def main():
     parser.add_argument("--cpu", action="store_true", help="CPU tensors (portable backend): checks the script anywhere")
     args = parser.parse_args()
     print(f"{'ranks':>5} {'experts':>7} {'backend':>8} {'dispatch us':>11} {'GB/s':>6} {'combine us':>10} {'GB/s':>6} "
-          f"{'hook: send+recv us (dispatch / combine)':>40}")
+          f"{'zero-copy us':>12} {'hook: send+recv us (dispatch / combine)':>40}")
     failed = False
     for num_ranks in args.ranks:
         for num_experts in sorted({args.experts, 288 if num_ranks == 8 else args.experts}):
@@ -111,6 +119,7 @@ def main():
             mean = {k: sum(r[k] for r in rows) / len(rows) for k in ("dispatch_gbps", "combine_gbps")}
             print(f"{num_ranks:>5} {num_experts:>7} {rows[0]['backend']:>8} {worst['dispatch_us']:>11.1f} "
                   f"{mean['dispatch_gbps']:>6.1f} {worst['combine_us']:>10.1f} {mean['combine_gbps']:>6.1f} "
+                  f"{worst['combine_zero_copy_us']:>12.1f} "
                   f"{worst['dispatch_send_us']:>9.1f}+{worst['dispatch_recv_us']:<9.1f} / "
                   f"{worst['combine_send_us']:>7.1f}+{worst['combine_recv_us']:<7.1f}")
             if args.json:

@@ -15,22 +15,11 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.timing import wall_seconds_per_call
-from moe_ep.backends.peers import PeerBuffers
+from moe_ep.backends.peers import PeerBuffers, device_view
 from moe_ep.launch import RankPool
 from moe_ep.sync import ArrivalGate
 
 MODES = ("own -> own", "own -> peer (push)", "peer -> own (pull)")
-
-
-class _DeviceBytes:
-    """A torch view of `size` bytes at a device address (a mapped peer buffer)."""
-
-    def __init__(self, address: int, size: int):
-        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, False), "version": 3}
-
-
-def device_bytes(address: int, size: int) -> torch.Tensor:
-    return torch.as_tensor(_DeviceBytes(address, size), device="cuda")
 
 
 def rank_copy(args):
@@ -42,11 +31,10 @@ def rank_copy(args):
     gate = ArrivalGate(dist.group.WORLD, serial=0, timeout_s=60.0)  # the process's only gate
     buffers = PeerBuffers(dist.group.WORLD, gate, 2 * size, "bench_peer_copy")
     try:
-        pointers = buffers.pointers.tolist()
         nxt = (rank + 1) % num_ranks
 
         def half(r: int, which: int) -> torch.Tensor:
-            return device_bytes(pointers[r] + which * size, size).view(torch.bfloat16)
+            return device_view(buffers.addresses[r] + which * size, size, buffers.device).view(torch.bfloat16)
 
         own_src, own_dst, next_src, next_dst = half(rank, 0), half(rank, 1), half(nxt, 0), half(nxt, 1)
         own_src.normal_()

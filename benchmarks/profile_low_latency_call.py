@@ -46,7 +46,7 @@ class _NoLaunches:
     def ll_dispatch_send(self, *args):
         return self._outputs
 
-    def ll_combine_send(self, ctx, x, recv_count, recv_src_info, num_topk, num_tokens, out):
+    def ll_combine_send(self, ctx, x, recv_count, recv_src_info, num_topk, num_tokens, out, zero_copy_slot):
         return out if out is not None else self._combined
 
     def __getattr__(self, name):

@@ -156,6 +156,7 @@ struct IntranodeCtx {
     double timeout_s;
     int ranks_on_device;
     int64_t wait_ns = 0;  // device uint64 [blocks][kWaitSlots] wait profile, or 0 (set from Python per call)
+    bool stream_combine = false;  // MOE_EP_STREAM_COMBINE=1 (set from Python)
 };
 
 intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
@@ -170,6 +171,7 @@ intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
     ctx.num_blocks = static_cast<int>(num_blocks);
     ctx.ranks_on_device = c.ranks_on_device;
     ctx.wait_ns = reinterpret_cast<uint64_t*>(c.wait_ns);
+    ctx.stream_combine = c.stream_combine;
     ctx.stream = current_stream();
     return ctx;
 }
@@ -256,6 +258,10 @@ void intranode_combine(const IntranodeCtx& c, int64_t num_blocks, const torch::T
 
 void intranode_check_blocks(const IntranodeCtx& c, int64_t num_blocks) { intranode::check_blocks_fit(make_ctx(c, num_blocks)); }
 
+int64_t intranode_stream_ring_rows(const IntranodeCtx& c, int64_t num_blocks, int64_t x_bytes, int64_t num_topk) {
+    return intranode::stream_ring_rows(make_ctx(c, num_blocks), x_bytes, static_cast<int>(num_topk));
+}
+
 // ------------------------------------------------------------------ low-latency kernels
 struct LowLatencyCtx {
     int64_t buffers;
@@ -282,7 +288,8 @@ low_latency::Ctx make_ctx(const LowLatencyCtx& c) {
 
 // Allocates the receive tensors here (a decode step's host time counts, and each allocation from
 // Python costs microseconds more than from C++) and launches the send kernel.
-// -> (recv_x [L, R * max, H], recv_scales or None, recv_count [L] zeroed, recv_src_info [L, R * max])
+// -> (recv_x [L, R * max, H], recv_scales or None, recv_count [L], recv_src_info [L, R * max]); the
+// send kernel zeroes the counts (no fill kernel per call) and the receive kernel writes them.
 py::tuple ll_dispatch_send(const LowLatencyCtx& c, const torch::Tensor& x, const torch::Tensor& topk_idx, bool use_fp8,
                            bool round_scale, bool use_ue8m0) {
     const c10::cuda::CUDAGuard guard(x.device());
@@ -297,10 +304,11 @@ py::tuple ll_dispatch_send(const LowLatencyCtx& c, const torch::Tensor& x, const
         recv_scales = py::cast(use_ue8m0 ? torch::empty({local, rows, (blocks + 3) / 4}, on_device.dtype(torch::kInt32))
                                          : torch::empty({local, rows, blocks}, on_device.dtype(torch::kFloat32)));
     }
-    auto recv_count = torch::zeros({local}, on_device.dtype(torch::kInt32));
+    auto recv_count = torch::empty({local}, on_device.dtype(torch::kInt32));
     auto recv_src_info = torch::empty({local, rows}, on_device.dtype(torch::kInt32));
     low_latency::dispatch_send(make_ctx(c), x.data_ptr(), static_cast<int>(x.size(0)), topk_idx.data_ptr<int64_t>(),
-                               static_cast<int>(topk_idx.size(1)), use_fp8, round_scale, use_ue8m0);
+                               static_cast<int>(topk_idx.size(1)), use_fp8, round_scale, use_ue8m0,
+                               recv_count.data_ptr<int>());
     return py::make_tuple(recv_x, recv_scales, recv_count, recv_src_info);
 }
 
@@ -316,25 +324,26 @@ void ll_dispatch_recv(const LowLatencyCtx& c, int64_t num_topk, bool use_fp8, bo
 
 // Launches the send kernel; returns `out`, or where none is given a new [num_tokens, hidden] bf16
 // tensor for the receive (allocated here for the same reason as ll_dispatch_send's outputs).
+// zero_copy_slot: -1, or the slot of this rank's buffer that x is (zero_copy_rows): then no row moves.
 torch::Tensor ll_combine_send(const LowLatencyCtx& c, const torch::Tensor& x, const torch::Tensor& recv_count,
                               const torch::Tensor& recv_src_info, int64_t num_topk, int64_t num_tokens,
-                              const std::optional<torch::Tensor>& out) {
+                              const std::optional<torch::Tensor>& out, int64_t zero_copy_slot) {
     const c10::cuda::CUDAGuard guard(x.device());
     check_rows(x, "x");
     auto target = out.has_value() ? *out : torch::empty({num_tokens, c.hidden}, x.options().dtype(torch::kBFloat16));
     low_latency::combine_send(make_ctx(c), x.data_ptr(), recv_count.data_ptr<int>(), recv_src_info.data_ptr<int>(),
-                              static_cast<int>(num_topk), num_sms_of_current_device());
+                              static_cast<int>(num_topk), num_sms_of_current_device(), static_cast<int>(zero_copy_slot));
     return target;
 }
 
 void ll_combine_recv(const LowLatencyCtx& c, const torch::Tensor& topk_idx, const torch::Tensor& topk_weights,
-                     const torch::Tensor& out) {
+                     const torch::Tensor& out, int64_t zero_copy_slot) {
     const c10::cuda::CUDAGuard guard(out.device());
     check_rows(out, "out");
     TORCH_CHECK(topk_idx.is_contiguous() && topk_weights.is_contiguous(), "topk_idx, topk_weights: contiguous");
     low_latency::combine_recv(make_ctx(c), topk_idx.data_ptr<int64_t>(), topk_weights.data_ptr<float>(),
                               static_cast<int>(topk_idx.size(0)), static_cast<int>(topk_idx.size(1)), out.data_ptr(),
-                              num_sms_of_current_device());
+                              num_sms_of_current_device(), static_cast<int>(zero_copy_slot));
 }
 
 py::dict low_latency_layout(int64_t num_max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts) {
@@ -342,6 +351,7 @@ py::dict low_latency_layout(int64_t num_max_tokens, int64_t hidden, int64_t num_
     py::dict d;
     d["dispatch_message_bytes"] = r.dispatch_message;
     d["combine_message_bytes"] = r.combine_message;
+    d["zero_copy_offset"] = r.zero_copy_offset;
     d["send_bytes"] = r.send;
     d["recv_bytes"] = r.recv;
     d["signal_bytes"] = r.signal;
@@ -397,7 +407,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     py::class_<moe_ep::IntranodeCtx>(m, "IntranodeCtx")
         .def(py::init<int64_t, int, int, int64_t, torch::Tensor, double, int>())
         .def_readwrite("timeout_s", &moe_ep::IntranodeCtx::timeout_s)
-        .def_readwrite("wait_ns", &moe_ep::IntranodeCtx::wait_ns);
+        .def_readwrite("wait_ns", &moe_ep::IntranodeCtx::wait_ns)
+        .def_readwrite("stream_combine", &moe_ep::IntranodeCtx::stream_combine);
+    m.def("intranode_stream_ring_rows", &moe_ep::intranode_stream_ring_rows,
+          "rows per ring of the streaming combine (0: the combine uses windows)");
     m.def("intranode_notify", &moe_ep::intranode_notify, "count exchange of an intranode dispatch");
     m.def("intranode_dispatch", &moe_ep::intranode_dispatch, "intranode dispatch data movement");
     m.def("intranode_combine", &moe_ep::intranode_combine, "intranode combine");

@@ -101,6 +101,7 @@ class Buffer:
         self._destroyed = False
         self._local_buffers = {}
         self._ll_combine_buffers: List[Optional[torch.Tensor]] = [None, None]
+        self._ll_combine_in_place = [False, False]  # per slot: a view of the kernels' mapped buffer
         self._ll_next = 0
         self._ll_shapes_that_fit = set()  # (tokens, hidden, experts) the low-latency buffer was checked for
 
@@ -200,6 +201,7 @@ class Buffer:
         self._intranode = self._low_latency = None
         self._local_buffers.clear()
         self._ll_combine_buffers = [None, None]
+        self._ll_combine_in_place = [False, False]
         self._destroyed = True
 
     def _check_alive(self) -> None:
@@ -652,19 +654,27 @@ class Buffer:
             check_tensor("out", out, dtype=torch.bfloat16, shape=(handle.num_tokens, handle.hidden), device=x.device)
         if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook: choose one (the hook already defers the receive)")
+        slot = self._ll_next
         if zero_copy:
             x = self.get_next_low_latency_combine_buffer(handle)
         made_by_kernels = self._check_handle_backend(
             handle, x, LowLatencyKernelState, self._ll_kernels, "low_latency_dispatch"
         )
         self._ll_next ^= 1
-        backend = self._low_latency if made_by_kernels else self._portable
-        combined, hook = backend.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook, out)
+        if made_by_kernels:  # zero copy: the peers read the rows where the caller wrote them
+            combined, hook = self._low_latency.low_latency_combine(
+                x, topk_idx, topk_weights, handle, return_recv_hook, out, zero_copy_slot=slot if zero_copy else -1
+            )
+        else:
+            combined, hook = self._portable.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook, out)
         return combined, self._finish(async_finish, [x, combined]), hook
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The [L, R*max, H] bf16 tensor the next low_latency_combine(zero_copy=True) reads: write the
-        expert outputs here to skip one copy."""
+        expert outputs here (on the current stream, after the handle's dispatch has received) and no
+        row is copied: with the kernels it lies in this rank's mapped buffer, where the ranks that own
+        the tokens read the rows. Two such tensors alternate between combines; they are valid while
+        the Buffer lives."""
         self._check_alive()
         self._check_handle(handle, LowLatencyHandle, "low_latency_dispatch")
         shape = (
@@ -672,10 +682,18 @@ class Buffer:
             self.group_size * handle.num_max_dispatch_tokens_per_rank,
             handle.hidden,
         )
+        self._check_low_latency(  # the view must lie inside the buffer
+            "get_next_low_latency_combine_buffer", handle.num_max_dispatch_tokens_per_rank, handle.hidden,
+            handle.num_experts,
+        )
         current = self._ll_combine_buffers[self._ll_next]
-        if current is None or tuple(current.shape) != shape:
-            current = torch.zeros(shape, dtype=torch.bfloat16, device=handle.device)
+        kernels = isinstance(handle.backend_state, LowLatencyKernelState) and self._low_latency is not None
+        if current is None or tuple(current.shape) != shape or kernels != self._ll_combine_in_place[self._ll_next]:
+            # With the kernels the rows live in this rank's mapped buffer and the peers read them there.
+            current = (self._low_latency.zero_copy_rows(handle, self._ll_next) if kernels
+                       else torch.zeros(shape, dtype=torch.bfloat16, device=handle.device))
             self._ll_combine_buffers[self._ll_next] = current
+            self._ll_combine_in_place[self._ll_next] = kernels
         return current
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:

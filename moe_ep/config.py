@@ -105,10 +105,11 @@ INTRANODE_SLOT_ALIGN = 16
 INTRANODE_MAX_EXPERTS = 16384
 _INTRANODE_FIXED_SIGNALS = 13
 _INTRANODE_SIGNAL_ARRAYS = 5
+_INTRANODE_STREAM_SIGNALS = 2 * 32  # the streaming combine's two [channel][rank] ring counters
 
 
 def intranode_header_bytes(num_ranks: int) -> int:
-    signals = (_INTRANODE_FIXED_SIGNALS + _INTRANODE_SIGNAL_ARRAYS * num_ranks) * 8
+    signals = (_INTRANODE_FIXED_SIGNALS + (_INTRANODE_SIGNAL_ARRAYS + _INTRANODE_STREAM_SIGNALS) * num_ranks) * 8
     return _align(signals + 4 * (2 * num_ranks + INTRANODE_MAX_EXPERTS), INTRANODE_HEADER_ALIGN)
 
 
@@ -137,8 +138,9 @@ class IntranodeLayout:
 class LowLatencyLayout:
     """Low-latency buffer (mirrors low_latency::regions in csrc/kernels/buffer_layout.cuh): a 4 KB header
     and two identical halves used by alternate calls, so that one call's receive buffers stay valid
-    while the next call is issued. Each half holds a send region, a receive region of one slot per
-    (local expert, source rank, token), and one signal per (local expert, source rank) and per rank."""
+    while the next call is issued. Each half holds a send region (the send kernel's entry lists, then
+    the rows of a zero-copy combine), a receive region of one slot per (local expert, source rank,
+    token), and one signal per (local expert, source rank) and per rank."""
 
     HEADER_BYTES = 4096
 
@@ -149,7 +151,10 @@ class LowLatencyLayout:
         slots = num_experts * num_max_dispatch_tokens_per_rank
         self.dispatch_message_bytes = dispatch_msg
         self.combine_message_bytes = combine_msg
-        self.send_bytes = _align(max(num_max_dispatch_tokens_per_rank * dispatch_msg, slots * combine_msg))
+        # Entry lists (E x max int32), then a zero-copy combine's rows ([L, R x max, H] bf16).
+        self.zero_copy_offset = _align(slots * 4)
+        self.send_bytes = self.zero_copy_offset + _align(max(num_max_dispatch_tokens_per_rank * dispatch_msg,
+                                                             slots * combine_msg))
         self.recv_bytes = _align(max(slots * dispatch_msg, slots * combine_msg))
         self.signal_bytes = _align((num_experts + num_ranks) * 8)
         self.half_bytes = self.send_bytes + self.recv_bytes + self.signal_bytes

@@ -58,6 +58,14 @@ if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
   timeout 300 $PY -m benchmarks.bench_intranode --ranks 2 4 8 --sms ${BENCH_SMS:-24} \
     ${BENCH_RECV_TOKENS:+--recv-tokens $BENCH_RECV_TOKENS} --json "$OUT/bench.jsonl" 2>&1 \
     | tee "$OUT/bench_intranode.txt" | tee -a "$OUT/summary.txt"
+  # The combine path the default does not take at each rank count (windowed from 4 ranks up, streaming at 2),
+  # on the same problems: BENCH_OTHER_COMBINE=1 runs both forced ways.
+  if [[ ${BENCH_OTHER_COMBINE:-0} == 1 ]]; then
+    for forced in 0 1; do
+      MOE_EP_STREAM_COMBINE=$forced timeout 300 $PY -m benchmarks.bench_intranode --ranks 2 4 8 --sms ${BENCH_SMS:-24} \
+        --json "$OUT/bench.jsonl" 2>&1 | sed "s/^/MOE_EP_STREAM_COMBINE=$forced: /" | tee -a "$OUT/summary.txt"
+    done
+  fi
   # Where the intranode kernels' time goes (their blocks' waits on peers), apart from the figures above.
   [[ ${BENCH_PROFILE_WAITS:-0} == 1 ]] && timeout 200 $PY -m benchmarks.bench_intranode --ranks 4 8 --sms ${BENCH_SMS:-24} \
     --profile-waits 2>&1 | tee -a "$OUT/summary.txt"

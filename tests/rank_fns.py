@@ -44,6 +44,24 @@ def profiled_round(p: Problem):
     return with_env({"MOE_EP_PROFILE_WAITS": "1"}, run)
 
 
+def forced_combine_round(p: Problem, stream: bool, config: Config = None, **kwargs):
+    """normal_round on a Buffer of its own with MOE_EP_STREAM_COMBINE forced to `stream`: (its results,
+    the rows per ring its combine had; 0: the windowed combine ran)."""
+
+    def run():
+        wide = kwargs.get("dtype") == torch.float32
+        buffer = normal_buffer(p.hidden * 2 if wide else p.hidden, config)
+        result = normal_round(p, buffer=buffer, config=config, **kwargs)
+        kernels = buffer._intranode
+        if kernels is None:
+            return result, 0
+        num_sms = (config or Buffer.get_combine_config(p.num_ranks)).num_sms
+        rows = kernels.ops.intranode_stream_ring_rows(kernels.ctx, num_sms, p.hidden * (4 if wide else 2), p.num_topk)
+        return result, rows
+
+    return with_env({"MOE_EP_STREAM_COMBINE": "1" if stream else "0"}, run)
+
+
 def low_latency_buffer(p: Problem) -> Buffer:
     size = Buffer.get_low_latency_rdma_size_hint(p.max_tokens, p.hidden, p.num_ranks, p.num_experts)
     return Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, num_qps_per_rank=p.local_experts)
@@ -122,7 +140,9 @@ def low_latency_round(p: Problem, use_fp8: bool, round_scale: bool = False, use_
         for _ in range(calls_before):
             _, _, handle, _, _ = buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens,
                                                              p.num_experts, use_fp8=use_fp8)
-            buffer.low_latency_combine(zeros, inp["topk_idx"], inp["topk_weights"], handle)
+            if zero_copy:  # both zero-copy slots in turn
+                buffer.get_next_low_latency_combine_buffer(handle).zero_()
+            buffer.low_latency_combine(zeros, inp["topk_idx"], inp["topk_weights"], handle, zero_copy=zero_copy)
     stats = torch.zeros(p.local_experts, dtype=torch.int32, device=device())
     recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
         inp["x"], inp["topk_idx"], p.max_tokens, p.num_experts, cumulative_local_expert_recv_stats=stats,
@@ -141,10 +161,14 @@ def low_latency_round(p: Problem, use_fp8: bool, round_scale: bool = False, use_
         y[j, c:] = float("nan")
     out = torch.full((inp["x"].shape[0], p.hidden), float("nan"), dtype=torch.bfloat16, device=device()) \
         if use_out else None
-    x_arg = y
+    x_arg, in_place = y, False
     if zero_copy:
-        buffer.get_next_low_latency_combine_buffer(handle).copy_(y)
+        rows = buffer.get_next_low_latency_combine_buffer(handle)
+        rows.copy_(y)
         x_arg = torch.zeros_like(y)   # must be ignored: zero_copy reads the buffer
+        if buffer._low_latency is not None:  # the kernels' rows lie in this rank's mapped buffer
+            start = buffer._low_latency.peers.addresses[rank]
+            in_place = start <= rows.data_ptr() < start + buffer.num_rdma_bytes
     combined, _, combine_hook = buffer.low_latency_combine(
         x_arg, inp["topk_idx"], inp["topk_weights"], handle, zero_copy=zero_copy,
         return_recv_hook=return_recv_hook, out=out)
@@ -158,7 +182,8 @@ def low_latency_round(p: Problem, use_fp8: bool, round_scale: bool = False, use_
         if error is not None:
             raise error
     return cpu(dict(recv_x=recv_x, recv_count=recv_count, count_before_hook=count_before_hook, stats=stats,
-                    y=y, combined=combined, out_is_result=out is not None and combined.data_ptr() == out.data_ptr()))
+                    y=y, combined=combined, out_is_result=out is not None and combined.data_ptr() == out.data_ptr(),
+                    zero_copy_in_place=in_place))
 
 
 def backend_info():

@@ -57,6 +57,19 @@ def test_config_positional_order_is_deep_eps():
             c.num_max_rdma_chunked_send_tokens, c.num_max_rdma_chunked_recv_tokens) == (24, 8, 256, 6, 128)
 
 
+def test_the_combine_streams_from_four_ranks_unless_forced(monkeypatch):
+    from moe_ep.backends.intranode import use_stream_combine
+    monkeypatch.delenv("MOE_EP_STREAM_COMBINE", raising=False)
+    assert [use_stream_combine(r) for r in (2, 3, 4, 8)] == [False, False, True, True]
+    monkeypatch.setenv("MOE_EP_STREAM_COMBINE", "1")
+    assert use_stream_combine(2)
+    monkeypatch.setenv("MOE_EP_STREAM_COMBINE", "0")
+    assert not use_stream_combine(8)
+    monkeypatch.setenv("MOE_EP_STREAM_COMBINE", "yes")
+    with pytest.raises(ValueError, match="MOE_EP_STREAM_COMBINE: expected 0 or 1"):
+        use_stream_combine(4)
+
+
 def test_event_overlap_on_cpu_is_an_empty_event():
     event = Buffer.capture()
     assert isinstance(event, EventOverlap)

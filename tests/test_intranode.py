@@ -63,6 +63,24 @@ def test_odd_rank_counts_and_row_sizes(pools, gpu_pools, seed, num_ranks, hidden
     _compare(seed, *_both(pools, gpu_pools, num_ranks, rank_fns.normal_round, p, num_biases=2, dtype=dtype))
 
 
+@pytest.mark.parametrize("num_ranks,hidden,dtype,small_buffer,num_biases", [
+    (2, 7168, torch.bfloat16, False, 2), (4, 2048, torch.bfloat16, False, 0), (8, 7168, torch.bfloat16, False, 1),
+    (3, 132, torch.bfloat16, True, 2), (4, 256, torch.float32, True, 1), (5, 512, torch.bfloat16, True, 0),
+])
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "windowed"])
+def test_both_combines_give_the_same_bits(pools, gpu_pools, seed, num_ranks, hidden, dtype, small_buffer, num_biases,
+                                          stream):
+    """Either combine, whatever the rank count picks by default (MOE_EP_STREAM_COMBINE forces it): the
+    same bits, with rings or windows of a few rows in a small buffer (batches of fewer tokens than
+    warps), odd rank counts, 8-byte rows and float32 rows."""
+    config = Config(4, 2, 4, 2, 4) if small_buffer else None
+    p = Problem(seed, num_ranks, num_ranks * 8, hidden, 6, max_tokens=96)
+    kwargs = dict(num_biases=num_biases, config=config, dtype=dtype)
+    on_gpu = gpu_pools(num_ranks).run(rank_fns.forced_combine_round, p, stream, **kwargs)
+    assert all((rows > 0) == stream for _, rows in on_gpu), "the combine did not take the forced path"
+    _compare(seed, [result for result, _ in on_gpu], pools(num_ranks).run(rank_fns.normal_round, p, **kwargs))
+
+
 @pytest.mark.parametrize("num_ranks", [2, 4])
 @pytest.mark.parametrize("use_fp8", [False, True])
 def test_many_windows_in_a_small_buffer(pools, gpu_pools, seed, num_ranks, use_fp8):
@@ -126,10 +144,14 @@ def test_a_peer_missing_at_the_first_dispatch_is_named(gpu_pools):
     assert kind == "TimeoutError" and "rank(s) 1 did not arrive" in message, message
 
 
-@pytest.mark.parametrize("phase,waited_for", [("dispatch", "its token counts"), ("combine", "combine rows")])
-def test_a_peer_missing_in_a_kernel_is_named(gpu_pools, phase, waited_for):
-    """The kernels' waits have a deadline: they report the rank they waited for and return; no hang."""
-    results = gpu_pools(3).run(rank_fns.with_env, SHORT_TIMEOUT, rank_fns.skip_after_warmup, 2, phase)
+@pytest.mark.parametrize("phase,waited_for,stream", [
+    ("dispatch", "its token counts", "0"), ("combine", "combine rows", "0"), ("combine", "combine rows", "1"),
+])
+def test_a_peer_missing_in_a_kernel_is_named(gpu_pools, phase, waited_for, stream):
+    """The kernels' waits have a deadline: they report the rank they waited for and return; no hang
+    (either combine: stream = MOE_EP_STREAM_COMBINE)."""
+    env = dict(SHORT_TIMEOUT, MOE_EP_STREAM_COMBINE=stream)
+    results = gpu_pools(3).run(rank_fns.with_env, env, rank_fns.skip_after_warmup, 2, phase)
     assert results[2] == "skipped"
     for kind, message in results[:2]:
         assert kind == "TimeoutError" and "rank 2 did not arrive" in message and waited_for in message, message

@@ -46,12 +46,15 @@ def _compare(seed, on_gpu, on_cpu, use_fp8):
     dict(use_fp8=True, round_scale=True, use_ue8m0=True, return_recv_hook=True),
     dict(use_fp8=True, round_scale=True, zero_copy=True, use_out=True),
     dict(use_fp8=False, return_recv_hook=True, use_out=True),
+    dict(use_fp8=False, zero_copy=True, return_recv_hook=True, calls_before=3),
 ])
 def test_low_latency_kernels_equal_portable(pools, gpu_pools, seed, num_ranks, variant):
     p = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=32)
     on_gpu = gpu_pools(num_ranks).run(rank_fns.with_env, KERNELS, rank_fns.low_latency_round, p, **variant)
     on_cpu = pools(num_ranks).run(rank_fns.low_latency_round, p, **variant)
     _compare(seed, on_gpu, on_cpu, variant["use_fp8"])
+    if variant.get("zero_copy"):  # the ranks read each other's rows where they were written
+        assert all(r["zero_copy_in_place"] for r in on_gpu) and not any(r["zero_copy_in_place"] for r in on_cpu)
 
 
 def test_issue_shape_hidden_7168_top8(pools, gpu_pools, seed):

@@ -82,6 +82,7 @@ struct Ctx {
     int num_blocks;           // the SM budget of data kernels
     int ranks_on_device;      // ranks of the group on this GPU: their blocks must all fit it at once
     uint64_t* wait_ns;        // null, or [blocks][kWaitSlots]: where the time goes, added up per call
+    bool stream_combine;      // combine through per-channel rings instead of windows (an experiment)
     cudaStream_t stream;
 };
 
@@ -131,6 +132,9 @@ struct CombineArgs {
     float* out_weights;           // [N, K] or null
 };
 void combine(const Ctx& ctx, const CombineArgs& args);
+// Rows per ring of the streaming combine for rows of x_bytes (ctx.stream_combine); 0: it is off, or
+// there are more than 32 ranks, fewer than 2 blocks or no room for a ring row, and combine uses windows.
+int stream_ring_rows(const Ctx& ctx, int64_t x_bytes, int num_topk);
 
 // Tokens per window for the given row sizes; 0 when the buffer cannot hold one.
 int dispatch_window_tokens(int num_ranks, int64_t num_nvl_bytes, int64_t x_bytes, int64_t scale_bytes, int num_topk);
@@ -155,20 +159,24 @@ struct Ctx {
 };
 
 // Writes every (token, top-k slot) with an expert into that expert's rank: bf16 rows, or e4m3 rows
-// cast here with their 1x128 scales (float32, or UE8M0 packed four to an int32). Waits for nothing.
+// cast here with their 1x128 scales (float32, or UE8M0 packed four to an int32), and zeroes recv_count
+// [L] (the receive writes it). Waits for nothing.
 void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t* topk_idx, int num_topk,
-                   bool use_fp8, bool round_scale, bool use_ue8m0);
+                   bool use_fp8, bool round_scale, bool use_ue8m0, int* recv_count);
 // Waits for every rank's rows and packs them per local expert, ordered by source rank, token, slot:
 // recv_x [L, R * max, H] (+ recv_scales), recv_count [L], stats [L] += counts (nullable), and
 // recv_src_info [L, R * max]: (source rank * max + token) * num_topk + slot of each row.
 void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales,
                    int* recv_count, int* stats, int* recv_src_info, int num_sms);
-// Sends row r of local expert e (x [L, R * max, H] bf16) back to the (token, slot) it came from.
+// Sends row r of local expert e (x [L, R * max, H] bf16) back to the (token, slot) it came from. With
+// zero_copy_slot >= 0, x is that slot's rows in this rank's own buffer (regions().zero_copy_offset of
+// half zero_copy_slot): only each row's index goes to the token's rank, which reads the row in place.
 void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const int* recv_src_info, int num_topk,
-                  int num_sms);
-// out[t] = sum over slots k ascending with an expert of (weight * row), in float32 without FMA.
+                  int num_sms, int zero_copy_slot);
+// out[t] = sum over slots k ascending with an expert of (weight * row), in float32 without FMA; the rows
+// come from this rank's receive region, or with zero_copy_slot >= 0 from the experts' ranks' buffers.
 void combine_recv(const Ctx& ctx, const int64_t* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
-                  void* out, int num_sms);
+                  void* out, int num_sms, int zero_copy_slot);
 
 }  // namespace low_latency
 

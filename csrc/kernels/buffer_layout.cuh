@@ -47,8 +47,17 @@ enum SignalArray : int {
 __host__ __device__ constexpr int64_t signal_index(SignalArray array, int num_ranks, int rank) {
     return kFixedSignals + static_cast<int64_t>(array) * num_ranks + rank;
 }
+// The streaming combine's ring counters follow, [channel][rank] each: rows peer r produced into this
+// rank's ring of a channel (kProducedFrom), and rows of this rank's ring at peer r that r consumed
+// (kConsumedBy).
+constexpr int kStreamChannels = 32;
+enum StreamArray : int { kProducedFrom = 0, kConsumedBy = 1, kNumStreamArrays = 2 };
+__host__ __device__ constexpr int64_t stream_index(StreamArray array, int num_ranks, int channel, int rank) {
+    return kFixedSignals + kNumArraySlots * static_cast<int64_t>(num_ranks) +
+           (static_cast<int64_t>(array) * kStreamChannels + channel) * num_ranks + rank;
+}
 __host__ __device__ constexpr int64_t signal_bytes(int num_ranks) {
-    return (kFixedSignals + kNumArraySlots * static_cast<int64_t>(num_ranks)) * 8;
+    return (kFixedSignals + (kNumArraySlots + kNumStreamArrays * kStreamChannels) * static_cast<int64_t>(num_ranks)) * 8;
 }
 // Row of source rank s in the counts area: [num_tokens, tokens for this rank, per local expert counts].
 __host__ __device__ constexpr int counts_row_ints(int num_ranks, int num_experts) {
@@ -99,7 +108,7 @@ constexpr int64_t kMessageHeaderBytes = 16;  // source token, top-k slot (int32 
 enum HeaderSlot : int { kSeq = 0, kAbort = 1, kErrorClaim = 2, kSendDone = 3, kRecvDone = 4 };
 
 struct Regions {
-    int64_t dispatch_message, combine_message, send, recv, signal, half, total;
+    int64_t dispatch_message, combine_message, zero_copy_offset, send, recv, signal, half, total;
 };
 
 __host__ __device__ constexpr Regions regions(int64_t num_max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts) {
@@ -110,8 +119,10 @@ __host__ __device__ constexpr Regions regions(int64_t num_max_tokens, int64_t hi
     const int64_t slots = num_experts * num_max_tokens;
     const int64_t send_dispatch = num_max_tokens * r.dispatch_message, send_combine = slots * r.combine_message;
     const int64_t recv_dispatch = slots * r.dispatch_message, recv_combine = slots * r.combine_message;
-    // The send region also holds the send kernel's per-expert entry lists (E x max int32 < send_combine).
-    r.send = intranode::align_up(send_dispatch > send_combine ? send_dispatch : send_combine, 128);
+    // The send region: the send kernel's per-expert entry lists (E x max int32), then the rows of a
+    // zero-copy combine ([L, R x max, H] bf16, written by the caller; peers read them in place).
+    r.zero_copy_offset = intranode::align_up(slots * 4, 128);
+    r.send = r.zero_copy_offset + intranode::align_up(send_dispatch > send_combine ? send_dispatch : send_combine, 128);
     r.recv = intranode::align_up(recv_dispatch > recv_combine ? recv_dispatch : recv_combine, 128);
     r.signal = intranode::align_up((num_experts + num_ranks) * 8, 128);
     r.half = r.send + r.recv + r.signal;

@@ -55,6 +55,7 @@ constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kMaxRanks = 64;
 
 using peer::arrive_last;
+using peer::load_acquire;
 using peer::load_volatile;
 using peer::now_ns;
 using peer::raise_flag;
@@ -453,14 +454,73 @@ __device__ bool push_window(const Env& e, const CombineCall& call, const Warps& 
     return true;
 }
 
+// Token t's combined row, vectors [begin, end) of it: bias0, bias1, then the row of every rank in
+// `sent`, ascending, in float32 (the portable backend's order, so the same bits); row_of(r) is where
+// rank r's row is (warp-uniform calls). kChunks vectors per lane and up to S::kCombineBatch ranks
+// each: their loads are all in flight together, then summed per vector in rank order. With
+// `weights_offset` >= 0 also out_weights[t] = the sum of the ranks' weights there.
+template <typename T, typename V, typename S, typename RowOf>
+__device__ void sum_token(const CombineArgs& a, int64_t t, int64_t chunks, int64_t begin, int64_t end, uint64_t sent,
+                          RowOf row_of, int64_t weights_offset, int lane) {
+    constexpr int kElems = sizeof(V) / sizeof(T);
+    for (int64_t chunk0 = begin + lane; chunk0 < end; chunk0 += 32 * kChunks) {
+        float acc[kChunks][kElems];
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+            const int64_t chunk = chunk0 + c * 32;
+#pragma unroll
+            for (int v = 0; v < kElems; ++v) acc[c][v] = 0.f;
+            if (chunk < end) {
+                if (a.bias0 != nullptr) add_to<T>(acc[c], __ldg(static_cast<const V*>(a.bias0) + t * chunks + chunk));
+                if (a.bias1 != nullptr) add_to<T>(acc[c], __ldg(static_cast<const V*>(a.bias1) + t * chunks + chunk));
+            }
+        }
+        for (uint64_t rest = sent; rest != 0;) {
+            V vals[S::kCombineBatch][kChunks];
+            int loaded = 0;
+#pragma unroll
+            for (int j = 0; j < S::kCombineBatch; ++j) {
+                if (rest != 0) {
+                    const int r = __ffsll(static_cast<long long>(rest)) - 1;
+                    rest &= rest - 1;
+                    const V* slot = reinterpret_cast<const V*>(row_of(r));
+#pragma unroll
+                    for (int c = 0; c < kChunks; ++c)
+                        if (chunk0 + c * 32 < end) vals[j][c] = __ldcg(slot + chunk0 + c * 32);
+                    loaded = j + 1;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < S::kCombineBatch; ++j)
+#pragma unroll
+                for (int c = 0; c < kChunks; ++c)
+                    if (j < loaded && chunk0 + c * 32 < end) add_to<T>(acc[c], vals[j][c]);
+        }
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c)
+            if (chunk0 + c * 32 < end) static_cast<V*>(a.out)[t * chunks + chunk0 + c * 32] = pack<T, V>(acc[c]);
+    }
+    if (a.out_weights != nullptr && weights_offset >= 0) {
+        const int K = a.num_topk;
+        for (int k0 = 0; k0 < K; k0 += 32) {  // every lane walks the ranks: row_of may shuffle
+            const int k = k0 + lane;
+            float acc = 0.f;
+            for (uint64_t rest = sent; rest != 0; rest &= rest - 1) {
+                const uint8_t* row = row_of(__ffsll(static_cast<long long>(rest)) - 1);
+                if (k < K) acc += __ldcg(reinterpret_cast<const float*>(row + weights_offset) + k);
+            }
+            if (k < K) a.out_weights[t * K + k] = acc;
+        }
+    }
+}
+
 // Reduce this rank's window w once every rank pushed into it: bias, then every rank's row in ascending
 // rank order, in float32; the last block to finish reopens the window half for window w + 2. A window
 // may hold fewer tokens than the kernel has warps: then each token's row is cut into parts, a warp each.
 template <typename T, typename V, typename S>
 __device__ bool reduce_window(const Env& e, const CombineCall& call, const Warps& warps, int w) {
-    constexpr int kElems = sizeof(V) / sizeof(T);
     const CombineArgs& a = call.a;
-    const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
+    const int R = e.num_ranks, me = e.rank, lane = threadIdx.x % 32;
     const int parity = w & 1, first = w * call.window_tokens;
     const int64_t chunks = call.x_bytes / sizeof(V);
     if (!block_wait(e, kPushedFrom, 0, R, tag(e.seq, w), kErrPushed, w)) return false;
@@ -478,57 +538,10 @@ __device__ bool reduce_window(const Env& e, const CombineCall& call, const Warps
             sent |= static_cast<uint64_t>(bits) << r0;
         }
         const uint8_t* slots = window + static_cast<int64_t>(i) * R * call.slot_bytes;
-        // kChunks vectors per lane and up to S::kCombineBatch ranks each: their loads are all in flight
-        // together, then summed per vector in ascending rank order.
         const int64_t begin = static_cast<int64_t>(steps) * part / parts * 32 * kChunks;
         const int64_t end = min(chunks, static_cast<int64_t>(steps) * (part + 1) / parts * 32 * kChunks);
-        for (int64_t chunk0 = begin + lane; chunk0 < end; chunk0 += 32 * kChunks) {
-            float acc[kChunks][kElems];
-#pragma unroll
-            for (int c = 0; c < kChunks; ++c) {
-                const int64_t chunk = chunk0 + c * 32;
-#pragma unroll
-                for (int v = 0; v < kElems; ++v) acc[c][v] = 0.f;
-                if (chunk < end) {
-                    if (a.bias0 != nullptr) add_to<T>(acc[c], __ldg(static_cast<const V*>(a.bias0) + t * chunks + chunk));
-                    if (a.bias1 != nullptr) add_to<T>(acc[c], __ldg(static_cast<const V*>(a.bias1) + t * chunks + chunk));
-                }
-            }
-            for (uint64_t rest = sent; rest != 0;) {
-                V vals[S::kCombineBatch][kChunks];
-                int loaded = 0;
-#pragma unroll
-                for (int j = 0; j < S::kCombineBatch; ++j) {
-                    if (rest != 0) {
-                        const int r = __ffsll(static_cast<long long>(rest)) - 1;
-                        rest &= rest - 1;
-                        const V* slot = reinterpret_cast<const V*>(slots + r * call.slot_bytes);
-#pragma unroll
-                        for (int c = 0; c < kChunks; ++c)
-                            if (chunk0 + c * 32 < end) vals[j][c] = __ldcg(slot + chunk0 + c * 32);
-                        loaded = j + 1;
-                    }
-                }
-#pragma unroll
-                for (int j = 0; j < S::kCombineBatch; ++j)
-#pragma unroll
-                    for (int c = 0; c < kChunks; ++c)
-                        if (j < loaded && chunk0 + c * 32 < end) add_to<T>(acc[c], vals[j][c]);
-            }
-#pragma unroll
-            for (int c = 0; c < kChunks; ++c)
-                if (chunk0 + c * 32 < end) static_cast<V*>(a.out)[t * chunks + chunk0 + c * 32] = pack<T, V>(acc[c]);
-        }
-        if (a.out_weights != nullptr && part == 0) {
-            for (int k = lane; k < K; k += 32) {
-                float acc = 0.f;
-                for (uint64_t rest = sent; rest != 0; rest &= rest - 1) {
-                    const int r = __ffsll(static_cast<long long>(rest)) - 1;
-                    acc += __ldcg(reinterpret_cast<const float*>(slots + r * call.slot_bytes + call.weights_offset) + k);
-                }
-                a.out_weights[t * K + k] = acc;
-            }
-        }
+        sum_token<T, V, S>(a, t, chunks, begin, end, sent, [&](int r) { return slots + r * call.slot_bytes; },
+                           part == 0 ? call.weights_offset : -1, lane);
     }
     __syncthreads();
     if (threadIdx.x == 0 && arrive_last(e.own(kReduceCount + parity), warps.blocks))
@@ -561,12 +574,201 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     finish_kernel(e, e.own(kDoneCount));
 }
 
+// ------------------------------------------------------------------ streaming combine
+// MOE_EP_STREAM_COMBINE=1: an experiment next to the windowed combine above (DESIGN.md, "Where the
+// speed stands", step 3), which pushes a whole window before any of it is reduced, so the slots come
+// back from DRAM and every window costs an all-rank handshake. Here the first `channels` blocks
+// receive and the others send, at the same time. Every owner's tokens are cut into `channels`
+// contiguous ranges; per (channel, sending rank) the owner's buffer holds a ring of `ring_rows` slots.
+// A sending block serves one channel: in rounds, its warps write every owner's next rows of the
+// channel, in token order, into the owner's ring, as far as each owner's consumed count allows (never
+// waiting on one owner while another has room). A receiving block takes its channel's tokens in
+// batches of one token per warp, in order: a token's row from rank r is the next unread slot of ring
+// r, because r sends in token order, and is summed in rank order as in the windowed combine (the same
+// bits). Senders wait only on receivers and receivers only on senders; a batch never needs more rows
+// of a ring than it holds, and every block is resident: no cycle of waits.
+constexpr int kMaxStreamRanks = 32;  // a warp's lanes hold one rank each
+
+struct StreamCall {
+    const CombineArgs& a;
+    int64_t slot_bytes, x_bytes, weights_offset;
+    int ring_rows, channels;
+    const int* base;        // first received row of each rank (R + 1)
+    const int* src_tokens;  // every rank's num_tokens
+};
+
+// Tokens [first, last) of a rank with n tokens that channel c covers.
+__device__ __forceinline__ void channel_tokens(int n, int c, int channels, int& first, int& last) {
+    first = static_cast<int>(static_cast<int64_t>(n) * c / channels);
+    last = static_cast<int>(static_cast<int64_t>(n) * (c + 1) / channels);
+}
+
+// Rank `owner`'s ring of channel c for rows from rank `from` (in the window area, unused meanwhile).
+__device__ __forceinline__ uint8_t* stream_ring(const Env& e, const StreamCall& call, int owner, int c, int from) {
+    return e.window(owner, 0) + (static_cast<int64_t>(c) * e.num_ranks + from) * call.ring_rows * call.slot_bytes;
+}
+
+// Rows counted in a ring counter of this call (tag(seq, rows)); a counter of a later call counts as
+// everything (its rank is past this call), one of an earlier call as nothing.
+__device__ __forceinline__ int counted_rows(uint64_t flag, uint64_t seq, int everything) {
+    if (flag < tag(seq, 0)) return -1;
+    return (flag >> 24) == seq ? static_cast<int>(flag & 0xffffff) - 1 : everything;
+}
+
+template <typename T, typename V, typename S>
+__device__ bool stream_send(const Env& e, const StreamCall& call, int c) {
+    const CombineArgs& a = call.a;
+    const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    // Per owner j (rank (me + 1 + j) % R, so the senders start on different owners): its rows of the
+    // channel (lo, count, sorted by token), rows written so far, and rows its ring has room up to.
+    __shared__ int lo[kMaxStreamRanks], count[kMaxStreamRanks], sent[kMaxStreamRanks], room[kMaxStreamRanks];
+    __shared__ int starts[kMaxStreamRanks + 1];
+    __shared__ int state;
+    enum { kGo, kDone, kFailed };
+    if (threadIdx.x < R) {
+        const int j = threadIdx.x, s = (me + 1 + j) % R;
+        int first, last;
+        channel_tokens(call.src_tokens[s], c, call.channels, first, last);
+        lo[j] = lower_bound(a.recv_src_idx, call.base[s], call.base[s + 1], first);
+        count[j] = lower_bound(a.recv_src_idx, lo[j], call.base[s + 1], last) - lo[j];
+        sent[j] = 0;
+    }
+    const uint8_t* x = static_cast<const uint8_t*>(a.x);
+    while (true) {
+        // Each round writes whatever room every owner's ring has, all warps over one list (a warp per
+        // owner would leave most warps idle at few ranks), so no owner waits on another's ring.
+        if (threadIdx.x < R) {
+            const int j = threadIdx.x, s = (me + 1 + j) % R;
+            room[j] = sent[j];
+            if (sent[j] < count[j]) {
+                const int consumed = counted_rows(load_acquire(e.own(stream_index(kConsumedBy, R, c, s))), e.seq, count[j]);
+                if (consumed >= 0) room[j] = min(count[j], consumed + call.ring_rows);
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int waiting_on = -1;
+            starts[0] = 0;
+            for (int j = 0; j < R; ++j) {
+                starts[j + 1] = starts[j] + room[j] - sent[j];
+                if (waiting_on < 0 && sent[j] < count[j]) waiting_on = j;
+            }
+            state = waiting_on < 0 ? kDone : kGo;
+            // Every unfinished owner's ring is full: give up only at the deadline.
+            if (waiting_on >= 0 && starts[R] == 0) {
+                if (load_volatile(e.own(kAbort)) != 0) {
+                    state = kFailed;
+                } else if (now_ns() > e.deadline) {
+                    const int s = (me + 1 + waiting_on) % R;
+                    peer::report_timeout({e.own(kAbort), e.own(kErrorClaim), e.host, e.deadline}, kErrOpen, s, c,
+                                         tag(e.seq, 0), load_volatile(e.own(stream_index(kConsumedBy, R, c, s))));
+                    state = kFailed;
+                }
+            }
+        }
+        __syncthreads();
+        if (state != kGo) return state == kDone;
+        for (int item = warp; item < starts[R]; item += S::kWarps) {
+            const int j = list_part(starts, R, item), s = (me + 1 + j) % R;
+            const int k = sent[j] + item - starts[j];
+            const int64_t i = lo[j] + k;
+            uint8_t* dst = stream_ring(e, call, s, c, me) + static_cast<int64_t>(k % call.ring_rows) * call.slot_bytes;
+            warp_copy<Src::kReadOnly, S::kCopyDepth>(dst, x + i * call.x_bytes, call.x_bytes, lane);
+            for (int k2 = lane; k2 < K; k2 += 32) reinterpret_cast<float*>(dst + call.weights_offset)[k2] = a.topk_weights[i * K + k2];
+        }
+        __syncthreads();  // the block's stores before the releases
+        if (threadIdx.x < R && room[threadIdx.x] > sent[threadIdx.x]) {
+            const int j = threadIdx.x, s = (me + 1 + j) % R;
+            raise_flag(e.signals(s) + stream_index(kProducedFrom, R, c, me), tag(e.seq, room[j]));
+            sent[j] = room[j];
+        }
+    }
+}
+
+template <typename T, typename V, typename S>
+__device__ bool stream_receive(const Env& e, const StreamCall& call, int c) {
+    const CombineArgs& a = call.a;
+    const int R = e.num_ranks, me = e.rank, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int64_t chunks = call.x_bytes / sizeof(V);
+    __shared__ int ring_first[kMaxStreamRanks];  // per sender: send_pos of the channel's first token it got
+    __shared__ int consumed[kMaxStreamRanks];    // per sender: its ring rows read so far
+    // This call's rings are open: the previous call read them all before its kernel ended.
+    if (threadIdx.x < R) {
+        raise_flag(e.signals(threadIdx.x) + stream_index(kConsumedBy, R, c, me), tag(e.seq, 0));
+        consumed[threadIdx.x] = 0;
+    }
+    int first, last;
+    channel_tokens(a.num_tokens, c, call.channels, first, last);
+    for (int r = warp; r < R; r += S::kWarps) {
+        int found = 0;
+        for (int t0 = first; t0 < last; t0 += 32) {
+            const int p = t0 + lane < last ? a.send_pos[static_cast<int64_t>(t0 + lane) * R + r] : -1;
+            const unsigned hits = __ballot_sync(kFullMask, p >= 0);
+            if (hits != 0) {
+                found = __shfl_sync(kFullMask, p, __ffs(hits) - 1);
+                break;
+            }
+        }
+        if (lane == 0) ring_first[r] = found;
+    }
+    __syncthreads();
+    const int batch = min(S::kWarps, call.ring_rows);  // rows of one ring a batch needs, at most
+    const uint8_t* rings = stream_ring(e, call, me, c, 0);
+    const int64_t ring_bytes = static_cast<int64_t>(call.ring_rows) * call.slot_bytes;
+    for (int b0 = first; b0 < last; b0 += batch) {
+        const int64_t t = b0 + warp;
+        bool failed = false;
+        if (warp < batch && t < last) {
+            int k = -1;  // lane r: ring index of this token's row from rank r
+            if (lane < R) {
+                const int p = a.send_pos[t * R + lane];
+                if (p >= 0) k = p - ring_first[lane];
+            }
+            bool ready = true;
+            if (k >= 0)
+                ready = wait_flag(e, e.own(stream_index(kProducedFrom, R, c, lane)), tag(e.seq, k + 1), kErrPushed, lane, c);
+            if (!__all_sync(kFullMask, ready)) {
+                failed = true;
+            } else {
+                const unsigned sent = __ballot_sync(kFullMask, k >= 0);
+                const int64_t offset = k >= 0 ? lane * ring_bytes + static_cast<int64_t>(k % call.ring_rows) * call.slot_bytes : 0;
+                sum_token<T, V, S>(a, t, chunks, 0, chunks, sent,
+                                   [&](int r) { return rings + __shfl_sync(kFullMask, offset, r); }, call.weights_offset, lane);
+                if (k >= 0) atomicMax(&consumed[lane], k + 1);
+            }
+        }
+        // The batch's rows are read (their slots may be refilled), and every thread learns of a failed wait.
+        if (__syncthreads_or(failed)) return false;
+        if (threadIdx.x < R)
+            raise_flag(e.signals(threadIdx.x) + stream_index(kConsumedBy, R, c, me), tag(e.seq, consumed[threadIdx.x]));
+    }
+    return true;
+}
+
+template <typename T, typename V, typename S>
+__global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
+    stream_combine_kernel(Ctx c, CombineArgs a, int64_t slot_bytes, int ring_rows, int channels) {
+    const Env e = make_env(c);
+    const int64_t x_bytes = static_cast<int64_t>(a.hidden) * sizeof(T);
+    const StreamCall call{a, slot_bytes, x_bytes, align_up(x_bytes, kSlotAlign), ring_rows, channels,
+                          a.recv_info + 2, a.recv_info + 3 + e.num_ranks};
+    if (load_volatile(e.own(kAbort)) == 0) {
+        if (blockIdx.x < channels) {
+            stream_receive<T, V, S>(e, call, blockIdx.x);
+            end_phase(e, kPhaseReduce, e.start);
+        } else if (blockIdx.x < 2 * channels) {
+            stream_send<T, V, S>(e, call, blockIdx.x - channels);
+            end_phase(e, kPhasePush, e.start);
+        }
+    }
+    finish_kernel(e, e.own(kDoneCount));
+}
+
 // A kernel built in the three shapes.
 struct Shapes {
     const void* kernel[3];  // Solo, Wide, Narrow
 };
 constexpr int kShapeThreads[3] = {Solo::kThreads, Wide::kThreads, Narrow::kThreads};
-
 // How many blocks of `kernel` the GPU holds at once. Occupancy does not change during a run: asked
 // once per kernel (a handful of kernels per process).
 int cached_resident_blocks(const void* kernel, int threads) {
@@ -632,6 +834,13 @@ struct CombineKernels {
         static constexpr auto fn = combine_kernel<T, V, S>;
     };
 };
+template <typename T, typename V>
+struct StreamCombineKernels {
+    template <typename S>
+    struct Of {
+        static constexpr auto fn = stream_combine_kernel<T, V, S>;
+    };
+};
 
 }  // namespace
 
@@ -672,6 +881,17 @@ void dispatch(const Ctx& ctx, const DispatchArgs& args) {
     launch_shaped<DispatchKernel>(ctx, "intranode dispatch_kernel", args, slot, window);
 }
 
+// The streaming combine needs a receiving and a sending block per channel.
+static int stream_channels(const Ctx& ctx) { return std::min(ctx.num_blocks / 2, kStreamChannels); }
+
+int stream_ring_rows(const Ctx& ctx, int64_t x_bytes, int num_topk) {
+    const int channels = stream_channels(ctx);
+    if (!ctx.stream_combine || ctx.num_ranks > kMaxStreamRanks || channels < 1) return 0;
+    const int64_t rows = 2 * half_bytes(ctx.num_nvl_bytes, ctx.num_ranks) /
+                         (channels * ctx.num_ranks * combine_slot_bytes(x_bytes, num_topk));
+    return static_cast<int>(std::min<int64_t>(rows, 1 << 20));
+}
+
 void combine(const Ctx& ctx, const CombineArgs& args) {
     if (ctx.num_ranks > kMaxRanks) throw std::runtime_error("moe_ep: intranode combine supports at most 64 ranks");
     const int64_t x_bytes = static_cast<int64_t>(args.hidden) * (args.dtype == DType::kFloat32 ? 4 : 2);
@@ -681,6 +901,22 @@ void combine(const Ctx& ctx, const CombineArgs& args) {
     const int64_t slot = combine_slot_bytes(x_bytes, args.num_topk);
     // Outputs and biases are whole rows of x_bytes: 16-byte vectors when every row starts aligned.
     const bool wide = x_bytes % 16 == 0;
+    const int rows = stream_ring_rows(ctx, x_bytes, args.num_topk);
+    if (rows > 0) {
+        const int channels = stream_channels(ctx);
+        const char* streaming = "intranode stream_combine_kernel";
+        if (args.dtype == DType::kBFloat16 && wide)
+            launch_shaped<StreamCombineKernels<__nv_bfloat16, int4>::Of>(ctx, streaming, args, slot, rows, channels);
+        else if (args.dtype == DType::kBFloat16)
+            launch_shaped<StreamCombineKernels<__nv_bfloat16, int2>::Of>(ctx, streaming, args, slot, rows, channels);
+        else if (args.dtype == DType::kFloat32 && wide)
+            launch_shaped<StreamCombineKernels<float, int4>::Of>(ctx, streaming, args, slot, rows, channels);
+        else if (args.dtype == DType::kFloat32)
+            launch_shaped<StreamCombineKernels<float, int2>::Of>(ctx, streaming, args, slot, rows, channels);
+        else
+            throw std::runtime_error("moe_ep: intranode combine takes bfloat16 or float32 rows");
+        return;
+    }
     const char* what = "intranode combine_kernel";
     if (args.dtype == DType::kBFloat16 && wide)
         launch_shaped<CombineKernels<__nv_bfloat16, int4>::Of>(ctx, what, args, slot, window);

@@ -50,6 +50,12 @@ struct Env {
     // This rank's send region: scratch of the send kernel (no peer touches it).
     __device__ int* send_scratch() const { return reinterpret_cast<int*>(buffers[rank] + half_offset); }
     __device__ uint8_t* recv(int r) const { return buffers[r] + half_offset + g.send; }
+    // Rank r's rows of a zero-copy combine in host slot `slot`: [L, R * max, H] bf16 in the send region
+    // of half `slot`, behind the entry lists (the slot alternates per combine on the host, the half
+    // per call on the device: the two never meet in the same bytes).
+    __device__ const uint8_t* zero_copy_rows(int r, int slot) const {
+        return buffers[r] + kHeaderBytes + slot * g.half + g.zero_copy_offset;
+    }
     __device__ uint64_t* signals(int r) const { return reinterpret_cast<uint64_t*>(buffers[r] + half_offset + g.send + g.recv); }
     __device__ peer::Failure failure() const {
         return {header(rank) + kAbort, header(rank) + kErrorClaim, host, deadline};
@@ -131,11 +137,15 @@ constexpr int kMaxListed = 1024;  // rows per expert per call: num_max_tokens is
 
 __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ctx c, const __nv_bfloat16* __restrict__ x, int num_tokens,
                                                                  const int64_t* __restrict__ topk_idx, int num_topk,
-                                                                 bool use_fp8, bool round_scale, bool use_ue8m0) {
+                                                                 bool use_fp8, bool round_scale, bool use_ue8m0,
+                                                                 int* __restrict__ recv_count) {
     __shared__ int warp_matches[kWarps];
     __shared__ bool stop;
     const Env e = make_env(c);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, expert = blockIdx.x;
+    // Nothing has arrived before the hook: the receive kernel writes the real counts later on this stream.
+    if (expert == 0)
+        for (int i = threadIdx.x; i < c.num_experts / c.num_ranks; i += kThreads) recv_count[i] = 0;
     int* entries_of_expert = e.send_scratch() + static_cast<int64_t>(expert) * e.max_tokens;
     if (threadIdx.x == 0) stop = e.aborted();
     __syncthreads();
@@ -245,11 +255,13 @@ __global__ void __launch_bounds__(kRecvThreads) dispatch_recv_kernel(Ctx c, int 
     finish_call(e);
 }
 
-// Every received row back to the (token, slot) slot of its source rank; the last block raises every
-// rank's flag.
+// Every received row back to the (token, slot) slot of its source rank, or in a zero-copy combine only
+// the row's index (the source rank reads the row from this rank's buffer); the last block raises every
+// rank's flag, which publishes the rows (or the indices, and the caller's rows) alike.
 __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ctx c, const uint8_t* __restrict__ x,
                                                                 const int* __restrict__ recv_count,
-                                                                const int* __restrict__ recv_src_info, int num_topk) {
+                                                                const int* __restrict__ recv_src_info, int num_topk,
+                                                                int zero_copy_slot) {
     const Env e = make_env(c);
     const int lane = threadIdx.x % 32, warp_id = blockIdx.x * kWarps + threadIdx.x / 32, num_warps = gridDim.x * kWarps;
     const int64_t rows_per_expert = static_cast<int64_t>(e.num_ranks) * e.max_tokens, row_bytes = e.hidden * 2LL;
@@ -259,8 +271,12 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ctx c, const uin
             if (r >= recv_count[local]) continue;
             const int info = recv_src_info[g], k = info % num_topk, t = info / num_topk % e.max_tokens,
                       s = info / num_topk / e.max_tokens;
-            uint8_t* slot = e.recv(s) + (static_cast<int64_t>(t) * num_topk + k) * e.g.combine_message;
-            warp_copy<Src::kReadOnly>(slot, x + g * row_bytes, row_bytes, lane);
+            const int64_t entry = static_cast<int64_t>(t) * num_topk + k;
+            if (zero_copy_slot >= 0) {
+                if (lane == 0) reinterpret_cast<int*>(e.recv(s))[entry] = static_cast<int>(g);
+            } else {
+                warp_copy<Src::kReadOnly>(e.recv(s) + entry * e.g.combine_message, x + g * row_bytes, row_bytes, lane);
+            }
         }
     }
     __syncthreads();
@@ -271,7 +287,8 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ctx c, const uin
 // Wait for every rank's rows, then per token acc = acc + (weight * row) over the slots in order.
 __global__ void __launch_bounds__(kCombineRecvThreads) combine_recv_kernel(Ctx c, const int64_t* __restrict__ topk_idx,
                                                                 const float* __restrict__ topk_weights, int num_tokens,
-                                                                int num_topk, __nv_bfloat16* __restrict__ out) {
+                                                                int num_topk, __nv_bfloat16* __restrict__ out,
+                                                                int zero_copy_slot) {
     __shared__ int ok;
     const Env e = make_env(c);
     if (threadIdx.x == 0) {
@@ -298,8 +315,15 @@ __global__ void __launch_bounds__(kCombineRecvThreads) combine_recv_kernel(Ctx c
 #pragma unroll
                 for (int i = 0; i < kSlotBatch; ++i) {
                     const int64_t entry = static_cast<int64_t>(t) * num_topk + k0 + i;
-                    take[i] = k0 + i < num_topk && topk_idx[entry] >= 0;
-                    if (take[i]) v[i] = __ldcg(reinterpret_cast<const int4*>(slots + entry * e.g.combine_message) + chunk);
+                    const int64_t expert = k0 + i < num_topk ? topk_idx[entry] : -1;
+                    take[i] = expert >= 0;
+                    if (!take[i]) continue;
+                    // Zero copy: the expert's rank left the row's index here; the row is in its buffer.
+                    const uint8_t* row = zero_copy_slot < 0
+                        ? slots + entry * e.g.combine_message
+                        : e.zero_copy_rows(static_cast<int>(expert / e.num_local), zero_copy_slot) +
+                              static_cast<int64_t>(__ldcg(reinterpret_cast<const int*>(slots) + entry)) * e.hidden * 2;
+                    v[i] = __ldcg(reinterpret_cast<const int4*>(row) + chunk);
                 }
 #pragma unroll
                 for (int i = 0; i < kSlotBatch; ++i) {
@@ -346,13 +370,13 @@ int set_up(const void* kernel, int threads, size_t dynamic_smem) {
 }  // namespace
 
 void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t* topk_idx, int num_topk, bool use_fp8,
-                   bool round_scale, bool use_ue8m0) {
+                   bool round_scale, bool use_ue8m0, int* recv_count) {
     if (num_tokens > kMaxListed)
         throw std::invalid_argument("moe_ep: low-latency dispatch takes at most 1024 tokens per rank");
     static thread_local const int resident = set_up(reinterpret_cast<const void*>(dispatch_send_kernel), kThreads, 0);
     (void)resident;
     dispatch_send_kernel<<<ctx.num_experts, kThreads, 0, ctx.stream>>>(ctx, static_cast<const __nv_bfloat16*>(x), num_tokens,
-                                                              topk_idx, num_topk, use_fp8, round_scale, use_ue8m0);
+                                                              topk_idx, num_topk, use_fp8, round_scale, use_ue8m0, recv_count);
     MOE_EP_LAUNCH_CHECK("low_latency dispatch_send_kernel");
 }
 
@@ -368,24 +392,26 @@ void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, v
     MOE_EP_LAUNCH_CHECK("low_latency dispatch_recv_kernel");
 }
 
-void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const int* recv_src_info, int num_topk, int num_sms) {
+void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const int* recv_src_info, int num_topk, int num_sms,
+                  int zero_copy_slot) {
     const int64_t rows = static_cast<int64_t>(ctx.num_experts) * ctx.num_max_tokens;  // L * R * max
     static thread_local const int resident = set_up(reinterpret_cast<const void*>(combine_send_kernel), kThreads, 0);
     (void)resident;
     combine_send_kernel<<<blocks_for(rows, num_sms), kThreads, 0, ctx.stream>>>(ctx, static_cast<const uint8_t*>(x),
-                                                                                  recv_count, recv_src_info, num_topk);
+                                                                                  recv_count, recv_src_info, num_topk,
+                                                                                  zero_copy_slot);
     MOE_EP_LAUNCH_CHECK("low_latency combine_send_kernel");
 }
 
 void combine_recv(const Ctx& ctx, const int64_t* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
-                  void* out, int num_sms) {
+                  void* out, int num_sms, int zero_copy_slot) {
     const int64_t items = static_cast<int64_t>(num_tokens) * (ctx.hidden / 8);  // a thread each
     static thread_local const int resident =
         set_up(reinterpret_cast<const void*>(combine_recv_kernel), kCombineRecvThreads, 0);
     const int64_t wanted = (items + kCombineRecvThreads - 1) / kCombineRecvThreads;
     const int blocks = waiting_blocks(ctx, resident, num_sms, static_cast<int>(std::min<int64_t>(wanted, num_sms)));
     combine_recv_kernel<<<blocks, kCombineRecvThreads, 0, ctx.stream>>>(
-        ctx, topk_idx, topk_weights, num_tokens, num_topk, static_cast<__nv_bfloat16*>(out));
+        ctx, topk_idx, topk_weights, num_tokens, num_topk, static_cast<__nv_bfloat16*>(out), zero_copy_slot);
     MOE_EP_LAUNCH_CHECK("low_latency combine_recv_kernel");
 }
 

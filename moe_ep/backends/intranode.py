@@ -23,6 +23,21 @@ from .peers import HOST_COUNTS, HOST_DONE, HOST_OVERFLOW, PHASE_NAMES, WAIT_NAME
 # Host-side grace on top of the kernels' own deadline before the host gives up on a count exchange.
 _HOST_GRACE_S = 5.0
 
+# The streaming combine (per-channel rings, sending and receiving blocks at once) beat the windowed one
+# from 4 ranks up and lost at 2, on one GPU and on two (docs/PERFORMANCE.md, sixth session).
+STREAM_COMBINE_MIN_RANKS = 4
+
+
+def use_stream_combine(num_ranks: int) -> bool:
+    """Whether the intranode combine streams: by rank count, or as MOE_EP_STREAM_COMBINE=1 / 0 forces.
+    (The kernels fall back to windows past 32 ranks either way.)"""
+    forced = os.environ.get("MOE_EP_STREAM_COMBINE")
+    if forced in ("0", "1"):
+        return forced == "1"
+    if forced:
+        raise ValueError(f"MOE_EP_STREAM_COMBINE: expected 0 or 1, got {forced!r}")
+    return num_ranks >= STREAM_COMBINE_MIN_RANKS
+
 
 @dataclass
 class IntranodeDispatchState:
@@ -47,6 +62,7 @@ class IntranodeBackend:
             self.peers.pointers.data_ptr(), self.rank, self.num_ranks, num_nvl_bytes, self.host_info, self.timeout_s,
             self.peers.ranks_on_device,
         )
+        self.ctx.stream_combine = use_stream_combine(self.num_ranks)
         self.comm_stream = comm_stream
         self._nonce = 0
         self._fitting_sms = set()  # SM budgets known to fit this GPU together with its other ranks

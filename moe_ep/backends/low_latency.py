@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from ..handles import LowLatencyHandle
 from ..sync import ArrivalGate
-from .peers import aligned, map_peer_buffers
+from ..config import LowLatencyLayout
+from .peers import aligned, device_view, map_peer_buffers
 
 
 @dataclass
@@ -92,7 +93,7 @@ class LowLatencyBackend:
     ):
         ctx = self._begin("low_latency_dispatch", handle)
         x, topk_idx = aligned(x), topk_idx.contiguous()
-        # The extension allocates the outputs ([L, R * max, H] rows, scales, zeroed counts, sources).
+        # The extension allocates the outputs ([L, R * max, H] rows, scales, counts, sources).
         recv_x, recv_scales, recv_count, recv_src_info = self.ops.ll_dispatch_send(
             ctx, x, topk_idx, use_fp8, round_scale, use_ue8m0
         )
@@ -108,6 +109,18 @@ class LowLatencyBackend:
         hook = self._deferred("low_latency_dispatch", receive, return_recv_hook)
         return ((recv_x, recv_scales) if use_fp8 else recv_x), recv_count, hook
 
+    def zero_copy_rows(self, handle: LowLatencyHandle, slot: int) -> torch.Tensor:
+        """Slot `slot` (0 or 1) of this rank's zero-copy combine rows: [L, R x max, H] bf16 inside its
+        mapped buffer, where the peers' combine receives read them in place (no row is copied). Valid
+        while the Buffer lives."""
+        max_tokens, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
+        layout = LowLatencyLayout(max_tokens, hidden, self.num_ranks, num_experts)
+        local, rows = num_experts // self.num_ranks, self.num_ranks * max_tokens
+        address = (self.peers.addresses[self.rank] + layout.HEADER_BYTES + slot * layout.half_bytes
+                   + layout.zero_copy_offset)
+        view = device_view(address, local * rows * hidden * 2, self.peers.device)
+        return view.view(torch.bfloat16).view(local, rows, hidden)
+
     def low_latency_combine(
         self,
         x: torch.Tensor,
@@ -116,7 +129,9 @@ class LowLatencyBackend:
         handle: LowLatencyHandle,
         return_recv_hook: bool,
         out: Optional[torch.Tensor],
+        zero_copy_slot: int = -1,
     ):
+        """zero_copy_slot: -1, or the slot of zero_copy_rows that x is."""
         state: LowLatencyKernelState = handle.backend_state
         if not state.received:
             raise RuntimeError(
@@ -128,11 +143,12 @@ class LowLatencyBackend:
         # The kernel writes 16-byte vectors: an unaligned `out` gets the result by a copy.
         direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
         target = self.ops.ll_combine_send(
-            ctx, x, state.recv_count, state.recv_src_info, handle.num_topk, handle.num_tokens, out if direct else None
+            ctx, x, state.recv_count, state.recv_src_info, handle.num_topk, handle.num_tokens, out if direct else None,
+            zero_copy_slot,
         )
 
         def receive():
-            self.ops.ll_combine_recv(ctx, topk_idx, topk_weights, target)
+            self.ops.ll_combine_recv(ctx, topk_idx, topk_weights, target, zero_copy_slot)
             if out is not None and not direct:
                 out.copy_(target)
 

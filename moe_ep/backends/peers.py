@@ -46,6 +46,19 @@ def aligned(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+class _DeviceBytes:
+    """`size` bytes at a device address, as __cuda_array_interface__ describes them to torch."""
+
+    def __init__(self, address: int, size: int):
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (address, False), "version": 3}
+
+
+def device_view(address: int, size: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over `size` bytes of mapped memory at `address` (this rank's buffer or a peer's).
+    It does not own them: it is valid while the mapping lives."""
+    return torch.as_tensor(_DeviceBytes(address, size), device=device)
+
+
 def _release(ops, own: int, opened: List[int]) -> None:
     try:
         torch.cuda.synchronize()
@@ -72,6 +85,7 @@ class _MappedBuffers:
         self.timeout_s = gate.timeout_s
         self.ranks_on_device = ranks_on_device
         self.pointers = torch.tensor(pointers, dtype=torch.int64, device=self.device)
+        self.addresses = list(pointers)  # the same, on the host
         size = self.ops.intranode_layout(self.num_ranks, 0, 0, 0, 0)["host_info_ints"]
         self.host_info = torch.zeros(size, dtype=torch.int32, pin_memory=True)
         self.host = (ctypes.c_int32 * size).from_address(self.host_info.data_ptr())
