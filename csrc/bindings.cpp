@@ -156,7 +156,7 @@ struct IntranodeCtx {
     double timeout_s;
     int ranks_on_device;
     int64_t wait_ns = 0;  // device uint64 [blocks][kWaitSlots] wait profile, or 0 (set from Python per call)
-    bool stream_combine = false;  // MOE_EP_STREAM_COMBINE=1 (set from Python)
+    bool stream_combine = false;  // set from Python (backends/intranode.py: use_stream_combine)
 };
 
 intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {

@@ -58,8 +58,7 @@ if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
   timeout 300 $PY -m benchmarks.bench_intranode --ranks 2 4 8 --sms ${BENCH_SMS:-24} \
     ${BENCH_RECV_TOKENS:+--recv-tokens $BENCH_RECV_TOKENS} --json "$OUT/bench.jsonl" 2>&1 \
     | tee "$OUT/bench_intranode.txt" | tee -a "$OUT/summary.txt"
-  # The combine path the default does not take at each rank count (windowed from 4 ranks up, streaming at 2),
-  # on the same problems: BENCH_OTHER_COMBINE=1 runs both forced ways.
+  # Both combines forced on the same problems (the default streams from 4 ranks up): BENCH_OTHER_COMBINE=1.
   if [[ ${BENCH_OTHER_COMBINE:-0} == 1 ]]; then
     for forced in 0 1; do
       MOE_EP_STREAM_COMBINE=$forced timeout 300 $PY -m benchmarks.bench_intranode --ranks 2 4 8 --sms ${BENCH_SMS:-24} \

@@ -82,7 +82,7 @@ struct Ctx {
     int num_blocks;           // the SM budget of data kernels
     int ranks_on_device;      // ranks of the group on this GPU: their blocks must all fit it at once
     uint64_t* wait_ns;        // null, or [blocks][kWaitSlots]: where the time goes, added up per call
-    bool stream_combine;      // combine through per-channel rings instead of windows (an experiment)
+    bool stream_combine;      // combine through per-channel rings instead of windows (up to 32 ranks)
     cudaStream_t stream;
 };
 
