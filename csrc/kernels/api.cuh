@@ -61,6 +61,8 @@ enum ErrorKind : int {
     kErrNone = 0, kErrNotify, kErrStaged, kErrReleased, kErrOpen, kErrPushed,
     kErrLowLatencyDispatch,  // window = the global expert whose tokens did not come
     kErrLowLatencyCombine,
+    kErrRingRoom,  // streaming combine (window = the channel): room in the peer's ring
+    kErrRingRows,  // ... rows in this rank's ring
 };
 inline int host_info_ints(int num_ranks) { return kHostCounts + 2 * num_ranks + 16384; }
 // Wait profile (Ctx::wait_ns): per block, nanoseconds spent waiting by ErrorKind (kErrNotify ..

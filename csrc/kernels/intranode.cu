@@ -660,7 +660,7 @@ __device__ bool stream_send(const Env& e, const StreamCall& call, int c) {
                     state = kFailed;
                 } else if (now_ns() > e.deadline) {
                     const int s = (me + 1 + waiting_on) % R;
-                    peer::report_timeout({e.own(kAbort), e.own(kErrorClaim), e.host, e.deadline}, kErrOpen, s, c,
+                    peer::report_timeout({e.own(kAbort), e.own(kErrorClaim), e.host, e.deadline}, kErrRingRoom, s, c,
                                          tag(e.seq, 0), load_volatile(e.own(stream_index(kConsumedBy, R, c, s))));
                     state = kFailed;
                 }
@@ -726,7 +726,7 @@ __device__ bool stream_receive(const Env& e, const StreamCall& call, int c) {
             }
             bool ready = true;
             if (k >= 0)
-                ready = wait_flag(e, e.own(stream_index(kProducedFrom, R, c, lane)), tag(e.seq, k + 1), kErrPushed, lane, c);
+                ready = wait_flag(e, e.own(stream_index(kProducedFrom, R, c, lane)), tag(e.seq, k + 1), kErrRingRows, lane, c);
             if (!__all_sync(kFullMask, ready)) {
                 failed = true;
             } else {

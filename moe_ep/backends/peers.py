@@ -31,6 +31,8 @@ WAITED_FOR = {
     5: "its combine rows of window {window}",
     6: "its tokens for expert {window} (low_latency_dispatch)",
     7: "its rows (low_latency_combine)",
+    8: "it to take the combine rows in its ring of channel {window}",
+    9: "its combine rows of channel {window}",
 }
 # The intranode kinds again, named short for the wait profile (IntranodeBackend.wait_profile), and
 # the kernels' phases after them (ProfilePhase in csrc/kernels/api.cuh).
