@@ -11,6 +11,7 @@ process's plain device copy of the same number of bytes, measured in the same ru
     python -m benchmarks.bench_intranode --ranks 4 --recv-tokens 64 128 256 512   # window (buffer) sweep
     python -m benchmarks.bench_intranode --ranks 8 --profile-waits   # where the kernels' time goes
     python -m benchmarks.bench_intranode --ranks 8 --nccl     # one rank per GPU: also NCCL's all-to-all
+    python -m benchmarks.bench_intranode --ranks 4 8 --modes combine   # only some of the modes
 
 The buffer is sized by the size hint of the largest SM budget given (the kernels size their windows
 from the buffer, not from num_sms), once per --recv-tokens value.
@@ -91,6 +92,8 @@ def rank_bench(args):
                 "combine": lambda c=configs["combine"][i]: buffer.combine(y, handle, topk_weights=recv_w, config=c),
             }
             for mode, fn in calls.items():
+                if mode not in args.modes:
+                    continue
                 kernels = buffer._intranode  # None on the portable backend
                 if kernels is not None:
                     kernels.reset_wait_profile()
@@ -153,6 +156,7 @@ def main():
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--sms", type=int, nargs="+", default=[24])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="which calls to time")
     parser.add_argument("--recv-tokens", type=int, nargs="+", default=[],
                         help="num_max_nvl_chunked_recv_tokens values to sweep (the buffer, hence window, size); "
                              "default: the tuned config's")
@@ -175,7 +179,7 @@ def main():
         best = {}
         for key in sorted({(r["sms"], r.get("recv_tokens", 0)) for r in flat}):
             num_sms, recv_tokens = key
-            modes = MODES + ((NCCL_MODE,) if args.nccl and num_sms == args.sms[0] else ())
+            modes = tuple(m for m in MODES if m in args.modes) + ((NCCL_MODE,) if args.nccl and num_sms == args.sms[0] else ())
             for mode in modes:
                 rows = [r for r in flat if r["sms"] == num_sms and r.get("recv_tokens", 0) == recv_tokens
                         and r["mode"] == mode]

@@ -62,7 +62,7 @@ if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
   if [[ ${BENCH_OTHER_COMBINE:-0} == 1 ]]; then
     for forced in 0 1; do
       MOE_EP_STREAM_COMBINE=$forced timeout 300 $PY -m benchmarks.bench_intranode --ranks 2 4 8 --sms ${BENCH_SMS:-24} \
-        --json "$OUT/bench.jsonl" 2>&1 | sed "s/^/MOE_EP_STREAM_COMBINE=$forced: /" | tee -a "$OUT/summary.txt"
+        --modes combine --json "$OUT/bench.jsonl" 2>&1 | sed "s/^/MOE_EP_STREAM_COMBINE=$forced: /" | tee -a "$OUT/summary.txt"
     done
   fi
   # Where the intranode kernels' time goes (their blocks' waits on peers), apart from the figures above.

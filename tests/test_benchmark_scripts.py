@@ -30,6 +30,11 @@ def test_intranode_benchmark_sweeps(tmp_path):
     assert "best chunk at 2 ranks, 8 SMs, dispatch_fp8" in out
 
 
+def test_intranode_benchmark_times_only_the_modes_asked(tmp_path):
+    _run("benchmarks.bench_intranode", *TINY, "--tokens", "64", "--modes", "combine", "--json", str(tmp_path / "b.jsonl"))
+    assert [json.loads(line)["mode"] for line in (tmp_path / "b.jsonl").read_text().splitlines()] == ["combine"]
+
+
 def test_low_latency_benchmark(tmp_path):
     out = _run("benchmarks.bench_low_latency", *TINY, "--tokens", "16", "--json", str(tmp_path / "b.jsonl"))
     row = json.loads((tmp_path / "b.jsonl").read_text())
