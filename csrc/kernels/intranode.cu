@@ -408,6 +408,13 @@ __device__ int lower_bound(const int* values, int lo, int hi, int key) {
     return lo;
 }
 
+// This rank's received rows from `owner` whose tokens lie in [first, last): rows from an owner are
+// sorted by token, so they are contiguous; returns their count and sets `begin` to the first.
+__device__ int owner_rows(const CombineArgs& a, const int* base, int owner, int first, int last, int& begin) {
+    begin = lower_bound(a.recv_src_idx, base[owner], base[owner + 1], first);
+    return lower_bound(a.recv_src_idx, begin, base[owner + 1], last) - begin;
+}
+
 // What one combine call's blocks share: the arguments and where the windows are.
 struct CombineCall {
     const CombineArgs& a;
@@ -425,13 +432,10 @@ __device__ bool push_window(const Env& e, const CombineCall& call, const Warps& 
     const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
     const int parity = w & 1, first = w * call.window_tokens;
     // Entry i of the list is received row lo[j] + i - starts[j] for owner (me + 1 + j) % R, where
-    // starts[j] <= i < starts[j + 1]: rows for an owner are sorted by token, so a window's are contiguous.
+    // starts[j] <= i < starts[j + 1].
     __shared__ int lo[kMaxRanks], starts[kMaxRanks + 1];
-    for (int j = threadIdx.x; j < R; j += blockDim.x) {
-        const int s = (me + 1 + j) % R;
-        lo[j] = lower_bound(a.recv_src_idx, call.base[s], call.base[s + 1], first);
-        starts[j + 1] = lower_bound(a.recv_src_idx, lo[j], call.base[s + 1], first + call.window_tokens) - lo[j];
-    }
+    for (int j = threadIdx.x; j < R; j += blockDim.x)
+        starts[j + 1] = owner_rows(a, call.base, (me + 1 + j) % R, first, first + call.window_tokens, lo[j]);
     __syncthreads();
     if (threadIdx.x == 0) {
         starts[0] = 0;
@@ -629,8 +633,7 @@ __device__ bool stream_send(const Env& e, const StreamCall& call, int c) {
         const int j = threadIdx.x, s = (me + 1 + j) % R;
         int first, last;
         channel_tokens(call.src_tokens[s], c, call.channels, first, last);
-        lo[j] = lower_bound(a.recv_src_idx, call.base[s], call.base[s + 1], first);
-        count[j] = lower_bound(a.recv_src_idx, lo[j], call.base[s + 1], last) - lo[j];
+        count[j] = owner_rows(a, call.base, s, first, last, lo[j]);
         sent[j] = 0;
     }
     const uint8_t* x = static_cast<const uint8_t*>(a.x);
@@ -842,6 +845,22 @@ struct StreamCombineKernels {
     };
 };
 
+// Launches Kernels<T, V>::Of for the rows' element type T (bfloat16 or float32) and vector V (16 bytes
+// when every row starts 16-byte aligned, else 8).
+template <template <typename, typename> class Kernels, typename... Args>
+void launch_for_rows(const Ctx& ctx, const char* what, DType dtype, bool wide, Args... args) {
+    if (dtype == DType::kBFloat16 && wide)
+        launch_shaped<Kernels<__nv_bfloat16, int4>::template Of>(ctx, what, args...);
+    else if (dtype == DType::kBFloat16)
+        launch_shaped<Kernels<__nv_bfloat16, int2>::template Of>(ctx, what, args...);
+    else if (dtype == DType::kFloat32 && wide)
+        launch_shaped<Kernels<float, int4>::template Of>(ctx, what, args...);
+    else if (dtype == DType::kFloat32)
+        launch_shaped<Kernels<float, int2>::template Of>(ctx, what, args...);
+    else
+        throw std::runtime_error("moe_ep: intranode combine takes bfloat16 or float32 rows");
+}
+
 }  // namespace
 
 void check_blocks_fit(const Ctx& ctx) {
@@ -902,32 +921,11 @@ void combine(const Ctx& ctx, const CombineArgs& args) {
     // Outputs and biases are whole rows of x_bytes: 16-byte vectors when every row starts aligned.
     const bool wide = x_bytes % 16 == 0;
     const int rows = stream_ring_rows(ctx, x_bytes, args.num_topk);
-    if (rows > 0) {
-        const int channels = stream_channels(ctx);
-        const char* streaming = "intranode stream_combine_kernel";
-        if (args.dtype == DType::kBFloat16 && wide)
-            launch_shaped<StreamCombineKernels<__nv_bfloat16, int4>::Of>(ctx, streaming, args, slot, rows, channels);
-        else if (args.dtype == DType::kBFloat16)
-            launch_shaped<StreamCombineKernels<__nv_bfloat16, int2>::Of>(ctx, streaming, args, slot, rows, channels);
-        else if (args.dtype == DType::kFloat32 && wide)
-            launch_shaped<StreamCombineKernels<float, int4>::Of>(ctx, streaming, args, slot, rows, channels);
-        else if (args.dtype == DType::kFloat32)
-            launch_shaped<StreamCombineKernels<float, int2>::Of>(ctx, streaming, args, slot, rows, channels);
-        else
-            throw std::runtime_error("moe_ep: intranode combine takes bfloat16 or float32 rows");
-        return;
-    }
-    const char* what = "intranode combine_kernel";
-    if (args.dtype == DType::kBFloat16 && wide)
-        launch_shaped<CombineKernels<__nv_bfloat16, int4>::Of>(ctx, what, args, slot, window);
-    else if (args.dtype == DType::kBFloat16)
-        launch_shaped<CombineKernels<__nv_bfloat16, int2>::Of>(ctx, what, args, slot, window);
-    else if (args.dtype == DType::kFloat32 && wide)
-        launch_shaped<CombineKernels<float, int4>::Of>(ctx, what, args, slot, window);
-    else if (args.dtype == DType::kFloat32)
-        launch_shaped<CombineKernels<float, int2>::Of>(ctx, what, args, slot, window);
+    if (rows > 0)
+        launch_for_rows<StreamCombineKernels>(ctx, "intranode stream_combine_kernel", args.dtype, wide, args, slot, rows,
+                                              stream_channels(ctx));
     else
-        throw std::runtime_error("moe_ep: intranode combine takes bfloat16 or float32 rows");
+        launch_for_rows<CombineKernels>(ctx, "intranode combine_kernel", args.dtype, wide, args, slot, window);
 }
 
 }  // namespace intranode
