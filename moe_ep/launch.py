@@ -13,18 +13,24 @@ import contextlib
 import io
 import multiprocessing as mp
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
 
-DEFAULT_CALL_TIMEOUT_S = 600.0
+# A pool call that outlives this fails every rank it waits on (MOE_EP_CALL_TIMEOUT_S shortens it for test
+# runs on a machine lent for minutes, where a stuck call would eat the whole lease).
+DEFAULT_CALL_TIMEOUT_S = float(os.environ.get("MOE_EP_CALL_TIMEOUT_S", "600"))
 # After one rank fails, how long the others get to finish before the pool is stopped.
 FAILURE_GRACE_S = 10.0
+# How long a stuck rank gets to write its stacks once asked (SIGUSR1) before the pool stops it.
+STACK_DUMP_WAIT_S = 1.0
 
 
 def free_port() -> int:
@@ -55,7 +61,8 @@ class RankError(RuntimeError):
         )
 
 
-def _rank_main(rank: int, num_ranks: int, port: int, backend: str, use_cuda: bool, env: Dict[str, str], conn):
+def _rank_main(rank: int, num_ranks: int, port: int, backend: str, use_cuda: bool, env: Dict[str, str], conn,
+               stacks_path: str):
     os.environ.update(env)
     import faulthandler
 
@@ -63,6 +70,9 @@ def _rank_main(rank: int, num_ranks: int, port: int, backend: str, use_cuda: boo
     import torch.distributed as dist
 
     faulthandler.enable()  # a native crash in a rank prints its Python stack instead of a bare EOF
+    # A rank the parent gives up on writes where it is stuck: a hang otherwise says nothing.
+    stacks = open(stacks_path, "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
 
     if use_cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -125,10 +135,13 @@ class RankPool:
         ctx = mp.get_context("spawn")
         port = free_port()
         self._conns, self._procs = [], []
+        stacks_dir = self._exit.enter_context(tempfile.TemporaryDirectory(prefix="moe_ep_stacks_"))
+        self._stacks_paths = [os.path.join(stacks_dir, f"rank{rank}.txt") for rank in range(num_ranks)]
         for rank in range(num_ranks):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
-                target=_rank_main, args=(rank, num_ranks, port, backend, use_cuda, env, child), daemon=True
+                target=_rank_main, args=(rank, num_ranks, port, backend, use_cuda, env, child, self._stacks_paths[rank]),
+                daemon=True,
             )
             proc.start()
             self._conns.append(parent)
@@ -163,15 +176,32 @@ class RankPool:
                     results[rank] = None
                     failures.append(RankFailure(rank, "RankLost", f"exited with code {proc.exitcode} in {name}", ""))
             if len(results) < self.num_ranks and time.monotonic() > deadline:
-                for rank in range(self.num_ranks):
-                    if rank not in results:
-                        failures.append(RankFailure(rank, "RankLost", f"did not finish {name} in time", ""))
-                        results[rank] = None
+                stuck = [rank for rank in range(self.num_ranks) if rank not in results]
+                for rank, stacks in zip(stuck, self._stacks_of(stuck)):
+                    where = next((line.strip() for line in stacks.splitlines() if line.strip().startswith("File")), "")
+                    message = f"did not finish {name} in time" + (f"; stuck at {where}" if where else "")
+                    failures.append(RankFailure(rank, "RankLost", message, stacks))
+                    results[rank] = None
                 self.close(force=True)
         if failures:
             failures.sort(key=lambda f: f.type_name == "RankLost")
             raise RankError(failures)
         return [results[r] for r in range(self.num_ranks)]
+
+    def _stacks_of(self, ranks: List[int]) -> List[str]:
+        """The Python stacks of the given (stuck) ranks, as faulthandler writes them on SIGUSR1."""
+        for rank in ranks:
+            if self._procs[rank].is_alive():
+                os.kill(self._procs[rank].pid, signal.SIGUSR1)
+        time.sleep(STACK_DUMP_WAIT_S)
+        texts = []
+        for rank in ranks:
+            try:
+                with open(self._stacks_paths[rank]) as f:
+                    texts.append(f.read())
+            except OSError:
+                texts.append("")
+        return texts
 
     @property
     def alive(self) -> bool:

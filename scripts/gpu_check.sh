@@ -11,6 +11,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # Short peer deadlines: a kernel protocol bug shows up as a TimeoutError in seconds, not a stuck run.
 export MOE_EP_TIMEOUT_S=${MOE_EP_TIMEOUT_S:-20}
+# A pool call stuck past every kernel deadline fails in two minutes instead of ten.
+export MOE_EP_CALL_TIMEOUT_S=${MOE_EP_CALL_TIMEOUT_S:-120}
 PY=${PYTHON:-python3}
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 : > "$OUT/summary.txt"
@@ -27,7 +29,7 @@ summary "build: ok in $(( $(date +%s) - t0 )) s; $($PY -c 'import moe_ep, json; 
 status=0
 if [[ ${MOE_EP_SKIP_TESTS:-0} != 1 ]]; then  # benchmarks alone: a second call on the still-warm machine
 t0=$(date +%s)
-$PY -m pytest -q --maxfail=${MAXFAIL:-3} -rf tests/test_gpu_kernels.py tests/test_intranode.py tests/test_low_latency_kernels.py tests/test_benchmark_scripts.py \
+$PY -m pytest -v --durations=10 --maxfail=${MAXFAIL:-3} -rf tests/test_gpu_kernels.py tests/test_intranode.py tests/test_low_latency_kernels.py tests/test_benchmark_scripts.py \
   ${1:+-k "$1"} > "$OUT/gpu_tests.log" 2>&1
 status=$?
 summary "gpu tests: $(tail -1 "$OUT/gpu_tests.log") in $(( $(date +%s) - t0 )) s"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -377,7 +378,10 @@ def skip_after_warmup(skipping_rank: int, phase: str):
     """Every rank dispatches once (the kernels map the peers' buffers), then skipping_rank skips the
     next `phase` ("dispatch" or "combine") that the others make. A combine does not wait on the host,
     so its error surfaces at the next call. Run it through with_env with a short MOE_EP_TIMEOUT_S."""
-    p = Problem(21, dist.get_world_size(), dist.get_world_size() * 2, 128, 2, max_tokens=8, zero_token_rank=False)
+    # Every rank sends tokens to every other (the streaming combine waits only on the ranks it trades
+    # rows with, so a rank without rows for the skipping one would finish its combine).
+    p = Problem(21, dist.get_world_size(), dist.get_world_size() * 2, 128, 4, max_tokens=64, drop=0.0, skew=False,
+                zero_token_rank=False)
     inp = my_inputs(p)
     buffer = normal_buffer(p.hidden)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
@@ -490,3 +494,10 @@ def low_latency_layout_numbers(cases):
     from moe_ep import _native
     from moe_ep.config import LowLatencyLayout
     return [(_native.ops().low_latency_layout(*case), LowLatencyLayout(*case).as_dict()) for case in cases]
+
+
+def stall_on_rank(stalling_rank: int, seconds: float):
+    """stalling_rank sleeps for `seconds` (past the pool call's timeout); the others return at once."""
+    if dist.get_rank() == stalling_rank:
+        time.sleep(seconds)
+    return dist.get_rank()

@@ -2,6 +2,8 @@
 that never arrives is named in a TimeoutError."""
 import pytest
 
+from moe_ep.launch import RankError, RankPool
+
 from . import bad_inputs, rank_fns
 from .problems import Problem
 
@@ -43,3 +45,18 @@ def test_ranks_in_different_calls_are_reported(pools):
     for rank, (exc_type, message) in enumerate(results):
         assert exc_type == "RuntimeError"
         assert "ranks disagree on the call" in message
+
+
+def test_a_stuck_rank_is_reported_with_where_it_is_stuck():
+    """A rank that outlives the pool call's timeout is reported with its stack (a kernel or collective
+    that never returns says nothing otherwise), and the pool is stopped."""
+    pool = RankPool(2)
+    try:
+        with pytest.raises(RankError) as raised:
+            pool.run(rank_fns.stall_on_rank, 1, 120.0, timeout_s=8.0)
+        failure = next(f for f in raised.value.failures if f.rank == 1)
+        assert "did not finish stall_on_rank in time; stuck at" in failure.message, failure.message
+        assert "rank_fns.py" in failure.message and "stall_on_rank" in failure.traceback, failure.traceback
+        assert not pool.alive
+    finally:
+        pool.close(force=True)

@@ -467,7 +467,10 @@ template <typename T, typename V, typename S, typename RowOf>
 __device__ void sum_token(const CombineArgs& a, int64_t t, int64_t chunks, int64_t begin, int64_t end, uint64_t sent,
                           RowOf row_of, int64_t weights_offset, int lane) {
     constexpr int kElems = sizeof(V) / sizeof(T);
-    for (int64_t chunk0 = begin + lane; chunk0 < end; chunk0 += 32 * kChunks) {
+    // Every lane makes the same trips, also past the row's end: row_of may shuffle (the streaming
+    // combine's does), and a shuffle that a finished lane never joins waits forever, deadline or not.
+    for (int64_t trip = begin; trip < end; trip += 32 * kChunks) {
+        const int64_t chunk0 = trip + lane;
         float acc[kChunks][kElems];
 #pragma unroll
         for (int c = 0; c < kChunks; ++c) {
