@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# An A/B of two kernel builds in one GPU call: the tree as it is (A) against the tree with a patch
-# applied (B), benchmarks alternating A, B, A, B on the same machine. Figures from separate calls
-# differ by more than most kernel changes gain, so a change is judged here or not at all.
-#   usage: AB_PATCH=ab/b.patch bash scripts/gpu_ab.sh
-#   make the patch here: git diff main gpu-pending -- csrc moe_ep benchmarks > ab/b.patch (ab/ is
-#   ignored: name it in the device call's carry). Merge A into B first, or B undoes what A has since.
-#   AB_ROUNDS (2): rounds of A then B; AB_INTRANODE ("--ranks 2 4 8 --sms 24"): bench_intranode's
+# An A/B of kernel builds in one GPU call: the tree as it is (A) against the tree with each patch
+# applied (one variant per patch), every variant built, the benchmarks in alternating rounds on the same
+# machine. Figures from separate calls differ by more than most kernel changes gain, so a change is
+# judged here or not at all.
+#   usage: AB_PATCHES="ab/tail.patch ab/receive.patch" bash scripts/gpu_ab.sh
+#   make a patch here: git diff main some-branch -- csrc moe_ep benchmarks > ab/some.patch, after
+#   merging main into the branch (else the patch undoes what main has since). ab/ is ignored: name it
+#   in the device call's carry.
+#   AB_ROUNDS (2): rounds over all variants; AB_INTRANODE ("--ranks 2 4 8 --sms 24"): bench_intranode's
 #   arguments, empty to skip; AB_LOW_LATENCY ("--ranks 2 8"): bench_low_latency's, empty to skip.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -14,33 +16,46 @@ OUT=${OUT:-$ROOT/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PYTHON:-python3}
-PATCH_FILE=$(realpath "${AB_PATCH:?AB_PATCH: the patch that turns this tree into variant B}")
-B_TREE=${AB_B_TREE:-/tmp/moe_ep_variant_b}
+INTRANODE=${AB_INTRANODE-"--ranks 2 4 8 --sms 24"}
+LOW_LATENCY=${AB_LOW_LATENCY-"--ranks 2 8"}
+read -r -a PATCHES <<< "${AB_PATCHES:?AB_PATCHES: the patches that make the variants, space-separated}"
 
-build() {  # build the tree in $1, log to $OUT/build_$2.log
-  if ! (cd "$1" && $PY setup.py build_ext --inplace > "$OUT/build_$2.log" 2>&1); then
-    echo "BUILD $2 FAILED"; tail -30 "$OUT/build_$2.log"; exit 1
-  fi
-}
-rm -rf "$B_TREE" && mkdir -p "$B_TREE"
-# A fresh copy without build outputs: a copied build/ would point at A's sources.
-tar --exclude=./.git --exclude=./build --exclude='./moe_ep/*.so' --exclude=./out -cf - . | tar -xf - -C "$B_TREE"
-(cd "$B_TREE" && patch -s -p1 < "$PATCH_FILE") || { echo "the patch does not apply to this tree"; exit 1; }
+# Variant A is this tree; each other variant a fresh copy (a copied build/ would point at A's sources).
+declare -A TREE=([A]=$ROOT)
+VARIANTS=(A)
+for patch in "${PATCHES[@]}"; do
+  name=$(basename "$patch" .patch)
+  dir=/tmp/moe_ep_variant_$name
+  rm -rf "$dir" && mkdir -p "$dir"
+  tar --exclude=./.git --exclude=./build --exclude='./moe_ep/*.so' --exclude=./out -cf - . | tar -xf - -C "$dir"
+  (cd "$dir" && patch -s -p1 < "$ROOT/$patch") || { echo "$patch does not apply to this tree"; exit 1; }
+  TREE[$name]=$dir
+  VARIANTS+=("$name")
+done
 t0=$(date +%s)
-build "$ROOT" A & build "$B_TREE" B & wait
-echo "built A and B in $(( $(date +%s) - t0 )) s"
+declare -A BUILD
+for v in "${VARIANTS[@]}"; do
+  (cd "${TREE[$v]}" && $PY setup.py build_ext --inplace > "$OUT/build_$v.log" 2>&1) &
+  BUILD[$v]=$!
+done
+for v in "${VARIANTS[@]}"; do
+  wait "${BUILD[$v]}" || { echo "BUILD $v FAILED (tail of build_$v.log follows)"; tail -30 "$OUT/build_$v.log"; exit 1; }
+done
+echo "built ${VARIANTS[*]} in $(( $(date +%s) - t0 )) s"
 
 for round in $(seq 1 "${AB_ROUNDS:-2}"); do
-  for variant in A B; do
-    dir=$ROOT; [[ $variant == B ]] && dir=$B_TREE
-    if [[ -n ${AB_INTRANODE-"--ranks 2 4 8 --sms 24"} ]]; then
-      (cd "$dir" && timeout 300 $PY -m benchmarks.bench_intranode ${AB_INTRANODE-"--ranks 2 4 8 --sms 24"} \
-        --json "$OUT/ab_$variant.jsonl" > "$OUT/ab_${variant}_intranode_$round.txt" 2>&1) || echo "bench_intranode $variant round $round failed"
+  for v in "${VARIANTS[@]}"; do
+    if [[ -n $INTRANODE ]]; then
+      (cd "${TREE[$v]}" && timeout 300 $PY -m benchmarks.bench_intranode $INTRANODE --json "$OUT/ab_$v.jsonl" \
+        > "$OUT/ab_${v}_intranode_$round.txt" 2>&1) || echo "bench_intranode $v round $round failed"
     fi
-    if [[ -n ${AB_LOW_LATENCY-"--ranks 2 8"} ]]; then
-      (cd "$dir" && timeout 240 $PY -m benchmarks.bench_low_latency ${AB_LOW_LATENCY-"--ranks 2 8"} \
-        --json "$OUT/ab_$variant.jsonl" > "$OUT/ab_${variant}_low_latency_$round.txt" 2>&1) || echo "bench_low_latency $variant round $round failed"
+    if [[ -n $LOW_LATENCY ]]; then
+      (cd "${TREE[$v]}" && timeout 240 $PY -m benchmarks.bench_low_latency $LOW_LATENCY --json "$OUT/ab_$v.jsonl" \
+        > "$OUT/ab_${v}_low_latency_$round.txt" 2>&1) || echo "bench_low_latency $v round $round failed"
     fi
   done
 done
-$PY scripts/ab_summary.py "$OUT/ab_A.jsonl" "$OUT/ab_B.jsonl" | tee "$OUT/ab_summary.txt"
+for v in "${VARIANTS[@]:1}"; do
+  echo "== $v against A"
+  $PY scripts/ab_summary.py "$OUT/ab_A.jsonl" "$OUT/ab_$v.jsonl"
+done | tee "$OUT/ab_summary.txt"
