@@ -138,7 +138,7 @@ class IntranodeLayout:
 class LowLatencyLayout:
     """Low-latency buffer (mirrors low_latency::regions in csrc/kernels/buffer_layout.cuh): a 4 KB header
     and two identical halves used by alternate calls, so that one call's receive buffers stay valid
-    while the next call is issued. Each half holds a send region (the send kernel's entry lists, then
+    while the next call is issued. Each half holds a send region (the send kernel's scratch, then
     the rows of a zero-copy combine), a receive region of one slot per (local expert, source rank,
     token), and one signal per (local expert, source rank) and per rank."""
 

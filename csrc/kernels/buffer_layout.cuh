@@ -119,8 +119,9 @@ __host__ __device__ constexpr Regions regions(int64_t num_max_tokens, int64_t hi
     const int64_t slots = num_experts * num_max_tokens;
     const int64_t send_dispatch = num_max_tokens * r.dispatch_message, send_combine = slots * r.combine_message;
     const int64_t recv_dispatch = slots * r.dispatch_message, recv_combine = slots * r.combine_message;
-    // The send region: the send kernel's per-expert entry lists (E x max int32), then the rows of a
-    // zero-copy combine ([L, R x max, H] bf16, written by the caller; peers read them in place).
+    // The send region: the send kernel's scratch (E x max int32, of which it uses the first E for its
+    // rows per expert), then the rows of a zero-copy combine ([L, R x max, H] bf16, written by the
+    // caller; peers read them in place).
     r.zero_copy_offset = intranode::align_up(slots * 4, 128);
     r.send = r.zero_copy_offset + intranode::align_up(send_dispatch > send_combine ? send_dispatch : send_combine, 128);
     r.recv = intranode::align_up(recv_dispatch > recv_combine ? recv_dispatch : recv_combine, 128);

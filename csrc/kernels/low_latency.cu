@@ -51,7 +51,7 @@ struct Env {
     __device__ int* send_scratch() const { return reinterpret_cast<int*>(buffers[rank] + half_offset); }
     __device__ uint8_t* recv(int r) const { return buffers[r] + half_offset + g.send; }
     // Rank r's rows of a zero-copy combine in host slot `slot`: [L, R * max, H] bf16 in the send region
-    // of half `slot`, behind the entry lists (the slot alternates per combine on the host, the half
+    // of half `slot`, behind the send kernel's scratch (the slot alternates per combine on the host, the half
     // per call on the device: the two never meet in the same bytes).
     __device__ const uint8_t* zero_copy_rows(int r, int slot) const {
         return buffers[r] + kHeaderBytes + slot * g.half + g.zero_copy_offset;
@@ -96,11 +96,11 @@ __device__ __forceinline__ int scale_bytes(int hidden, bool use_fp8, bool use_ue
 constexpr int kBlocksPerPiece = 32 / fp8::kLanesPerBlock;        // a warp casts 4 blocks at once
 constexpr int kPieceColumns = kBlocksPerPiece * fp8::kBlock;      // 512
 
-// A warp casts columns [piece * 512, +512) of a bf16 row to e4m3 and writes their scales after the
-// row (out + hidden) with the cast kernel's own lane code (fp8_block.cuh), so the bits equal
-// fp8.cu's and fp8.py's.
-__device__ void cast_piece(const __nv_bfloat16* row, uint8_t* out, int hidden, int piece, bool round_scale,
-                           bool use_ue8m0, int lane) {
+// A warp casts columns [piece * 512, +512) of a bf16 row to e4m3 once, with the cast kernel's own lane
+// code (fp8_block.cuh, so the bits equal fp8.cu's and fp8.py's), and stores them and their scales
+// (after the row: out + hidden) into each of the `n` messages of `messages` (nullptr: not sent).
+__device__ void cast_piece_to(const __nv_bfloat16* row, uint8_t* const* messages, int n, int hidden, int piece,
+                              bool round_scale, bool use_ue8m0, int lane) {
     const int blocks = hidden / fp8::kBlock, sub = lane % fp8::kLanesPerBlock;
     const int b = piece * kBlocksPerPiece + lane / fp8::kLanesPerBlock;
     const bool active = b < blocks;
@@ -113,91 +113,132 @@ __device__ void cast_piece(const __nv_bfloat16* row, uint8_t* out, int hidden, i
     }
     alignas(16) uint8_t q[fp8::kElemsPerLane];
     const float scale = fp8::cast_lane(v, round_scale, q);  // every lane takes part in the shuffles
-    uint8_t* scales = out + hidden;
-    if (active) {
-        *reinterpret_cast<uint4*>(out + b * fp8::kBlock + sub * fp8::kElemsPerLane) = *reinterpret_cast<const uint4*>(q);
-        if (sub == 0) {
-            if (use_ue8m0) scales[b] = fp8::ue8m0_byte(scale);
-            else reinterpret_cast<float*>(scales)[b] = scale;
+    const uint4 values = *reinterpret_cast<const uint4*>(q);
+    for (int k = 0; k < n; ++k) {
+        uint8_t* out = messages[k];
+        if (out == nullptr) continue;
+        out += kMessageHeaderBytes;
+        uint8_t* scales = out + hidden;
+        if (active) {
+            *reinterpret_cast<uint4*>(out + b * fp8::kBlock + sub * fp8::kElemsPerLane) = values;
+            if (sub == 0) {
+                if (use_ue8m0) scales[b] = fp8::ue8m0_byte(scale);
+                else reinterpret_cast<float*>(scales)[b] = scale;
+            }
+        } else if (use_ue8m0 && sub == 0 && b < scale_bytes(hidden, true, true)) {
+            scales[b] = 0;  // the pad bytes of the last UE8M0 word are zero, as in the cast kernel
         }
-    } else if (use_ue8m0 && sub == 0 && b < scale_bytes(hidden, true, true)) {
-        scales[b] = 0;  // the pad bytes of the last UE8M0 word are zero, as in the cast kernel
     }
 }
 
-// Bytes of a bf16 row one work item copies.
-constexpr int64_t kCopyPieceBytes = 32 * 16 * 4;
+constexpr int kMaxListed = 1024;  // tokens per rank and call, so rows per expert and call too
+constexpr int kMaxTopk = 32;      // config.NUM_MAX_TOPK: a lane per pick
 
-// One block per expert: its warps list the expert's (token, slot) entries in order (a row's slot index
-// is its place in that list, the portable backend's order); then all warps write the rows, a 512-column
-// piece (fp8) or 2 KB (bf16) at a time, into the receiver's slots; then the count flag. The list goes
-// to the buffer's send region, not shared memory: a send block then needs next to none, so no SM's
-// carveout keeps it out (see prefer_max_shared_carveout).
-constexpr int kMaxListed = 1024;  // rows per expert per call: num_max_tokens is at most this
+// Bytes of a bf16 row one work item copies: four 16-byte vectors per lane.
+constexpr int kCopyVectors = 4;
+constexpr int64_t kCopyPieceBytes = 32 * 16 * kCopyVectors;
 
+// A warp loads bytes [piece * 2 KB, +2 KB) of a bf16 row once and stores them into each message.
+__device__ void copy_piece_to(const uint8_t* row, uint8_t* const* messages, int n, int64_t row_bytes, int piece,
+                              int lane) {
+    const int64_t first = piece * kCopyPieceBytes;
+    uint4 v[kCopyVectors];
+#pragma unroll
+    for (int j = 0; j < kCopyVectors; ++j) {
+        const int64_t at = first + (static_cast<int64_t>(j) * 32 + lane) * 16;
+        if (at < row_bytes) v[j] = __ldg(reinterpret_cast<const uint4*>(row + at));
+    }
+    for (int k = 0; k < n; ++k) {
+        uint8_t* out = messages[k];
+        if (out == nullptr) continue;
+#pragma unroll
+        for (int j = 0; j < kCopyVectors; ++j) {
+            const int64_t at = first + (static_cast<int64_t>(j) * 32 + lane) * 16;
+            if (at < row_bytes) *reinterpret_cast<uint4*>(out + kMessageHeaderBytes + at) = v[j];
+        }
+    }
+}
+
+// A block per token (looping when the grid is smaller): the token's row is read, and in fp8 cast,
+// once and stored into the slot of every expert it picked (one read per pick cost 8x the reads at
+// top-8, and the cast 8x the arithmetic). A pick's slot is its place among its expert's entries in
+// entry order (the portable backend's order): the block's warps count the earlier entries that pick
+// the same expert, each over its own stretch. The last block to finish counts every expert's rows and
+// raises the count flags; nothing waits here, so a block may return at any point before that.
 __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ctx c, const __nv_bfloat16* __restrict__ x, int num_tokens,
                                                                  const int64_t* __restrict__ topk_idx, int num_topk,
                                                                  bool use_fp8, bool round_scale, bool use_ue8m0,
                                                                  int* __restrict__ recv_count) {
-    __shared__ int warp_matches[kWarps];
-    __shared__ bool stop;
+    __shared__ int earlier[kWarps][kMaxTopk];  // per warp: entries of its stretch before pick k with its expert
+    __shared__ uint8_t* messages[kMaxTopk];    // pick k's message at its expert's rank (nullptr: not sent)
+    __shared__ bool stop, last;
     const Env e = make_env(c);
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, expert = blockIdx.x;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     // Nothing has arrived before the hook: the receive kernel writes the real counts later on this stream.
-    if (expert == 0)
-        for (int i = threadIdx.x; i < c.num_experts / c.num_ranks; i += kThreads) recv_count[i] = 0;
-    int* entries_of_expert = e.send_scratch() + static_cast<int64_t>(expert) * e.max_tokens;
+    if (blockIdx.x == 0)
+        for (int i = threadIdx.x; i < e.num_local; i += kThreads) recv_count[i] = 0;
     if (threadIdx.x == 0) stop = e.aborted();
     __syncthreads();
-    if (stop) return;  // the whole block: nothing below waits
-    // The list: every warp scans its own stretch of the entries (counting, then writing at the offset
-    // the warps before it leave), so the list keeps entry order and the scan takes 1/kWarps of the
-    // time. A token lists an expert at most once (distinct top-k), so at most max_tokens rows; the cap
-    // only keeps repeated ids in a row from writing past the slots.
+    // A token picks an expert at most once (distinct top-k), so at most max_tokens rows per expert;
+    // the cap only keeps repeated ids from writing past the slots.
     const int capacity = min(kMaxListed, e.max_tokens);
-    const int entries = num_tokens * num_topk;
-    const int stretch = (entries + kWarps * 32 - 1) / (kWarps * 32) * 32;
-    const int begin = min(entries, warp * stretch), end = min(entries, begin + stretch);
-    int matches = 0;
-    for (int base = begin; base < end; base += 32)
-        matches += __popc(__ballot_sync(kFullMask, base + lane < end && topk_idx[base + lane] == expert));
-    if (lane == 0) warp_matches[warp] = matches;
-    __syncthreads();
-    int listed = 0, total = 0;
-    for (int w = 0; w < kWarps; ++w) {
-        listed += w < warp ? warp_matches[w] : 0;
-        total += warp_matches[w];
-    }
-    for (int base = begin; base < end; base += 32) {
-        const bool match = base + lane < end && topk_idx[base + lane] == expert;
-        const unsigned hits = __ballot_sync(kFullMask, match);
-        const int at = listed + __popc(hits & ((1u << lane) - 1));
-        if (match && at < capacity) entries_of_expert[at] = base + lane;
-        listed += __popc(hits);
-    }
-    const int count = min(total, capacity);
-    __syncthreads();  // the list is written
-    const int dst = expert / e.num_local, local = expert % e.num_local;
-    uint8_t* slots = e.recv(dst) + (static_cast<int64_t>(local) * e.num_ranks + e.rank) * e.max_tokens * e.g.dispatch_message;
     const int64_t row_bytes = static_cast<int64_t>(e.hidden) * 2;
     const int pieces = use_fp8 ? (e.hidden + kPieceColumns - 1) / kPieceColumns
                                : static_cast<int>((row_bytes + kCopyPieceBytes - 1) / kCopyPieceBytes);
-    for (int item = warp; item < count * pieces; item += kWarps) {
-        const int j = item / pieces, piece = item % pieces;
-        const int entry = entries_of_expert[j], t = entry / num_topk;
-        uint8_t* message = slots + static_cast<int64_t>(j) * e.g.dispatch_message;
-        if (piece == 0 && lane == 0) *reinterpret_cast<int4*>(message) = make_int4(t, entry % num_topk, 0, 0);
-        const __nv_bfloat16* row = x + static_cast<int64_t>(t) * e.hidden;
-        if (use_fp8) {
-            cast_piece(row, message + kMessageHeaderBytes, e.hidden, piece, round_scale, use_ue8m0, lane);
-        } else {
-            const int64_t first = piece * kCopyPieceBytes, bytes = min(kCopyPieceBytes, row_bytes - first);
-            warp_copy<Src::kReadOnly>(message + kMessageHeaderBytes + first, reinterpret_cast<const uint8_t*>(row) + first,
-                                      bytes, lane);
+    for (int t = blockIdx.x; !stop && t < num_tokens; t += gridDim.x) {
+        const int64_t first = static_cast<int64_t>(t) * num_topk;
+        const int64_t picked = lane < num_topk ? topk_idx[first + lane] : -1;  // lane k: pick k's expert
+        int count = 0;
+        for (int64_t base = static_cast<int64_t>(warp) * 32; base < first + num_topk; base += kWarps * 32) {
+            const int64_t entry = base + lane;
+            const int64_t id = entry < first + num_topk ? topk_idx[entry] : -1;
+            for (int k = 0; k < num_topk; ++k) {
+                const int64_t expert = __shfl_sync(kFullMask, picked, k);
+                const unsigned hits = __ballot_sync(kFullMask, expert >= 0 && id == expert && entry < first + k);
+                if (lane == k) count += __popc(hits);
+            }
         }
+        if (lane < num_topk) earlier[warp][lane] = count;
+        __syncthreads();
+        if (threadIdx.x < num_topk) {
+            const int k = threadIdx.x;
+            const int64_t expert = topk_idx[first + k];
+            int slot = 0;
+            for (int w = 0; w < kWarps; ++w) slot += earlier[w][k];
+            uint8_t* message = nullptr;
+            if (expert >= 0 && slot < capacity) {
+                const int dst = static_cast<int>(expert / e.num_local), local = static_cast<int>(expert % e.num_local);
+                message = e.recv(dst) +
+                          ((static_cast<int64_t>(local) * e.num_ranks + e.rank) * e.max_tokens + slot) * e.g.dispatch_message;
+                *reinterpret_cast<int4*>(message) = make_int4(t, k, 0, 0);
+            }
+            messages[k] = message;
+        }
+        __syncthreads();
+        const __nv_bfloat16* row = x + static_cast<int64_t>(t) * e.hidden;
+        for (int piece = warp; piece < pieces; piece += kWarps) {
+            if (use_fp8) cast_piece_to(row, messages, num_topk, e.hidden, piece, round_scale, use_ue8m0, lane);
+            else copy_piece_to(reinterpret_cast<const uint8_t*>(row), messages, num_topk, row_bytes, piece, lane);
+        }
+        __syncthreads();  // `earlier` and `messages` are rewritten for the next token
     }
-    __syncthreads();  // every warp's stores before the release
-    if (threadIdx.x == 0) raise_flag(e.signals(dst) + static_cast<int64_t>(local) * e.num_ranks + e.rank, tag(e.seq, count));
+    __syncthreads();  // every warp's stores before the arrival
+    if (threadIdx.x == 0) last = arrive_last(e.header(e.rank) + kSendDone, gridDim.x);
+    __syncthreads();
+    if (!last || stop) return;
+    // Rows per expert: a histogram of every entry in this rank's scratch, then a flag per expert.
+    int* rows_of = e.send_scratch();
+    for (int i = threadIdx.x; i < e.num_experts; i += kThreads) rows_of[i] = 0;
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < static_cast<int64_t>(num_tokens) * num_topk; i += kThreads) {
+        const int64_t expert = topk_idx[i];
+        if (expert >= 0) atomicAdd(rows_of + expert, 1);
+    }
+    __syncthreads();
+    for (int expert = threadIdx.x; expert < e.num_experts; expert += kThreads) {
+        const int rows = min(__ldcg(rows_of + expert), capacity), dst = expert / e.num_local, local = expert % e.num_local;
+        raise_flag(e.signals(dst) + static_cast<int64_t>(local) * e.num_ranks + e.rank, tag(e.seq, rows));
+    }
 }
 
 // A block per local expert (looping when the grid is smaller): wait for every source rank's count, then
@@ -375,7 +416,8 @@ void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t*
         throw std::invalid_argument("moe_ep: low-latency dispatch takes at most 1024 tokens per rank");
     static thread_local const int resident = set_up(reinterpret_cast<const void*>(dispatch_send_kernel), kThreads, 0);
     (void)resident;
-    dispatch_send_kernel<<<ctx.num_experts, kThreads, 0, ctx.stream>>>(ctx, static_cast<const __nv_bfloat16*>(x), num_tokens,
+    const int blocks = std::max(1, num_tokens);  // a block per token; one raises the flags when there are none
+    dispatch_send_kernel<<<blocks, kThreads, 0, ctx.stream>>>(ctx, static_cast<const __nv_bfloat16*>(x), num_tokens,
                                                               topk_idx, num_topk, use_fp8, round_scale, use_ue8m0, recv_count);
     MOE_EP_LAUNCH_CHECK("low_latency dispatch_send_kernel");
 }
