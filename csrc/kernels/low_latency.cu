@@ -187,7 +187,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ctx c, const __
                                : static_cast<int>((row_bytes + kCopyPieceBytes - 1) / kCopyPieceBytes);
     for (int t = blockIdx.x; !stop && t < num_tokens; t += gridDim.x) {
         const int64_t first = static_cast<int64_t>(t) * num_topk;
-        const int64_t picked = lane < num_topk ? topk_idx[first + lane] : -1;  // lane k: pick k's expert
+        // Lane k: pick k's expert. Ids out of range (unchecked unless MOE_EP_DEBUG=1) are not sent, as
+        // no block of the expert-major send ever matched them.
+        int64_t picked = lane < num_topk ? topk_idx[first + lane] : -1;
+        if (picked >= e.num_experts) picked = -1;
         int count = 0;
         for (int64_t base = static_cast<int64_t>(warp) * 32; base < first + num_topk; base += kWarps * 32) {
             const int64_t entry = base + lane;
@@ -206,7 +209,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ctx c, const __
             int slot = 0;
             for (int w = 0; w < kWarps; ++w) slot += earlier[w][k];
             uint8_t* message = nullptr;
-            if (expert >= 0 && slot < capacity) {
+            if (expert >= 0 && expert < e.num_experts && slot < capacity) {
                 const int dst = static_cast<int>(expert / e.num_local), local = static_cast<int>(expert % e.num_local);
                 message = e.recv(dst) +
                           ((static_cast<int64_t>(local) * e.num_ranks + e.rank) * e.max_tokens + slot) * e.g.dispatch_message;
@@ -232,7 +235,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ctx c, const __
     __syncthreads();
     for (int64_t i = threadIdx.x; i < static_cast<int64_t>(num_tokens) * num_topk; i += kThreads) {
         const int64_t expert = topk_idx[i];
-        if (expert >= 0) atomicAdd(rows_of + expert, 1);
+        if (expert >= 0 && expert < e.num_experts) atomicAdd(rows_of + expert, 1);
     }
     __syncthreads();
     for (int expert = threadIdx.x; expert < e.num_experts; expert += kThreads) {
