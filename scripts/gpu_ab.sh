@@ -7,7 +7,8 @@
 #   make a patch here: git diff main some-branch -- csrc moe_ep benchmarks > ab/some.patch, after
 #   merging main into the branch (else the patch undoes what main has since). ab/ is ignored: name it
 #   in the device call's carry.
-#   AB_ROUNDS (2): rounds over all variants; AB_INTRANODE ("--ranks 2 4 8 --sms 24"): bench_intranode's
+#   AB_TESTS: pytest arguments run in every patched tree before the benchmarks (a variant must be right
+#   before its speed counts), e.g. "tests/test_low_latency_kernels.py -x". AB_ROUNDS (2): rounds over all variants; AB_INTRANODE ("--ranks 2 4 8 --sms 24"): bench_intranode's
 #   arguments, empty to skip; AB_LOW_LATENCY ("--ranks 2 8"): bench_low_latency's, empty to skip.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -42,6 +43,14 @@ for v in "${VARIANTS[@]}"; do
   wait "${BUILD[$v]}" || { echo "BUILD $v FAILED (tail of build_$v.log follows)"; tail -30 "$OUT/build_$v.log"; exit 1; }
 done
 echo "built ${VARIANTS[*]} in $(( $(date +%s) - t0 )) s"
+
+if [[ -n ${AB_TESTS:-} ]]; then
+  export MOE_EP_TIMEOUT_S=${MOE_EP_TIMEOUT_S:-20} MOE_EP_CALL_TIMEOUT_S=${MOE_EP_CALL_TIMEOUT_S:-120}
+  for v in "${VARIANTS[@]:1}"; do
+    (cd "${TREE[$v]}" && timeout 400 $PY -m pytest -q -rf $AB_TESTS > "$OUT/tests_$v.log" 2>&1)
+    echo "tests of $v: $(tail -1 "$OUT/tests_$v.log")"
+  done
+fi
 
 for round in $(seq 1 "${AB_ROUNDS:-2}"); do
   for v in "${VARIANTS[@]}"; do
