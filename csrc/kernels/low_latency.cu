@@ -328,12 +328,19 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ctx c, const uin
         for (int r = 0; r < e.num_ranks; ++r) raise_flag(e.signals(r) + e.num_experts + e.rank, tag(e.seq, 0));
 }
 
+constexpr int kMaxPicks = 32;           // config.NUM_MAX_TOPK
+// Tokens a combine receive block takes per step: their picks' setup (a chain of dependent loads) is
+// paid once per step, so a step should hold many 16-byte items per thread.
+constexpr int kCombineStepTokens = 8;
+
 // Wait for every rank's rows, then per token acc = acc + (weight * row) over the slots in order.
 __global__ void __launch_bounds__(kCombineRecvThreads) combine_recv_kernel(Ctx c, const int64_t* __restrict__ topk_idx,
                                                                 const float* __restrict__ topk_weights, int num_tokens,
                                                                 int num_topk, __nv_bfloat16* __restrict__ out,
                                                                 int zero_copy_slot) {
     __shared__ int ok;
+    __shared__ const uint8_t* pick_row[kCombineStepTokens * kMaxPicks];  // nullptr: the pick was not sent
+    __shared__ float pick_weight[kCombineStepTokens * kMaxPicks];
     const Env e = make_env(c);
     if (threadIdx.x == 0) {
         ok = !e.aborted();
@@ -343,46 +350,57 @@ __global__ void __launch_bounds__(kCombineRecvThreads) combine_recv_kernel(Ctx c
     }
     __syncthreads();
     if (ok) {
-        // A thread per (token, 16-byte vector of eight bf16): up to kSlotBatch slots loaded at once,
-        // then added in slot order.
+        // Per step, a block takes a few tokens: first the rows and weights of their picks go to shared
+        // memory (in a zero-copy combine a row's index is a load before the row's own: done once per
+        // pick, not once per 16 bytes of it), then a thread per (token, 16-byte vector of eight bf16)
+        // loads up to kSlotBatch rows at once and adds them in pick order.
         constexpr int kSlotBatch = 8;
         const int chunks = e.hidden / 8;
+        // Few blocks (ranks sharing a GPU) take many tokens per step; many blocks one each.
+        const int per_step = min(kCombineStepTokens, max(1, (num_tokens + gridDim.x - 1) / gridDim.x));
         const uint8_t* slots = e.recv(e.rank);
-        const int64_t items = static_cast<int64_t>(num_tokens) * chunks;
-        for (int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; item < items;
-             item += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-            const int t = static_cast<int>(item / chunks), chunk = static_cast<int>(item % chunks);
-            float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            for (int k0 = 0; k0 < num_topk; k0 += kSlotBatch) {
-                int4 v[kSlotBatch];
-                bool take[kSlotBatch];
-#pragma unroll
-                for (int i = 0; i < kSlotBatch; ++i) {
-                    const int64_t entry = static_cast<int64_t>(t) * num_topk + k0 + i;
-                    const int64_t expert = k0 + i < num_topk ? topk_idx[entry] : -1;
-                    take[i] = expert >= 0;
-                    if (!take[i]) continue;
-                    // Zero copy: the expert's rank left the row's index here; the row is in its buffer.
-                    const uint8_t* row = zero_copy_slot < 0
+        for (int t0 = blockIdx.x * per_step; t0 < num_tokens; t0 += gridDim.x * per_step) {
+            const int n = min(per_step, num_tokens - t0);
+            for (int i = threadIdx.x; i < n * num_topk; i += blockDim.x) {
+                const int64_t entry = static_cast<int64_t>(t0) * num_topk + i;
+                const int64_t expert = topk_idx[entry];
+                const uint8_t* row = nullptr;
+                // Zero copy: the expert's rank left the row's index here; the row is in its buffer.
+                if (expert >= 0)
+                    row = zero_copy_slot < 0
                         ? slots + entry * e.g.combine_message
                         : e.zero_copy_rows(static_cast<int>(expert / e.num_local), zero_copy_slot) +
                               static_cast<int64_t>(__ldcg(reinterpret_cast<const int*>(slots) + entry)) * e.hidden * 2;
-                    v[i] = __ldcg(reinterpret_cast<const int4*>(row) + chunk);
-                }
-#pragma unroll
-                for (int i = 0; i < kSlotBatch; ++i) {
-                    if (!take[i]) continue;
-                    const float weight = topk_weights[static_cast<int64_t>(t) * num_topk + k0 + i];
-                    const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v[i]);
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(weight, __bfloat162float(h[j])));
-                }
+                pick_row[i] = row;
+                pick_weight[i] = expert >= 0 ? topk_weights[entry] : 0.f;
             }
-            int4 packed;
-            __nv_bfloat16* p = reinterpret_cast<__nv_bfloat16*>(&packed);
+            __syncthreads();
+            for (int item = threadIdx.x; item < n * chunks; item += blockDim.x) {
+                const int j = item / chunks, chunk = item % chunks;
+                float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                for (int k0 = 0; k0 < num_topk; k0 += kSlotBatch) {
+                    int4 v[kSlotBatch];
 #pragma unroll
-            for (int j = 0; j < 8; ++j) p[j] = __float2bfloat16_rn(acc[j]);
-            reinterpret_cast<int4*>(out + static_cast<int64_t>(t) * e.hidden)[chunk] = packed;
+                    for (int i = 0; i < kSlotBatch; ++i) {
+                        const uint8_t* row = k0 + i < num_topk ? pick_row[j * num_topk + k0 + i] : nullptr;
+                        if (row != nullptr) v[i] = __ldcg(reinterpret_cast<const int4*>(row) + chunk);
+                    }
+#pragma unroll
+                    for (int i = 0; i < kSlotBatch; ++i) {
+                        if (k0 + i >= num_topk || pick_row[j * num_topk + k0 + i] == nullptr) continue;
+                        const float weight = pick_weight[j * num_topk + k0 + i];
+                        const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v[i]);
+#pragma unroll
+                        for (int b = 0; b < 8; ++b) acc[b] = __fadd_rn(acc[b], __fmul_rn(weight, __bfloat162float(h[b])));
+                    }
+                }
+                int4 packed;
+                __nv_bfloat16* p = reinterpret_cast<__nv_bfloat16*>(&packed);
+#pragma unroll
+                for (int b = 0; b < 8; ++b) p[b] = __float2bfloat16_rn(acc[b]);
+                reinterpret_cast<int4*>(out + static_cast<int64_t>(t0 + j) * e.hidden)[chunk] = packed;
+            }
+            __syncthreads();  // the picks are rewritten for the next step
         }
     }
     finish_call(e);
@@ -450,11 +468,9 @@ void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const in
 
 void combine_recv(const Ctx& ctx, const int64_t* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
                   void* out, int num_sms, int zero_copy_slot) {
-    const int64_t items = static_cast<int64_t>(num_tokens) * (ctx.hidden / 8);  // a thread each
     static thread_local const int resident =
         set_up(reinterpret_cast<const void*>(combine_recv_kernel), kCombineRecvThreads, 0);
-    const int64_t wanted = (items + kCombineRecvThreads - 1) / kCombineRecvThreads;
-    const int blocks = waiting_blocks(ctx, resident, num_sms, static_cast<int>(std::min<int64_t>(wanted, num_sms)));
+    const int blocks = waiting_blocks(ctx, resident, num_sms, std::max(1, std::min(num_tokens, num_sms)));  // a token per block at least
     combine_recv_kernel<<<blocks, kCombineRecvThreads, 0, ctx.stream>>>(
         ctx, topk_idx, topk_weights, num_tokens, num_topk, static_cast<__nv_bfloat16*>(out), zero_copy_slot);
     MOE_EP_LAUNCH_CHECK("low_latency combine_recv_kernel");
