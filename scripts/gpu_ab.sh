@@ -9,7 +9,7 @@
 #   in the device call's carry.
 #   AB_TESTS: pytest arguments run in every patched tree before the benchmarks (a variant must be right
 #   before its speed counts), e.g. "tests/test_low_latency_kernels.py -x". AB_ROUNDS (2): rounds over all variants; AB_INTRANODE ("--ranks 2 4 8 --sms 24"): bench_intranode's
-#   arguments, empty to skip; AB_LOW_LATENCY ("--ranks 2 8"): bench_low_latency's, empty to skip.
+#   arguments, empty to skip; AB_LOW_LATENCY ("--ranks 2 8 --graph"): bench_low_latency's, empty to skip.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -18,7 +18,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PYTHON:-python3}
 INTRANODE=${AB_INTRANODE-"--ranks 2 4 8 --sms 24"}
-LOW_LATENCY=${AB_LOW_LATENCY-"--ranks 2 8"}
+LOW_LATENCY=${AB_LOW_LATENCY-"--ranks 2 8 --graph"}
 read -r -a PATCHES <<< "${AB_PATCHES:?AB_PATCHES: the patches that make the variants, space-separated}"
 
 # Variant A is this tree; each other variant a fresh copy (a copied build/ would point at A's sources).

@@ -79,7 +79,7 @@ if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
     timeout 120 $PY -m benchmarks.trace_kernels --mode low_latency --ranks 2 8 2>&1 | tee -a "$OUT/summary.txt"
     timeout 120 $PY -m benchmarks.trace_kernels --mode normal --ranks 2 8 2>&1 | tee -a "$OUT/summary.txt"
   fi
-  timeout 240 $PY -m benchmarks.bench_low_latency --ranks ${BENCH_LL_RANKS:-2 4 8} --json "$OUT/bench.jsonl" 2>&1 \
+  timeout 240 $PY -m benchmarks.bench_low_latency --ranks ${BENCH_LL_RANKS:-2 4 8} --graph --json "$OUT/bench.jsonl" 2>&1 \
     | tee "$OUT/bench_low_latency.txt" | tee -a "$OUT/summary.txt"
 fi
 exit $status
