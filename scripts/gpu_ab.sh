@@ -8,7 +8,8 @@
 #   merging main into the branch (else the patch undoes what main has since). ab/ is ignored: name it
 #   in the device call's carry.
 #   AB_TESTS: pytest arguments run in every patched tree before the benchmarks (a variant must be right
-#   before its speed counts), e.g. "tests/test_low_latency_kernels.py -x". AB_ROUNDS (2): rounds over all variants; AB_INTRANODE ("--ranks 2 4 8 --sms 24"): bench_intranode's
+#   before its speed counts), e.g. "tests/test_low_latency_kernels.py -x"; AB_TEST_VARIANTS (all patched
+#   ones): which variants, by patch name. AB_ROUNDS (2): rounds over all variants; AB_INTRANODE ("--ranks 2 4 8 --sms 24"): bench_intranode's
 #   arguments, empty to skip; AB_LOW_LATENCY ("--ranks 2 8 --graph"): bench_low_latency's, empty to skip.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -46,7 +47,7 @@ echo "built ${VARIANTS[*]} in $(( $(date +%s) - t0 )) s"
 
 if [[ -n ${AB_TESTS:-} ]]; then
   export MOE_EP_TIMEOUT_S=${MOE_EP_TIMEOUT_S:-20} MOE_EP_CALL_TIMEOUT_S=${MOE_EP_CALL_TIMEOUT_S:-120}
-  for v in "${VARIANTS[@]:1}"; do
+  for v in ${AB_TEST_VARIANTS:-${VARIANTS[@]:1}}; do
     (cd "${TREE[$v]}" && timeout 400 $PY -m pytest -q -rf $AB_TESTS > "$OUT/tests_$v.log" 2>&1)
     echo "tests of $v: $(tail -1 "$OUT/tests_$v.log")"
   done
