@@ -29,7 +29,7 @@ for patch in "${PATCHES[@]}"; do
   name=$(basename "$patch" .patch)
   dir=/tmp/moe_ep_variant_$name
   rm -rf "$dir" && mkdir -p "$dir"
-  tar --exclude=./.git --exclude=./build --exclude='./moe_ep/*.so' --exclude=./out -cf - . | tar -xf - -C "$dir"
+  tar --exclude=./.git --exclude=./.venv --exclude=./build --exclude='./moe_ep/*.so' --exclude=./out -cf - . | tar -xf - -C "$dir"
   (cd "$dir" && patch -s -p1 < "$ROOT/$patch") || { echo "$patch does not apply to this tree"; exit 1; }
   TREE[$name]=$dir
   VARIANTS+=("$name")
