@@ -12,12 +12,7 @@
 #   ones): which variants, by patch name. AB_ROUNDS (2): rounds over all variants; AB_INTRANODE ("--ranks 2 4 8 --sms 24"): bench_intranode's
 #   arguments, empty to skip; AB_LOW_LATENCY ("--ranks 2 8 --graph"): bench_low_latency's, empty to skip.
 set -uo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-OUT=${OUT:-$ROOT/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-PY=${PYTHON:-python3}
+source "$(dirname "$0")/gpu_env.sh"
 INTRANODE=${AB_INTRANODE-"--ranks 2 4 8 --sms 24"}
 LOW_LATENCY=${AB_LOW_LATENCY-"--ranks 2 8 --graph"}
 read -r -a PATCHES <<< "${AB_PATCHES:?AB_PATCHES: the patches that make the variants, space-separated}"
