@@ -2,7 +2,9 @@
 
 Per rank, wall time per call (after `--warmup` calls, a barrier before, synchronized at the end),
 for the whole call, for a zero-copy combine (the expert outputs already in the Buffer's rows), and,
-with the hook, for the send part and the receive part (hook) separately.
+with the hook, for the send part and the receive part (hook) separately. `--graph` adds each call's
+device time: calls captured in a CUDA graph and replayed (no host work per call), so the host's share
+of a call is the difference.
 Bandwidth in DeepEP's metric: dispatch moves (hidden + hidden/128 * 4 + 16) bytes per (token, expert)
 selection in fp8, combine hidden * 2 bytes per selection.
 
@@ -22,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks.timing import device_sync, wall_seconds_per_call  # noqa: E402
+from benchmarks.timing import cuda_kernel_us, device_sync, wall_seconds_per_call  # noqa: E402
 from moe_ep import Buffer  # noqa: E402
 from moe_ep.launch import RankError, RankPool  # noqa: E402
 
@@ -59,6 +61,11 @@ def rank_bench(args, num_experts: int):
         buffer.get_next_low_latency_combine_buffer(handle).copy_(y)
         combine_in_place()
     results["combine_zero_copy_us"] = wall_seconds_per_call(combine_in_place, args.warmup, args.iters) * 1e6
+    if args.graph and not args.cpu:  # every rank captures and replays the same calls, so they pair up
+        dist.barrier()
+        results["dispatch_graph_us"] = cuda_kernel_us(dispatch, calls=args.iters, replays=5)
+        results["combine_graph_us"] = cuda_kernel_us(combine, calls=args.iters, replays=5)
+        results["combine_zero_copy_graph_us"] = cuda_kernel_us(combine_in_place, calls=args.iters, replays=5)
     # With the hook: time the send and the receive parts on their own.
     sends, recvs = [], []
     for i in range(args.warmup + args.iters):
@@ -102,6 +109,7 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", help="append one JSON line per run here")
     parser.add_argument("--cpu", action="store_true", help="CPU tensors (portable backend): checks the script anywhere")
+    parser.add_argument("--graph", action="store_true", help="also the device time per call, from CUDA-graph replays")
     args = parser.parse_args()
     print(f"{'ranks':>5} {'experts':>7} {'backend':>8} {'dispatch us':>11} {'GB/s':>6} {'combine us':>10} {'GB/s':>6} "
           f"{'zero-copy us':>12} {'hook: send+recv us (dispatch / combine)':>40}")
@@ -121,10 +129,12 @@ def main():
                   f"{mean['dispatch_gbps']:>6.1f} {worst['combine_us']:>10.1f} {mean['combine_gbps']:>6.1f} "
                   f"{worst['combine_zero_copy_us']:>12.1f} "
                   f"{worst['dispatch_send_us']:>9.1f}+{worst['dispatch_recv_us']:<9.1f} / "
-                  f"{worst['combine_send_us']:>7.1f}+{worst['combine_recv_us']:<7.1f}")
+                  f"{worst['combine_send_us']:>7.1f}+{worst['combine_recv_us']:<7.1f}"
+                  + (f"  graph: {worst['dispatch_graph_us']:.1f} / {worst['combine_graph_us']:.1f} / "
+                     f"{worst['combine_zero_copy_graph_us']:.1f} us" if "dispatch_graph_us" in worst else ""))
             if args.json:
                 with open(args.json, "a") as f:
-                    options = {k: v for k, v in vars(args).items() if k not in ("ranks", "experts", "json", "cpu")}
+                    options = {k: v for k, v in vars(args).items() if k not in ("ranks", "experts", "json", "cpu", "graph")}
                     f.write(json.dumps(dict(bench="low_latency", ranks=num_ranks, experts=num_experts, **options,
                                             per_rank=rows)) + "\n")
     if failed:

@@ -19,7 +19,8 @@ def figures(row: dict) -> List[Figure]:
     if row.get("bench") == "low_latency":
         key = ("low_latency", row["ranks"], f"{row['experts']} experts")
         worst = {name: max(r[name] for r in row["per_rank"])
-                 for name in ("dispatch_us", "combine_us", "combine_zero_copy_us") if name in row["per_rank"][0]}
+                 for name in ("dispatch_us", "combine_us", "combine_zero_copy_us", "dispatch_graph_us", "combine_graph_us",
+                              "combine_zero_copy_graph_us") if name in row["per_rank"][0]}
         return [(key, f"{name} (worst rank)", value, False) for name, value in worst.items()]
     return []
 

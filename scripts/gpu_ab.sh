@@ -8,17 +8,13 @@
 #   merging main into the branch (else the patch undoes what main has since). ab/ is ignored: name it
 #   in the device call's carry.
 #   AB_TESTS: pytest arguments run in every patched tree before the benchmarks (a variant must be right
-#   before its speed counts), e.g. "tests/test_low_latency_kernels.py -x". AB_ROUNDS (2): rounds over all variants; AB_INTRANODE ("--ranks 2 4 8 --sms 24"): bench_intranode's
-#   arguments, empty to skip; AB_LOW_LATENCY ("--ranks 2 8"): bench_low_latency's, empty to skip.
+#   before its speed counts), e.g. "tests/test_low_latency_kernels.py -x"; AB_TEST_VARIANTS (all patched
+#   ones): which variants, by patch name. AB_ROUNDS (2): rounds over all variants; AB_INTRANODE ("--ranks 2 4 8 --sms 24"): bench_intranode's
+#   arguments, empty to skip; AB_LOW_LATENCY ("--ranks 2 8 --graph"): bench_low_latency's, empty to skip.
 set -uo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-OUT=${OUT:-$ROOT/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-PY=${PYTHON:-python3}
+source "$(dirname "$0")/gpu_env.sh"
 INTRANODE=${AB_INTRANODE-"--ranks 2 4 8 --sms 24"}
-LOW_LATENCY=${AB_LOW_LATENCY-"--ranks 2 8"}
+LOW_LATENCY=${AB_LOW_LATENCY-"--ranks 2 8 --graph"}
 read -r -a PATCHES <<< "${AB_PATCHES:?AB_PATCHES: the patches that make the variants, space-separated}"
 
 # Variant A is this tree; each other variant a fresh copy (a copied build/ would point at A's sources).
@@ -28,7 +24,7 @@ for patch in "${PATCHES[@]}"; do
   name=$(basename "$patch" .patch)
   dir=/tmp/moe_ep_variant_$name
   rm -rf "$dir" && mkdir -p "$dir"
-  tar --exclude=./.git --exclude=./build --exclude='./moe_ep/*.so' --exclude=./out -cf - . | tar -xf - -C "$dir"
+  tar --exclude=./.git --exclude=./.venv --exclude=./build --exclude='./moe_ep/*.so' --exclude=./out -cf - . | tar -xf - -C "$dir"
   (cd "$dir" && patch -s -p1 < "$ROOT/$patch") || { echo "$patch does not apply to this tree"; exit 1; }
   TREE[$name]=$dir
   VARIANTS+=("$name")
@@ -46,7 +42,7 @@ echo "built ${VARIANTS[*]} in $(( $(date +%s) - t0 )) s"
 
 if [[ -n ${AB_TESTS:-} ]]; then
   export MOE_EP_TIMEOUT_S=${MOE_EP_TIMEOUT_S:-20} MOE_EP_CALL_TIMEOUT_S=${MOE_EP_CALL_TIMEOUT_S:-120}
-  for v in "${VARIANTS[@]:1}"; do
+  for v in ${AB_TEST_VARIANTS:-${VARIANTS[@]:1}}; do
     (cd "${TREE[$v]}" && timeout 400 $PY -m pytest -q -rf $AB_TESTS > "$OUT/tests_$v.log" 2>&1)
     echo "tests of $v: $(tail -1 "$OUT/tests_$v.log")"
   done

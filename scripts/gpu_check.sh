@@ -4,16 +4,11 @@
 #   usage: bash scripts/gpu_check.sh [pytest -k expression]
 #   MOE_EP_SKIP_BENCH=1: build and tests only; MOE_EP_SKIP_TESTS=1: build and benchmarks only.
 set -uo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-OUT=${OUT:-$ROOT/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "$0")/gpu_env.sh"
 # Short peer deadlines: a kernel protocol bug shows up as a TimeoutError in seconds, not a stuck run.
 export MOE_EP_TIMEOUT_S=${MOE_EP_TIMEOUT_S:-20}
 # A pool call stuck past every kernel deadline fails in two minutes instead of ten.
 export MOE_EP_CALL_TIMEOUT_S=${MOE_EP_CALL_TIMEOUT_S:-120}
-PY=${PYTHON:-python3}
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 : > "$OUT/summary.txt"
 summary "gpu_check $(date -u +%FT%TZ) on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
@@ -79,7 +74,7 @@ if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
     timeout 120 $PY -m benchmarks.trace_kernels --mode low_latency --ranks 2 8 2>&1 | tee -a "$OUT/summary.txt"
     timeout 120 $PY -m benchmarks.trace_kernels --mode normal --ranks 2 8 2>&1 | tee -a "$OUT/summary.txt"
   fi
-  timeout 240 $PY -m benchmarks.bench_low_latency --ranks ${BENCH_LL_RANKS:-2 4 8} --json "$OUT/bench.jsonl" 2>&1 \
+  timeout 240 $PY -m benchmarks.bench_low_latency --ranks ${BENCH_LL_RANKS:-2 4 8} --graph --json "$OUT/bench.jsonl" 2>&1 \
     | tee "$OUT/bench_low_latency.txt" | tee -a "$OUT/summary.txt"
 fi
 exit $status

@@ -5,12 +5,7 @@
 #   usage: bash scripts/multi_gpu_check.sh            (all GPUs of the host)
 #          RANKS=4 bash scripts/multi_gpu_check.sh    (dry run on fewer GPUs: ranks then share them)
 set -uo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-OUT=${OUT:-$ROOT/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-32} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-PY=${PYTHON:-python3}
+source "$(dirname "$0")/gpu_env.sh"
 GPUS=$(nvidia-smi -L | wc -l)
 RANKS=${RANKS:-$GPUS}
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }

@@ -42,6 +42,17 @@ def test_low_latency_benchmark(tmp_path):
     assert "portable" in out
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_low_latency_benchmark_device_times_from_graphs(tmp_path):
+    """--graph: the calls captured and replayed on every rank at once, next to the wall times."""
+    gpu = [a for a in TINY if a != "--cpu"]
+    _run("benchmarks.bench_low_latency", *gpu, "--tokens", "16", "--graph", "--json", str(tmp_path / "b.jsonl"))
+    row = json.loads((tmp_path / "b.jsonl").read_text())
+    for rank in row["per_rank"]:
+        assert rank["backend"] == "kernels"
+        assert all(rank[k] > 0 for k in ("dispatch_graph_us", "combine_graph_us", "combine_zero_copy_graph_us")), rank
+
+
 def test_kernel_trace_of_both_modes():
     for mode, tokens in (("low_latency", "16"), ("normal", "64")):
         out = _run("benchmarks.trace_kernels", *TINY[:-2], "--mode", mode, "--tokens", tokens, "--rounds", "2")
