@@ -52,7 +52,8 @@ def main() -> None:
         label = " ".join(str(k) for k in key)
         print(f"{label:<60} {ma:>12.1f} {mb:>12.1f} {gain * 100:>+7.1f}%  {len(a[key])}/{len(b[key])}")
     for key in sorted(set(a) ^ set(b), key=str):
-        print(f"{' '.join(str(k) for k in key):<60} only in {'A' if key in a else 'B'}")
+        side, values = ("A", a[key]) if key in a else ("B", b[key])
+        print(f"{' '.join(str(k) for k in key):<60} only in {side}: {statistics.median(values):.1f} (median of {len(values)})")
 
 
 if __name__ == "__main__":

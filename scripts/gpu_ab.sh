@@ -11,6 +11,8 @@
 #   before its speed counts), e.g. "tests/test_low_latency_kernels.py -x"; AB_TEST_VARIANTS (all patched
 #   ones): which variants, by patch name. AB_ROUNDS (2): rounds over all variants; AB_INTRANODE ("--ranks 2 4 8 --sms 24"): bench_intranode's
 #   arguments, empty to skip; AB_LOW_LATENCY ("--ranks 2 8 --graph"): bench_low_latency's, empty to skip.
+#   AB_INTRANODE_<variant> / AB_LOW_LATENCY_<variant> (variant = patch name): that variant's own
+#   arguments, e.g. a mode only it has.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 INTRANODE=${AB_INTRANODE-"--ranks 2 4 8 --sms 24"}
@@ -50,12 +52,14 @@ fi
 
 for round in $(seq 1 "${AB_ROUNDS:-2}"); do
   for v in "${VARIANTS[@]}"; do
-    if [[ -n $INTRANODE ]]; then
-      (cd "${TREE[$v]}" && timeout 300 $PY -m benchmarks.bench_intranode $INTRANODE --json "$OUT/ab_$v.jsonl" \
+    own=AB_INTRANODE_$v; INTRANODE_V=${!own-$INTRANODE}
+    own=AB_LOW_LATENCY_$v; LOW_LATENCY_V=${!own-$LOW_LATENCY}
+    if [[ -n $INTRANODE_V ]]; then
+      (cd "${TREE[$v]}" && timeout 300 $PY -m benchmarks.bench_intranode $INTRANODE_V --json "$OUT/ab_$v.jsonl" \
         > "$OUT/ab_${v}_intranode_$round.txt" 2>&1) || echo "bench_intranode $v round $round failed"
     fi
-    if [[ -n $LOW_LATENCY ]]; then
-      (cd "${TREE[$v]}" && timeout 240 $PY -m benchmarks.bench_low_latency $LOW_LATENCY --json "$OUT/ab_$v.jsonl" \
+    if [[ -n $LOW_LATENCY_V ]]; then
+      (cd "${TREE[$v]}" && timeout 240 $PY -m benchmarks.bench_low_latency $LOW_LATENCY_V --json "$OUT/ab_$v.jsonl" \
         > "$OUT/ab_${v}_low_latency_$round.txt" 2>&1) || echo "bench_low_latency $v round $round failed"
     fi
   done
