@@ -45,7 +45,7 @@ echo "built ${VARIANTS[*]} in $(( $(date +%s) - t0 )) s"
 if [[ -n ${AB_TESTS:-} ]]; then
   export MOE_EP_TIMEOUT_S=${MOE_EP_TIMEOUT_S:-20} MOE_EP_CALL_TIMEOUT_S=${MOE_EP_CALL_TIMEOUT_S:-120}
   for v in ${AB_TEST_VARIANTS:-${VARIANTS[@]:1}}; do
-    (cd "${TREE[$v]}" && timeout 400 $PY -m pytest -q -rf $AB_TESTS > "$OUT/tests_$v.log" 2>&1)
+    (cd "${TREE[$v]}" && eval "timeout 400 $PY -m pytest -q -rf $AB_TESTS" > "$OUT/tests_$v.log" 2>&1)  # eval: quoted -k
     echo "tests of $v: $(tail -1 "$OUT/tests_$v.log")"
   done
 fi
