@@ -94,6 +94,8 @@ class IntranodeBackend:
 
     def close(self) -> None:
         self.peers.close()
+        if self.zero_copy is not None:
+            self.zero_copy.close()
 
     # ---------------------------------------------------------------- errors the kernels reported
     def check_errors(self) -> None:
