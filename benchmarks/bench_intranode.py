@@ -72,7 +72,7 @@ def rank_bench(args):
     topk_weights = torch.rand(args.tokens, args.topk, device=device)
     x = torch.randn(args.tokens, args.hidden, device=device).to(torch.bfloat16)
     x_fp8 = fp8.per_token_cast_to_fp8(x)
-    defaults = {m: Buffer.get_combine_config(num_ranks) if m.startswith("combine") else Buffer.get_dispatch_config(num_ranks)
+    defaults = {m: (Buffer.get_combine_config if m.startswith("combine") else Buffer.get_dispatch_config)(num_ranks)
                 for m in MODES}
     # combine_zero_copy: two slots of every row this rank could receive (all tokens of all ranks).
     zero_copy_bytes = 2 * args.tokens * num_ranks * (-(-args.hidden * 2 // 16) * 16 + 128) \
@@ -92,7 +92,8 @@ def rank_bench(args):
             for _ in range(2):
                 view = buffer.get_next_combine_buffer(handle, args.hidden)
                 view.copy_(y)
-                buffer.combine(view, handle, topk_weights=recv_w, config=configs["combine_zero_copy"][-1], zero_copy=True)
+                buffer.combine(view, handle, topk_weights=recv_w, config=configs["combine_zero_copy"][-1],
+                               zero_copy=True)
 
         def combine_zero_copy(config):
             view = buffer.get_next_combine_buffer(handle, args.hidden)

@@ -29,6 +29,14 @@ HIDDEN_DTYPES = (torch.bfloat16, torch.float32)
 XLike = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
 
+def _same_tensor(a: torch.Tensor, b: Optional[torch.Tensor]) -> bool:
+    """The same elements of the same memory (the tensor itself, or an alias such as an autograd output)."""
+    if b is None:
+        return False
+    return a is b or (a.data_ptr(), a.shape, a.stride(), a.dtype, a.device) == (
+        b.data_ptr(), b.shape, b.stride(), b.dtype, b.device)
+
+
 class Buffer:
     """Communication buffers of one expert-parallel group.
 
@@ -485,7 +493,7 @@ class Buffer:
         if not isinstance(zero_copy, bool):
             raise TypeError(f"zero_copy: expected a bool, got {type(zero_copy).__name__}")
         slot = self._combine_next
-        if zero_copy and x is not self._combine_buffers[slot]:
+        if zero_copy and not _same_tensor(x, self._combine_buffers[slot]):
             raise ValueError("x: with zero_copy=True, expected the tensor the last get_next_combine_buffer returned")
         self._check_events(previous_event, async_finish, allocate_on_comm_stream)
         config = self.get_combine_config(self.group_size) if config is None else config
@@ -511,8 +519,9 @@ class Buffer:
         combined_x, combined_w = self._portable.combine(x, handle, topk_weights, biases)
         return combined_x, combined_w, self._finish(async_finish, [x, combined_x])
 
-    def get_next_combine_buffer(self, handle: DispatchHandle, hidden: int) -> torch.Tensor:
-        """The [received rows, hidden] bf16 tensor the next combine(..., zero_copy=True) of `handle`
+    def get_next_combine_buffer(self, handle: DispatchHandle, hidden: int,
+                                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The [received rows, hidden] tensor (bf16 or float32) the next combine(..., zero_copy=True) of `handle`
         reads: write the expert outputs here instead of into a tensor of your own, and no row is copied
         before it is summed. With the kernels it lies in this rank's zero-copy area (Buffer argument
         num_zero_copy_combine_bytes, the same on every rank), rows a fixed pitch apart, where the ranks
@@ -521,14 +530,16 @@ class Buffer:
         self._check_alive()
         self._check_handle(handle, DispatchHandle, "dispatch")
         check_int("hidden", hidden, minimum=1)
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"dtype: expected torch.bfloat16 or torch.float32, got {dtype}")
         if isinstance(handle.backend_state, IntranodeDispatchState):
-            view = self._intranode.zero_copy_view(handle.num_recv_rows, hidden, self._combine_next)
+            view = self._intranode.zero_copy_view(handle.num_recv_rows, hidden, dtype, self._combine_next)
         else:
             view = self._combine_buffers[self._combine_next]
             shape = (handle.num_recv_rows, hidden)
             device = handle.is_token_in_rank.device
-            if view is None or tuple(view.shape) != shape or view.device != device:
-                view = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+            if view is None or tuple(view.shape) != shape or view.device != device or view.dtype != dtype:
+                view = torch.zeros(shape, dtype=dtype, device=device)
         self._combine_buffers[self._combine_next] = view
         return view
 

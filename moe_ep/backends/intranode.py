@@ -39,10 +39,10 @@ def use_stream_combine(num_ranks: int) -> bool:
     return num_ranks >= STREAM_COMBINE_MIN_RANKS
 
 
-# A zero-copy combine row: the bf16 row (16-byte aligned), then room for the largest top-k's weights,
-# which the kernel puts there for the peers to read with the row.
-def zero_copy_pitch(hidden: int) -> int:
-    return -(-hidden * 2 // 16) * 16 + 4 * NUM_MAX_TOPK
+# A zero-copy combine row: the row (16-byte aligned), then room for the largest top-k's weights, which
+# the kernel puts there for the peers to read with the row.
+def zero_copy_pitch(row_bytes: int) -> int:
+    return -(-row_bytes // 16) * 16 + 4 * NUM_MAX_TOPK
 
 
 @dataclass
@@ -289,31 +289,33 @@ class IntranodeBackend:
         return send_counts, recv_counts, per_expert
 
     # ---------------------------------------------------------------- zero-copy combine
-    def _zero_copy_slot(self, hidden: int):
-        """(bytes per slot, bytes per row, rows a slot holds) for rows of `hidden` bf16."""
+    def _zero_copy_slot(self, row_bytes: int):
+        """(bytes per slot, bytes per row, rows a slot holds) for rows of `row_bytes`."""
         slot_bytes = self.zero_copy_bytes // 2 // 16 * 16
-        pitch = zero_copy_pitch(hidden)
+        pitch = zero_copy_pitch(row_bytes)
         return slot_bytes, pitch, slot_bytes // pitch
 
-    def zero_copy_view(self, num_rows: int, hidden: int, slot: int) -> torch.Tensor:
-        """Slot `slot` of this rank's zero-copy area as [num_rows, hidden] bf16 rows `pitch` bytes apart."""
+    def zero_copy_view(self, num_rows: int, hidden: int, dtype: torch.dtype, slot: int) -> torch.Tensor:
+        """Slot `slot` of this rank's zero-copy area as [num_rows, hidden] rows `pitch` bytes apart."""
         if self.zero_copy is None:
             raise ValueError(
                 "get_next_combine_buffer: this Buffer has no zero-copy combine area; pass "
                 "num_zero_copy_combine_bytes (the same on every rank) when creating it"
             )
-        slot_bytes, pitch, capacity = self._zero_copy_slot(hidden)
+        element = torch.empty((), dtype=dtype).element_size()
+        slot_bytes, pitch, capacity = self._zero_copy_slot(hidden * element)
         if num_rows > capacity:
             raise ValueError(
                 f"num_zero_copy_combine_bytes: {num_rows} received rows of hidden {hidden} need "
                 f"{2 * num_rows * pitch} bytes (two slots), the Buffer has {self.zero_copy_bytes}"
             )
-        key = (num_rows, hidden, slot)
+        key = (num_rows, hidden, dtype, slot)
         if key not in self._zero_copy_views:  # kept: a view costs host time, and shapes repeat
-            base = device_view(self.zero_copy.addresses[self.rank] + slot * slot_bytes, slot_bytes, self.zero_copy.device)
+            address = self.zero_copy.addresses[self.rank] + slot * slot_bytes
+            base = device_view(address, slot_bytes, self.zero_copy.device)
             if len(self._zero_copy_views) > 64:
                 self._zero_copy_views.clear()
-            self._zero_copy_views[key] = base.view(torch.bfloat16).as_strided((num_rows, hidden), (pitch // 2, 1))
+            self._zero_copy_views[key] = base.view(dtype).as_strided((num_rows, hidden), (pitch // element, 1))
         return self._zero_copy_views[key]
 
     # ---------------------------------------------------------------- combine
@@ -347,7 +349,7 @@ class IntranodeBackend:
             if zero_copy_slot is None:
                 self.ops.intranode_combine(*args)
             else:
-                slot_bytes, pitch, capacity = self._zero_copy_slot(x.shape[1])
+                slot_bytes, pitch, capacity = self._zero_copy_slot(x.shape[1] * x.element_size())
                 self.ops.intranode_zero_copy_combine(
                     *args, self.zero_copy.pointers.data_ptr(), zero_copy_slot * slot_bytes, pitch, capacity
                 )
