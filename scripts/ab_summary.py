@@ -10,6 +10,8 @@ from typing import Dict, List, Tuple
 
 # (key of the problem, metric name, value, higher is better) for one JSON line.
 Figure = Tuple[Tuple, str, float, bool]
+LOW_LATENCY_TIMES = ("dispatch_us", "combine_us", "combine_zero_copy_us", "dispatch_graph_us", "combine_graph_us",
+                     "combine_zero_copy_graph_us")
 
 
 def figures(row: dict) -> List[Figure]:
@@ -18,9 +20,7 @@ def figures(row: dict) -> List[Figure]:
         return [(key, "GB/s per rank (mean)", statistics.mean(row["per_rank_gbps"]), True)]
     if row.get("bench") == "low_latency":
         key = ("low_latency", row["ranks"], f"{row['experts']} experts")
-        worst = {name: max(r[name] for r in row["per_rank"])
-                 for name in ("dispatch_us", "combine_us", "combine_zero_copy_us", "dispatch_graph_us", "combine_graph_us",
-                              "combine_zero_copy_graph_us") if name in row["per_rank"][0]}
+        worst = {name: max(r[name] for r in row["per_rank"]) for name in LOW_LATENCY_TIMES if name in row["per_rank"][0]}
         return [(key, f"{name} (worst rank)", value, False) for name, value in worst.items()]
     return []
 
@@ -38,6 +38,10 @@ def collect(path: str) -> Tuple[Dict[Tuple, List[float]], Dict[Tuple, bool]]:
     return values, higher
 
 
+def label(key: Tuple) -> str:
+    return " ".join(str(k) for k in key)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("a", help="variant A's JSON lines")
@@ -49,11 +53,10 @@ def main() -> None:
     for key in sorted(set(a) & set(b), key=str):
         ma, mb = statistics.median(a[key]), statistics.median(b[key])
         gain = (mb / ma - 1) if higher[key] else (ma / mb - 1)
-        label = " ".join(str(k) for k in key)
-        print(f"{label:<60} {ma:>12.1f} {mb:>12.1f} {gain * 100:>+7.1f}%  {len(a[key])}/{len(b[key])}")
+        print(f"{label(key):<60} {ma:>12.1f} {mb:>12.1f} {gain * 100:>+7.1f}%  {len(a[key])}/{len(b[key])}")
     for key in sorted(set(a) ^ set(b), key=str):
         side, values = ("A", a[key]) if key in a else ("B", b[key])
-        print(f"{' '.join(str(k) for k in key):<60} only in {side}: {statistics.median(values):.1f} (median of {len(values)})")
+        print(f"{label(key):<60} only in {side}: {statistics.median(values):.1f} (median of {len(values)})")
 
 
 if __name__ == "__main__":

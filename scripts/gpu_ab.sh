@@ -4,13 +4,14 @@
 # machine. Figures from separate calls differ by more than most kernel changes gain, so a change is
 # judged here or not at all.
 #   usage: AB_PATCHES="ab/tail.patch ab/receive.patch" bash scripts/gpu_ab.sh
-#   make a patch here: git diff main some-branch -- csrc moe_ep benchmarks > ab/some.patch, after
-#   merging main into the branch (else the patch undoes what main has since). ab/ is ignored: name it
-#   in the device call's carry.
+#   make a patch here, after merging main into the branch (else the patch undoes what main has since):
+#   git diff main some-branch -- . ':(exclude)docs' > ab/some.patch (its tests and scripts come along).
+#   ab/ is ignored: name it in the device call's carry.
 #   AB_TESTS: pytest arguments run in every patched tree before the benchmarks (a variant must be right
-#   before its speed counts), e.g. "tests/test_low_latency_kernels.py -x"; AB_TEST_VARIANTS (all patched
-#   ones): which variants, by patch name. AB_ROUNDS (2): rounds over all variants; AB_INTRANODE ("--ranks 2 4 8 --sms 24"): bench_intranode's
-#   arguments, empty to skip; AB_LOW_LATENCY ("--ranks 2 8 --graph"): bench_low_latency's, empty to skip.
+#   before its speed counts), e.g. "tests/test_low_latency_kernels.py -x"; AB_TEST_VARIANTS (all
+#   patched ones): which variants, by patch name. AB_ROUNDS (2): rounds over all variants.
+#   AB_INTRANODE ("--ranks 2 4 8 --sms 24"): bench_intranode's arguments, empty to skip;
+#   AB_LOW_LATENCY ("--ranks 2 8 --graph"): bench_low_latency's, empty to skip.
 #   AB_INTRANODE_<variant> / AB_LOW_LATENCY_<variant> (variant = patch name): that variant's own
 #   arguments, e.g. a mode only it has.
 set -uo pipefail

@@ -599,8 +599,8 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
 // ------------------------------------------------------------------ streaming combine
 // The combine from 4 ranks up (ctx.stream_combine, chosen in Python; measured in DESIGN.md, "Where the
 // speed stands", step 3). The windowed combine above pushes a whole window before any of it is
-// reduced, so the slots come back from DRAM and every window costs an all-rank handshake. Here the first `channels` blocks
-// receive and the others send, at the same time. Every owner's tokens are cut into `channels`
+// reduced, so the slots come back from DRAM and every window costs an all-rank handshake. Here the
+// first `channels` blocks receive and the others send, at the same time. Every owner's tokens are cut into `channels`
 // contiguous ranges; per (channel, sending rank) the owner's buffer holds a ring of `ring_rows` slots.
 // A sending block serves one channel: in rounds, its warps write every owner's next rows of the
 // channel, in token order, into the owner's ring, as far as each owner's consumed count allows (never
