@@ -37,7 +37,7 @@ from benchmarks.timing import wall_seconds_per_call  # noqa: E402
 from moe_ep import Buffer, Config, fp8  # noqa: E402
 from moe_ep.launch import RankPool  # noqa: E402
 
-MODES = ("dispatch_fp8", "dispatch_bf16", "combine")
+MODES = ("dispatch_fp8", "dispatch_bf16", "combine", "combine_zero_copy")
 NCCL_MODE = "nccl_all_to_all_bf16"
 
 
@@ -72,24 +72,39 @@ def rank_bench(args):
     topk_weights = torch.rand(args.tokens, args.topk, device=device)
     x = torch.randn(args.tokens, args.hidden, device=device).to(torch.bfloat16)
     x_fp8 = fp8.per_token_cast_to_fp8(x)
-    defaults = {m: Buffer.get_combine_config(num_ranks) if m == "combine" else Buffer.get_dispatch_config(num_ranks)
+    defaults = {m: (Buffer.get_combine_config if m.startswith("combine") else Buffer.get_dispatch_config)(num_ranks)
                 for m in MODES}
+    # combine_zero_copy: two slots of every row this rank could receive (all tokens of all ranks).
+    zero_copy_bytes = 2 * args.tokens * num_ranks * (-(-args.hidden * 2 // 16) * 16 + 128) \
+        if "combine_zero_copy" in args.modes else 0
     results = []
     for recv_tokens in args.recv_tokens or [0]:
         configs = {m: [variant(defaults[m], s, recv_tokens) for s in args.sms] for m in MODES}
         nvl = max(c.get_nvl_buffer_size_hint(args.hidden * 2, num_ranks) for cs in configs.values() for c in cs)
-        buffer = Buffer(dist.group.WORLD, nvl, explicitly_destroy=True)
+        buffer = Buffer(dist.group.WORLD, nvl, explicitly_destroy=True, num_zero_copy_combine_bytes=zero_copy_bytes)
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
         layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                       topk_idx=topk_idx, topk_weights=topk_weights)
         recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, config=configs["dispatch_bf16"][-1], **layout)
         rows = recv_x.shape[0]
         y = recv_x.clone()
+        if zero_copy_bytes:  # both slots hold the rows before the timing: the calls only combine
+            for _ in range(2):
+                view = buffer.get_next_combine_buffer(handle, args.hidden)
+                view.copy_(y)
+                buffer.combine(view, handle, topk_weights=recv_w, config=configs["combine_zero_copy"][-1],
+                               zero_copy=True)
+
+        def combine_zero_copy(config):
+            view = buffer.get_next_combine_buffer(handle, args.hidden)
+            return buffer.combine(view, handle, topk_weights=recv_w, config=config, zero_copy=True)
+
         for i, num_sms in enumerate(args.sms):
             calls = {
                 "dispatch_fp8": lambda c=configs["dispatch_fp8"][i]: buffer.dispatch(x_fp8, config=c, **layout),
                 "dispatch_bf16": lambda c=configs["dispatch_bf16"][i]: buffer.dispatch(x, config=c, **layout),
                 "combine": lambda c=configs["combine"][i]: buffer.combine(y, handle, topk_weights=recv_w, config=c),
+                "combine_zero_copy": lambda c=configs["combine_zero_copy"][i]: combine_zero_copy(c),
             }
             for mode, fn in calls.items():
                 if mode not in args.modes:

@@ -157,6 +157,7 @@ struct IntranodeCtx {
     int ranks_on_device;
     int64_t wait_ns = 0;  // device uint64 [blocks][kWaitSlots] wait profile, or 0 (set from Python per call)
     bool stream_combine = false;  // set from Python (backends/intranode.py: use_stream_combine)
+    bool zero_copy_bases = false;  // set from Python when the Buffer has a zero-copy combine area
 };
 
 intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
@@ -172,6 +173,7 @@ intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
     ctx.ranks_on_device = c.ranks_on_device;
     ctx.wait_ns = reinterpret_cast<uint64_t*>(c.wait_ns);
     ctx.stream_combine = c.stream_combine;
+    ctx.zero_copy_bases = c.zero_copy_bases;
     ctx.stream = current_stream();
     return ctx;
 }
@@ -229,13 +231,12 @@ void intranode_dispatch(const IntranodeCtx& c, int64_t num_blocks, const torch::
     intranode::dispatch(make_ctx(c, num_blocks), a);
 }
 
-void intranode_combine(const IntranodeCtx& c, int64_t num_blocks, const torch::Tensor& x,
-                       const std::optional<torch::Tensor>& topk_weights, const torch::Tensor& recv_src_idx,
-                       const torch::Tensor& recv_info, const torch::Tensor& send_pos,
-                       const std::optional<torch::Tensor>& bias0, const std::optional<torch::Tensor>& bias1,
-                       const torch::Tensor& out, const std::optional<torch::Tensor>& out_weights) {
-    const c10::cuda::CUDAGuard guard(x.device());
-    check_rows(x, "x");
+// The arguments both combines share; x's rows are checked by the caller (the zero-copy view is strided).
+intranode::CombineArgs combine_args(const torch::Tensor& x, const std::optional<torch::Tensor>& topk_weights,
+                                    const torch::Tensor& recv_src_idx, const torch::Tensor& recv_info,
+                                    const torch::Tensor& send_pos, const std::optional<torch::Tensor>& bias0,
+                                    const std::optional<torch::Tensor>& bias1, const torch::Tensor& out,
+                                    const std::optional<torch::Tensor>& out_weights) {
     check_rows(out, "out");
     for (const auto* b : {&bias0, &bias1})
         if (b->has_value()) check_rows(**b, "bias");
@@ -253,7 +254,36 @@ void intranode_combine(const IntranodeCtx& c, int64_t num_blocks, const torch::T
     a.bias1 = optional_ptr<const void>(bias1);
     a.out = out.data_ptr();
     a.out_weights = optional_ptr<float>(out_weights);
-    intranode::combine(make_ctx(c, num_blocks), a);
+    return a;
+}
+
+void intranode_combine(const IntranodeCtx& c, int64_t num_blocks, const torch::Tensor& x,
+                       const std::optional<torch::Tensor>& topk_weights, const torch::Tensor& recv_src_idx,
+                       const torch::Tensor& recv_info, const torch::Tensor& send_pos,
+                       const std::optional<torch::Tensor>& bias0, const std::optional<torch::Tensor>& bias1,
+                       const torch::Tensor& out, const std::optional<torch::Tensor>& out_weights) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    check_rows(x, "x");
+    intranode::combine(make_ctx(c, num_blocks),
+                       combine_args(x, topk_weights, recv_src_idx, recv_info, send_pos, bias0, bias1, out, out_weights));
+}
+
+// x: the view Buffer.get_next_combine_buffer handed out, whose rows lie in this rank's zero-copy area
+// (areas: device int64 [R], every rank's area as mapped here), slot at slot_offset, pitch bytes per row.
+void intranode_zero_copy_combine(const IntranodeCtx& c, int64_t num_blocks, const torch::Tensor& x,
+                                 const std::optional<torch::Tensor>& topk_weights, const torch::Tensor& recv_src_idx,
+                                 const torch::Tensor& recv_info, const torch::Tensor& send_pos,
+                                 const std::optional<torch::Tensor>& bias0, const std::optional<torch::Tensor>& bias1,
+                                 const torch::Tensor& out, const std::optional<torch::Tensor>& out_weights,
+                                 int64_t areas, int64_t slot_offset, int64_t pitch, int64_t capacity_rows) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.stride(0) * x.element_size() == pitch,
+                "x: expected the view of get_next_combine_buffer (rows ", pitch, " bytes apart)");
+    const intranode::ZeroCopyArgs z{reinterpret_cast<uint8_t* const*>(areas), slot_offset, pitch, capacity_rows};
+    intranode::zero_copy_combine(make_ctx(c, num_blocks),
+                                 combine_args(x, topk_weights, recv_src_idx, recv_info, send_pos, bias0, bias1, out,
+                                              out_weights),
+                                 z);
 }
 
 void intranode_check_blocks(const IntranodeCtx& c, int64_t num_blocks) { intranode::check_blocks_fit(make_ctx(c, num_blocks)); }
@@ -408,12 +438,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def(py::init<int64_t, int, int, int64_t, torch::Tensor, double, int>())
         .def_readwrite("timeout_s", &moe_ep::IntranodeCtx::timeout_s)
         .def_readwrite("wait_ns", &moe_ep::IntranodeCtx::wait_ns)
-        .def_readwrite("stream_combine", &moe_ep::IntranodeCtx::stream_combine);
+        .def_readwrite("stream_combine", &moe_ep::IntranodeCtx::stream_combine)
+        .def_readwrite("zero_copy_bases", &moe_ep::IntranodeCtx::zero_copy_bases);
     m.def("intranode_stream_ring_rows", &moe_ep::intranode_stream_ring_rows,
           "rows per ring of the streaming combine (0: the combine uses windows)");
     m.def("intranode_notify", &moe_ep::intranode_notify, "count exchange of an intranode dispatch");
     m.def("intranode_dispatch", &moe_ep::intranode_dispatch, "intranode dispatch data movement");
     m.def("intranode_combine", &moe_ep::intranode_combine, "intranode combine");
+    m.def("intranode_zero_copy_combine", &moe_ep::intranode_zero_copy_combine,
+          "intranode combine of rows that lie in every rank's zero-copy area");
     m.def("intranode_check_blocks", &moe_ep::intranode_check_blocks, "ValueError unless the blocks fit the GPU");
     py::class_<moe_ep::LowLatencyCtx>(m, "LowLatencyCtx")
         .def(py::init<int64_t, int, int, int, torch::Tensor, double, int, int, int>());

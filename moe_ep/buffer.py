@@ -29,6 +29,14 @@ HIDDEN_DTYPES = (torch.bfloat16, torch.float32)
 XLike = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
 
+def _same_tensor(a: torch.Tensor, b: Optional[torch.Tensor]) -> bool:
+    """The same elements of the same memory (the tensor itself, or an alias such as an autograd output)."""
+    if b is None:
+        return False
+    return a is b or (a.data_ptr(), a.shape, a.stride(), a.dtype, a.device) == (
+        b.data_ptr(), b.shape, b.stride(), b.dtype, b.device)
+
+
 class Buffer:
     """Communication buffers of one expert-parallel group.
 
@@ -56,6 +64,7 @@ class Buffer:
         comm=None,
         *,
         ranks_per_node: Optional[int] = None,
+        num_zero_copy_combine_bytes: int = 0,
     ):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(
@@ -69,6 +78,7 @@ class Buffer:
         check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
         check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
         check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
+        check_int("num_zero_copy_combine_bytes", num_zero_copy_combine_bytes, minimum=0)
         for name, flag in (
             ("low_latency_mode", low_latency_mode),
             ("explicitly_destroy", explicitly_destroy),
@@ -84,6 +94,7 @@ class Buffer:
         self.group_size = dist.get_world_size(group)
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
+        self.num_zero_copy_combine_bytes = num_zero_copy_combine_bytes
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.ranks_per_node = self._resolve_ranks_per_node(ranks_per_node)
@@ -103,6 +114,8 @@ class Buffer:
         self._ll_combine_buffers: List[Optional[torch.Tensor]] = [None, None]
         self._ll_combine_in_place = [False, False]  # per slot: a view of the kernels' mapped buffer
         self._ll_next = 0
+        self._combine_buffers: List[Optional[torch.Tensor]] = [None, None]  # zero-copy combine rows, per slot
+        self._combine_next = 0
         self._ll_shapes_that_fit = set()  # (tokens, hidden, experts) the low-latency buffer was checked for
 
     # ------------------------------------------------------------------ construction helpers
@@ -470,11 +483,18 @@ class Buffer:
         previous_event: Optional[EventOverlap] = None,
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
+        zero_copy: bool = False,
     ):
-        """-> (combined_x [N, H], combined_topk_weights or None, event)"""
+        """-> (combined_x [N, H], combined_topk_weights or None, event). zero_copy=True: x is the tensor
+        get_next_combine_buffer returned, holding the rows; with the kernels they are read where they lie."""
         self._check_alive()
         self._check_handle(handle, DispatchHandle, "dispatch")
         check_tensor("x", x, dtypes=HIDDEN_DTYPES, shape=(handle.num_recv_rows, None))
+        if not isinstance(zero_copy, bool):
+            raise TypeError(f"zero_copy: expected a bool, got {type(zero_copy).__name__}")
+        slot = self._combine_next
+        if zero_copy and not _same_tensor(x, self._combine_buffers[slot]):
+            raise ValueError("x: with zero_copy=True, expected the tensor the last get_next_combine_buffer returned")
         self._check_events(previous_event, async_finish, allocate_on_comm_stream)
         config = self.get_combine_config(self.group_size) if config is None else config
         if not isinstance(config, Config):
@@ -488,13 +508,40 @@ class Buffer:
                 )
         biases = self._split_bias(bias, handle.num_tokens, x)
         self._check_handle_backend(handle, x, IntranodeDispatchState, self._kernels, "dispatch")
+        if zero_copy:
+            self._combine_next ^= 1
         if self._uses_kernels(x):
             return self._intranode.combine(
-                x, handle, topk_weights, biases, config, previous_event, async_finish, allocate_on_comm_stream
+                x, handle, topk_weights, biases, config, previous_event, async_finish, allocate_on_comm_stream,
+                zero_copy_slot=slot if zero_copy else None,
             )
         wait_previous(previous_event)
         combined_x, combined_w = self._portable.combine(x, handle, topk_weights, biases)
         return combined_x, combined_w, self._finish(async_finish, [x, combined_x])
+
+    def get_next_combine_buffer(self, handle: DispatchHandle, hidden: int,
+                                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The [received rows, hidden] tensor (bf16 or float32) the next combine(..., zero_copy=True) of `handle`
+        reads: write the expert outputs here instead of into a tensor of your own, and no row is copied
+        before it is summed. With the kernels it lies in this rank's zero-copy area (Buffer argument
+        num_zero_copy_combine_bytes, the same on every rank), rows a fixed pitch apart, where the ranks
+        that own the tokens read them. Two alternate between zero-copy combines: write one after the
+        combine before the last has finished (after its event, with async_finish)."""
+        self._check_alive()
+        self._check_handle(handle, DispatchHandle, "dispatch")
+        check_int("hidden", hidden, minimum=1)
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"dtype: expected torch.bfloat16 or torch.float32, got {dtype}")
+        if isinstance(handle.backend_state, IntranodeDispatchState):
+            view = self._intranode.zero_copy_view(handle.num_recv_rows, hidden, dtype, self._combine_next)
+        else:
+            view = self._combine_buffers[self._combine_next]
+            shape = (handle.num_recv_rows, hidden)
+            device = handle.is_token_in_rank.device
+            if view is None or tuple(view.shape) != shape or view.device != device or view.dtype != dtype:
+                view = torch.zeros(shape, dtype=dtype, device=device)
+        self._combine_buffers[self._combine_next] = view
+        return view
 
     def _uses_kernels(self, x: torch.Tensor) -> bool:
         """Whether the kernels move x; the first time, maps the peers' buffers (every rank of the
@@ -502,7 +549,8 @@ class Buffer:
         if not (x.is_cuda and self._kernels):
             return False
         if self._intranode is None:
-            self._intranode = IntranodeBackend(self.group, self._gate, self.num_nvl_bytes, self.get_comm_stream())
+            self._intranode = IntranodeBackend(self.group, self._gate, self.num_nvl_bytes, self.get_comm_stream(),
+                                               self.num_zero_copy_combine_bytes)
         return True
 
     @staticmethod

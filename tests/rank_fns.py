@@ -501,3 +501,67 @@ def stall_on_rank(stalling_rank: int, seconds: float):
     if dist.get_rank() == stalling_rank:
         time.sleep(seconds)
     return dist.get_rank()
+
+
+def zero_copy_round(p: Problem, num_biases: int, repeats: int, cached: bool = False):
+    """Dispatch (and a cached dispatch when `cached`), then `repeats` zero-copy combines of the expert
+    outputs written into get_next_combine_buffer, each next to an ordinary combine of the same rows:
+    per repeat (zero-copy result, weights, ordinary result, weights)."""
+    rank = dist.get_rank()
+    inp = my_inputs(p)
+    # Two slots of every received row (at most all tokens of all ranks) for this hidden.
+    rows = dist.get_world_size() * p.max_tokens
+    zero_copy_bytes = 2 * rows * (-(-p.hidden * 2 // 16) * 16 + 128) + 4096
+    buffer = normal_buffer(p.hidden, num_zero_copy_combine_bytes=zero_copy_bytes)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(
+        inp["x"], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"])
+    if cached:
+        recv_x = buffer.dispatch(inp["x"], handle=handle)[0]
+    biases = [bias_for(p, rank, inp["x"].shape[0], i).to(device()) for i in range(num_biases)]
+    bias = None if num_biases == 0 else (biases[0] if num_biases == 1 else tuple(biases))
+    results = []
+    for i in range(repeats):
+        y = expert_output(recv_x, rank + i)
+        view = buffer.get_next_combine_buffer(handle, p.hidden)
+        view.copy_(y)
+        combined, combined_w, _ = buffer.combine(view, handle, topk_weights=recv_w, bias=bias, zero_copy=True)
+        plain, plain_w, _ = buffer.combine(y, handle, topk_weights=recv_w, bias=bias)
+        results.append(cpu((combined, combined_w, plain, plain_w)))
+    return results
+
+
+def zero_copy_misuse():
+    """What get_next_combine_buffer and combine(zero_copy=True) refuse: (exception type, message) each."""
+    p = Problem(5, dist.get_world_size(), dist.get_world_size() * 2, 128, 2, max_tokens=8)
+    inp = my_inputs(p)
+    buffer = normal_buffer(p.hidden)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(
+        inp["x"], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"])
+    outcomes = []
+    for attempt in (lambda: buffer.combine(recv_x, handle, zero_copy=True),
+                    lambda: buffer.get_next_combine_buffer(handle, 0)):
+        try:
+            attempt()
+            outcomes.append(("returned", ""))
+        except Exception as exc:  # noqa: BLE001
+            outcomes.append((type(exc).__name__, str(exc)))
+    return outcomes
+
+
+def zero_copy_without_area():
+    """get_next_combine_buffer on a kernels Buffer made without num_zero_copy_combine_bytes."""
+    p = Problem(6, dist.get_world_size(), dist.get_world_size() * 2, 128, 2, max_tokens=8)
+    inp = my_inputs(p)
+    buffer = normal_buffer(p.hidden)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
+    handle = buffer.dispatch(inp["x"], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                             num_tokens_per_expert=per_expert)[4]
+    try:
+        buffer.get_next_combine_buffer(handle, p.hidden)
+    except ValueError as exc:
+        return str(exc)
+    return "returned"

@@ -84,6 +84,24 @@ def test_both_combines_give_the_same_bits(pools, gpu_pools, seed, num_ranks, hid
     _compare(seed, [result for result, _ in on_gpu], pools(num_ranks).run(rank_fns.normal_round, p, **kwargs))
 
 
+@pytest.mark.parametrize("num_ranks,hidden,cached", [(2, 7168, False), (3, 2052, True), (4, 512, False),
+                                                     (8, 1024, True)])
+def test_zero_copy_combine_gives_the_ordinary_bits(gpu_pools, seed, num_ranks, hidden, cached):
+    """Rows written into get_next_combine_buffer, summed where they lie by the ranks that own the
+    tokens: the bits of the ordinary combine of the same rows, over three combines (both slots, then
+    the first again), also after a cached dispatch and with rows of 8-byte vectors."""
+    p = Problem(seed, num_ranks, num_ranks * 8, hidden, 6, max_tokens=64)
+    for rank, results in enumerate(gpu_pools(num_ranks).run(rank_fns.zero_copy_round, p, 2, 3, cached)):
+        for i, (combined, combined_w, plain, plain_w) in enumerate(results):
+            assert torch.equal(combined, plain), f"rank {rank}, combine {i}: rows"
+            assert torch.equal(combined_w, plain_w), f"rank {rank}, combine {i}: weights"
+
+
+def test_zero_copy_combine_needs_its_area(gpu_pools):
+    for message in gpu_pools(2).run(rank_fns.zero_copy_without_area):
+        assert "num_zero_copy_combine_bytes" in message, message
+
+
 @pytest.mark.parametrize("num_ranks", [2, 4])
 @pytest.mark.parametrize("use_fp8", [False, True])
 def test_many_windows_in_a_small_buffer(pools, gpu_pools, seed, num_ranks, use_fp8):

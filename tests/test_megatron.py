@@ -5,7 +5,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
-from . import megatron_fns  # noqa: E402
+from . import megatron_fns, rank_fns  # noqa: E402
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
@@ -20,6 +20,18 @@ def test_deepep_dispatcher_matches_dense_layer_and_alltoall(pools, seed, num_ran
             torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"rank {rank} {key} vs alltoall: {m}")
         assert a["tokens_per_expert"] == b["tokens_per_expert"]
+
+
+def test_zero_copy_combine_in_the_dispatcher_changes_nothing(pools, seed):
+    """MOE_EP_ZERO_COPY_COMBINE=1: the unpermute writes into the Buffer's zero-copy combine rows; the
+    forward and the gradients stay those of the ordinary path."""
+    args = (seed % 10000, 4, 2, 32)
+    env = {"MOE_EP_ZERO_COPY_COMBINE": "1"}
+    ours = pools(2).run(rank_fns.with_env, env, megatron_fns.moe_forward_backward, *args, "deepep", 24)
+    plain = pools(2).run(megatron_fns.moe_forward_backward, *args, "deepep", 24)
+    for rank, (a, b) in enumerate(zip(ours, plain)):
+        for key in ("out", "grad_x", "grad_logits"):
+            assert torch.equal(a[key], b[key]), f"rank {rank} {key}"
 
 
 def test_flex_dispatcher_runs_on_moe_ep_through_install_as_deep_ep(pools, seed):

@@ -139,3 +139,20 @@ def test_num_worst_tokens_too_small_raises_on_every_rank(pools, seed):
     for dst, (outcome, received) in enumerate(pools(3).run(rank_fns.worst_tokens_too_small, p)):
         assert "num_worst_tokens=1 is too small" in outcome, outcome
         assert received == len(ref_dispatch(p, inputs, dst)[0]), "the next dispatch works"
+
+
+@pytest.mark.parametrize("num_ranks,num_biases", [(2, 0), (3, 2)])
+def test_zero_copy_combine_equals_the_ordinary_one(pools, seed, num_ranks, num_biases):
+    """get_next_combine_buffer + combine(zero_copy=True), slots alternating over three combines and
+    after a cached dispatch: the bits of an ordinary combine of the same rows."""
+    p = Problem(seed, num_ranks, num_ranks * 4, 128, 3, max_tokens=24)
+    for rank, results in enumerate(pools(num_ranks).run(rank_fns.zero_copy_round, p, num_biases, 3, True)):
+        for i, (combined, combined_w, plain, plain_w) in enumerate(results):
+            assert torch.equal(combined, plain) and torch.equal(combined_w, plain_w), f"rank {rank}, combine {i}"
+
+
+def test_zero_copy_misuse_is_refused(pools):
+    for outcomes in pools(2).run(rank_fns.zero_copy_misuse):
+        (kind, message), (kind2, message2) = outcomes
+        assert kind == "ValueError" and "x: with zero_copy=True" in message, message
+        assert kind2 == "ValueError" and "hidden" in message2, message2

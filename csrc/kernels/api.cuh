@@ -72,8 +72,8 @@ enum ProfilePhase : int { kPhaseStage = kErrPushed + 1, kPhasePull, kPhasePush, 
 constexpr int kWaitSlots = kPhaseReduce + 2;
 
 // Device int32 summary of a count exchange: [max tokens, total rows, base row of each source (R + 1),
-// tokens of each source (R)].
-inline int recv_info_ints(int num_ranks) { return 2 + (num_ranks + 1) + num_ranks; }
+// tokens of each source (R), this rank's first row at each peer (R; with Ctx::zero_copy_bases)].
+inline int recv_info_ints(int num_ranks) { return 2 + (num_ranks + 1) + 2 * num_ranks; }
 
 struct Ctx {
     uint8_t* const* buffers;  // device array [R]: every rank's buffer as mapped in this process
@@ -85,6 +85,7 @@ struct Ctx {
     int ranks_on_device;      // ranks of the group on this GPU: their blocks must all fit it at once
     uint64_t* wait_ns;        // null, or [blocks][kWaitSlots]: where the time goes, added up per call
     bool stream_combine;      // combine through per-channel rings instead of windows (up to 32 ranks)
+    bool zero_copy_bases;     // notify also finds where this rank's rows start at every peer
     cudaStream_t stream;
 };
 
@@ -134,6 +135,16 @@ struct CombineArgs {
     float* out_weights;           // [N, K] or null
 };
 void combine(const Ctx& ctx, const CombineArgs& args);
+// Zero-copy combine: every rank's rows (args.x) already lie in its zero-copy area, slot `slot_offset`,
+// one row per `pitch` bytes with its top-k weights behind the row; each rank sums its tokens' rows
+// where they lie (one pass). Needs a dispatch whose notify ran with Ctx::zero_copy_bases.
+struct ZeroCopyArgs {
+    uint8_t* const* areas;   // device array [R]: every rank's zero-copy area as mapped here
+    int64_t slot_offset;     // bytes from an area's start to this call's slot (the same on every rank)
+    int64_t pitch;           // bytes per row: the row, then its K float weights (16-byte aligned)
+    int64_t capacity_rows;   // rows a slot holds (the same on every rank)
+};
+void zero_copy_combine(const Ctx& ctx, const CombineArgs& args, const ZeroCopyArgs& z);
 // Rows per ring of the streaming combine for rows of x_bytes (ctx.stream_combine); 0: it is off, or
 // there are more than 32 ranks, fewer than 2 blocks or no room for a ring row, and combine uses windows.
 int stream_ring_rows(const Ctx& ctx, int64_t x_bytes, int num_topk);

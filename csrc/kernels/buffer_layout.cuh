@@ -41,7 +41,8 @@ enum SignalArray : int {
     kReleasedBy = 2,   // [R] peer r finished pulling this rank's window w
     kOpenFrom = 3,     // [R] peer r accepts combine rows for its windows <= w
     kPushedFrom = 4,   // [R] peer r pushed its combine rows of this rank's window w
-    kNumArraySlots = 5,
+    kZeroCopyReadyFrom = 5,  // [R] peer r's rows (and weights) of a zero-copy combine are in its area
+    kNumArraySlots = 6,
 };
 
 __host__ __device__ constexpr int64_t signal_index(SignalArray array, int num_ranks, int rank) {

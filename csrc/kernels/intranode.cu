@@ -219,6 +219,21 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Ctx c, const boo
         for (int s = 0; s < R; ++s) sum += __ldcg(counts + s * row_ints + 2 + i);
         e.host[kHostCounts + 2 * R + i] = sum;
     }
+    if (c.zero_copy_bases) {
+        // Where this rank's rows start at each peer r (a zero-copy combine reads them there): the rows
+        // of r's sources before this rank, from r's counts area once each of them has written there.
+        // Safe to read: a source rewrites its row at r only in its next count exchange, which follows
+        // a dispatch that needs this rank's, which follows this notify.
+        for (int r = threadIdx.x; r < R; r += blockDim.x) {
+            const int* counts_r = reinterpret_cast<const int*>(e.buffers[r] + signal_bytes(R));
+            int base = 0;
+            for (int s = 0; s < e.rank; ++s) {
+                if (!wait_flag(e, e.peer_array(r, kNotifyFrom, s), tag(e.seq, 0), kErrNotify, s, 0)) break;
+                base += __ldcg(counts_r + s * row_ints + 1);
+            }
+            recv_info[3 + 2 * R + r] = base;
+        }
+    }
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence_system();
@@ -833,6 +848,59 @@ template <typename S>
 struct DispatchKernel {
     static constexpr auto fn = dispatch_kernel<S>;
 };
+// ------------------------------------------------------------------ zero-copy combine
+// The caller wrote its rows into its zero-copy area (Buffer.get_next_combine_buffer): one pass. Each
+// rank puts its rows' weights behind them, tells every peer its rows are in place, waits for every
+// peer's, then sums each of its tokens' rows where they lie, in rank order (the windowed combine's
+// bits). The all-rank wait also keeps a slot safe to rewrite two combines later: a rank finishes
+// combine c + 1 only after every rank has started it, so after every rank finished reading combine c.
+template <typename T, typename V, typename S>
+__global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
+    zero_copy_combine_kernel(Ctx c, CombineArgs a, ZeroCopyArgs z) {
+    const Env e = make_env(c);
+    const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
+    const Warps warps = grid_warps<S::kWarps>();
+    const int64_t x_bytes = static_cast<int64_t>(a.hidden) * sizeof(T), weights_offset = align_up(x_bytes, kSlotAlign);
+    const int64_t chunks = x_bytes / sizeof(V);
+    const int total = min(static_cast<int64_t>(a.recv_info[1]), z.capacity_rows);
+    const int* first_row_at = a.recv_info + 3 + 2 * R;  // this rank's first row at each peer
+    bool ok = load_volatile(e.own(kAbort)) == 0;
+    if (ok && a.topk_weights != nullptr) {
+        uint8_t* slot = z.areas[me] + z.slot_offset;
+        for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < static_cast<int64_t>(total) * K;
+             i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+            reinterpret_cast<float*>(slot + (i / K) * z.pitch + weights_offset)[i % K] = a.topk_weights[i];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && arrive_last(e.own(kPushCount), gridDim.x))
+        for (int r = 0; r < R; ++r) raise_flag(e.peer_array(r, kZeroCopyReadyFrom, me), tag(e.seq, 0));
+    ok = ok && block_wait(e, kZeroCopyReadyFrom, 0, R, tag(e.seq, 0), kErrPushed, 0);
+    if (ok) {
+        for (int64_t t = warps.warp; t < a.num_tokens; t += warps.num_warps) {
+            uint64_t sent = 0;
+            for (int r0 = 0; r0 < R; r0 += 32) {
+                const int r = r0 + lane;
+                // A row past a slot's capacity was never received (num_worst_tokens too small: that
+                // dispatch reported it); it counts as not sent rather than read out of bounds.
+                const bool here = r < R && a.send_pos[t * R + r] >= 0 &&
+                                  first_row_at[r] + a.send_pos[t * R + r] < z.capacity_rows;
+                sent |= static_cast<uint64_t>(__ballot_sync(kFullMask, here)) << r0;
+            }
+            sum_token<T, V, S>(a, t, chunks, 0, chunks, sent, [&](int r) {
+                return z.areas[r] + z.slot_offset + static_cast<int64_t>(first_row_at[r] + a.send_pos[t * R + r]) * z.pitch;
+            }, a.out_weights != nullptr ? weights_offset : -1, lane);
+        }
+    }
+    finish_kernel(e, e.own(kDoneCount));
+}
+
+template <typename T, typename V>
+struct ZeroCopyCombineKernels {
+    template <typename S>
+    struct Of {
+        static constexpr auto fn = zero_copy_combine_kernel<T, V, S>;
+    };
+};
 template <typename T, typename V>
 struct CombineKernels {
     template <typename S>
@@ -929,6 +997,13 @@ void combine(const Ctx& ctx, const CombineArgs& args) {
                                               stream_channels(ctx));
     else
         launch_for_rows<CombineKernels>(ctx, "intranode combine_kernel", args.dtype, wide, args, slot, window);
+}
+
+void zero_copy_combine(const Ctx& ctx, const CombineArgs& args, const ZeroCopyArgs& z) {
+    if (!ctx.zero_copy_bases) throw std::runtime_error("moe_ep: zero-copy combine needs a dispatch that found the peers' rows");
+    const int64_t x_bytes = static_cast<int64_t>(args.hidden) * (args.dtype == DType::kFloat32 ? 4 : 2);
+    if (x_bytes % 8 != 0) throw std::runtime_error("moe_ep: intranode combine needs rows of a multiple of 8 bytes");
+    launch_for_rows<ZeroCopyCombineKernels>(ctx, "intranode zero_copy_combine_kernel", args.dtype, x_bytes % 16 == 0, args, z);
 }
 
 }  // namespace intranode

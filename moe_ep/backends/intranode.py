@@ -14,11 +14,11 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..config import Config
+from ..config import NUM_MAX_TOPK, Config
 from ..events import EventOverlap
 from ..handles import DispatchHandle
 from ..sync import ArrivalGate
-from .peers import HOST_COUNTS, HOST_DONE, HOST_OVERFLOW, PHASE_NAMES, WAIT_NAMES, PeerBuffers, aligned
+from .peers import HOST_COUNTS, HOST_DONE, HOST_OVERFLOW, PHASE_NAMES, WAIT_NAMES, PeerBuffers, aligned, device_view
 
 # Host-side grace on top of the kernels' own deadline before the host gives up on a count exchange.
 _HOST_GRACE_S = 5.0
@@ -39,6 +39,12 @@ def use_stream_combine(num_ranks: int) -> bool:
     return num_ranks >= STREAM_COMBINE_MIN_RANKS
 
 
+# A zero-copy combine row: the row (16-byte aligned), then room for the largest top-k's weights, which
+# the kernel puts there for the peers to read with the row.
+def zero_copy_pitch(row_bytes: int) -> int:
+    return -(-row_bytes // 16) * 16 + 4 * NUM_MAX_TOPK
+
+
 @dataclass
 class IntranodeDispatchState:
     """Device-side layout a kernel dispatch leaves for its combine and cached dispatches."""
@@ -49,7 +55,8 @@ class IntranodeDispatchState:
 
 
 class IntranodeBackend:
-    def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_nvl_bytes: int, comm_stream: torch.cuda.Stream):
+    def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_nvl_bytes: int, comm_stream: torch.cuda.Stream,
+                 zero_copy_bytes: int = 0):
         self.peers = PeerBuffers(group, gate, num_nvl_bytes, "dispatch")
         self.ops = self.peers.ops
         self.rank, self.num_ranks = self.peers.rank, self.peers.num_ranks
@@ -63,6 +70,19 @@ class IntranodeBackend:
             self.peers.ranks_on_device,
         )
         self.ctx.stream_combine = use_stream_combine(self.num_ranks)
+        # Zero-copy combine: a second mapped area of two slots, where callers write their combine rows
+        # (get_next_combine_buffer) and the ranks that own the tokens read them. Every rank's slots must
+        # hold the same rows, since the kernels bound peers' rows by their own capacity.
+        self.zero_copy: Optional[PeerBuffers] = None
+        self.zero_copy_bytes = zero_copy_bytes
+        self._zero_copy_views = {}
+        if zero_copy_bytes > 0:
+            sizes = [None] * self.num_ranks
+            dist.all_gather_object(sizes, zero_copy_bytes, group=group)
+            if len(set(sizes)) != 1:
+                raise ValueError(f"num_zero_copy_combine_bytes: expected the same value on every rank, got {sizes}")
+            self.zero_copy = PeerBuffers(group, gate, zero_copy_bytes, "zero-copy combine area")
+            self.ctx.zero_copy_bases = True
         self.comm_stream = comm_stream
         self._nonce = 0
         self._fitting_sms = set()  # SM budgets known to fit this GPU together with its other ranks
@@ -74,6 +94,8 @@ class IntranodeBackend:
 
     def close(self) -> None:
         self.peers.close()
+        if self.zero_copy is not None:
+            self.zero_copy.close()
 
     # ---------------------------------------------------------------- errors the kernels reported
     def check_errors(self) -> None:
@@ -266,6 +288,36 @@ class IntranodeBackend:
         per_expert = [h[HOST_COUNTS + 2 * r + e] for e in range(local)]
         return send_counts, recv_counts, per_expert
 
+    # ---------------------------------------------------------------- zero-copy combine
+    def _zero_copy_slot(self, row_bytes: int):
+        """(bytes per slot, bytes per row, rows a slot holds) for rows of `row_bytes`."""
+        slot_bytes = self.zero_copy_bytes // 2 // 16 * 16
+        pitch = zero_copy_pitch(row_bytes)
+        return slot_bytes, pitch, slot_bytes // pitch
+
+    def zero_copy_view(self, num_rows: int, hidden: int, dtype: torch.dtype, slot: int) -> torch.Tensor:
+        """Slot `slot` of this rank's zero-copy area as [num_rows, hidden] rows `pitch` bytes apart."""
+        if self.zero_copy is None:
+            raise ValueError(
+                "get_next_combine_buffer: this Buffer has no zero-copy combine area; pass "
+                "num_zero_copy_combine_bytes (the same on every rank) when creating it"
+            )
+        element = torch.empty((), dtype=dtype).element_size()
+        slot_bytes, pitch, capacity = self._zero_copy_slot(hidden * element)
+        if num_rows > capacity:
+            raise ValueError(
+                f"num_zero_copy_combine_bytes: {num_rows} received rows of hidden {hidden} need "
+                f"{2 * num_rows * pitch} bytes (two slots), the Buffer has {self.zero_copy_bytes}"
+            )
+        key = (num_rows, hidden, dtype, slot)
+        if key not in self._zero_copy_views:  # kept: a view costs host time, and shapes repeat
+            address = self.zero_copy.addresses[self.rank] + slot * slot_bytes
+            base = device_view(address, slot_bytes, self.zero_copy.device)
+            if len(self._zero_copy_views) > 64:
+                self._zero_copy_views.clear()
+            self._zero_copy_views[key] = base.view(dtype).as_strided((num_rows, hidden), (pitch // element, 1))
+        return self._zero_copy_views[key]
+
     # ---------------------------------------------------------------- combine
     def combine(
         self,
@@ -277,10 +329,12 @@ class IntranodeBackend:
         previous_event: Optional[EventOverlap],
         async_finish: bool,
         allocate_on_comm_stream: bool,
+        zero_copy_slot: Optional[int] = None,
     ):
+        """zero_copy_slot: None, or the slot of zero_copy_view that x is (its rows stay where they lie)."""
         self._start_call("combine", config.num_sms)
         state: IntranodeDispatchState = handle.backend_state
-        x = aligned(x)
+        x = aligned(x) if zero_copy_slot is None else x
         topk_weights = None if topk_weights is None else topk_weights.contiguous()
         biases = [aligned(b) for b in biases] + [None] * (2 - len(biases))
         compute = self._enter(previous_event)
@@ -290,11 +344,16 @@ class IntranodeBackend:
             if topk_weights is not None:
                 out_weights = torch.empty((handle.num_tokens, topk_weights.shape[1]), dtype=torch.float32, device=x.device)
         with torch.cuda.stream(self.comm_stream):
-            self.ops.intranode_combine(
-                self.ctx, config.num_sms, x, topk_weights, state.recv_src_idx, state.recv_info, state.send_pos,
-                biases[0], biases[1], out, out_weights,
-            )
-        event = self._leave(
-            compute, async_finish, allocate_on_comm_stream, [x, topk_weights, *biases], [out, out_weights]
-        )
+            args = (self.ctx, config.num_sms, x, topk_weights, state.recv_src_idx, state.recv_info, state.send_pos,
+                    biases[0], biases[1], out, out_weights)
+            if zero_copy_slot is None:
+                self.ops.intranode_combine(*args)
+            else:
+                slot_bytes, pitch, capacity = self._zero_copy_slot(x.shape[1] * x.element_size())
+                self.ops.intranode_zero_copy_combine(
+                    *args, self.zero_copy.pointers.data_ptr(), zero_copy_slot * slot_bytes, pitch, capacity
+                )
+        # The zero-copy view is not the caching allocator's memory (no record_stream): the Buffer keeps it.
+        inputs = [x, topk_weights, *biases] if zero_copy_slot is None else [topk_weights, *biases]
+        event = self._leave(compute, async_finish, allocate_on_comm_stream, inputs, [out, out_weights])
         return out, out_weights, event

@@ -6,11 +6,13 @@ exchange on the Buffer's communication stream and return, and the post-processin
 the result first waits for it (on the portable backend, calls complete before they return and the
 waits are free). Communication state lives in one small object (`_CommState`) per dispatcher.
 Autograd: the backward of dispatch is a combine over the same handle, the backward of combine is a
-cached dispatch.
+cached dispatch. MOE_EP_ZERO_COPY_COMBINE=1: the local unpermute writes straight into the Buffer's
+zero-copy combine rows, which the token owners then sum where they lie (one pass less).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -18,6 +20,7 @@ import torch
 from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization, pad_routing_map, permute, unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+from ..backends.intranode import zero_copy_pitch
 from ..buffer import Buffer
 from ..events import EventOverlap
 
@@ -32,6 +35,8 @@ class _CommState:
     tokens_per_expert: Optional[List[int]] = None
     # The exchange started by token_dispatch / token_combine, waited for by the next phase.
     pending: Optional[EventOverlap] = None
+    # combine_preprocess wrote its rows into the Buffer's zero-copy combine rows.
+    zero_copy_rows: bool = False
 
     def wait(self) -> None:
         if self.pending is not None:
@@ -45,8 +50,16 @@ def _async() -> dict:
     return dict(previous_event=Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
 
 
-def _buffer_for(group, hidden_bytes: int, current: Optional[Buffer]) -> Buffer:
-    """A Buffer of the group large enough for rows of hidden_bytes (reused while it is)."""
+def _zero_copy_requested() -> bool:
+    value = os.environ.get("MOE_EP_ZERO_COPY_COMBINE", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"MOE_EP_ZERO_COPY_COMBINE: expected 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _buffer_for(group, hidden_bytes: int, current: Optional[Buffer], zero_copy_bytes: int = 0) -> Buffer:
+    """A Buffer of the group large enough for rows of hidden_bytes and a zero-copy combine area of
+    zero_copy_bytes (reused while it is)."""
     size = group.size()
     nvl = max(
         Buffer.get_dispatch_config(size).get_nvl_buffer_size_hint(hidden_bytes, size),
@@ -61,9 +74,10 @@ def _buffer_for(group, hidden_bytes: int, current: Optional[Buffer]) -> Buffer:
         and current.group is group
         and current.num_nvl_bytes >= nvl
         and current.num_rdma_bytes >= rdma
+        and current.num_zero_copy_combine_bytes >= zero_copy_bytes
     ):
         return current
-    return Buffer(group, nvl, rdma)
+    return Buffer(group, nvl, rdma, num_zero_copy_combine_bytes=zero_copy_bytes)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -96,10 +110,38 @@ class _Dispatch(torch.autograd.Function):
         return grad_x, grad_w, None, None, None
 
 
+class _Into:
+    """A tensor handed to an autograd Function as a plain argument (not an input it differentiates)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class _UnpermuteInto(torch.autograd.Function):
+    """megatron's unpermute without probs (each received token's rows of the local experts summed back
+    into its row), written into `into` (the zero-copy combine rows) instead of a new tensor."""
+
+    @staticmethod
+    def forward(ctx, permuted, sorted_indices, into: _Into):
+        rows = into.tensor
+        rows.zero_()
+        rows.index_add_(0, sorted_indices, permuted)  # scatter_add's sums, in the same order
+        ctx.save_for_backward(sorted_indices)
+        return rows.as_strided(rows.shape, rows.stride())  # an alias: autograd's output, the Buffer's memory
+
+    @staticmethod
+    def backward(ctx, grad):
+        (sorted_indices,) = ctx.saved_tensors
+        return grad.index_select(0, sorted_indices), None, None
+
+
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, state: _CommState):
-        combined, _, event = state.buffer.combine(x.contiguous(), state.handle, **_async())
+        if state.zero_copy_rows:  # x holds the rows where the Buffer reads them: no copy
+            combined, _, event = state.buffer.combine(x, state.handle, zero_copy=True, **_async())
+        else:
+            combined, _, event = state.buffer.combine(x.contiguous(), state.handle, **_async())
         state.pending = event  # combine_postprocess waits for it before the result is read
         ctx.buffer, ctx.handle = state.buffer, state.handle
         return combined
@@ -125,6 +167,7 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         if num_sms:
             Buffer.set_num_sms(num_sms)
         self._state = _CommState()
+        self._zero_copy = _zero_copy_requested()
 
     def set_shared_experts(self, shared_experts):
         raise NotImplementedError(
@@ -161,7 +204,12 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         hidden_bytes = hidden_states.shape[1] * max(hidden_states.element_size(), 2)
-        self._state.buffer = _buffer_for(self.group, hidden_bytes, self._state.buffer)
+        # Two slots of every row this rank could receive: each token once from every rank of the group.
+        zero_copy_bytes = 0
+        if self._zero_copy:
+            row_bytes = hidden_states.shape[1] * hidden_states.element_size()
+            zero_copy_bytes = 2 * hidden_states.shape[0] * self.group.size() * zero_copy_pitch(row_bytes)
+        self._state.buffer = _buffer_for(self.group, hidden_bytes, self._state.buffer, zero_copy_bytes)
         return _Dispatch.apply(hidden_states, probs, self._topk_idx, self.num_experts, self._state)
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
@@ -206,6 +254,11 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
 
     # ---------------------------------------------------------------- combine
     def combine_preprocess(self, hidden_states: torch.Tensor):
+        state = self._state
+        state.zero_copy_rows = self._zero_copy and hidden_states.dtype in (torch.bfloat16, torch.float32)
+        if state.zero_copy_rows:
+            rows = state.buffer.get_next_combine_buffer(state.handle, hidden_states.shape[-1], hidden_states.dtype)
+            return _UnpermuteInto.apply(hidden_states, self.reversed_mapping, _Into(rows))
         return unpermute(
             hidden_states,
             self.reversed_mapping,
