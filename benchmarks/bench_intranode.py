@@ -3,7 +3,9 @@ issue #6, the way DeepEP V1 was measured on the same machine).
 
 Per rank: received bytes / wall time per call (host work included; `--iters` calls after `--warmup`,
 a barrier before). bf16 rows count hidden * 2 bytes, fp8 rows hidden * (1 + 4/128) (values + scales);
-combine counts the bf16 rows sent back. The aggregate over ranks is also given as a fraction of one
+combine counts the bf16 rows sent back. The *_zero_copy modes are the one-pass calls: dispatch(zero_copy=True)
+(rows stored straight into the receivers' zero-copy dispatch areas) and combine(zero_copy=True) of rows
+written into get_next_combine_buffer. The aggregate over ranks is also given as a fraction of one
 process's plain device copy of the same number of bytes, measured in the same run.
 
     python -m benchmarks.bench_intranode --ranks 2 4 8 --sms 24
@@ -35,9 +37,11 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks.timing import wall_seconds_per_call  # noqa: E402
 from moe_ep import Buffer, Config, fp8  # noqa: E402
+from moe_ep.config import zero_copy_dispatch_bytes  # noqa: E402
 from moe_ep.launch import RankPool  # noqa: E402
 
-MODES = ("dispatch_fp8", "dispatch_bf16", "combine", "combine_zero_copy")
+MODES = ("dispatch_fp8", "dispatch_bf16", "dispatch_fp8_zero_copy", "dispatch_bf16_zero_copy", "combine",
+         "combine_zero_copy")
 NCCL_MODE = "nccl_all_to_all_bf16"
 
 
@@ -77,11 +81,15 @@ def rank_bench(args):
     # combine_zero_copy: two slots of every row this rank could receive (all tokens of all ranks).
     zero_copy_bytes = 2 * args.tokens * num_ranks * (-(-args.hidden * 2 // 16) * 16 + 128) \
         if "combine_zero_copy" in args.modes else 0
+    # dispatch_*_zero_copy: every row this rank could receive, as bf16 (fp8 rows and scales are smaller).
+    zero_copy_dispatch = zero_copy_dispatch_bytes(args.tokens * num_ranks, args.hidden * 2, 0, args.topk) \
+        if any(m.startswith("dispatch") and m.endswith("zero_copy") for m in args.modes) else 0
     results = []
     for recv_tokens in args.recv_tokens or [0]:
         configs = {m: [variant(defaults[m], s, recv_tokens) for s in args.sms] for m in MODES}
         nvl = max(c.get_nvl_buffer_size_hint(args.hidden * 2, num_ranks) for cs in configs.values() for c in cs)
-        buffer = Buffer(dist.group.WORLD, nvl, explicitly_destroy=True, num_zero_copy_combine_bytes=zero_copy_bytes)
+        buffer = Buffer(dist.group.WORLD, nvl, explicitly_destroy=True, num_zero_copy_combine_bytes=zero_copy_bytes,
+                        num_zero_copy_dispatch_bytes=zero_copy_dispatch)
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
         layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                       topk_idx=topk_idx, topk_weights=topk_weights)
@@ -103,6 +111,10 @@ def rank_bench(args):
             calls = {
                 "dispatch_fp8": lambda c=configs["dispatch_fp8"][i]: buffer.dispatch(x_fp8, config=c, **layout),
                 "dispatch_bf16": lambda c=configs["dispatch_bf16"][i]: buffer.dispatch(x, config=c, **layout),
+                "dispatch_fp8_zero_copy": lambda c=configs["dispatch_fp8_zero_copy"][i]: buffer.dispatch(
+                    x_fp8, config=c, zero_copy=True, **layout),
+                "dispatch_bf16_zero_copy": lambda c=configs["dispatch_bf16_zero_copy"][i]: buffer.dispatch(
+                    x, config=c, zero_copy=True, **layout),
                 "combine": lambda c=configs["combine"][i]: buffer.combine(y, handle, topk_weights=recv_w, config=c),
                 "combine_zero_copy": lambda c=configs["combine_zero_copy"][i]: combine_zero_copy(c),
             }
@@ -114,7 +126,7 @@ def rank_bench(args):
                     kernels.reset_wait_profile()
                 seconds = wall_seconds_per_call(fn, args.warmup, args.iters)
                 waits = wait_shares(kernels.wait_profile(), mode) if kernels is not None else {}
-                row_bytes = args.hidden * (1 + 4 / 128) if mode == "dispatch_fp8" else args.hidden * 2
+                row_bytes = args.hidden * (1 + 4 / 128) if mode.startswith("dispatch_fp8") else args.hidden * 2
                 config = configs[mode][i]
                 results.append(dict(rank=rank, sms=num_sms, recv_tokens=config.num_max_nvl_chunked_recv_tokens,
                                     nvl_bytes=nvl, mode=mode, us=seconds * 1e6, rows=rows, bytes=rows * row_bytes,

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <optional>
 #include <thread>
+#include <vector>
 
 #include "kernels/api.cuh"
 #include "kernels/buffer_layout.cuh"
@@ -157,7 +158,7 @@ struct IntranodeCtx {
     int ranks_on_device;
     int64_t wait_ns = 0;  // device uint64 [blocks][kWaitSlots] wait profile, or 0 (set from Python per call)
     bool stream_combine = false;  // set from Python (backends/intranode.py: use_stream_combine)
-    bool zero_copy_bases = false;  // set from Python when the Buffer has a zero-copy combine area
+    bool zero_copy_bases = false;  // set from Python when the Buffer has a zero-copy area
 };
 
 intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
@@ -229,6 +230,43 @@ void intranode_dispatch(const IntranodeCtx& c, int64_t num_blocks, const torch::
     a.recv_src_idx = recv_src_idx.data_ptr<int>();
     a.num_recv_rows = static_cast<int>(recv_x.size(0));
     intranode::dispatch(make_ctx(c, num_blocks), a);
+}
+
+// Zero-copy dispatch: the rows go straight into the receivers' zero-copy areas (areas: device int64
+// [R], every rank's area as mapped here), slot at slot_offset laid out by offsets (config.py,
+// zero_copy_dispatch_slot); recv_x and recv_scales are this rank's slot, so only their shapes are read.
+void intranode_zero_copy_dispatch(const IntranodeCtx& c, int64_t num_blocks, const torch::Tensor& x,
+                                  const std::optional<torch::Tensor>& scales,
+                                  const std::optional<torch::Tensor>& topk_idx,
+                                  const std::optional<torch::Tensor>& topk_weights, int64_t experts_per_rank,
+                                  const torch::Tensor& send_pos, const torch::Tensor& recv_info, int64_t num_recv_rows,
+                                  const std::optional<torch::Tensor>& recv_topk_idx,
+                                  const std::optional<torch::Tensor>& recv_topk_weights,
+                                  const torch::Tensor& recv_src_idx, int64_t areas, int64_t slot_offset,
+                                  int64_t capacity_rows, const std::vector<int64_t>& offsets) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    check_rows(x, "x");
+    TORCH_CHECK(offsets.size() == 5, "offsets: expected x, scale, idx, weight and src offsets");
+    TORCH_CHECK(num_recv_rows <= capacity_rows, "num_recv_rows: more than a zero-copy slot holds");
+    intranode::DispatchArgs a{};
+    a.x = x.data_ptr();
+    a.x_bytes = row_bytes(x);
+    a.scales = scales.has_value() ? scales->data_ptr() : nullptr;
+    a.scale_bytes = scales.has_value() ? row_bytes(*scales) : 0;
+    a.topk_idx = optional_ptr<const int64_t>(topk_idx);
+    a.topk_weights = optional_ptr<const float>(topk_weights);
+    a.num_topk = topk_idx.has_value() ? static_cast<int>(topk_idx->size(1)) : 0;
+    a.experts_per_rank = static_cast<int>(experts_per_rank);
+    a.send_pos = send_pos.data_ptr<int>();
+    a.num_tokens = static_cast<int>(x.size(0));
+    a.recv_info = recv_info.data_ptr<int>();
+    a.recv_topk_idx = optional_ptr<int64_t>(recv_topk_idx);
+    a.recv_topk_weights = optional_ptr<float>(recv_topk_weights);
+    a.recv_src_idx = recv_src_idx.data_ptr<int>();
+    a.num_recv_rows = static_cast<int>(num_recv_rows);
+    const intranode::ZeroCopyDispatchArgs z{reinterpret_cast<uint8_t* const*>(areas), slot_offset, capacity_rows,
+                                            offsets[0], offsets[1], offsets[2], offsets[3], offsets[4]};
+    intranode::zero_copy_dispatch(make_ctx(c, num_blocks), a, z);
 }
 
 // The arguments both combines share; x's rows are checked by the caller (the zero-copy view is strided).
@@ -444,6 +482,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "rows per ring of the streaming combine (0: the combine uses windows)");
     m.def("intranode_notify", &moe_ep::intranode_notify, "count exchange of an intranode dispatch");
     m.def("intranode_dispatch", &moe_ep::intranode_dispatch, "intranode dispatch data movement");
+    m.def("intranode_zero_copy_dispatch", &moe_ep::intranode_zero_copy_dispatch,
+          "intranode dispatch straight into every rank's zero-copy area");
     m.def("intranode_combine", &moe_ep::intranode_combine, "intranode combine");
     m.def("intranode_zero_copy_combine", &moe_ep::intranode_zero_copy_combine,
           "intranode combine of rows that lie in every rank's zero-copy area");

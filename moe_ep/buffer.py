@@ -15,11 +15,14 @@ import torch
 import torch.distributed as dist
 
 from . import _native
-from .backends.intranode import IntranodeBackend, IntranodeDispatchState
+from .backends.intranode import IntranodeBackend, IntranodeDispatchState, row_bytes, zero_copy_dispatch_too_small
 from .backends.low_latency import LowLatencyBackend, LowLatencyKernelState
 from .backends.portable import PortableBackend, dispatch_layout
 from .checks import FP8_BLOCK, check_expert_ids, check_fp8_pair, check_int, check_tensor, debug_checks_enabled
-from .config import NUM_MAX_NVL_PEERS, NUM_MAX_TOPK, Config, combine_config, dispatch_config, low_latency_rdma_size_hint
+from .config import (
+    NUM_MAX_NVL_PEERS, NUM_MAX_TOPK, Config, combine_config, dispatch_config, low_latency_rdma_size_hint,
+    zero_copy_dispatch_slot,
+)
 from .events import EventOverlap, capture_current_stream, wait_previous
 from .handles import DispatchHandle, LowLatencyHandle
 from .sync import ArrivalGate, next_buffer_serial, timeout_seconds
@@ -65,6 +68,7 @@ class Buffer:
         *,
         ranks_per_node: Optional[int] = None,
         num_zero_copy_combine_bytes: int = 0,
+        num_zero_copy_dispatch_bytes: int = 0,
     ):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(
@@ -79,6 +83,7 @@ class Buffer:
         check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
         check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
         check_int("num_zero_copy_combine_bytes", num_zero_copy_combine_bytes, minimum=0)
+        check_int("num_zero_copy_dispatch_bytes", num_zero_copy_dispatch_bytes, minimum=0)
         for name, flag in (
             ("low_latency_mode", low_latency_mode),
             ("explicitly_destroy", explicitly_destroy),
@@ -95,6 +100,7 @@ class Buffer:
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.num_zero_copy_combine_bytes = num_zero_copy_combine_bytes
+        self.num_zero_copy_dispatch_bytes = num_zero_copy_dispatch_bytes
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.ranks_per_node = self._resolve_ranks_per_node(ranks_per_node)
@@ -352,9 +358,24 @@ class Buffer:
         previous_event: Optional[EventOverlap] = None,
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
+        zero_copy: bool = False,
     ):
-        """-> (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)"""
+        """-> (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)
+
+        (ext) zero_copy=True: the senders store the rows straight at their final place in this rank's
+        zero-copy dispatch area (Buffer argument num_zero_copy_dispatch_bytes, the same on every rank;
+        config.zero_copy_dispatch_bytes sizes it), one pass instead of two, and recv_x (and its scales)
+        are views of it. Two slots alternate: the views stay valid until the second zero-copy dispatch
+        after this one; work that reads them must be enqueued before that call is made (and be covered
+        by its previous_event, if one is passed). The portable backend returns tensors of its own."""
         self._check_alive()
+        if not isinstance(zero_copy, bool):
+            raise TypeError(f"zero_copy: expected a bool, got {type(zero_copy).__name__}")
+        if zero_copy and self.num_zero_copy_dispatch_bytes == 0:
+            raise ValueError(
+                "zero_copy: this Buffer has no zero-copy dispatch area; pass num_zero_copy_dispatch_bytes "
+                "(the same on every rank; config.zero_copy_dispatch_bytes sizes it) when creating it"
+            )
         x_parts = self._split_x(x)
         num_tokens, hidden = x_parts[0].shape
         device = x_parts[0].device
@@ -400,6 +421,7 @@ class Buffer:
             recv_x, recv_idx, recv_weights, counts, new_handle, event = self._intranode.dispatch(
                 x_parts, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, expert_alignment,
                 num_worst_tokens, handle, make_handle, config, previous_event, async_finish, allocate_on_comm_stream,
+                zero_copy,
             )
         else:
             wait_previous(previous_event)
@@ -415,9 +437,20 @@ class Buffer:
                 handle,
                 make_handle,
             )
+            if zero_copy:
+                self._check_zero_copy_dispatch_rows(x_parts, topk_idx, handle, recv_x[0].shape[0])
             event = self._finish(async_finish, [*x_parts, *recv_x])
         recv = tuple(recv_x) if len(recv_x) == 2 else recv_x[0]
         return recv, recv_idx, recv_weights, counts, new_handle, event
+
+    def _check_zero_copy_dispatch_rows(self, x_parts, topk_idx, handle, rows: int) -> None:
+        """The kernels' capacity check, for the portable backend (its own tensors have no slot to fill):
+        a program that fits here fits the kernels."""
+        num_topk = topk_idx.shape[1] if handle is None and topk_idx is not None else 0
+        x, scales = x_parts[0], (x_parts[1] if len(x_parts) == 2 else None)
+        if rows > zero_copy_dispatch_slot(self.num_zero_copy_dispatch_bytes, row_bytes(x), row_bytes(scales), num_topk).capacity:
+            raise ValueError(zero_copy_dispatch_too_small(self.rank, rows, x, scales, num_topk,
+                                                          self.num_zero_copy_dispatch_bytes))
 
     def _check_layout_args(
         self,
@@ -550,7 +583,7 @@ class Buffer:
             return False
         if self._intranode is None:
             self._intranode = IntranodeBackend(self.group, self._gate, self.num_nvl_bytes, self.get_comm_stream(),
-                                               self.num_zero_copy_combine_bytes)
+                                               self.num_zero_copy_combine_bytes, self.num_zero_copy_dispatch_bytes)
         return True
 
     @staticmethod

@@ -135,6 +135,49 @@ class IntranodeLayout:
         return dict(vars(self))
 
 
+@dataclass(frozen=True)
+class ZeroCopyDispatchSlot:
+    """One of the two slots of a zero-copy dispatch area (ZeroCopyDispatchArgs in csrc/kernels/api.cuh):
+    `capacity` rows of x, then as many of scales, of top-k local ids (int64), of top-k weights (float32)
+    and of source token indices (int32), each part 16-byte aligned. The kernels take these numbers from
+    here (no second copy of the formula); both backends check capacities with them."""
+
+    slot_bytes: int
+    capacity: int
+    x_offset: int
+    scale_offset: int
+    idx_offset: int
+    weight_offset: int
+    src_offset: int
+
+    @property
+    def offsets(self) -> list:
+        return [self.x_offset, self.scale_offset, self.idx_offset, self.weight_offset, self.src_offset]
+
+
+def _zero_copy_dispatch_row_bytes(x_bytes: int, scale_bytes: int, num_topk: int) -> int:
+    return x_bytes + scale_bytes + 12 * num_topk + 4
+
+
+def zero_copy_dispatch_slot(area_bytes: int, x_bytes: int, scale_bytes: int, num_topk: int) -> ZeroCopyDispatchSlot:
+    """The slot layout of a zero-copy dispatch area of `area_bytes` for rows of these sizes."""
+    a = INTRANODE_SLOT_ALIGN
+    slot_bytes = area_bytes // 2 // a * a
+    # Each of the five parts may lose up to a - 1 bytes to alignment.
+    capacity = max(0, (slot_bytes - 5 * a) // _zero_copy_dispatch_row_bytes(x_bytes, scale_bytes, num_topk))
+    offsets = [0]
+    for part_row_bytes in (x_bytes, scale_bytes, 8 * num_topk, 4 * num_topk):
+        offsets.append(_align(offsets[-1] + capacity * part_row_bytes, a))
+    return ZeroCopyDispatchSlot(slot_bytes, capacity, *offsets)
+
+
+def zero_copy_dispatch_bytes(num_rows: int, x_bytes: int, scale_bytes: int, num_topk: int) -> int:
+    """num_zero_copy_dispatch_bytes for Buffer(...) whose slots hold num_rows received rows of these sizes
+    (two slots; the same value must be passed on every rank)."""
+    a = INTRANODE_SLOT_ALIGN
+    return 2 * _align(num_rows * _zero_copy_dispatch_row_bytes(x_bytes, scale_bytes, num_topk) + 5 * a, a)
+
+
 class LowLatencyLayout:
     """Low-latency buffer (mirrors low_latency::regions in csrc/kernels/buffer_layout.cuh): a 4 KB header
     and two identical halves used by alternate calls, so that one call's receive buffers stay valid

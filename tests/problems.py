@@ -162,3 +162,13 @@ def ref_low_latency_combine(p: Problem, inputs, src: int, slots_per_rank, output
 
 def maybe(value: Optional[torch.Tensor]):
     return None if value is None else value.clone()
+
+
+def same_bits(a, b) -> bool:
+    """Tensors (any dtype, fp8 too) with the same dtype, shape and bits; tuples and lists of them
+    element by element; anything else by ==."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
+    return a == b

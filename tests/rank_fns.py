@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep import Buffer, Config, fp8
+from moe_ep.config import zero_copy_dispatch_bytes
 
 from .problems import Problem, bias_for, expert_output, make_inputs
 
@@ -78,17 +79,28 @@ def cpu(t):
     return t.cpu() if isinstance(t, torch.Tensor) else t
 
 
+def zero_copy_dispatch_area(p: Problem, rows: int = None) -> int:
+    """num_zero_copy_dispatch_bytes for `rows` received rows (default: all tokens of all ranks) of any
+    row this Problem makes (float32 rows; fp8 scales; its top-k)."""
+    rows = dist.get_world_size() * p.max_tokens if rows is None else rows
+    return zero_copy_dispatch_bytes(rows, p.hidden * 4, p.hidden // 128 * 4, p.num_topk)
+
+
 def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, num_worst_tokens: int = 0,
                  num_biases: int = 0, with_topk: bool = True, config: Config = None, buffer: Buffer = None,
-                 stream_args: bool = False, dtype: torch.dtype = torch.bfloat16):
+                 stream_args: bool = False, dtype: torch.dtype = torch.bfloat16, zero_copy_dispatch: bool = False):
     """Layout, dispatch, cached dispatch, combine: everything a test compares, per rank. stream_args:
-    the calls chain through previous_event/async_finish/allocate_on_comm_stream."""
+    the calls chain through previous_event/async_finish/allocate_on_comm_stream. zero_copy_dispatch:
+    both dispatches are zero-copy ones (so recv_x must outlive the cached dispatch's slot)."""
     rank = dist.get_rank()
     inp = my_inputs(p)
     inp["x"] = inp["x"].to(dtype)
     # normal_buffer sizes for 2-byte elements: float32 rows are twice as wide.
-    buffer = buffer if buffer is not None else normal_buffer(p.hidden * (2 if dtype == torch.float32 else 1), config)
+    area = dict(num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p)) if zero_copy_dispatch else {}
+    buffer = buffer if buffer is not None else normal_buffer(p.hidden * (2 if dtype == torch.float32 else 1), config,
+                                                             **area)
     extra = dict(config=config) if config is not None else {}
+    dispatch_extra = dict(zero_copy=True) if zero_copy_dispatch else {}
     if stream_args:
         extra.update(previous_event=Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
     layout = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
@@ -97,11 +109,11 @@ def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, n
     topk = dict(topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"]) if with_topk else {}
     recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens, **topk, **extra)
+        expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens, **topk, **extra, **dispatch_extra)
     event.current_stream_wait()
     if stream_args:
         extra["previous_event"] = Buffer.capture()
-    cached = buffer.dispatch(x, handle=handle, **extra)
+    cached = buffer.dispatch(x, handle=handle, **extra, **dispatch_extra)
     cached[-1].current_stream_wait()
     recv_bf16 = fp8.per_token_cast_back(*recv_x) if use_fp8 else recv_x
     y = expert_output(recv_bf16, rank)
@@ -565,3 +577,51 @@ def zero_copy_without_area():
     except ValueError as exc:
         return str(exc)
     return "returned"
+
+
+def zero_copy_dispatch_rounds(p: Problem, repeats: int, use_fp8: bool, num_worst_tokens: int = 0):
+    """`repeats` zero-copy dispatches (slots 0, 1, 0, ...) of different rows, each next to an ordinary
+    dispatch of the same: per repeat (zero-copy outputs, ordinary outputs, whether the previous
+    zero-copy recv_x still held its rows after this one's zero-copy dispatch)."""
+    inp = my_inputs(p)
+    buffer = normal_buffer(p.hidden, num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p))
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
+    args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"], num_worst_tokens=num_worst_tokens)
+    results, previous = [], None
+    for i in range(repeats):
+        x = inp["x"] * (i + 1)
+        x = fp8.per_token_cast_to_fp8(x) if use_fp8 else x
+        zero_copy = buffer.dispatch(x, zero_copy=True, **args)
+        intact = None if previous is None else torch.equal(previous[0].view(torch.uint8), previous[1].view(torch.uint8))
+        plain = buffer.dispatch(x, **args)
+        recv = zero_copy[0][0] if use_fp8 else zero_copy[0]
+        previous = (recv, recv.clone())
+        results.append((cpu(zero_copy[:4]), cpu(plain[:4]), intact))
+    return results
+
+
+def zero_copy_dispatch_overflow(p: Problem, capacity_rows: int):
+    """A zero-copy dispatch area of `capacity_rows` rows per slot: (what the zero-copy dispatch did,
+    rows an ordinary dispatch then received, what a num_worst_tokens zero-copy dispatch past the
+    capacity did, what one without the area did)."""
+    inp = my_inputs(p)
+    area = zero_copy_dispatch_bytes(capacity_rows, p.hidden * 2, 0, p.num_topk)  # bf16 rows: exactly that many
+    buffer = normal_buffer(p.hidden, num_zero_copy_dispatch_bytes=area)
+    bare = normal_buffer(p.hidden)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
+    args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"])
+
+    def outcome(call):
+        try:
+            call()
+            return "returned"
+        except ValueError as exc:
+            return str(exc)
+
+    first = outcome(lambda: buffer.dispatch(inp["x"], zero_copy=True, **args))
+    received = buffer.dispatch(inp["x"], **args)[0].shape[0]
+    worst = outcome(lambda: buffer.dispatch(inp["x"], zero_copy=True, num_worst_tokens=capacity_rows + 100, **args))
+    without = outcome(lambda: bare.dispatch(inp["x"], zero_copy=True, **args))
+    return first, received, worst, without

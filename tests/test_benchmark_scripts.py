@@ -25,7 +25,7 @@ def test_intranode_benchmark_sweeps(tmp_path):
                "--json", str(tmp_path / "b.jsonl"))
     lines = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
     modes = {(r["sms"], r["recv_tokens"], r["mode"]) for r in lines}
-    assert len(modes) == 2 * 2 * 4 and len(lines) == len(modes)
+    assert len(modes) == 2 * 2 * 6 and len(lines) == len(modes)
     assert "best chunk at 2 ranks, 16 SMs, combine" in out
     assert "best chunk at 2 ranks, 8 SMs, dispatch_fp8" in out
 

@@ -9,7 +9,7 @@ import torch
 from moe_ep import Config, _native
 
 from . import rank_fns
-from .problems import Problem
+from .problems import Problem, same_bits as _same
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,14 +21,6 @@ pytestmark = [
 SHORT_TIMEOUT = {"MOE_EP_TIMEOUT_S": "2.0"}
 FIELDS = ("recv_x", "recv_idx", "recv_w", "counts", "cached", "cached_rest", "combined", "combined_w",
           "num_recv_rows")
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def _compare(seed, on_gpu, on_cpu):
@@ -100,6 +92,46 @@ def test_zero_copy_combine_gives_the_ordinary_bits(gpu_pools, seed, num_ranks, h
 def test_zero_copy_combine_needs_its_area(gpu_pools):
     for message in gpu_pools(2).run(rank_fns.zero_copy_without_area):
         assert "num_zero_copy_combine_bytes" in message, message
+
+
+@pytest.mark.parametrize("num_ranks,hidden,variant", [
+    (2, 512, dict(use_fp8=True, num_biases=1)),
+    (3, 132, dict()),  # rows of 264 bytes: not 16-byte vectors, one copy per destination
+    (4, 512, dict(with_topk=False, stream_args=True)),
+    (5, 2052, dict(num_worst_tokens=300)),
+    (8, 2048, dict(use_fp8=True, num_worst_tokens=512)),
+])
+def test_zero_copy_dispatch_equals_portable(pools, gpu_pools, seed, num_ranks, hidden, variant):
+    """Both dispatches of a round zero-copy (rows stored straight into the receivers' slots): the
+    portable backend's bits, the first recv_x read after the cached dispatch filled the other slot."""
+    p = Problem(seed, num_ranks, num_ranks * 8, hidden, 6, max_tokens=96)
+    _compare(seed, *_both(pools, gpu_pools, num_ranks, rank_fns.normal_round, p, zero_copy_dispatch=True, **variant))
+
+
+@pytest.mark.parametrize("num_ranks,use_fp8,num_worst_tokens", [(2, True, 0), (4, False, 200), (8, False, 0)])
+def test_zero_copy_dispatch_slots_alternate(gpu_pools, seed, num_ranks, use_fp8, num_worst_tokens):
+    """Three zero-copy dispatches (slots 0, 1, 0) of different rows: an ordinary dispatch's outputs
+    each time, and each recv_x intact after the next zero-copy dispatch."""
+    p = Problem(seed, num_ranks, num_ranks * 4, 1024, 4, max_tokens=64)
+    for rank, results in enumerate(gpu_pools(num_ranks).run(rank_fns.zero_copy_dispatch_rounds, p, 3, use_fp8,
+                                                            num_worst_tokens)):
+        for i, (zero_copy, plain, intact) in enumerate(results):
+            assert _same(zero_copy, plain), f"seed {seed} rank {rank}, dispatch {i}"
+            assert intact in (None, True), f"seed {seed} rank {rank}, dispatch {i}: the previous recv_x changed"
+
+
+def test_zero_copy_dispatch_too_small_is_refused_and_the_buffer_goes_on(gpu_pools, seed):
+    """A slot too small for a rank's rows: that rank gets the ValueError after a kernel that kept every
+    rank in step (the next dispatch works); num_worst_tokens past the slot and a Buffer without the
+    area are refused before anything runs."""
+    for first, received, worst, without in gpu_pools(3).run(rank_fns.zero_copy_dispatch_overflow,
+                                                            Problem(seed, 3, 12, 128, 3, max_tokens=24), 5):
+        if received > 5:
+            assert "num_zero_copy_dispatch_bytes: rank" in first and f"receives {received} rows" in first, first
+        else:
+            assert first == "returned", first
+        assert "num_zero_copy_dispatch_bytes" in worst and "receives 105 rows" in worst, worst
+        assert "zero_copy: this Buffer has no zero-copy dispatch area" in without, without
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])

@@ -145,6 +145,18 @@ struct ZeroCopyArgs {
     int64_t capacity_rows;   // rows a slot holds (the same on every rank)
 };
 void zero_copy_combine(const Ctx& ctx, const CombineArgs& args, const ZeroCopyArgs& z);
+// Zero-copy dispatch: every rank writes its rows straight into the receivers' zero-copy areas, at
+// their final rows (one pass), and args.recv_x / args.recv_scales are ignored: the receiver's outputs
+// are its own slot. A slot holds [capacity rows of x | of scales | of K int64 local ids | of K float
+// weights | of int32 source tokens], each part at its offset (16-byte aligned); the receiver copies
+// the ids, weights and source tokens into args' tensors. Needs a notify run with Ctx::zero_copy_bases.
+struct ZeroCopyDispatchArgs {
+    uint8_t* const* areas;   // device array [R]: every rank's zero-copy dispatch area as mapped here
+    int64_t slot_offset;     // bytes from an area's start to this call's slot (the same on every rank)
+    int64_t capacity_rows;   // rows a slot holds (the same on every rank)
+    int64_t x_offset, scale_offset, idx_offset, weight_offset, src_offset;  // from the slot's start
+};
+void zero_copy_dispatch(const Ctx& ctx, const DispatchArgs& args, const ZeroCopyDispatchArgs& z);
 // Rows per ring of the streaming combine for rows of x_bytes (ctx.stream_combine); 0: it is off, or
 // there are more than 32 ranks, fewer than 2 blocks or no room for a ring row, and combine uses windows.
 int stream_ring_rows(const Ctx& ctx, int64_t x_bytes, int num_topk);

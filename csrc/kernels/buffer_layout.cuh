@@ -41,7 +41,9 @@ enum SignalArray : int {
     kReleasedBy = 2,   // [R] peer r finished pulling this rank's window w
     kOpenFrom = 3,     // [R] peer r accepts combine rows for its windows <= w
     kPushedFrom = 4,   // [R] peer r pushed its combine rows of this rank's window w
-    kZeroCopyReadyFrom = 5,  // [R] peer r's rows (and weights) of a zero-copy combine are in its area
+    kZeroCopyReadyFrom = 5,  // [R] zero-copy combine: peer r's rows (and weights) are in its area;
+                             // zero-copy dispatch: step 0, peer r started the call (its slot is free),
+                             // step 1, peer r's rows are in this rank's area
     kNumArraySlots = 6,
 };
 

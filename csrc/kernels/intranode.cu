@@ -848,6 +848,152 @@ template <typename S>
 struct DispatchKernel {
     static constexpr auto fn = dispatch_kernel<S>;
 };
+// ------------------------------------------------------------------ zero-copy dispatch
+// A warp stores one row into every destination of `to` (lane j of the mask holds destination j's
+// address in `dst`), reading each vector of the source once: a token sent to several ranks costs one
+// read. All lanes make the same trips (the destinations come by shuffle).
+// Rows not 16-byte aligned: one copy per destination (kept out of line: it would cost the common
+// path registers).
+__device__ __noinline__ void warp_copy_each(uint8_t* dst, unsigned to, const uint8_t* src, int64_t bytes, int lane) {
+    for (unsigned rest = to; rest != 0; rest &= rest - 1)
+        warp_copy<Src::kReadOnly, 2>(reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(dst), __ffs(rest) - 1)),
+                                     src, bytes, lane);
+}
+template <int kDepth>
+__device__ void warp_copy_to_all(uint8_t* dst, unsigned to, const uint8_t* src, int64_t bytes, int lane) {
+    const bool dst_aligned = !(to >> lane & 1u) || reinterpret_cast<uintptr_t>(dst) % 16 == 0;
+    const bool wide = __all_sync(kFullMask, dst_aligned) && (static_cast<uint64_t>(bytes) | reinterpret_cast<uintptr_t>(src)) % 16 == 0;
+    if (!wide) return warp_copy_each(dst, to, src, bytes, lane);
+    const int4* from = reinterpret_cast<const int4*>(src);
+    const int64_t vectors = bytes / 16;
+    int64_t base = 0;
+    for (; base + kDepth * 32 <= vectors; base += kDepth * 32) {
+        int4 v[kDepth];
+#pragma unroll
+        for (int j = 0; j < kDepth; ++j) v[j] = __ldg(from + base + lane + j * 32);
+        for (unsigned rest = to; rest != 0; rest &= rest - 1) {
+            int4* row = reinterpret_cast<int4*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(dst), __ffs(rest) - 1));
+#pragma unroll
+            for (int j = 0; j < kDepth; ++j) row[base + lane + j * 32] = v[j];
+        }
+    }
+    for (; base < vectors; base += 32) {
+        const int64_t i = base + lane;
+        int4 v{};
+        if (i < vectors) v = __ldg(from + i);
+        for (unsigned rest = to; rest != 0; rest &= rest - 1) {
+            int4* row = reinterpret_cast<int4*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(dst), __ffs(rest) - 1));
+            if (i < vectors) row[i] = v;
+        }
+    }
+}
+
+// One pass: every rank stores its tokens' rows, scales, local top-k and source index straight into
+// the receivers' slots at their final rows (the receiver's rows from source s start at s's
+// first_row_at, in token order: the portable order). Three steps:
+//  1. announce the call to every peer and wait for every peer's announcement: a peer's slot is free
+//     once it started this call (it last used the slot two zero-copy dispatches ago, and its caller
+//     finished with those outputs before making this call);
+//  2. store; the last block announces to every peer that this rank's rows are in place;
+//  3. wait for every peer's rows, then copy ids, weights and source tokens out of this rank's slot
+//     into the outputs (recv_x and the scales are the slot itself) and fill num_worst_tokens padding.
+template <typename S>
+__global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
+    zero_copy_dispatch_kernel(Ctx c, DispatchArgs a, ZeroCopyDispatchArgs z) {
+    const Env e = make_env(c);
+    const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
+    const Warps warps = grid_warps<S::kWarps>();
+    const int* first_row_at = a.recv_info + 3 + 2 * R;
+    // Loads in flight per lane: the destinations' addresses live in registers too, so the 64-register
+    // shapes take fewer than their kCopyDepth (6 spilled).
+    constexpr int kDepth = S::kMinBlocks == 1 ? S::kCopyDepth : 6;
+    bool ok = load_volatile(e.own(kAbort)) == 0;
+    if (ok && blockIdx.x == 0)
+        for (int r = threadIdx.x; r < R; r += blockDim.x) raise_flag(e.peer_array(r, kZeroCopyReadyFrom, me), tag(e.seq, 0));
+    ok = ok && block_wait(e, kZeroCopyReadyFrom, 0, R, tag(e.seq, 0), kErrNotify, 0);
+    // Wait profile phases: "stage" = the announcement, "pull" = the stores, "reduce" = the copy out.
+    uint64_t since = end_phase(e, kPhaseStage, e.start);
+    if (ok) {
+        for (int64_t t = warps.warp; t < a.num_tokens; t += warps.num_warps) {
+            int64_t expert = -1;
+            float weight = 0.f;
+            if (a.topk_idx != nullptr && lane < K) {
+                expert = __ldg(a.topk_idx + t * K + lane);
+                weight = __ldg(a.topk_weights + t * K + lane);
+            }
+            for (int r0 = 0; r0 < R; r0 += 32) {
+                const int r = r0 + lane;
+                // A row past the slot's capacity is dropped; its receiver reports the overflow.
+                int64_t row = -1;
+                if (r < R) {
+                    const int p = __ldg(a.send_pos + t * R + r);
+                    if (p >= 0 && first_row_at[r] + p < z.capacity_rows) row = first_row_at[r] + p;
+                }
+                const unsigned to = __ballot_sync(kFullMask, row >= 0);
+                if (to == 0) continue;
+                uint8_t* slot = row >= 0 ? z.areas[r] + z.slot_offset : nullptr;
+                warp_copy_to_all<kDepth>(row >= 0 ? slot + z.x_offset + row * a.x_bytes : nullptr, to,
+                                                static_cast<const uint8_t*>(a.x) + t * a.x_bytes, a.x_bytes, lane);
+                if (a.scale_bytes > 0)
+                    warp_copy_to_all<kDepth>(row >= 0 ? slot + z.scale_offset + row * a.scale_bytes : nullptr, to,
+                                                    static_cast<const uint8_t*>(a.scales) + t * a.scale_bytes,
+                                                    a.scale_bytes, lane);
+                for (unsigned rest = to; rest != 0; rest &= rest - 1) {
+                    const int j = __ffs(rest) - 1, dest = r0 + j;
+                    const int64_t at = __shfl_sync(kFullMask, row, j);
+                    uint8_t* dest_slot = z.areas[dest] + z.slot_offset;
+                    if (a.topk_idx != nullptr && lane < K) {
+                        const int64_t local = expert - static_cast<int64_t>(dest) * a.experts_per_rank;
+                        const bool here = expert >= 0 && local >= 0 && local < a.experts_per_rank;
+                        reinterpret_cast<int64_t*>(dest_slot + z.idx_offset)[at * K + lane] = here ? local : -1;
+                        reinterpret_cast<float*>(dest_slot + z.weight_offset)[at * K + lane] = here ? weight : 0.f;
+                    }
+                    if (lane == 0) reinterpret_cast<int*>(dest_slot + z.src_offset)[at] = static_cast<int>(t);
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (ok && threadIdx.x == 0 && arrive_last(e.own(kStageCount), warps.blocks))
+        for (int r = 0; r < R; ++r) raise_flag(e.peer_array(r, kZeroCopyReadyFrom, me), tag(e.seq, 1));
+    since = end_phase(e, kPhasePull, since);
+    ok = ok && block_wait(e, kZeroCopyReadyFrom, 0, R, tag(e.seq, 1), kErrStaged, 0);
+    if (ok) {
+        const int total = a.recv_info[1];
+        const int64_t kept = min(static_cast<int64_t>(total), min(static_cast<int64_t>(a.num_recv_rows), z.capacity_rows));
+        if (blockIdx.x == 0 && threadIdx.x == 0 && total > kept) reinterpret_cast<volatile int*>(e.host)[kHostOverflow] = total;
+        const uint8_t* own = z.areas[me] + z.slot_offset;
+        const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+        const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
+        if (a.recv_topk_idx != nullptr) {
+            for (int64_t i = thread; i < kept * K; i += threads) {
+                a.recv_topk_idx[i] = __ldcg(reinterpret_cast<const long long*>(own + z.idx_offset) + i);
+                a.recv_topk_weights[i] = __ldcg(reinterpret_cast<const float*>(own + z.weight_offset) + i);
+            }
+        }
+        for (int64_t i = thread; i < kept; i += threads) a.recv_src_idx[i] = __ldcg(reinterpret_cast<const int*>(own + z.src_offset) + i);
+        // Padding rows of a num_worst_tokens dispatch: no data, no expert.
+        uint8_t* own_rows = z.areas[me] + z.slot_offset;
+        for (int64_t row = kept + warps.warp; row < a.num_recv_rows; row += warps.num_warps) {
+            for (int64_t b = lane; b < a.x_bytes; b += 32) own_rows[z.x_offset + row * a.x_bytes + b] = 0;
+            for (int64_t b = lane; b < a.scale_bytes; b += 32) own_rows[z.scale_offset + row * a.scale_bytes + b] = 0;
+            if (a.recv_topk_idx != nullptr)
+                for (int k = lane; k < K; k += 32) {
+                    a.recv_topk_idx[row * K + k] = -1;
+                    a.recv_topk_weights[row * K + k] = 0.f;
+                }
+            if (lane == 0) a.recv_src_idx[row] = -1;
+        }
+    }
+    end_phase(e, kPhaseReduce, since);
+    finish_kernel(e, e.own(kDoneCount));
+}
+
+template <typename S>
+struct ZeroCopyDispatchKernel {
+    static constexpr auto fn = zero_copy_dispatch_kernel<S>;
+};
+
 // ------------------------------------------------------------------ zero-copy combine
 // The caller wrote its rows into its zero-copy area (Buffer.get_next_combine_buffer): one pass. Each
 // rank puts its rows' weights behind them, tells every peer its rows are in place, waits for every
@@ -997,6 +1143,12 @@ void combine(const Ctx& ctx, const CombineArgs& args) {
                                               stream_channels(ctx));
     else
         launch_for_rows<CombineKernels>(ctx, "intranode combine_kernel", args.dtype, wide, args, slot, window);
+}
+
+void zero_copy_dispatch(const Ctx& ctx, const DispatchArgs& args, const ZeroCopyDispatchArgs& z) {
+    if (ctx.num_ranks > kMaxRanks) throw std::runtime_error("moe_ep: intranode dispatch supports at most 64 ranks");
+    if (!ctx.zero_copy_bases) throw std::runtime_error("moe_ep: zero-copy dispatch needs a notify that found the peers' rows");
+    launch_shaped<ZeroCopyDispatchKernel>(ctx, "intranode zero_copy_dispatch_kernel", args, z);
 }
 
 void zero_copy_combine(const Ctx& ctx, const CombineArgs& args, const ZeroCopyArgs& z) {

@@ -14,7 +14,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..config import NUM_MAX_TOPK, Config
+from ..config import NUM_MAX_TOPK, Config, ZeroCopyDispatchSlot, zero_copy_dispatch_bytes, zero_copy_dispatch_slot
 from ..events import EventOverlap
 from ..handles import DispatchHandle
 from ..sync import ArrivalGate
@@ -26,6 +26,22 @@ _HOST_GRACE_S = 5.0
 # The streaming combine (per-channel rings, sending and receiving blocks at once) beat the windowed one
 # from 4 ranks up and lost at 2, on one GPU and on two (docs/PERFORMANCE.md, sixth session).
 STREAM_COMBINE_MIN_RANKS = 4
+
+
+def row_bytes(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.shape[1] * t.element_size()
+
+
+def zero_copy_dispatch_too_small(rank: int, rows: int, x: torch.Tensor, scales: Optional[torch.Tensor], num_topk: int,
+                                 area_bytes: int) -> str:
+    """The ValueError text when a zero-copy dispatch slot cannot hold a rank's received rows."""
+    needed = zero_copy_dispatch_bytes(rows, row_bytes(x), row_bytes(scales), num_topk)
+    return (
+        f"num_zero_copy_dispatch_bytes: rank {rank} receives {rows} rows of {row_bytes(x)} bytes "
+        f"(+{row_bytes(scales)} of scales, top-{num_topk}), which need {needed} bytes (two slots); the Buffer "
+        f"has {area_bytes}. Create it with at least that much (config.zero_copy_dispatch_bytes), the same on "
+        "every rank."
+    )
 
 
 def use_stream_combine(num_ranks: int) -> bool:
@@ -56,7 +72,7 @@ class IntranodeDispatchState:
 
 class IntranodeBackend:
     def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_nvl_bytes: int, comm_stream: torch.cuda.Stream,
-                 zero_copy_bytes: int = 0):
+                 zero_copy_bytes: int = 0, zero_copy_dispatch_bytes: int = 0):
         self.peers = PeerBuffers(group, gate, num_nvl_bytes, "dispatch")
         self.ops = self.peers.ops
         self.rank, self.num_ranks = self.peers.rank, self.peers.num_ranks
@@ -71,18 +87,20 @@ class IntranodeBackend:
         )
         self.ctx.stream_combine = use_stream_combine(self.num_ranks)
         # Zero-copy combine: a second mapped area of two slots, where callers write their combine rows
-        # (get_next_combine_buffer) and the ranks that own the tokens read them. Every rank's slots must
-        # hold the same rows, since the kernels bound peers' rows by their own capacity.
+        # (get_next_combine_buffer) and the ranks that own the tokens read them.
         self.zero_copy: Optional[PeerBuffers] = None
         self.zero_copy_bytes = zero_copy_bytes
         self._zero_copy_views = {}
         if zero_copy_bytes > 0:
-            sizes = [None] * self.num_ranks
-            dist.all_gather_object(sizes, zero_copy_bytes, group=group)
-            if len(set(sizes)) != 1:
-                raise ValueError(f"num_zero_copy_combine_bytes: expected the same value on every rank, got {sizes}")
-            self.zero_copy = PeerBuffers(group, gate, zero_copy_bytes, "zero-copy combine area")
-            self.ctx.zero_copy_bases = True
+            self.zero_copy = self._zero_copy_area(group, gate, zero_copy_bytes, "combine")
+        # Zero-copy dispatch: a third mapped area of two slots, into which the senders store the rows
+        # at their final place (zero_copy_dispatch_slot), so that recv_x is a view of it.
+        self.zero_copy_dispatch: Optional[PeerBuffers] = None
+        self.zero_copy_dispatch_bytes = zero_copy_dispatch_bytes
+        self._dispatch_next = 0
+        self._dispatch_slot_bytes = {}  # (slot, slot bytes): that slot as a uint8 tensor
+        if zero_copy_dispatch_bytes > 0:
+            self.zero_copy_dispatch = self._zero_copy_area(group, gate, zero_copy_dispatch_bytes, "dispatch")
         self.comm_stream = comm_stream
         self._nonce = 0
         self._fitting_sms = set()  # SM budgets known to fit this GPU together with its other ranks
@@ -92,10 +110,21 @@ class IntranodeBackend:
         self._wait_rows = {} if os.environ.get("MOE_EP_PROFILE_WAITS") == "1" else None
         self._wait_slots = layout["wait_slots"]
 
+    def _zero_copy_area(self, group, gate, size: int, kind: str) -> PeerBuffers:
+        """A mapped area for zero-copy calls. Every rank's slots must hold the same rows, since the
+        kernels bound peers' rows by their own capacity."""
+        sizes = [None] * self.num_ranks
+        dist.all_gather_object(sizes, size, group=group)
+        if len(set(sizes)) != 1:
+            raise ValueError(f"num_zero_copy_{kind}_bytes: expected the same value on every rank, got {sizes}")
+        self.ctx.zero_copy_bases = True  # notify finds where this rank's rows start at every peer
+        return PeerBuffers(group, gate, size, f"zero-copy {kind} area")
+
     def close(self) -> None:
         self.peers.close()
-        if self.zero_copy is not None:
-            self.zero_copy.close()
+        for area in (self.zero_copy, self.zero_copy_dispatch):
+            if area is not None:
+                area.close()
 
     # ---------------------------------------------------------------- errors the kernels reported
     def check_errors(self) -> None:
@@ -204,7 +233,10 @@ class IntranodeBackend:
         previous_event: Optional[EventOverlap],
         async_finish: bool,
         allocate_on_comm_stream: bool,
+        zero_copy: bool = False,
     ):
+        """zero_copy: the senders store the rows into this rank's zero-copy dispatch area, and recv_x (and
+        the scales) are views of its next slot."""
         self._start_call("dispatch", config.num_sms)
         cached = handle is not None
         worst = handle.num_worst_tokens if cached else num_worst_tokens
@@ -217,6 +249,13 @@ class IntranodeBackend:
         scales = aligned(x_parts[1]) if len(x_parts) == 2 else None
         if not cached and topk_idx is not None:
             topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
+        slot = None
+        if zero_copy:
+            num_topk = topk_idx.shape[1] if not cached and topk_idx is not None else 0
+            slot = self.zero_copy_dispatch_layout(x, scales, num_topk)
+            if worst > slot.capacity:  # before the count exchange: every rank finds the same
+                raise ValueError(zero_copy_dispatch_too_small(self.rank, worst, x, scales, num_topk,
+                                                              self.zero_copy_dispatch_bytes))
         compute = self._enter(previous_event)
         local = num_tokens_per_expert.shape[0] // self.num_ranks if not cached else 0
         with torch.cuda.stream(self.comm_stream):
@@ -240,25 +279,52 @@ class IntranodeBackend:
                 else:
                     send_counts, recv_counts, per_expert = self._wait_counts(local)
                     rows = sum(recv_counts)
+        # More rows than a zero-copy slot holds: the kernel still runs (the peers' kernels wait for this
+        # rank's) and drops the rows past it; the ValueError follows below.
+        overflow = rows if slot is not None and rows > slot.capacity else 0
+        if overflow:
+            rows = slot.capacity
+        if not cached:
+            with torch.cuda.stream(self.comm_stream):
                 state.recv_src_idx = torch.empty(rows, dtype=torch.int32, device=x.device)
         alloc = self.comm_stream if allocate_on_comm_stream else compute
         with torch.cuda.stream(alloc):
-            recv_x = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
-            recv_scales = None if scales is None else torch.empty((rows, scales.shape[1]), dtype=scales.dtype, device=x.device)
+            if slot is None:
+                recv_x = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
+                recv_scales = None if scales is None else torch.empty((rows, scales.shape[1]), dtype=scales.dtype, device=x.device)
+            else:
+                recv_x = self._zero_copy_dispatch_view(slot, slot.x_offset, rows, x)
+                recv_scales = None if scales is None else self._zero_copy_dispatch_view(slot, slot.scale_offset, rows, scales)
             recv_idx = recv_weights = None
             if not cached and topk_idx is not None:
                 recv_idx = torch.empty((rows, topk_idx.shape[1]), dtype=torch.int64, device=x.device)
                 recv_weights = torch.empty((rows, topk_idx.shape[1]), dtype=torch.float32, device=x.device)
         with torch.cuda.stream(self.comm_stream):
-            self.ops.intranode_dispatch(
-                self.ctx, config.num_sms, x, scales, None if cached else topk_idx, None if cached else topk_weights,
-                local, state.send_pos, state.recv_info, recv_x, recv_scales, recv_idx, recv_weights, state.recv_src_idx,
-            )
+            ids = (None, None) if cached else (topk_idx, topk_weights)
+            if slot is None:
+                self.ops.intranode_dispatch(
+                    self.ctx, config.num_sms, x, scales, *ids, local, state.send_pos, state.recv_info, recv_x,
+                    recv_scales, recv_idx, recv_weights, state.recv_src_idx,
+                )
+            else:
+                self.ops.intranode_zero_copy_dispatch(
+                    self.ctx, config.num_sms, x, scales, *ids, local, state.send_pos, state.recv_info, rows,
+                    recv_idx, recv_weights, state.recv_src_idx, self.zero_copy_dispatch.pointers.data_ptr(),
+                    self._dispatch_next * slot.slot_bytes, slot.capacity, slot.offsets,
+                )
+                self._dispatch_next ^= 1
         recv = [recv_x] if scales is None else [recv_x, recv_scales]
+        # A zero-copy slot is not the caching allocator's memory (no record_stream): the Buffer keeps it.
         event = self._leave(
             compute, async_finish, allocate_on_comm_stream,
-            [x, scales, topk_idx, topk_weights, is_token_in_rank], recv + [recv_idx, recv_weights],
+            [x, scales, topk_idx, topk_weights, is_token_in_rank],
+            (recv if slot is None else []) + [recv_idx, recv_weights],
         )
+        if overflow:
+            self.comm_stream.synchronize()
+            self._host[HOST_OVERFLOW] = 0  # reported here, not as a num_worst_tokens overflow
+            raise ValueError(zero_copy_dispatch_too_small(self.rank, overflow, x, scales, num_topk,
+                                                          self.zero_copy_dispatch_bytes))
         if cached:
             return recv, None, None, None, None, event
         counts_list = []
@@ -287,6 +353,20 @@ class IntranodeBackend:
         send_counts = [h[HOST_COUNTS + r + d] for d in range(r)]
         per_expert = [h[HOST_COUNTS + 2 * r + e] for e in range(local)]
         return send_counts, recv_counts, per_expert
+
+    # ---------------------------------------------------------------- zero-copy dispatch
+    def zero_copy_dispatch_layout(self, x: torch.Tensor, scales: Optional[torch.Tensor], num_topk: int) -> ZeroCopyDispatchSlot:
+        return zero_copy_dispatch_slot(self.zero_copy_dispatch_bytes, row_bytes(x), row_bytes(scales), num_topk)
+
+    def _zero_copy_dispatch_view(self, slot: ZeroCopyDispatchSlot, offset: int, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """[rows, like's columns] of like's dtype at `offset` of this rank's next zero-copy dispatch slot."""
+        key = (self._dispatch_next, slot.slot_bytes)
+        base = self._dispatch_slot_bytes.get(key)
+        if base is None:  # kept: a view of mapped memory costs host time, slicing it little
+            address = self.zero_copy_dispatch.addresses[self.rank] + self._dispatch_next * slot.slot_bytes
+            base = self._dispatch_slot_bytes[key] = device_view(address, slot.slot_bytes, self.zero_copy_dispatch.device)
+        width = like.shape[1] * like.element_size()
+        return base[offset: offset + rows * width].view(like.dtype).view(rows, like.shape[1])
 
     # ---------------------------------------------------------------- zero-copy combine
     def _zero_copy_slot(self, row_bytes: int):
