@@ -22,11 +22,14 @@ def test_deepep_dispatcher_matches_dense_layer_and_alltoall(pools, seed, num_ran
         assert a["tokens_per_expert"] == b["tokens_per_expert"]
 
 
-def test_zero_copy_combine_in_the_dispatcher_changes_nothing(pools, seed):
-    """MOE_EP_ZERO_COPY_COMBINE=1: the unpermute writes into the Buffer's zero-copy combine rows; the
-    forward and the gradients stay those of the ordinary path."""
+@pytest.mark.parametrize("env", [{"MOE_EP_ZERO_COPY_COMBINE": "1"}, {"MOE_EP_ZERO_COPY_DISPATCH": "1"},
+                                 {"MOE_EP_ZERO_COPY_COMBINE": "1", "MOE_EP_ZERO_COPY_DISPATCH": "1"}],
+                         ids=["combine", "dispatch", "both"])
+def test_zero_copy_in_the_dispatcher_changes_nothing(pools, seed, env):
+    """MOE_EP_ZERO_COPY_COMBINE=1: the unpermute writes into the Buffer's zero-copy combine rows;
+    MOE_EP_ZERO_COPY_DISPATCH=1: the dispatches (the backward's too) are zero-copy ones. The forward
+    and the gradients stay those of the ordinary path."""
     args = (seed % 10000, 4, 2, 32)
-    env = {"MOE_EP_ZERO_COPY_COMBINE": "1"}
     ours = pools(2).run(rank_fns.with_env, env, megatron_fns.moe_forward_backward, *args, "deepep", 24)
     plain = pools(2).run(megatron_fns.moe_forward_backward, *args, "deepep", 24)
     for rank, (a, b) in enumerate(zip(ours, plain)):

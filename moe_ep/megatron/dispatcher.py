@@ -8,6 +8,9 @@ waits are free). Communication state lives in one small object (`_CommState`) pe
 Autograd: the backward of dispatch is a combine over the same handle, the backward of combine is a
 cached dispatch. MOE_EP_ZERO_COPY_COMBINE=1: the local unpermute writes straight into the Buffer's
 zero-copy combine rows, which the token owners then sum where they lie (one pass less).
+MOE_EP_ZERO_COPY_DISPATCH=1: dispatches (also the backward's cached ones) store the rows straight into
+the receivers' zero-copy dispatch areas; recv_x lives there until the second dispatch after it, and
+the permute that follows each dispatch has read it long before.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from ..backends.intranode import zero_copy_pitch
 from ..buffer import Buffer
+from ..config import zero_copy_dispatch_bytes
 from ..events import EventOverlap
 
 
@@ -37,6 +41,8 @@ class _CommState:
     pending: Optional[EventOverlap] = None
     # combine_preprocess wrote its rows into the Buffer's zero-copy combine rows.
     zero_copy_rows: bool = False
+    # Dispatches store into the Buffer's zero-copy dispatch area (MOE_EP_ZERO_COPY_DISPATCH).
+    zero_copy_dispatch: bool = False
 
     def wait(self) -> None:
         if self.pending is not None:
@@ -50,16 +56,18 @@ def _async() -> dict:
     return dict(previous_event=Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
 
 
-def _zero_copy_requested() -> bool:
-    value = os.environ.get("MOE_EP_ZERO_COPY_COMBINE", "0")
+def _zero_copy_requested(direction: str) -> bool:
+    name = f"MOE_EP_ZERO_COPY_{direction.upper()}"
+    value = os.environ.get(name, "0")
     if value not in ("0", "1"):
-        raise ValueError(f"MOE_EP_ZERO_COPY_COMBINE: expected 0 or 1, got {value!r}")
+        raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
     return value == "1"
 
 
-def _buffer_for(group, hidden_bytes: int, current: Optional[Buffer], zero_copy_bytes: int = 0) -> Buffer:
-    """A Buffer of the group large enough for rows of hidden_bytes and a zero-copy combine area of
-    zero_copy_bytes (reused while it is)."""
+def _buffer_for(group, hidden_bytes: int, current: Optional[Buffer], zero_copy_bytes: int = 0,
+                zero_copy_dispatch: int = 0) -> Buffer:
+    """A Buffer of the group large enough for rows of hidden_bytes, a zero-copy combine area of
+    zero_copy_bytes and a zero-copy dispatch area of zero_copy_dispatch (reused while it is)."""
     size = group.size()
     nvl = max(
         Buffer.get_dispatch_config(size).get_nvl_buffer_size_hint(hidden_bytes, size),
@@ -75,9 +83,11 @@ def _buffer_for(group, hidden_bytes: int, current: Optional[Buffer], zero_copy_b
         and current.num_nvl_bytes >= nvl
         and current.num_rdma_bytes >= rdma
         and current.num_zero_copy_combine_bytes >= zero_copy_bytes
+        and current.num_zero_copy_dispatch_bytes >= zero_copy_dispatch
     ):
         return current
-    return Buffer(group, nvl, rdma, num_zero_copy_combine_bytes=zero_copy_bytes)
+    return Buffer(group, nvl, rdma, num_zero_copy_combine_bytes=zero_copy_bytes,
+                  num_zero_copy_dispatch_bytes=zero_copy_dispatch)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -93,6 +103,7 @@ class _Dispatch(torch.autograd.Function):
             num_tokens_per_expert=per_expert,
             topk_idx=topk_idx,
             topk_weights=topk_weights,
+            zero_copy=state.zero_copy_dispatch,
             **_async(),
         )
         state.handle, state.recv_topk_idx, state.tokens_per_expert = handle, recv_idx, counts
@@ -143,12 +154,12 @@ class _Combine(torch.autograd.Function):
         else:
             combined, _, event = state.buffer.combine(x.contiguous(), state.handle, **_async())
         state.pending = event  # combine_postprocess waits for it before the result is read
-        ctx.buffer, ctx.handle = state.buffer, state.handle
+        ctx.buffer, ctx.handle, ctx.zero_copy_dispatch = state.buffer, state.handle, state.zero_copy_dispatch
         return combined
 
     @staticmethod
     def backward(ctx, grad):
-        recv_grad = ctx.buffer.dispatch(grad.contiguous(), handle=ctx.handle)[0]
+        recv_grad = ctx.buffer.dispatch(grad.contiguous(), handle=ctx.handle, zero_copy=ctx.zero_copy_dispatch)[0]
         return recv_grad, None
 
 
@@ -166,8 +177,8 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         num_sms = getattr(config, "moe_deepep_num_sms", None)
         if num_sms:
             Buffer.set_num_sms(num_sms)
-        self._state = _CommState()
-        self._zero_copy = _zero_copy_requested()
+        self._state = _CommState(zero_copy_dispatch=_zero_copy_requested("dispatch"))
+        self._zero_copy = _zero_copy_requested("combine")
 
     def set_shared_experts(self, shared_experts):
         raise NotImplementedError(
@@ -209,7 +220,13 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         if self._zero_copy:
             row_bytes = hidden_states.shape[1] * hidden_states.element_size()
             zero_copy_bytes = 2 * hidden_states.shape[0] * self.group.size() * zero_copy_pitch(row_bytes)
-        self._state.buffer = _buffer_for(self.group, hidden_bytes, self._state.buffer, zero_copy_bytes)
+        zero_copy_dispatch = 0
+        if self._state.zero_copy_dispatch:  # the same rows, their top-k and, for any fp8 rows, scales
+            rows = hidden_states.shape[0] * self.group.size()
+            zero_copy_dispatch = zero_copy_dispatch_bytes(rows, hidden_bytes, hidden_states.shape[1] // 128 * 4,
+                                                          self.router_topk)
+        self._state.buffer = _buffer_for(self.group, hidden_bytes, self._state.buffer, zero_copy_bytes,
+                                         zero_copy_dispatch)
         return _Dispatch.apply(hidden_states, probs, self._topk_idx, self.num_experts, self._state)
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
