@@ -112,7 +112,8 @@ struct DispatchArgs {
     int64_t* recv_topk_idx;       // local ids, -1 elsewhere
     float* recv_topk_weights;
     int* recv_src_idx;            // [num_recv_rows] source token index of each row (for combine)
-    int num_recv_rows;            // rows allocated; rows past the received ones are padding
+    int num_recv_rows;            // rows allocated; rows past the received ones are padding; -1
+                                  // (zero-copy dispatch only): exactly the received rows, read on the device
 };
 // Throws std::invalid_argument when the blocks of all ranks on this GPU cannot be resident together;
 // check_blocks_fit(ctx) says so before a call starts (the count exchange would run otherwise).

@@ -960,7 +960,10 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     ok = ok && block_wait(e, kZeroCopyReadyFrom, 0, R, tag(e.seq, 1), kErrStaged, 0);
     if (ok) {
         const int total = a.recv_info[1];
-        const int64_t kept = min(static_cast<int64_t>(total), min(static_cast<int64_t>(a.num_recv_rows), z.capacity_rows));
+        // num_recv_rows < 0: the outputs are exactly the received rows (the host did not know the count
+        // when it launched this kernel).
+        const int64_t rows_out = a.num_recv_rows < 0 ? min(static_cast<int64_t>(total), z.capacity_rows) : a.num_recv_rows;
+        const int64_t kept = min(static_cast<int64_t>(total), min(rows_out, z.capacity_rows));
         if (blockIdx.x == 0 && threadIdx.x == 0 && total > kept) reinterpret_cast<volatile int*>(e.host)[kHostOverflow] = total;
         const uint8_t* own = z.areas[me] + z.slot_offset;
         const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -974,7 +977,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
         for (int64_t i = thread; i < kept; i += threads) a.recv_src_idx[i] = __ldcg(reinterpret_cast<const int*>(own + z.src_offset) + i);
         // Padding rows of a num_worst_tokens dispatch: no data, no expert.
         uint8_t* own_rows = z.areas[me] + z.slot_offset;
-        for (int64_t row = kept + warps.warp; row < a.num_recv_rows; row += warps.num_warps) {
+        for (int64_t row = kept + warps.warp; row < rows_out; row += warps.num_warps) {
             for (int64_t b = lane; b < a.x_bytes; b += 32) own_rows[z.x_offset + row * a.x_bytes + b] = 0;
             for (int64_t b = lane; b < a.scale_bytes; b += 32) own_rows[z.scale_offset + row * a.scale_bytes + b] = 0;
             if (a.recv_topk_idx != nullptr)

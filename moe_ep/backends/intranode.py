@@ -258,11 +258,10 @@ class IntranodeBackend:
                                                               self.zero_copy_dispatch_bytes))
         compute = self._enter(previous_event)
         local = num_tokens_per_expert.shape[0] // self.num_ranks if not cached else 0
+        send_counts = recv_counts = per_expert = None
         with torch.cuda.stream(self.comm_stream):
-            send_counts = recv_counts = per_expert = None
             if cached:
                 state: IntranodeDispatchState = handle.backend_state
-                rows = handle.num_recv_rows
             else:
                 in_rank = is_token_in_rank.contiguous()
                 state = IntranodeDispatchState(
@@ -274,31 +273,34 @@ class IntranodeBackend:
                 self.ops.intranode_notify(
                     self.ctx, in_rank, num_tokens_per_expert.contiguous(), state.send_pos, state.recv_info, self._nonce
                 )
-                if worst:
-                    rows = worst
-                else:
-                    send_counts, recv_counts, per_expert = self._wait_counts(local)
-                    rows = sum(recv_counts)
-        # More rows than a zero-copy slot holds: the kernel still runs (the peers' kernels wait for this
-        # rank's) and drops the rows past it; the ValueError follows below.
-        overflow = rows if slot is not None and rows > slot.capacity else 0
-        if overflow:
-            rows = slot.capacity
+        # A zero-copy dispatch without num_worst_tokens starts before the host learns how many rows
+        # arrive (the kernel reads the count on the device): its side outputs are allocated for a full
+        # slot and cut to the count afterwards, and the host's wait overlaps the kernel.
+        early = slot is not None and not cached and not worst
+        if cached:
+            rows = handle.num_recv_rows
+        elif worst:
+            rows = worst
+        elif not early:
+            send_counts, recv_counts, per_expert = self._wait_counts(local)
+            rows = sum(recv_counts)
+        # Rows the outputs are allocated for. More rows than a zero-copy slot holds: the kernel still
+        # runs (the peers' kernels wait for this rank's) and drops the rows past it; a ValueError follows.
+        bound = slot.capacity if early else (min(rows, slot.capacity) if slot is not None else rows)
+        overflow = rows if not early and slot is not None and rows > slot.capacity else 0
         if not cached:
             with torch.cuda.stream(self.comm_stream):
-                state.recv_src_idx = torch.empty(rows, dtype=torch.int32, device=x.device)
+                state.recv_src_idx = torch.empty(bound, dtype=torch.int32, device=x.device)
         alloc = self.comm_stream if allocate_on_comm_stream else compute
+        recv_x = recv_scales = recv_idx = recv_weights = None
         with torch.cuda.stream(alloc):
             if slot is None:
                 recv_x = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
                 recv_scales = None if scales is None else torch.empty((rows, scales.shape[1]), dtype=scales.dtype, device=x.device)
-            else:
-                recv_x = self._zero_copy_dispatch_view(slot, slot.x_offset, rows, x)
-                recv_scales = None if scales is None else self._zero_copy_dispatch_view(slot, slot.scale_offset, rows, scales)
-            recv_idx = recv_weights = None
             if not cached and topk_idx is not None:
-                recv_idx = torch.empty((rows, topk_idx.shape[1]), dtype=torch.int64, device=x.device)
-                recv_weights = torch.empty((rows, topk_idx.shape[1]), dtype=torch.float32, device=x.device)
+                recv_idx = torch.empty((bound, topk_idx.shape[1]), dtype=torch.int64, device=x.device)
+                recv_weights = torch.empty((bound, topk_idx.shape[1]), dtype=torch.float32, device=x.device)
+        slot_index = self._dispatch_next
         with torch.cuda.stream(self.comm_stream):
             ids = (None, None) if cached else (topk_idx, topk_weights)
             if slot is None:
@@ -308,11 +310,24 @@ class IntranodeBackend:
                 )
             else:
                 self.ops.intranode_zero_copy_dispatch(
-                    self.ctx, config.num_sms, x, scales, *ids, local, state.send_pos, state.recv_info, rows,
-                    recv_idx, recv_weights, state.recv_src_idx, self.zero_copy_dispatch.pointers.data_ptr(),
-                    self._dispatch_next * slot.slot_bytes, slot.capacity, slot.offsets,
+                    self.ctx, config.num_sms, x, scales, *ids, local, state.send_pos, state.recv_info,
+                    -1 if early else bound, recv_idx, recv_weights, state.recv_src_idx,
+                    self.zero_copy_dispatch.pointers.data_ptr(), slot_index * slot.slot_bytes, slot.capacity,
+                    slot.offsets,
                 )
                 self._dispatch_next ^= 1
+        if early:
+            send_counts, recv_counts, per_expert = self._wait_counts(local)
+            rows = sum(recv_counts)
+            overflow = rows if rows > slot.capacity else 0
+            bound = min(rows, slot.capacity)
+            state.recv_src_idx = state.recv_src_idx[:bound]
+            if recv_idx is not None:
+                recv_idx, recv_weights = recv_idx[:bound], recv_weights[:bound]
+        if slot is not None:
+            recv_x = self._zero_copy_dispatch_view(slot, slot_index, slot.x_offset, bound, x)
+            recv_scales = None if scales is None else self._zero_copy_dispatch_view(slot, slot_index, slot.scale_offset,
+                                                                                    bound, scales)
         recv = [recv_x] if scales is None else [recv_x, recv_scales]
         # A zero-copy slot is not the caching allocator's memory (no record_stream): the Buffer keeps it.
         event = self._leave(
@@ -358,12 +373,13 @@ class IntranodeBackend:
     def zero_copy_dispatch_layout(self, x: torch.Tensor, scales: Optional[torch.Tensor], num_topk: int) -> ZeroCopyDispatchSlot:
         return zero_copy_dispatch_slot(self.zero_copy_dispatch_bytes, row_bytes(x), row_bytes(scales), num_topk)
 
-    def _zero_copy_dispatch_view(self, slot: ZeroCopyDispatchSlot, offset: int, rows: int, like: torch.Tensor) -> torch.Tensor:
-        """[rows, like's columns] of like's dtype at `offset` of this rank's next zero-copy dispatch slot."""
-        key = (self._dispatch_next, slot.slot_bytes)
+    def _zero_copy_dispatch_view(self, slot: ZeroCopyDispatchSlot, index: int, offset: int, rows: int,
+                                 like: torch.Tensor) -> torch.Tensor:
+        """[rows, like's columns] of like's dtype at `offset` of this rank's zero-copy dispatch slot `index`."""
+        key = (index, slot.slot_bytes)
         base = self._dispatch_slot_bytes.get(key)
         if base is None:  # kept: a view of mapped memory costs host time, slicing it little
-            address = self.zero_copy_dispatch.addresses[self.rank] + self._dispatch_next * slot.slot_bytes
+            address = self.zero_copy_dispatch.addresses[self.rank] + index * slot.slot_bytes
             base = self._dispatch_slot_bytes[key] = device_view(address, slot.slot_bytes, self.zero_copy_dispatch.device)
         width = like.shape[1] * like.element_size()
         return base[offset: offset + rows * width].view(like.dtype).view(rows, like.shape[1])
