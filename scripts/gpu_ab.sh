@@ -69,3 +69,6 @@ for v in "${VARIANTS[@]:1}"; do
   echo "== $v against A"
   $PY scripts/ab_summary.py "$OUT/ab_A.jsonl" "$OUT/ab_$v.jsonl"
 done | tee "$OUT/ab_summary.txt"
+# At most 8 files come back from the lent machines: the summary, and everything else in one archive.
+(cd "$OUT" && tar czf ab_logs.tar.gz --exclude ab_summary.txt --exclude ab_logs.tar.gz -- * && \
+  find . -maxdepth 1 -type f ! -name ab_summary.txt ! -name ab_logs.tar.gz -delete)
