@@ -852,10 +852,30 @@ struct DispatchKernel {
 // A warp stores one row into every destination of `to` (lane j of the mask holds destination j's
 // address in `dst`), reading each vector of the source once: a token sent to several ranks costs one
 // read. All lanes make the same trips (the destinations come by shuffle), and the last trip loads all
-// of a lane's remaining vectors at once (predicated), so a row costs ceil(vectors / (32 x kDepth))
-// memory latencies, not one more per 32-vector tail.
+// of a lane's remaining vectors at once (predicated).
 // kWide: `bytes`, src and every destination are 16-byte aligned (the kernel's launch checks the row
 // sizes; the bases are aligned); otherwise one copy per destination.
+// One trip of a row copy: vectors [base, base + 32 x kDepth) of it, lane-strided, predicated at the end.
+template <int kDepth>
+__device__ __forceinline__ void load_trip(int4 (&v)[kDepth], const int4* from, int64_t base, int64_t vectors, int lane) {
+    const int64_t left = vectors - base - lane;
+    const int4* in = from + base + lane;  // constant offsets from one address fold into the instructions
+#pragma unroll
+    for (int j = 0; j < kDepth; ++j)
+        if (j * 32 < left) v[j] = __ldg(in + j * 32);
+}
+template <int kDepth>
+__device__ __forceinline__ void store_trip(const int4 (&v)[kDepth], uint8_t* dst, unsigned to, int64_t base,
+                                           int64_t vectors, int lane) {
+    const int64_t left = vectors - base - lane;
+    for (unsigned rest = to; rest != 0; rest &= rest - 1) {
+        int4* out = reinterpret_cast<int4*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(dst), __ffs(rest) - 1)) + base + lane;
+#pragma unroll
+        for (int j = 0; j < kDepth; ++j)
+            if (j * 32 < left) out[j * 32] = v[j];
+    }
+}
+
 template <bool kWide, int kDepth>
 __device__ __forceinline__ void warp_copy_to_all(uint8_t* dst, unsigned to, const uint8_t* src, int64_t bytes, int lane) {
     if constexpr (!kWide) {
@@ -864,22 +884,19 @@ __device__ __forceinline__ void warp_copy_to_all(uint8_t* dst, unsigned to, cons
                                          src, bytes, lane);
         return;
     }
+    // Two register buffers of half the depth: the next trip's loads are in flight while this trip's
+    // stores issue, so the memory system never waits for the warp between trips.
+    constexpr int kHalf = kDepth / 2;
+    constexpr int64_t kStep = kHalf * 32;
     const int4* from = reinterpret_cast<const int4*>(src);
     const int64_t vectors = bytes / 16;
-    for (int64_t base = 0; base < vectors; base += kDepth * 32) {
-        // Offsets from one address per trip (constant offsets fold into the instructions).
-        const int64_t left = vectors - base - lane;
-        const int4* in = from + base + lane;
-        int4 v[kDepth];
-#pragma unroll
-        for (int j = 0; j < kDepth; ++j)
-            if (j * 32 < left) v[j] = __ldg(in + j * 32);
-        for (unsigned rest = to; rest != 0; rest &= rest - 1) {
-            int4* out = reinterpret_cast<int4*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(dst), __ffs(rest) - 1)) + base + lane;
-#pragma unroll
-            for (int j = 0; j < kDepth; ++j)
-                if (j * 32 < left) out[j * 32] = v[j];
-        }
+    int4 a[kHalf], b[kHalf];
+    load_trip(a, from, 0, vectors, lane);
+    for (int64_t base = 0; base < vectors; base += 2 * kStep) {
+        if (base + kStep < vectors) load_trip(b, from, base + kStep, vectors, lane);
+        store_trip(a, dst, to, base, vectors, lane);
+        if (base + 2 * kStep < vectors) load_trip(a, from, base + 2 * kStep, vectors, lane);
+        if (base + kStep < vectors) store_trip(b, dst, to, base + kStep, vectors, lane);
     }
 }
 
