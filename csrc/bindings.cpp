@@ -202,15 +202,15 @@ void intranode_notify(const IntranodeCtx& c, const torch::Tensor& is_token_in_ra
                       send_pos.data_ptr<int>(), recv_info.data_ptr<int>(), static_cast<int>(nonce));
 }
 
-void intranode_dispatch(const IntranodeCtx& c, int64_t num_blocks, const torch::Tensor& x,
-                        const std::optional<torch::Tensor>& scales, const std::optional<torch::Tensor>& topk_idx,
-                        const std::optional<torch::Tensor>& topk_weights, int64_t experts_per_rank,
-                        const torch::Tensor& send_pos, const torch::Tensor& recv_info, const torch::Tensor& recv_x,
-                        const std::optional<torch::Tensor>& recv_scales,
-                        const std::optional<torch::Tensor>& recv_topk_idx,
-                        const std::optional<torch::Tensor>& recv_topk_weights, const torch::Tensor& recv_src_idx) {
-    const c10::cuda::CUDAGuard guard(x.device());
-    for (const auto* t : {&x, &recv_x}) check_rows(*t, "x");
+// The arguments both dispatches share; each sets where the rows go.
+intranode::DispatchArgs dispatch_args(const torch::Tensor& x, const std::optional<torch::Tensor>& scales,
+                                      const std::optional<torch::Tensor>& topk_idx,
+                                      const std::optional<torch::Tensor>& topk_weights, int64_t experts_per_rank,
+                                      const torch::Tensor& send_pos, const torch::Tensor& recv_info,
+                                      const std::optional<torch::Tensor>& recv_topk_idx,
+                                      const std::optional<torch::Tensor>& recv_topk_weights,
+                                      const torch::Tensor& recv_src_idx) {
+    check_rows(x, "x");
     intranode::DispatchArgs a{};
     a.x = x.data_ptr();
     a.x_bytes = row_bytes(x);
@@ -223,11 +223,25 @@ void intranode_dispatch(const IntranodeCtx& c, int64_t num_blocks, const torch::
     a.send_pos = send_pos.data_ptr<int>();
     a.num_tokens = static_cast<int>(x.size(0));
     a.recv_info = recv_info.data_ptr<int>();
-    a.recv_x = recv_x.data_ptr();
-    a.recv_scales = optional_ptr<void>(recv_scales);
     a.recv_topk_idx = optional_ptr<int64_t>(recv_topk_idx);
     a.recv_topk_weights = optional_ptr<float>(recv_topk_weights);
     a.recv_src_idx = recv_src_idx.data_ptr<int>();
+    return a;
+}
+
+void intranode_dispatch(const IntranodeCtx& c, int64_t num_blocks, const torch::Tensor& x,
+                        const std::optional<torch::Tensor>& scales, const std::optional<torch::Tensor>& topk_idx,
+                        const std::optional<torch::Tensor>& topk_weights, int64_t experts_per_rank,
+                        const torch::Tensor& send_pos, const torch::Tensor& recv_info, const torch::Tensor& recv_x,
+                        const std::optional<torch::Tensor>& recv_scales,
+                        const std::optional<torch::Tensor>& recv_topk_idx,
+                        const std::optional<torch::Tensor>& recv_topk_weights, const torch::Tensor& recv_src_idx) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    check_rows(recv_x, "recv_x");
+    intranode::DispatchArgs a = dispatch_args(x, scales, topk_idx, topk_weights, experts_per_rank, send_pos, recv_info,
+                                              recv_topk_idx, recv_topk_weights, recv_src_idx);
+    a.recv_x = recv_x.data_ptr();
+    a.recv_scales = optional_ptr<void>(recv_scales);
     a.num_recv_rows = static_cast<int>(recv_x.size(0));
     intranode::dispatch(make_ctx(c, num_blocks), a);
 }
@@ -245,24 +259,10 @@ void intranode_zero_copy_dispatch(const IntranodeCtx& c, int64_t num_blocks, con
                                   const torch::Tensor& recv_src_idx, int64_t areas, int64_t slot_offset,
                                   int64_t capacity_rows, const std::vector<int64_t>& offsets) {
     const c10::cuda::CUDAGuard guard(x.device());
-    check_rows(x, "x");
     TORCH_CHECK(offsets.size() == 5, "offsets: expected x, scale, idx, weight and src offsets");
     TORCH_CHECK(num_recv_rows <= capacity_rows, "num_recv_rows: more than a zero-copy slot holds");
-    intranode::DispatchArgs a{};
-    a.x = x.data_ptr();
-    a.x_bytes = row_bytes(x);
-    a.scales = scales.has_value() ? scales->data_ptr() : nullptr;
-    a.scale_bytes = scales.has_value() ? row_bytes(*scales) : 0;
-    a.topk_idx = optional_ptr<const int64_t>(topk_idx);
-    a.topk_weights = optional_ptr<const float>(topk_weights);
-    a.num_topk = topk_idx.has_value() ? static_cast<int>(topk_idx->size(1)) : 0;
-    a.experts_per_rank = static_cast<int>(experts_per_rank);
-    a.send_pos = send_pos.data_ptr<int>();
-    a.num_tokens = static_cast<int>(x.size(0));
-    a.recv_info = recv_info.data_ptr<int>();
-    a.recv_topk_idx = optional_ptr<int64_t>(recv_topk_idx);
-    a.recv_topk_weights = optional_ptr<float>(recv_topk_weights);
-    a.recv_src_idx = recv_src_idx.data_ptr<int>();
+    intranode::DispatchArgs a = dispatch_args(x, scales, topk_idx, topk_weights, experts_per_rank, send_pos, recv_info,
+                                              recv_topk_idx, recv_topk_weights, recv_src_idx);
     a.num_recv_rows = static_cast<int>(num_recv_rows);
     const intranode::ZeroCopyDispatchArgs z{reinterpret_cast<uint8_t* const*>(areas), slot_offset, capacity_rows,
                                             offsets[0], offsets[1], offsets[2], offsets[3], offsets[4]};

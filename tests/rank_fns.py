@@ -24,6 +24,13 @@ def my_inputs(p: Problem):
     return {k: v.to(device()) for k, v in inputs.items()}
 
 
+def dispatch_args(buffer: Buffer, inp: dict, p: Problem) -> dict:
+    """The layout and top-k arguments of a dispatch of this rank's inputs."""
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
+    return dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"])
+
+
 def normal_buffer(hidden: int, config: Config = None, **kwargs) -> Buffer:
     num_ranks = dist.get_world_size()
     if config is not None:  # exactly what this config asks for (small configs: many windows)
@@ -549,10 +556,7 @@ def zero_copy_misuse():
     p = Problem(5, dist.get_world_size(), dist.get_world_size() * 2, 128, 2, max_tokens=8)
     inp = my_inputs(p)
     buffer = normal_buffer(p.hidden)
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
-    recv_x, _, _, _, handle, _ = buffer.dispatch(
-        inp["x"], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"])
+    recv_x, _, _, _, handle, _ = buffer.dispatch(inp["x"], **dispatch_args(buffer, inp, p))
     outcomes = []
     for attempt in (lambda: buffer.combine(recv_x, handle, zero_copy=True),
                     lambda: buffer.get_next_combine_buffer(handle, 0)):
@@ -569,9 +573,7 @@ def zero_copy_without_area():
     p = Problem(6, dist.get_world_size(), dist.get_world_size() * 2, 128, 2, max_tokens=8)
     inp = my_inputs(p)
     buffer = normal_buffer(p.hidden)
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
-    handle = buffer.dispatch(inp["x"], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                             num_tokens_per_expert=per_expert)[4]
+    handle = buffer.dispatch(inp["x"], **dispatch_args(buffer, inp, p))[4]
     try:
         buffer.get_next_combine_buffer(handle, p.hidden)
     except ValueError as exc:
@@ -585,9 +587,7 @@ def zero_copy_dispatch_rounds(p: Problem, repeats: int, use_fp8: bool, num_worst
     zero-copy recv_x still held its rows after this one's zero-copy dispatch)."""
     inp = my_inputs(p)
     buffer = normal_buffer(p.hidden, num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p))
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
-    args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"], num_worst_tokens=num_worst_tokens)
+    args = dict(dispatch_args(buffer, inp, p), num_worst_tokens=num_worst_tokens)
     results, previous = [], None
     for i in range(repeats):
         x = inp["x"] * (i + 1)
@@ -609,9 +609,7 @@ def zero_copy_dispatch_overflow(p: Problem, capacity_rows: int):
     area = zero_copy_dispatch_bytes(capacity_rows, p.hidden * 2, 0, p.num_topk)  # bf16 rows: exactly that many
     buffer = normal_buffer(p.hidden, num_zero_copy_dispatch_bytes=area)
     bare = normal_buffer(p.hidden)
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
-    args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"])
+    args = dispatch_args(buffer, inp, p)
 
     def outcome(call):
         try:

@@ -9,7 +9,8 @@ import torch
 from moe_ep import Config, _native
 
 from . import rank_fns
-from .problems import Problem, same_bits as _same
+from .problems import Problem, check_zero_copy_dispatch_refusals, check_zero_copy_dispatch_rounds
+from .problems import same_bits as _same
 
 pytestmark = [
     pytest.mark.gpu,
@@ -113,25 +114,16 @@ def test_zero_copy_dispatch_slots_alternate(gpu_pools, seed, num_ranks, use_fp8,
     """Three zero-copy dispatches (slots 0, 1, 0) of different rows: an ordinary dispatch's outputs
     each time, and each recv_x intact after the next zero-copy dispatch."""
     p = Problem(seed, num_ranks, num_ranks * 4, 1024, 4, max_tokens=64)
-    for rank, results in enumerate(gpu_pools(num_ranks).run(rank_fns.zero_copy_dispatch_rounds, p, 3, use_fp8,
-                                                            num_worst_tokens)):
-        for i, (zero_copy, plain, intact) in enumerate(results):
-            assert _same(zero_copy, plain), f"seed {seed} rank {rank}, dispatch {i}"
-            assert intact in (None, True), f"seed {seed} rank {rank}, dispatch {i}: the previous recv_x changed"
+    check_zero_copy_dispatch_rounds(gpu_pools(num_ranks).run(rank_fns.zero_copy_dispatch_rounds, p, 3, use_fp8,
+                                                              num_worst_tokens), seed)
 
 
 def test_zero_copy_dispatch_too_small_is_refused_and_the_buffer_goes_on(gpu_pools, seed):
     """A slot too small for a rank's rows: that rank gets the ValueError after a kernel that kept every
     rank in step (the next dispatch works); num_worst_tokens past the slot and a Buffer without the
     area are refused before anything runs."""
-    for first, received, worst, without in gpu_pools(3).run(rank_fns.zero_copy_dispatch_overflow,
-                                                            Problem(seed, 3, 12, 128, 3, max_tokens=24), 5):
-        if received > 5:
-            assert "num_zero_copy_dispatch_bytes: rank" in first and f"receives {received} rows" in first, first
-        else:
-            assert first == "returned", first
-        assert "num_zero_copy_dispatch_bytes" in worst and "receives 105 rows" in worst, worst
-        assert "zero_copy: this Buffer has no zero-copy dispatch area" in without, without
+    outcomes = gpu_pools(3).run(rank_fns.zero_copy_dispatch_overflow, Problem(seed, 3, 12, 128, 3, max_tokens=24), 5)
+    check_zero_copy_dispatch_refusals(outcomes, capacity_rows=5, worst_rows=105)
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
