@@ -32,6 +32,8 @@ def parse_args(argv=None):
                         help="overrides model.moe_token_dispatcher_type")
     parser.add_argument("--steps", type=int, help="overrides train.steps")
     parser.add_argument("--ranks-per-node", type=int, help="moe_ep: ranks sharing a node (default: by host name)")
+    parser.add_argument("--zero-copy", choices=["none", "dispatch", "combine", "both"],
+                        help="moe_ep: which intranode calls are one-pass ones (default: none)")
     parser.add_argument("--json-log", help="JSON lines, one per step (rank 0)")
     return parser.parse_args(argv)
 
@@ -102,6 +104,8 @@ def train(args) -> list:
     enable_cpu_execution()
     if args.ranks_per_node:
         os.environ["MOE_EP_RANKS_PER_NODE"] = str(args.ranks_per_node)
+    if args.zero_copy:
+        moe_ep.megatron.set_zero_copy(args.zero_copy)
     rank = dist.get_rank()
     torch.manual_seed(train_cfg["seed"])
     model = build_model(model_cfg, data_cfg, use_cuda, train_cfg["seed"])

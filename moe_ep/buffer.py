@@ -367,7 +367,8 @@ class Buffer:
         config.zero_copy_dispatch_bytes sizes it), one pass instead of two, and recv_x (and its scales)
         are views of it. Two slots alternate: the views stay valid until the second zero-copy dispatch
         after this one; work that reads them must be enqueued before that call is made (and be covered
-        by its previous_event, if one is passed). The portable backend returns tensors of its own."""
+        by its previous_event, if one is passed). A zero-copy dispatch captured in a CUDA graph writes the
+        slot it was captured with at every replay. The portable backend returns tensors of its own."""
         self._check_alive()
         if not isinstance(zero_copy, bool):
             raise TypeError(f"zero_copy: expected a bool, got {type(zero_copy).__name__}")

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep import Buffer, Config, fp8
-from moe_ep.config import zero_copy_dispatch_bytes
+from moe_ep.config import zero_copy_combine_bytes, zero_copy_dispatch_bytes
 
 from .problems import Problem, bias_for, expert_output, make_inputs
 
@@ -337,20 +337,23 @@ def _digest(value) -> str:
     return h.hexdigest()
 
 
-def graph_round(p: Problem, q: Problem, num_worst_tokens: int):
+def graph_round(p: Problem, q: Problem, num_worst_tokens: int, zero_copy: bool = False):
     """Layout, dispatch and combine captured in one CUDA graph on the inputs of p, replayed on the
-    inputs of q (same shapes), next to the same calls made eagerly on q."""
+    inputs of q (same shapes), next to the same calls made eagerly on q. zero_copy: the dispatch is a
+    zero-copy one (every replay writes the slot it was captured with)."""
     inp_p, inp_q = my_inputs(p), my_inputs(q)
     assert inp_p["x"].shape == inp_q["x"].shape
     rank = dist.get_rank()
-    buffer = normal_buffer(p.hidden)
+    area = dict(num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p, num_worst_tokens)) if zero_copy else {}
+    buffer = normal_buffer(p.hidden, **area)
     static = {k: v.clone() for k, v in inp_p.items()}
 
     def step(inp):
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
         recv_x, recv_idx, recv_w, _, handle, _ = buffer.dispatch(
             inp["x"], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"], num_worst_tokens=num_worst_tokens)
+            topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"], num_worst_tokens=num_worst_tokens,
+            **({"zero_copy": True} if zero_copy else {}))
         y = (recv_x.float() * (rank + 1)).to(torch.bfloat16)
         combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w)
         return recv_x, recv_idx, recv_w, combined, combined_w
@@ -530,7 +533,7 @@ def zero_copy_round(p: Problem, num_biases: int, repeats: int, cached: bool = Fa
     inp = my_inputs(p)
     # Two slots of every received row (at most all tokens of all ranks) for this hidden.
     rows = dist.get_world_size() * p.max_tokens
-    zero_copy_bytes = 2 * rows * (-(-p.hidden * 2 // 16) * 16 + 128) + 4096
+    zero_copy_bytes = zero_copy_combine_bytes(rows, p.hidden * 2)
     buffer = normal_buffer(p.hidden, num_zero_copy_combine_bytes=zero_copy_bytes)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
     recv_x, _, recv_w, _, handle, _ = buffer.dispatch(

@@ -51,8 +51,9 @@ def test_compare_dispatchers_trains_to_the_same_losses(tmp_path):
 def test_two_node_torchrun_matches_one_node(tmp_path):
     steps = ["--steps", "4", "--config", TINY, "--dispatcher", "deepep"]
     single = tmp_path / "single.jsonl"
-    subprocess.run([sys.executable, "-m", "moe_ep.launch", "--nproc", "4", TRAIN, *steps, "--json-log", str(single)],
-                   check=True, env=ENV, cwd=ROOT, timeout=600)
+    # The one-node run also takes the one-pass calls (the areas sized, the switches reach the dispatcher).
+    subprocess.run([sys.executable, "-m", "moe_ep.launch", "--nproc", "4", TRAIN, *steps, "--zero-copy", "both",
+                    "--json-log", str(single)], check=True, env=ENV, cwd=ROOT, timeout=600)
     endpoint = f"127.0.0.1:{free_port()}"
     multi = tmp_path / "multi.jsonl"
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),

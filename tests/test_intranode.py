@@ -169,14 +169,14 @@ def test_twenty_repeats_give_identical_bits(pools, gpu_pools, seed, num_ranks):
         assert set(got) == {want[0]}, f"seed {seed} rank {rank}: {len(set(got))} distinct results in 20 repeats"
 
 
-@pytest.mark.parametrize("num_ranks", [2, 4])
-def test_cuda_graph_capture_and_replay(gpu_pools, seed, num_ranks):
+@pytest.mark.parametrize("num_ranks,zero_copy", [(2, False), (4, False), (3, True)])
+def test_cuda_graph_capture_and_replay(gpu_pools, seed, num_ranks, zero_copy):
     """num_worst_tokens: no host synchronisation, so layout, dispatch and combine capture in one graph;
-    replays on new data equal eager calls on that data."""
+    replays on new data equal eager calls on that data (also with a zero-copy dispatch)."""
     # Same seed, so the same token counts (the graph's shapes are fixed) and rows; other -1 entries.
     p = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=64, drop=0.2)
     q = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=64, drop=0.5)
-    results = gpu_pools(num_ranks).run(rank_fns.graph_round, p, q, num_ranks * 64)
+    results = gpu_pools(num_ranks).run(rank_fns.graph_round, p, q, num_ranks * 64, zero_copy)
     for rank, (replays, eager_q, eager_p) in enumerate(results):
         for i, want in enumerate((eager_q, eager_p, eager_q)):
             assert _same(replays[i], want), f"seed {seed} rank {rank}: replay {i} differs from the eager call"

@@ -1,5 +1,7 @@
 """The megatron-core dispatcher ("deepep" type) on CPU ranks: forward and gradients equal the dense
 MoE layer and megatron's own alltoall dispatcher."""
+import os
+
 import pytest
 import torch
 
@@ -114,3 +116,18 @@ def test_megatron_lm_arguments_accept_deepep():
         assert Buffer.num_sms == 24
     finally:
         Buffer.set_num_sms(before)
+
+
+def test_megatron_lm_zero_copy_option_sets_both_switches(monkeypatch):
+    import argparse
+
+    from moe_ep.megatron import add_arguments, apply_arguments
+    parser = add_arguments(argparse.ArgumentParser())
+    for choice, dispatch, combine in (("dispatch", "1", "0"), ("both", "1", "1"), ("combine", "0", "1"),
+                                      ("none", "0", "0")):
+        monkeypatch.delenv("MOE_EP_ZERO_COPY_DISPATCH", raising=False)
+        monkeypatch.delenv("MOE_EP_ZERO_COPY_COMBINE", raising=False)
+        apply_arguments(parser.parse_args(["--moe-ep-zero-copy", choice]))
+        assert (os.environ["MOE_EP_ZERO_COPY_DISPATCH"], os.environ["MOE_EP_ZERO_COPY_COMBINE"]) == (dispatch, combine)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--moe-ep-zero-copy", "sometimes"])

@@ -4,7 +4,7 @@ Importing this package registers the dispatcher type (see register.py)."""
 
 from .compat import install_as_deep_ep
 from .dispatcher import MoEEPTokenDispatcher
-from .register import DISPATCHER_TYPE, add_arguments, apply_arguments, register
+from .register import DISPATCHER_TYPE, add_arguments, apply_arguments, register, set_zero_copy
 
 register()
 
@@ -13,6 +13,7 @@ __all__ = [
     "register",
     "add_arguments",
     "apply_arguments",
+    "set_zero_copy",
     "install_as_deep_ep",
     "DISPATCHER_TYPE",
 ]

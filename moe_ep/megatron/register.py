@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 
 DISPATCHER_TYPE = "deepep"
+# Which intranode calls of the dispatcher are one-pass ones (--moe-ep-zero-copy, set_zero_copy).
+ZERO_COPY_CHOICES = ("none", "dispatch", "combine", "both")
 # The cheapest built-in dispatcher to construct (no streams, no buffers); replaced right after.
 _PLACEHOLDER_TYPE = "allgather"
 
@@ -56,6 +58,14 @@ def add_arguments(parser):
         help="SMs moe_ep's normal kernels may use (even); default: moe_ep's tuned value",
     )
     group.add_argument(
+        "--moe-ep-zero-copy",
+        choices=ZERO_COPY_CHOICES,
+        default=None,
+        help="one-pass intranode calls: the dispatches store rows straight into the receivers' zero-copy "
+        "areas, the combines read the expert outputs where they lie (MOE_EP_ZERO_COPY_DISPATCH / _COMBINE; "
+        "each costs a mapped area of two slots of every row a rank can receive)",
+    )
+    group.add_argument(
         "--moe-ep-timeout-s",
         type=float,
         default=None,
@@ -75,3 +85,16 @@ def apply_arguments(args) -> None:
         Buffer.set_num_sms(args.moe_ep_num_sms)
     if getattr(args, "moe_ep_timeout_s", None):
         os.environ["MOE_EP_TIMEOUT_S"] = str(args.moe_ep_timeout_s)
+    if getattr(args, "moe_ep_zero_copy", None):
+        set_zero_copy(args.moe_ep_zero_copy)
+
+
+def set_zero_copy(which: str) -> None:
+    """Which calls of the dispatchers made from now on are one-pass (zero-copy) ones: none, dispatch,
+    combine or both (sets MOE_EP_ZERO_COPY_DISPATCH and MOE_EP_ZERO_COPY_COMBINE)."""
+    import os
+
+    if which not in ZERO_COPY_CHOICES:
+        raise ValueError(f"zero copy: expected one of {ZERO_COPY_CHOICES}, got {which!r}")
+    os.environ["MOE_EP_ZERO_COPY_DISPATCH"] = "1" if which in ("dispatch", "both") else "0"
+    os.environ["MOE_EP_ZERO_COPY_COMBINE"] = "1" if which in ("combine", "both") else "0"
