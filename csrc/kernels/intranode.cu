@@ -859,40 +859,52 @@ struct DispatchKernel {
 // ------------------------------------------------------------------ zero-copy dispatch
 // A warp stores one row into every destination of `to` (lane j of the mask holds destination j's
 // address in `dst`), reading each vector of the source once: a token sent to several ranks costs one
-// read. All lanes make the same trips (the destinations come by shuffle).
-// Rows not 16-byte aligned: one copy per destination (kept out of line: it would cost the common
-// path registers).
-__device__ __noinline__ void warp_copy_each(uint8_t* dst, unsigned to, const uint8_t* src, int64_t bytes, int lane) {
-    for (unsigned rest = to; rest != 0; rest &= rest - 1)
-        warp_copy<Src::kReadOnly, 2>(reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(dst), __ffs(rest) - 1)),
-                                     src, bytes, lane);
+// read. All lanes make the same trips (the destinations come by shuffle), and the last trip loads all
+// of a lane's remaining vectors at once (predicated).
+// kWide: `bytes`, src and every destination are 16-byte aligned (the kernel's launch checks the row
+// sizes; the bases are aligned); otherwise one copy per destination.
+// One trip of a row copy: vectors [base, base + 32 x kDepth) of it, lane-strided, predicated at the end.
+template <int kDepth>
+__device__ __forceinline__ void load_trip(int4 (&v)[kDepth], const int4* from, int64_t base, int64_t vectors, int lane) {
+    const int64_t left = vectors - base - lane;
+    const int4* in = from + base + lane;  // constant offsets from one address fold into the instructions
+#pragma unroll
+    for (int j = 0; j < kDepth; ++j)
+        if (j * 32 < left) v[j] = __ldg(in + j * 32);
 }
 template <int kDepth>
-__device__ void warp_copy_to_all(uint8_t* dst, unsigned to, const uint8_t* src, int64_t bytes, int lane) {
-    const bool dst_aligned = !(to >> lane & 1u) || reinterpret_cast<uintptr_t>(dst) % 16 == 0;
-    const bool wide = __all_sync(kFullMask, dst_aligned) && (static_cast<uint64_t>(bytes) | reinterpret_cast<uintptr_t>(src)) % 16 == 0;
-    if (!wide) return warp_copy_each(dst, to, src, bytes, lane);
+__device__ __forceinline__ void store_trip(const int4 (&v)[kDepth], uint8_t* dst, unsigned to, int64_t base,
+                                           int64_t vectors, int lane) {
+    const int64_t left = vectors - base - lane;
+    for (unsigned rest = to; rest != 0; rest &= rest - 1) {
+        int4* out = reinterpret_cast<int4*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(dst), __ffs(rest) - 1)) + base + lane;
+#pragma unroll
+        for (int j = 0; j < kDepth; ++j)
+            if (j * 32 < left) out[j * 32] = v[j];
+    }
+}
+
+template <bool kWide, int kDepth>
+__device__ __forceinline__ void warp_copy_to_all(uint8_t* dst, unsigned to, const uint8_t* src, int64_t bytes, int lane) {
+    if constexpr (!kWide) {
+        for (unsigned rest = to; rest != 0; rest &= rest - 1)
+            warp_copy<Src::kReadOnly, 2>(reinterpret_cast<uint8_t*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(dst), __ffs(rest) - 1)),
+                                         src, bytes, lane);
+        return;
+    }
+    // Two register buffers of half the depth: the next trip's loads are in flight while this trip's
+    // stores issue, so the memory system never waits for the warp between trips.
+    constexpr int kHalf = kDepth / 2;
+    constexpr int64_t kStep = kHalf * 32;
     const int4* from = reinterpret_cast<const int4*>(src);
     const int64_t vectors = bytes / 16;
-    int64_t base = 0;
-    for (; base + kDepth * 32 <= vectors; base += kDepth * 32) {
-        int4 v[kDepth];
-#pragma unroll
-        for (int j = 0; j < kDepth; ++j) v[j] = __ldg(from + base + lane + j * 32);
-        for (unsigned rest = to; rest != 0; rest &= rest - 1) {
-            int4* row = reinterpret_cast<int4*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(dst), __ffs(rest) - 1));
-#pragma unroll
-            for (int j = 0; j < kDepth; ++j) row[base + lane + j * 32] = v[j];
-        }
-    }
-    for (; base < vectors; base += 32) {
-        const int64_t i = base + lane;
-        int4 v{};
-        if (i < vectors) v = __ldg(from + i);
-        for (unsigned rest = to; rest != 0; rest &= rest - 1) {
-            int4* row = reinterpret_cast<int4*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(dst), __ffs(rest) - 1));
-            if (i < vectors) row[i] = v;
-        }
+    int4 a[kHalf], b[kHalf];
+    load_trip(a, from, 0, vectors, lane);
+    for (int64_t base = 0; base < vectors; base += 2 * kStep) {
+        if (base + kStep < vectors) load_trip(b, from, base + kStep, vectors, lane);
+        store_trip(a, dst, to, base, vectors, lane);
+        if (base + 2 * kStep < vectors) load_trip(a, from, base + 2 * kStep, vectors, lane);
+        if (base + kStep < vectors) store_trip(b, dst, to, base + kStep, vectors, lane);
     }
 }
 
@@ -905,13 +917,20 @@ __device__ void warp_copy_to_all(uint8_t* dst, unsigned to, const uint8_t* src, 
 //  2. store; the last block announces to every peer that this rank's rows are in place;
 //  3. wait for every peer's rows, then copy ids, weights and source tokens out of this rank's slot
 //     into the outputs (recv_x and the scales are the slot itself) and fill num_worst_tokens padding.
-template <typename S>
+template <typename S, bool kWide>
 __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     zero_copy_dispatch_kernel(Ctx c, DispatchArgs a, ZeroCopyDispatchArgs z) {
     const Env e = make_env(c);
     const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
     const Warps warps = grid_warps<S::kWarps>();
     const int* first_row_at = a.recv_info + 3 + 2 * R;
+    // Loads in flight per lane: 16 in the 128-register shape, so that an fp8 row of 7168 (14 vectors
+    // per lane) is one trip.
+    constexpr int kDepth = S::kMinBlocks == 1 ? 16 : 6;
+    // Scales of up to 32 vectors travel in registers, one vector per lane, loaded before the row so
+    // that their latency hides behind it (a separate copy after the row cost a latency per token).
+    const int scale_vectors = static_cast<int>(a.scale_bytes / 16);
+    const bool scales_with_row = kWide && a.scale_bytes > 0 && scale_vectors <= 32;
     bool ok = load_volatile(e.own(kAbort)) == 0;
     if (ok && blockIdx.x == 0)
         for (int r = threadIdx.x; r < R; r += blockDim.x) raise_flag(e.peer_array(r, kZeroCopyReadyFrom, me), tag(e.seq, 0));
@@ -937,12 +956,20 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
                 const unsigned to = __ballot_sync(kFullMask, row >= 0);
                 if (to == 0) continue;
                 uint8_t* slot = row >= 0 ? z.areas[r] + z.slot_offset : nullptr;
-                warp_copy_to_all<S::kCopyDepth>(row >= 0 ? slot + z.x_offset + row * a.x_bytes : nullptr, to,
-                                                static_cast<const uint8_t*>(a.x) + t * a.x_bytes, a.x_bytes, lane);
-                if (a.scale_bytes > 0)
-                    warp_copy_to_all<S::kCopyDepth>(row >= 0 ? slot + z.scale_offset + row * a.scale_bytes : nullptr,
-                                                    to, static_cast<const uint8_t*>(a.scales) + t * a.scale_bytes,
-                                                    a.scale_bytes, lane);
+                uint8_t* scale_dst = row >= 0 ? slot + z.scale_offset + row * a.scale_bytes : nullptr;
+                const uint8_t* scale_src = static_cast<const uint8_t*>(a.scales) + t * a.scale_bytes;
+                int4 scale{};
+                if (scales_with_row && lane < scale_vectors) scale = __ldg(reinterpret_cast<const int4*>(scale_src) + lane);
+                warp_copy_to_all<kWide, kDepth>(row >= 0 ? slot + z.x_offset + row * a.x_bytes : nullptr, to,
+                                         static_cast<const uint8_t*>(a.x) + t * a.x_bytes, a.x_bytes, lane);
+                if (scales_with_row) {
+                    for (unsigned rest = to; rest != 0; rest &= rest - 1) {
+                        int4* dst = reinterpret_cast<int4*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(scale_dst), __ffs(rest) - 1));
+                        if (lane < scale_vectors) dst[lane] = scale;
+                    }
+                } else if (a.scale_bytes > 0) {
+                    warp_copy_to_all<kWide, kDepth>(scale_dst, to, scale_src, a.scale_bytes, lane);
+                }
                 for (unsigned rest = to; rest != 0; rest &= rest - 1) {
                     const int j = __ffs(rest) - 1, dest = r0 + j;
                     const int64_t at = __shfl_sync(kFullMask, row, j);
@@ -987,9 +1014,12 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     finish_kernel(e, e.own(kDoneCount));
 }
 
-template <typename S>
-struct ZeroCopyDispatchKernel {
-    static constexpr auto fn = zero_copy_dispatch_kernel<S>;
+template <bool kWide>
+struct ZeroCopyDispatchKernels {
+    template <typename S>
+    struct Of {
+        static constexpr auto fn = zero_copy_dispatch_kernel<S, kWide>;
+    };
 };
 
 // ------------------------------------------------------------------ zero-copy combine
@@ -1146,7 +1176,13 @@ void combine(const Ctx& ctx, const CombineArgs& args) {
 void zero_copy_dispatch(const Ctx& ctx, const DispatchArgs& args, const ZeroCopyDispatchArgs& z) {
     if (ctx.num_ranks > kMaxRanks) throw std::runtime_error("moe_ep: intranode dispatch supports at most 64 ranks");
     if (!ctx.zero_copy_bases) throw std::runtime_error("moe_ep: zero-copy dispatch needs a notify that found the peers' rows");
-    launch_shaped<ZeroCopyDispatchKernel>(ctx, "intranode zero_copy_dispatch_kernel", args, z);
+    // Rows and scales of whole 16-byte vectors (x and the areas start aligned): each vector is read
+    // once for all destinations.
+    const bool wide = args.x_bytes % 16 == 0 && args.scale_bytes % 16 == 0 &&
+                      reinterpret_cast<uintptr_t>(args.x) % 16 == 0 && reinterpret_cast<uintptr_t>(args.scales) % 16 == 0 &&
+                      z.slot_offset % 16 == 0 && z.x_offset % 16 == 0 && z.scale_offset % 16 == 0;
+    if (wide) launch_shaped<ZeroCopyDispatchKernels<true>::Of>(ctx, "intranode zero_copy_dispatch_kernel", args, z);
+    else launch_shaped<ZeroCopyDispatchKernels<false>::Of>(ctx, "intranode zero_copy_dispatch_kernel", args, z);
 }
 
 void zero_copy_combine(const Ctx& ctx, const CombineArgs& args, const ZeroCopyArgs& z) {
