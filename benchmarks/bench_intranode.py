@@ -37,7 +37,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks.timing import wall_seconds_per_call  # noqa: E402
 from moe_ep import Buffer, Config, fp8  # noqa: E402
-from moe_ep.config import zero_copy_dispatch_bytes  # noqa: E402
+from moe_ep.config import zero_copy_combine_bytes, zero_copy_dispatch_bytes  # noqa: E402
 from moe_ep.launch import RankPool  # noqa: E402
 
 MODES = ("dispatch_fp8", "dispatch_bf16", "dispatch_fp8_zero_copy", "dispatch_bf16_zero_copy", "combine",
@@ -79,7 +79,7 @@ def rank_bench(args):
     defaults = {m: (Buffer.get_combine_config if m.startswith("combine") else Buffer.get_dispatch_config)(num_ranks)
                 for m in MODES}
     # combine_zero_copy: two slots of every row this rank could receive (all tokens of all ranks).
-    zero_copy_bytes = 2 * args.tokens * num_ranks * (-(-args.hidden * 2 // 16) * 16 + 128) \
+    zero_copy_bytes = zero_copy_combine_bytes(args.tokens * num_ranks, args.hidden * 2) \
         if "combine_zero_copy" in args.modes else 0
     # dispatch_*_zero_copy: every row this rank could receive, as bf16 (fp8 rows and scales are smaller).
     zero_copy_dispatch = zero_copy_dispatch_bytes(args.tokens * num_ranks, args.hidden * 2, 0, args.topk) \

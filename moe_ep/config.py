@@ -171,6 +171,18 @@ def zero_copy_dispatch_slot(area_bytes: int, x_bytes: int, scale_bytes: int, num
     return ZeroCopyDispatchSlot(slot_bytes, capacity, *offsets)
 
 
+def zero_copy_pitch(row_bytes: int) -> int:
+    """Bytes per row of a zero-copy combine area: the row (16-byte aligned), then room for the largest
+    top-k's weights, which the kernel puts there for the peers to read with the row."""
+    return _align(row_bytes, INTRANODE_SLOT_ALIGN) + 4 * NUM_MAX_TOPK
+
+
+def zero_copy_combine_bytes(num_rows: int, row_bytes: int) -> int:
+    """num_zero_copy_combine_bytes for Buffer(...) whose slots hold num_rows rows of row_bytes (hidden x
+    element size; two slots; the same value must be passed on every rank)."""
+    return 2 * num_rows * zero_copy_pitch(row_bytes)
+
+
 def zero_copy_dispatch_bytes(num_rows: int, x_bytes: int, scale_bytes: int, num_topk: int) -> int:
     """num_zero_copy_dispatch_bytes for Buffer(...) whose slots hold num_rows received rows of these sizes
     (two slots; the same value must be passed on every rank)."""

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep import Buffer, Config, fp8
-from moe_ep.config import zero_copy_dispatch_bytes
+from moe_ep.config import zero_copy_combine_bytes, zero_copy_dispatch_bytes
 
 from .problems import Problem, bias_for, expert_output, make_inputs
 
@@ -533,7 +533,7 @@ def zero_copy_round(p: Problem, num_biases: int, repeats: int, cached: bool = Fa
     inp = my_inputs(p)
     # Two slots of every received row (at most all tokens of all ranks) for this hidden.
     rows = dist.get_world_size() * p.max_tokens
-    zero_copy_bytes = 2 * rows * (-(-p.hidden * 2 // 16) * 16 + 128) + 4096
+    zero_copy_bytes = zero_copy_combine_bytes(rows, p.hidden * 2)
     buffer = normal_buffer(p.hidden, num_zero_copy_combine_bytes=zero_copy_bytes)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
     recv_x, _, recv_w, _, handle, _ = buffer.dispatch(

@@ -14,7 +14,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..config import NUM_MAX_TOPK, Config, ZeroCopyDispatchSlot, zero_copy_dispatch_bytes, zero_copy_dispatch_slot
+from ..config import Config, ZeroCopyDispatchSlot, zero_copy_dispatch_bytes, zero_copy_dispatch_slot, zero_copy_pitch
 from ..events import EventOverlap
 from ..handles import DispatchHandle
 from ..sync import ArrivalGate
@@ -53,12 +53,6 @@ def use_stream_combine(num_ranks: int) -> bool:
     if forced:
         raise ValueError(f"MOE_EP_STREAM_COMBINE: expected 0 or 1, got {forced!r}")
     return num_ranks >= STREAM_COMBINE_MIN_RANKS
-
-
-# A zero-copy combine row: the row (16-byte aligned), then room for the largest top-k's weights, which
-# the kernel puts there for the peers to read with the row.
-def zero_copy_pitch(row_bytes: int) -> int:
-    return -(-row_bytes // 16) * 16 + 4 * NUM_MAX_TOPK
 
 
 @dataclass
@@ -387,7 +381,8 @@ class IntranodeBackend:
         if num_rows > capacity:
             raise ValueError(
                 f"num_zero_copy_combine_bytes: {num_rows} received rows of hidden {hidden} need "
-                f"{2 * num_rows * pitch} bytes (two slots), the Buffer has {self.zero_copy_bytes}"
+                f"{2 * num_rows * pitch} bytes (two slots; config.zero_copy_combine_bytes), the Buffer has "
+                f"{self.zero_copy_bytes}"
             )
         key = (num_rows, hidden, dtype, slot)
         if key not in self._zero_copy_views:  # kept: a view costs host time, and shapes repeat

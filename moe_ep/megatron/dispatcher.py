@@ -23,9 +23,8 @@ import torch
 from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization, pad_routing_map, permute, unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from ..backends.intranode import zero_copy_pitch
 from ..buffer import Buffer
-from ..config import zero_copy_dispatch_bytes
+from ..config import zero_copy_combine_bytes, zero_copy_dispatch_bytes
 from ..events import EventOverlap
 
 
@@ -219,7 +218,7 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         zero_copy_bytes = 0
         if self._zero_copy:
             row_bytes = hidden_states.shape[1] * hidden_states.element_size()
-            zero_copy_bytes = 2 * hidden_states.shape[0] * self.group.size() * zero_copy_pitch(row_bytes)
+            zero_copy_bytes = zero_copy_combine_bytes(hidden_states.shape[0] * self.group.size(), row_bytes)
         zero_copy_dispatch = 0
         if self._state.zero_copy_dispatch:  # the same rows, their top-k and, for any fp8 rows, scales
             rows = hidden_states.shape[0] * self.group.size()
