@@ -100,6 +100,7 @@ setup(
         "demo": ["rich"],
         "cuda": ["pybind11", "ninja"],
     },
+    entry_points={"console_scripts": ["moe-ep-bench = moe_ep.bench.__main__:main"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

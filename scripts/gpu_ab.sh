@@ -56,11 +56,11 @@ for round in $(seq 1 "${AB_ROUNDS:-2}"); do
     own=AB_INTRANODE_$v; INTRANODE_V=${!own-$INTRANODE}
     own=AB_LOW_LATENCY_$v; LOW_LATENCY_V=${!own-$LOW_LATENCY}
     if [[ -n $INTRANODE_V ]]; then
-      (cd "${TREE[$v]}" && timeout 300 $PY -m benchmarks.bench_intranode $INTRANODE_V --json "$OUT/ab_$v.jsonl" \
+      (cd "${TREE[$v]}" && timeout 300 $PY -m moe_ep.bench.intranode $INTRANODE_V --json "$OUT/ab_$v.jsonl" \
         > "$OUT/ab_${v}_intranode_$round.txt" 2>&1) || echo "bench_intranode $v round $round failed"
     fi
     if [[ -n $LOW_LATENCY_V ]]; then
-      (cd "${TREE[$v]}" && timeout 240 $PY -m benchmarks.bench_low_latency $LOW_LATENCY_V --json "$OUT/ab_$v.jsonl" \
+      (cd "${TREE[$v]}" && timeout 240 $PY -m moe_ep.bench.low_latency $LOW_LATENCY_V --json "$OUT/ab_$v.jsonl" \
         > "$OUT/ab_${v}_low_latency_$round.txt" 2>&1) || echo "bench_low_latency $v round $round failed"
     fi
   done

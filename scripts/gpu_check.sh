@@ -48,33 +48,33 @@ if $PY -c "import megatron.core" 2>/dev/null; then
 fi
 
 if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
-  $PY -m benchmarks.profile_layout_call 2>&1 | tee -a "$OUT/summary.txt"
-  $PY -m benchmarks.bench_layout --json "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_layout.txt" | tee -a "$OUT/summary.txt"
-  $PY -m benchmarks.bench_fp8 --json "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_fp8.txt" | tee -a "$OUT/summary.txt"
+  $PY -m moe_ep.bench.profile_layout_call 2>&1 | tee -a "$OUT/summary.txt"
+  $PY -m moe_ep.bench.layout --json "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_layout.txt" | tee -a "$OUT/summary.txt"
+  $PY -m moe_ep.bench.fp8 --json "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench_fp8.txt" | tee -a "$OUT/summary.txt"
   # BENCH_SMS / BENCH_RECV_TOKENS: space-separated sweeps (SM budgets; chunk = window sizes).
-  timeout 300 $PY -m benchmarks.bench_intranode --ranks 2 4 8 --sms ${BENCH_SMS:-24} \
+  timeout 300 $PY -m moe_ep.bench.intranode --ranks 2 4 8 --sms ${BENCH_SMS:-24} \
     ${BENCH_RECV_TOKENS:+--recv-tokens $BENCH_RECV_TOKENS} --json "$OUT/bench.jsonl" 2>&1 \
     | tee "$OUT/bench_intranode.txt" | tee -a "$OUT/summary.txt"
   # Both combines forced on the same problems (the default streams from 4 ranks up): BENCH_OTHER_COMBINE=1.
   if [[ ${BENCH_OTHER_COMBINE:-0} == 1 ]]; then
     for forced in 0 1; do
-      MOE_EP_STREAM_COMBINE=$forced timeout 300 $PY -m benchmarks.bench_intranode --ranks 2 4 8 --sms ${BENCH_SMS:-24} \
+      MOE_EP_STREAM_COMBINE=$forced timeout 300 $PY -m moe_ep.bench.intranode --ranks 2 4 8 --sms ${BENCH_SMS:-24} \
         --modes combine --json "$OUT/bench.jsonl" 2>&1 | sed "s/^/MOE_EP_STREAM_COMBINE=$forced: /" | tee -a "$OUT/summary.txt"
     done
   fi
   # Where the intranode kernels' time goes (their blocks' waits on peers), apart from the figures above.
-  [[ ${BENCH_PROFILE_WAITS:-0} == 1 ]] && timeout 200 $PY -m benchmarks.bench_intranode --ranks 4 8 --sms ${BENCH_SMS:-24} \
+  [[ ${BENCH_PROFILE_WAITS:-0} == 1 ]] && timeout 200 $PY -m moe_ep.bench.intranode --ranks 4 8 --sms ${BENCH_SMS:-24} \
     --profile-waits 2>&1 | tee -a "$OUT/summary.txt"
   # Stores into a peer's buffer against loads from it (ranks on one GPU; BENCH_PEER_COPY=0 skips it).
   [[ ${BENCH_PEER_COPY:-1} == 1 && $($PY -c 'import torch; print(torch.cuda.device_count())') == 1 ]] && \
-    timeout 120 $PY -m benchmarks.bench_peer_copy --ranks 2 8 --json "$OUT/bench.jsonl" 2>&1 | tee -a "$OUT/summary.txt"
-  timeout 60 $PY -m benchmarks.profile_low_latency_call 2>&1 | tee -a "$OUT/summary.txt"
+    timeout 120 $PY -m moe_ep.bench.peer_copy --ranks 2 8 --json "$OUT/bench.jsonl" 2>&1 | tee -a "$OUT/summary.txt"
+  timeout 60 $PY -m moe_ep.bench.profile_low_latency_call 2>&1 | tee -a "$OUT/summary.txt"
   # Device time per kernel inside the calls (BENCH_TRACE=0 skips it).
   if [[ ${BENCH_TRACE:-1} == 1 ]]; then
-    timeout 120 $PY -m benchmarks.trace_kernels --mode low_latency --ranks 2 8 2>&1 | tee -a "$OUT/summary.txt"
-    timeout 120 $PY -m benchmarks.trace_kernels --mode normal --ranks 2 8 2>&1 | tee -a "$OUT/summary.txt"
+    timeout 120 $PY -m moe_ep.bench.trace_kernels --mode low_latency --ranks 2 8 2>&1 | tee -a "$OUT/summary.txt"
+    timeout 120 $PY -m moe_ep.bench.trace_kernels --mode normal --ranks 2 8 2>&1 | tee -a "$OUT/summary.txt"
   fi
-  timeout 240 $PY -m benchmarks.bench_low_latency --ranks ${BENCH_LL_RANKS:-2 4 8} --graph --json "$OUT/bench.jsonl" 2>&1 \
+  timeout 240 $PY -m moe_ep.bench.low_latency --ranks ${BENCH_LL_RANKS:-2 4 8} --graph --json "$OUT/bench.jsonl" 2>&1 \
     | tee "$OUT/bench_low_latency.txt" | tee -a "$OUT/summary.txt"
 fi
 exit $status

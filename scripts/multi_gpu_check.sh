@@ -32,11 +32,11 @@ fi
 # The intranode kernels at the shape; NCCL's all-to-all only where each rank has its own GPU.
 NCCL_FLAG=""
 [[ $RANKS -le $GPUS ]] && NCCL_FLAG=--nccl
-timeout 240 $PY -m benchmarks.bench_intranode --ranks "$RANKS" --sms 24 $NCCL_FLAG --json "$OUT/bench.jsonl" 2>&1 \
+timeout 240 $PY -m moe_ep.bench.intranode --ranks "$RANKS" --sms 24 $NCCL_FLAG --json "$OUT/bench.jsonl" 2>&1 \
   | tee -a "$OUT/summary.txt"
-timeout 240 $PY -m benchmarks.bench_intranode --ranks "$RANKS" --sms 8 16 32 48 --json "$OUT/sweep.jsonl" 2>&1 \
+timeout 240 $PY -m moe_ep.bench.intranode --ranks "$RANKS" --sms 8 16 32 48 --json "$OUT/sweep.jsonl" 2>&1 \
   | tee -a "$OUT/summary.txt"
-timeout 200 $PY -m benchmarks.bench_low_latency --ranks "$RANKS" --json "$OUT/bench.jsonl" 2>&1 \
+timeout 200 $PY -m moe_ep.bench.low_latency --ranks "$RANKS" --json "$OUT/bench.jsonl" 2>&1 \
   | tee -a "$OUT/summary.txt"
 
 # megatron-core at EP=$RANKS, both dispatchers, same seeds (a carried .whl/megatron_core-*.whl is used).

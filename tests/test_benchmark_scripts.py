@@ -21,7 +21,7 @@ def _run(module: str, *args: str, env: dict = None) -> str:
 
 
 def test_intranode_benchmark_sweeps(tmp_path):
-    out = _run("benchmarks.bench_intranode", *TINY, "--tokens", "64", "--sms", "8", "16", "--recv-tokens", "32", "64",
+    out = _run("moe_ep.bench.intranode", *TINY, "--tokens", "64", "--sms", "8", "16", "--recv-tokens", "32", "64",
                "--json", str(tmp_path / "b.jsonl"))
     lines = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
     modes = {(r["sms"], r["recv_tokens"], r["mode"]) for r in lines}
@@ -30,13 +30,26 @@ def test_intranode_benchmark_sweeps(tmp_path):
     assert "best chunk at 2 ranks, 8 SMs, dispatch_fp8" in out
 
 
+def test_the_cli_lists_and_runs_the_benchmarks(tmp_path):
+    """`moe-ep-bench` (python -m moe_ep.bench): the list, an unknown name refused, and a benchmark whose
+    ranks are spawned processes run through it (they import the module the CLI ran)."""
+    listing = _run("moe_ep.bench")
+    assert all(name in listing for name in ("intranode", "low_latency", "layout", "fp8", "peer_copy"))
+    done = subprocess.run([sys.executable, "-m", "moe_ep.bench", "no_such_bench"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode != 0 and "unknown benchmark 'no_such_bench'" in done.stderr
+    _run("moe_ep.bench", "intranode", *TINY, "--tokens", "32", "--modes", "dispatch_bf16", "--json",
+         str(tmp_path / "b.jsonl"))
+    assert json.loads((tmp_path / "b.jsonl").read_text().splitlines()[0])["mode"] == "dispatch_bf16"
+
+
 def test_intranode_benchmark_times_only_the_modes_asked(tmp_path):
-    _run("benchmarks.bench_intranode", *TINY, "--tokens", "64", "--modes", "combine", "--json", str(tmp_path / "b.jsonl"))
+    _run("moe_ep.bench.intranode", *TINY, "--tokens", "64", "--modes", "combine", "--json", str(tmp_path / "b.jsonl"))
     assert [json.loads(line)["mode"] for line in (tmp_path / "b.jsonl").read_text().splitlines()] == ["combine"]
 
 
 def test_low_latency_benchmark(tmp_path):
-    out = _run("benchmarks.bench_low_latency", *TINY, "--tokens", "16", "--json", str(tmp_path / "b.jsonl"))
+    out = _run("moe_ep.bench.low_latency", *TINY, "--tokens", "16", "--json", str(tmp_path / "b.jsonl"))
     row = json.loads((tmp_path / "b.jsonl").read_text())
     assert row["ranks"] == 2 and row["experts"] == 16 and len(row["per_rank"]) == 2
     assert "portable" in out
@@ -46,7 +59,7 @@ def test_low_latency_benchmark(tmp_path):
 def test_low_latency_benchmark_device_times_from_graphs(tmp_path):
     """--graph: the calls captured and replayed on every rank at once, next to the wall times."""
     gpu = [a for a in TINY if a != "--cpu"]
-    _run("benchmarks.bench_low_latency", *gpu, "--tokens", "16", "--graph", "--json", str(tmp_path / "b.jsonl"))
+    _run("moe_ep.bench.low_latency", *gpu, "--tokens", "16", "--graph", "--json", str(tmp_path / "b.jsonl"))
     row = json.loads((tmp_path / "b.jsonl").read_text())
     for rank in row["per_rank"]:
         assert rank["backend"] == "kernels"
@@ -55,12 +68,12 @@ def test_low_latency_benchmark_device_times_from_graphs(tmp_path):
 
 def test_kernel_trace_of_both_modes():
     for mode, tokens in (("low_latency", "16"), ("normal", "64")):
-        out = _run("benchmarks.trace_kernels", *TINY[:-2], "--mode", mode, "--tokens", tokens, "--rounds", "2")
+        out = _run("moe_ep.bench.trace_kernels", *TINY[:-2], "--mode", mode, "--tokens", tokens, "--rounds", "2")
         assert "wall time per round" in out and "2 ranks" in out
 
 
 def test_low_latency_call_profile_with_stubbed_launches():
-    assert "low_latency_combine, no sync" in _run("benchmarks.profile_low_latency_call", "--stub-kernels")
+    assert "low_latency_combine, no sync" in _run("moe_ep.bench.profile_low_latency_call", "--stub-kernels")
 
 
 def test_shell_scripts_parse():
@@ -71,7 +84,7 @@ def test_shell_scripts_parse():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC between ranks needs a GPU")
 def test_peer_copy_benchmark_moves_bytes_between_ranks(tmp_path):
-    _run("benchmarks.bench_peer_copy", "--ranks", "2", "--mib", "8", "--warmup", "1", "--iters", "2",
+    _run("moe_ep.bench.peer_copy", "--ranks", "2", "--mib", "8", "--warmup", "1", "--iters", "2",
          "--json", str(tmp_path / "b.jsonl"), env={"CUDA_VISIBLE_DEVICES": "0"})  # its ranks share one GPU
     rows = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
     assert [r["mode"] for r in rows] == ["own -> own", "own -> peer (push)", "peer -> own (pull)"]

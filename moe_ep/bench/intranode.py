@@ -8,12 +8,12 @@ combine counts the bf16 rows sent back. The *_zero_copy modes are the one-pass c
 written into get_next_combine_buffer. The aggregate over ranks is also given as a fraction of one
 process's plain device copy of the same number of bytes, measured in the same run.
 
-    python -m benchmarks.bench_intranode --ranks 2 4 8 --sms 24
-    python -m benchmarks.bench_intranode --ranks 4 --sms 8 16 24 32 48     # SM sweep
-    python -m benchmarks.bench_intranode --ranks 4 --recv-tokens 64 128 256 512   # window (buffer) sweep
-    python -m benchmarks.bench_intranode --ranks 8 --profile-waits   # where the kernels' time goes
-    python -m benchmarks.bench_intranode --ranks 8 --nccl     # one rank per GPU: also NCCL's all-to-all
-    python -m benchmarks.bench_intranode --ranks 4 8 --modes combine   # only some of the modes
+    python -m moe_ep.bench.intranode --ranks 2 4 8 --sms 24
+    python -m moe_ep.bench.intranode --ranks 4 --sms 8 16 24 32 48     # SM sweep
+    python -m moe_ep.bench.intranode --ranks 4 --recv-tokens 64 128 256 512   # window (buffer) sweep
+    python -m moe_ep.bench.intranode --ranks 8 --profile-waits   # where the kernels' time goes
+    python -m moe_ep.bench.intranode --ranks 8 --nccl     # one rank per GPU: also NCCL's all-to-all
+    python -m moe_ep.bench.intranode --ranks 4 8 --modes combine   # only some of the modes
 
 The buffer is sized by the size hint of the largest SM budget given (the kernels size their windows
 from the buffer, not from num_sms), once per --recv-tokens value.
@@ -27,18 +27,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from moe_ep import Buffer, Config, fp8
+from moe_ep.config import zero_copy_combine_bytes, zero_copy_dispatch_bytes
+from moe_ep.launch import RankPool
 
-from benchmarks.timing import wall_seconds_per_call  # noqa: E402
-from moe_ep import Buffer, Config, fp8  # noqa: E402
-from moe_ep.config import zero_copy_combine_bytes, zero_copy_dispatch_bytes  # noqa: E402
-from moe_ep.launch import RankPool  # noqa: E402
+from .timing import wall_seconds_per_call
 
 MODES = ("dispatch_fp8", "dispatch_bf16", "dispatch_fp8_zero_copy", "dispatch_bf16_zero_copy", "combine",
          "combine_zero_copy")

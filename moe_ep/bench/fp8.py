@@ -3,21 +3,18 @@
 Bandwidth counts bytes read plus bytes written. Several input sets are rotated so the timing does not
 measure the L2 cache (an H200 has 60 MB of it).
 
-    python -m benchmarks.bench_fp8 --tokens 4096 --hidden 7168
+    python -m moe_ep.bench.fp8 --tokens 4096 --hidden 7168
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
+from moe_ep import fp8
 
-from benchmarks.timing import cuda_kernel_us  # noqa: E402
-from moe_ep import fp8  # noqa: E402
+from .timing import cuda_kernel_us
 
 NUM_SETS = 6
 

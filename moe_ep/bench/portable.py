@@ -1,22 +1,18 @@
 """The portable backend on CPU ranks (gloo): the baseline later backends are compared with.
 
-    python -m benchmarks.bench_portable --ranks 4 --tokens 512 --hidden 1024
+    python -m moe_ep.bench.portable --ranks 4 --tokens 512 --hidden 1024
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from moe_ep import Buffer, Config  # noqa: E402
-from moe_ep.launch import RankPool  # noqa: E402
+from moe_ep import Buffer, Config
+from moe_ep.launch import RankPool
 
 
 def timed(fn, iters: int, warmup: int = 2) -> float:

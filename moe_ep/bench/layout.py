@@ -1,23 +1,21 @@
 """get_dispatch_layout on the GPU: the kernel, the whole Python call, and torch ops as megatron-core
 computes the same layout, side by side; all ranks run concurrently on the visible GPUs.
 
-    python -m benchmarks.bench_layout --ranks 8 --tokens 4096 --topk 8 --experts 256
+    python -m moe_ep.bench.layout --ranks 8 --tokens 4096 --topk 8 --experts 256
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from moe_ep import Buffer, _native
+from moe_ep.launch import RankPool
 
-from benchmarks.timing import cuda_kernel_us, host_call_us  # noqa: E402
-from moe_ep import Buffer, _native  # noqa: E402
-from moe_ep.launch import RankPool  # noqa: E402
+from .timing import cuda_kernel_us, host_call_us
 
 
 def torch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):

@@ -1,20 +1,16 @@
 """Where the host time of one get_dispatch_layout call goes (one process, 8-rank layout, no peers).
 
-    python -m benchmarks.profile_layout_call
+    python -m moe_ep.bench.profile_layout_call
 """
 from __future__ import annotations
 
-import os
-import sys
+import torch
+import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from moe_ep import Buffer, _native
+from moe_ep.launch import free_port
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from benchmarks.timing import host_call_us  # noqa: E402
-from moe_ep import Buffer, _native  # noqa: E402
-from moe_ep.launch import free_port  # noqa: E402
+from .timing import host_call_us
 
 
 def main():

@@ -8,25 +8,23 @@ of a call is the difference.
 Bandwidth in DeepEP's metric: dispatch moves (hidden + hidden/128 * 4 + 16) bytes per (token, expert)
 selection in fp8, combine hidden * 2 bytes per selection.
 
-    python -m benchmarks.bench_low_latency --ranks 8                 # 288 experts with 8 ranks
-    MOE_EP_LL_KERNELS=0 python -m benchmarks.bench_low_latency ...   # the portable backend on the GPU
+    python -m moe_ep.bench.low_latency --ranks 8                 # 288 experts with 8 ranks
+    MOE_EP_LL_KERNELS=0 python -m moe_ep.bench.low_latency ...   # the portable backend on the GPU
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from moe_ep import Buffer
+from moe_ep.launch import RankError, RankPool
 
-from benchmarks.timing import cuda_kernel_us, device_sync, wall_seconds_per_call  # noqa: E402
-from moe_ep import Buffer  # noqa: E402
-from moe_ep.launch import RankError, RankPool  # noqa: E402
+from .timing import cuda_kernel_us, device_sync, wall_seconds_per_call
 
 
 def rank_bench(args, num_experts: int):

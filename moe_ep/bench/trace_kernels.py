@@ -5,9 +5,9 @@ low-latency send and receive kernels, the intranode notify/dispatch/combine kern
 memsets), so the gap between the two is host work and queueing. Per kernel: launches per round and
 mean device microseconds per launch, the mean and the worst over ranks.
 
-    python -m benchmarks.trace_kernels --ranks 8 --mode low_latency     # 128 tokens, 7168, top-8 of 256
-    python -m benchmarks.trace_kernels --ranks 4 --mode normal          # 4096 tokens, fp8 dispatch + combine
-    python -m benchmarks.trace_kernels --ranks 2 --mode normal --trace-dir out/traces   # + chrome traces
+    python -m moe_ep.bench.trace_kernels --ranks 8 --mode low_latency     # 128 tokens, 7168, top-8 of 256
+    python -m moe_ep.bench.trace_kernels --ranks 4 --mode normal          # 4096 tokens, fp8 dispatch + combine
+    python -m moe_ep.bench.trace_kernels --ranks 2 --mode normal --trace-dir out/traces   # + chrome traces
 
 With --cpu (portable backend on CPU tensors) it reports the CPU operators instead, which checks the
 script anywhere.
@@ -16,18 +16,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
+from moe_ep import Buffer, fp8
+from moe_ep.launch import RankPool
 
-from benchmarks.timing import device_sync  # noqa: E402
-from moe_ep import Buffer, fp8  # noqa: E402
-from moe_ep.launch import RankPool  # noqa: E402
+from .timing import device_sync
 
 
 def _low_latency_round(args, device):

@@ -4,7 +4,7 @@ elementwise kernel each: within their own buffer, from their buffer into the nex
 and from the next rank's buffer into theirs (a pull). The combine pushes and the dispatch pulls; the
 per-phase profile shows the push taking twice the pull's time for the same bytes (PERFORMANCE.md).
 
-    python -m benchmarks.bench_peer_copy --ranks 2 4 8 --mib 256
+    python -m moe_ep.bench.peer_copy --ranks 2 4 8 --mib 256
 """
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ import json
 import torch
 import torch.distributed as dist
 
-from benchmarks.timing import wall_seconds_per_call
 from moe_ep.backends.peers import PeerBuffers, device_view
 from moe_ep.launch import RankPool
 from moe_ep.sync import ArrivalGate
+
+from .timing import wall_seconds_per_call
 
 MODES = ("own -> own", "own -> peer (push)", "peer -> own (pull)")
 

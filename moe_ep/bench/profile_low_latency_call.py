@@ -5,25 +5,22 @@ counts. On a GPU: a one-rank Buffer with the kernels (send to itself), with and 
 the device. With --stub-kernels (any machine): the Python layer alone, CPU tensors, the extension's
 launches replaced by no-ops, data checks off as for CUDA tensors.
 
-    python -m benchmarks.profile_low_latency_call
-    python -m benchmarks.profile_low_latency_call --stub-kernels
+    python -m moe_ep.bench.profile_low_latency_call
+    python -m moe_ep.bench.profile_low_latency_call --stub-kernels
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import types
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from moe_ep import Buffer
+from moe_ep.backends.low_latency import LowLatencyBackend
+from moe_ep.launch import free_port
 
-from benchmarks.timing import host_call_us  # noqa: E402
-from moe_ep import Buffer  # noqa: E402
-from moe_ep.backends.low_latency import LowLatencyBackend  # noqa: E402
-from moe_ep.launch import free_port  # noqa: E402
+from .timing import host_call_us
 
 TOKENS, HIDDEN, EXPERTS, TOPK = 128, 7168, 256, 8
 

@@ -1,0 +1,37 @@
+"""`moe-ep-bench NAME [options]` (or `python -m moe_ep.bench NAME [options]`): runs benchmark NAME."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+
+# Name -> what it measures (the module moe_ep.bench.NAME).
+BENCHMARKS = {
+    "intranode": "intranode dispatch/combine bandwidth, all ranks of one host at once (issue 6's metric)",
+    "low_latency": "low-latency dispatch/combine latency, with and without the receive hook (issue 4's metric)",
+    "layout": "get_dispatch_layout: kernel and whole-call time",
+    "fp8": "the 1x128 FP8 cast and cast-back kernels",
+    "portable": "the portable backend (torch.distributed) on CPU or GPU ranks",
+    "peer_copy": "plain copies into and out of a peer's mapped buffer (ranks on one GPU)",
+    "trace_kernels": "device time per kernel inside the calls (torch.profiler)",
+    "profile_layout_call": "host time of a layout call, piece by piece",
+    "profile_low_latency_call": "host time of a low-latency call, piece by piece",
+}
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHMARKS:
+        width = max(map(len, BENCHMARKS))
+        listing = "\n".join(f"  {name:<{width}}  {what}" for name, what in BENCHMARKS.items())
+        print(f"usage: moe-ep-bench NAME [options]   (NAME --help for its options)\n\n{listing}")
+        if argv and argv[0] not in ("-h", "--help"):
+            sys.exit(f"moe-ep-bench: unknown benchmark {argv[0]!r}")
+        return
+    name = argv[0]
+    sys.argv = [f"moe-ep-bench {name}", *argv[1:]]
+    runpy.run_module(f"moe_ep.bench.{name}", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
