@@ -83,7 +83,6 @@ __device__ Env make_env(const Ctx& c) {
     return e;
 }
 
-// The receive kernel ends the call: its last block advances the call number.
 // Read once per block: the loops after it hold barriers, which every thread of the block must reach.
 __device__ bool block_not_aborted(const Env& e) {
     __shared__ bool ok;
@@ -92,6 +91,7 @@ __device__ bool block_not_aborted(const Env& e) {
     return ok;
 }
 
+// The receive kernel ends the call: its last block advances the call number.
 __device__ void finish_call(const Env& e) {
     __syncthreads();
     if (threadIdx.x == 0 && arrive_last(e.header(e.rank) + kRecvDone, gridDim.x))
@@ -378,6 +378,10 @@ __global__ void __launch_bounds__(kCombineRecvThreads) combine_recv_kernel(Ctx c
     __shared__ const uint8_t* pick_row[kCombineStepTokens * kMaxPicks];  // nullptr: the pick was not sent
     __shared__ float pick_weight[kCombineStepTokens * kMaxPicks];
     const Env e = make_env(c);
+    // The wait kernel saw every rank's flag; this block acquires them again (they are final) so that its
+    // reads of the rows are ordered after the senders' writes, as in the dispatch receive.
+    if (threadIdx.x == 0)
+        for (int s = 0; s < e.num_ranks; ++s) (void)load_acquire(e.signals(e.rank) + e.num_experts + s);
     if (block_not_aborted(e)) {  // the wait kernel gave up: nothing to sum
         // Per step, a block takes a few tokens: first the rows and weights of their picks go to shared
         // memory (in a zero-copy combine a row's index is a load before the row's own: done once per
