@@ -30,6 +30,8 @@ def run(dispatcher: str, args, log_path: str) -> list:
            "--dispatcher", dispatcher, "--json-log", log_path]
     if args.steps:
         cmd += ["--steps", str(args.steps)]
+    if dispatcher == "deepep" and args.zero_copy:
+        cmd += ["--zero-copy", args.zero_copy]
     # megatron-core warns at length about optional packages it falls back from; keep the table readable.
     env = dict(os.environ)
     env.setdefault("PYTHONWARNINGS", "ignore")
@@ -74,6 +76,8 @@ def main(argv=None) -> int:
     parser.add_argument("--torchrun-args", default="", help="extra torchrun arguments, e.g. multi-node")
     parser.add_argument("--plot", default=os.path.join(ROOT, "out", "compare_dispatchers.png"))
     parser.add_argument("--json", help="write the summary here")
+    parser.add_argument("--zero-copy", choices=["none", "dispatch", "combine", "both"],
+                        help="moe_ep's one-pass intranode calls for the deepep run (train_moe.py --zero-copy)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         logs = {d: run(d, args, os.path.join(tmp, f"{d}.jsonl")) for d in DISPATCHERS}

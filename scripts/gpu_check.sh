@@ -73,6 +73,7 @@ if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
   if [[ ${BENCH_TRACE:-1} == 1 ]]; then
     timeout 120 $PY -m moe_ep.bench.trace_kernels --mode low_latency --ranks 2 8 2>&1 | tee -a "$OUT/summary.txt"
     timeout 120 $PY -m moe_ep.bench.trace_kernels --mode normal --ranks 2 8 2>&1 | tee -a "$OUT/summary.txt"
+    timeout 120 $PY -m moe_ep.bench.trace_kernels --mode normal --ranks 2 8 --zero-copy 2>&1 | tee -a "$OUT/summary.txt"
   fi
   timeout 240 $PY -m moe_ep.bench.low_latency --ranks ${BENCH_LL_RANKS:-2 4 8} --graph --json "$OUT/bench.jsonl" 2>&1 \
     | tee "$OUT/bench_low_latency.txt" | tee -a "$OUT/summary.txt"

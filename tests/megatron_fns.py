@@ -1,4 +1,5 @@
-"""Rank functions for the megatron-core integration tests (CPU, gloo)."""
+"""Rank functions for the megatron-core integration tests (CPU ranks with gloo; moe_forward_backward
+also on CUDA ranks, where moe_ep's kernels move the tokens)."""
 from __future__ import annotations
 
 import torch
@@ -7,9 +8,11 @@ import torch.distributed as dist
 from moe_ep.megatron.cpu_support import enable_cpu_execution
 
 
-def _setup(num_experts: int, topk: int, hidden: int, dispatcher_type: str, tp: int = 1, **config_kw):
+def _setup(num_experts: int, topk: int, hidden: int, dispatcher_type: str, tp: int = 1, cuda: bool = False,
+           **config_kw):
     """Groups laid out as megatron does: rank = ep_rank * tp + tp_rank (expert TP fastest)."""
-    enable_cpu_execution(force=True)
+    if not cuda:
+        enable_cpu_execution(force=True)
     import moe_ep.megatron  # noqa: F401  (registers the "deepep" type)
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -39,11 +42,12 @@ def _dispatcher(config, pg, num_experts, tp: int = 1):
 
 def moe_forward_backward(seed: int, num_experts: int, topk: int, hidden: int, dispatcher_type: str,
                          num_tokens: int, tp: int = 1, pad_for_fp8: bool = False, drop: float = 0.0,
-                         **config_kw):
-    """Router -> dispatcher phases -> toy experts -> combine; returns output and gradients. With tp > 1
-    each rank of an expert's TP group holds a share of its weight (shares sum to the weight), so the
-    combined output is the whole expert's."""
-    config, pg = _setup(num_experts, topk, hidden, dispatcher_type, tp=tp, **config_kw)
+                         cuda: bool = False, **config_kw):
+    """Router -> dispatcher phases -> toy experts -> combine; returns output and gradients (on the CPU).
+    With tp > 1 each rank of an expert's TP group holds a share of its weight (shares sum to the weight),
+    so the combined output is the whole expert's. cuda: the tensors live on this rank's GPU."""
+    config, pg = _setup(num_experts, topk, hidden, dispatcher_type, tp=tp, cuda=cuda, **config_kw)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if pad_for_fp8:   # set after construction: fp8 itself would need transformer-engine
         config.fp8, config.fp8_recipe, config.moe_router_padding_for_quantization = "e4m3", "delayed", True
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -52,17 +56,17 @@ def moe_forward_backward(seed: int, num_experts: int, topk: int, hidden: int, di
     share = (tp_rank + 1) / (tp * (tp + 1) / 2)
     dispatcher = _dispatcher(config, pg, num_experts, tp)
     g = torch.Generator().manual_seed(seed)
-    weights = torch.randn(num_experts, hidden, hidden, generator=g) / hidden ** 0.5
+    weights = (torch.randn(num_experts, hidden, hidden, generator=g) / hidden ** 0.5).to(device)
     g.manual_seed(seed * 31 + rank + 1)
-    x = torch.randn(num_tokens, hidden, generator=g, requires_grad=True)
-    logits = torch.randn(num_tokens, num_experts, generator=g, requires_grad=True)
-    upstream = torch.randn(num_tokens, hidden, generator=g)
+    x = torch.randn(num_tokens, hidden, generator=g).to(device).requires_grad_(True)
+    logits = torch.randn(num_tokens, num_experts, generator=g).to(device).requires_grad_(True)
+    upstream = torch.randn(num_tokens, hidden, generator=g).to(device)
     scores = torch.softmax(logits, dim=-1)
     top_p, top_i = scores.topk(topk, dim=-1)
-    routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter(1, top_i, True)
-    probs = torch.zeros(num_tokens, num_experts).scatter(1, top_i, top_p)
+    routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool, device=device).scatter(1, top_i, True)
+    probs = torch.zeros(num_tokens, num_experts, device=device).scatter(1, top_i, top_p)
     if drop:   # what capacity limits do: some routed (token, expert) pairs are dropped
-        kept = torch.rand(num_tokens, num_experts, generator=g) >= drop
+        kept = (torch.rand(num_tokens, num_experts, generator=g) >= drop).to(device)
         routing_map, probs = routing_map & kept, probs * kept
 
     h, p = dispatcher.dispatch_preprocess(x, routing_map, probs)
@@ -87,9 +91,9 @@ def moe_forward_backward(seed: int, num_experts: int, topk: int, hidden: int, di
     mask = routing_map.float()
     dense = torch.einsum("th,ehk,te->tk", x_ref, weights, p_ref * mask)
     (dense * upstream).sum().backward()
-    return dict(out=out.detach(), grad_x=x.grad, grad_logits=logits.grad, ref_out=dense.detach(),
-                ref_grad_x=x_ref.grad, ref_grad_logits=logits_ref.grad,
-                tokens_per_expert=tokens_per_expert.tolist())
+    result = dict(out=out.detach(), grad_x=x.grad, grad_logits=logits.grad, ref_out=dense.detach(),
+                  ref_grad_x=x_ref.grad, ref_grad_logits=logits_ref.grad)
+    return dict({k: v.cpu() for k, v in result.items()}, tokens_per_expert=tokens_per_expert.tolist())
 
 
 def flex_on_moe_ep(seed: int, num_experts: int, topk: int, hidden: int, num_tokens: int):

@@ -40,7 +40,7 @@ def _wait_all(procs, timeout_s):
 def test_compare_dispatchers_trains_to_the_same_losses(tmp_path):
     summary = tmp_path / "summary.json"
     subprocess.run([sys.executable, os.path.join(ROOT, "examples", "compare_dispatchers.py"), "--nproc", "2",
-                    "--steps", "4", "--json", str(summary), "--plot", str(tmp_path / "plot.png")],
+                    "--steps", "4", "--zero-copy", "both", "--json", str(summary), "--plot", str(tmp_path / "plot.png")],
                    check=True, env=ENV, cwd=ROOT, timeout=600)
     result = json.loads(summary.read_text())
     assert result["max_loss_diff"] <= 1e-6

@@ -3,7 +3,10 @@ intranode kernels, for every rank count and default config (the kernels refuse a
 import pytest
 
 from moe_ep import Buffer, Config
-from moe_ep.config import IntranodeLayout, LowLatencyLayout, intranode_header_bytes
+from moe_ep.config import (
+    IntranodeLayout, LowLatencyLayout, intranode_header_bytes, zero_copy_combine_bytes, zero_copy_dispatch_bytes,
+    zero_copy_dispatch_slot, zero_copy_pitch,
+)
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 4, 5, 8])
@@ -26,3 +29,37 @@ def test_low_latency_layout_has_room_for_every_slot():
     assert layout.signal_bytes >= (288 + 8) * 8
     assert layout.total_bytes == LowLatencyLayout.HEADER_BYTES + 2 * layout.half_bytes
     assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 288) == layout.total_bytes
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_zero_copy_dispatch_slots_hold_what_their_size_says(seed):
+    """The kernels write a slot at the offsets config.py computes (no other copy of the formula): every
+    part 16-byte aligned, the parts in order without overlap, all inside the slot; the size helper's
+    bytes hold exactly the rows asked for, and 16 bytes fewer do not hold them all."""
+    import random
+    rng = random.Random(seed)
+    for _ in range(200):
+        x_bytes = rng.choice([8, 264, 2048, 7168, 14336, 4104])
+        scale_bytes = rng.choice([0, 4, 64, 224])
+        num_topk = rng.randint(0, 32)
+        rows = rng.randint(0, 5000)
+        area = zero_copy_dispatch_bytes(rows, x_bytes, scale_bytes, num_topk)
+        slot = zero_copy_dispatch_slot(area, x_bytes, scale_bytes, num_topk)
+        assert slot.capacity >= rows and 2 * slot.slot_bytes <= area
+        parts = [(slot.x_offset, x_bytes), (slot.scale_offset, scale_bytes), (slot.idx_offset, 8 * num_topk),
+                 (slot.weight_offset, 4 * num_topk), (slot.src_offset, 4)]
+        end = 0
+        for offset, row_bytes in parts:
+            assert offset % 16 == 0 and offset >= end
+            end = offset + slot.capacity * row_bytes
+        assert end <= slot.slot_bytes
+        if rows:
+            assert zero_copy_dispatch_slot(area - 32, x_bytes, scale_bytes, num_topk).capacity < rows
+
+
+def test_zero_copy_combine_slots_hold_what_their_size_says():
+    for rows, row_bytes in [(0, 14336), (1, 14336), (4096 * 8, 14336), (77, 264), (5, 8)]:
+        area = zero_copy_combine_bytes(rows, row_bytes)
+        pitch = zero_copy_pitch(row_bytes)
+        assert pitch % 16 == 0 and pitch >= row_bytes + 4 * 32
+        assert (area // 2 // 16 * 16) // pitch >= rows  # the backend's capacity formula

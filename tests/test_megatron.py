@@ -39,6 +39,23 @@ def test_zero_copy_in_the_dispatcher_changes_nothing(pools, seed, env):
             assert torch.equal(a[key], b[key]), f"rank {rank} {key}"
 
 
+@pytest.mark.parametrize("zero_copy", ["none", "both"])
+def test_deepep_dispatcher_on_cuda_ranks_runs_on_the_kernels(gpu_pools, seed, zero_copy):
+    """CUDA ranks sharing the GPU (the intranode kernels move the tokens), with and without the one-pass
+    calls: the forward and gradients of the dense layer."""
+    from moe_ep import _native
+    if not _native.has_kernels():
+        pytest.skip(str(_native.unavailable_reason()))
+    env = {"MOE_EP_ZERO_COPY_DISPATCH": "1" if zero_copy == "both" else "0",
+           "MOE_EP_ZERO_COPY_COMBINE": "1" if zero_copy == "both" else "0"}
+    results = gpu_pools(4).run(rank_fns.with_env, env, megatron_fns.moe_forward_backward, seed % 10000, 8, 2, 64,
+                               "deepep", 24, cuda=True)
+    for rank, res in enumerate(results):
+        for key in ("out", "grad_x", "grad_logits"):
+            torch.testing.assert_close(res[key], res["ref_" + key], rtol=1e-4, atol=1e-4,
+                                       msg=lambda m: f"rank {rank} {key}: {m}")
+
+
 def test_flex_dispatcher_runs_on_moe_ep_through_install_as_deep_ep(pools, seed):
     results = pools(2).run(megatron_fns.flex_on_moe_ep, seed % 10000, 4, 2, 32, 12)
     for rank, res in enumerate(results):

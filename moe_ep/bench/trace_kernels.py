@@ -8,6 +8,7 @@ mean device microseconds per launch, the mean and the worst over ranks.
     python -m moe_ep.bench.trace_kernels --ranks 8 --mode low_latency     # 128 tokens, 7168, top-8 of 256
     python -m moe_ep.bench.trace_kernels --ranks 4 --mode normal          # 4096 tokens, fp8 dispatch + combine
     python -m moe_ep.bench.trace_kernels --ranks 2 --mode normal --trace-dir out/traces   # + chrome traces
+    python -m moe_ep.bench.trace_kernels --ranks 8 --mode normal --zero-copy   # the one-pass calls
 
 With --cpu (portable backend on CPU tensors) it reports the CPU operators instead, which checks the
 script anywhere.
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from moe_ep import Buffer, fp8
+from moe_ep.config import zero_copy_combine_bytes, zero_copy_dispatch_bytes
 from moe_ep.launch import RankPool
 
 from .timing import device_sync
@@ -47,7 +49,8 @@ def _low_latency_round(args, device):
 
 
 def _normal_round(args, device):
-    """A round = one fp8 dispatch (with its count exchange) and one combine of the received rows."""
+    """A round = one fp8 dispatch (with its count exchange) and one combine of the received rows; with
+    --zero-copy both are the one-pass calls (the rows copied into get_next_combine_buffer first)."""
     num_ranks = dist.get_world_size()
     x = torch.randn(args.tokens, args.hidden, device=device).to(torch.bfloat16)
     x_fp8 = fp8.per_token_cast_to_fp8(x)
@@ -55,7 +58,11 @@ def _normal_round(args, device):
     topk_weights = torch.rand(args.tokens, args.topk, device=device)
     dispatch_config, combine_config = Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)
     nvl = max(c.get_nvl_buffer_size_hint(args.hidden * 2, num_ranks) for c in (dispatch_config, combine_config))
-    buffer = Buffer(dist.group.WORLD, nvl)
+    rows = args.tokens * num_ranks  # the most a rank can receive
+    areas = dict(num_zero_copy_dispatch_bytes=zero_copy_dispatch_bytes(rows, args.hidden * 2, 0, args.topk),
+                 num_zero_copy_combine_bytes=zero_copy_combine_bytes(rows, args.hidden * 2)) if args.zero_copy else {}
+    buffer = Buffer(dist.group.WORLD, nvl, **areas)
+    zero_copy = dict(zero_copy=True) if args.zero_copy else {}
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                   topk_idx=topk_idx, topk_weights=topk_weights, config=dispatch_config)
@@ -63,8 +70,12 @@ def _normal_round(args, device):
     y = torch.randn(recv.shape, device=device).to(torch.bfloat16)  # same routing every round: same rows
 
     def one_round():
-        _, _, recv_w, _, handle, _ = buffer.dispatch(x_fp8, **layout)
-        buffer.combine(y, handle, topk_weights=recv_w, config=combine_config)
+        _, _, recv_w, _, handle, _ = buffer.dispatch(x_fp8, **layout, **zero_copy)
+        rows = y
+        if args.zero_copy:
+            rows = buffer.get_next_combine_buffer(handle, args.hidden)
+            rows.copy_(y)
+        buffer.combine(rows, handle, topk_weights=recv_w, config=combine_config, **zero_copy)
 
     return one_round
 
@@ -122,6 +133,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--top", type=int, default=15, help="kernels listed, by device time per round")
     parser.add_argument("--trace-dir", help="also write each rank's chrome trace here")
+    parser.add_argument("--zero-copy", action="store_true", help="normal mode: the one-pass dispatch and combine")
     parser.add_argument("--cpu", action="store_true", help="CPU tensors (portable backend): checks the script anywhere")
     args = parser.parse_args()
     if args.tokens is None:
