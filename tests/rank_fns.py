@@ -361,7 +361,8 @@ def graph_round(p: Problem, q: Problem, num_worst_tokens: int, zero_copy: bool =
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        step(static)  # warm-up outside the graph (allocator, lazy init)
+        for _ in range(2):  # warm-up outside the graph (allocator, lazy init; both zero-copy slots' views)
+            step(static)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
