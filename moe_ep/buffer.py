@@ -15,14 +15,13 @@ import torch
 import torch.distributed as dist
 
 from . import _native
-from .backends.intranode import IntranodeBackend, IntranodeDispatchState, row_bytes, zero_copy_dispatch_too_small
+from .backends.intranode import (
+    IntranodeBackend, IntranodeDispatchState, zero_copy_dispatch_layout, zero_copy_dispatch_too_small,
+)
 from .backends.low_latency import LowLatencyBackend, LowLatencyKernelState
 from .backends.portable import PortableBackend, dispatch_layout
 from .checks import FP8_BLOCK, check_expert_ids, check_fp8_pair, check_int, check_tensor, debug_checks_enabled
-from .config import (
-    NUM_MAX_NVL_PEERS, NUM_MAX_TOPK, Config, combine_config, dispatch_config, low_latency_rdma_size_hint,
-    zero_copy_dispatch_slot,
-)
+from .config import NUM_MAX_NVL_PEERS, NUM_MAX_TOPK, Config, combine_config, dispatch_config, low_latency_rdma_size_hint
 from .events import EventOverlap, capture_current_stream, wait_previous
 from .handles import DispatchHandle, LowLatencyHandle
 from .sync import ArrivalGate, next_buffer_serial, timeout_seconds
@@ -449,7 +448,7 @@ class Buffer:
         a program that fits here fits the kernels."""
         num_topk = topk_idx.shape[1] if handle is None and topk_idx is not None else 0
         x, scales = x_parts[0], (x_parts[1] if len(x_parts) == 2 else None)
-        if rows > zero_copy_dispatch_slot(self.num_zero_copy_dispatch_bytes, row_bytes(x), row_bytes(scales), num_topk).capacity:
+        if rows > zero_copy_dispatch_layout(self.num_zero_copy_dispatch_bytes, x, scales, num_topk).capacity:
             raise ValueError(zero_copy_dispatch_too_small(self.rank, rows, x, scales, num_topk,
                                                           self.num_zero_copy_dispatch_bytes))
 

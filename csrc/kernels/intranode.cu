@@ -220,8 +220,9 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Ctx c, const boo
         e.host[kHostCounts + 2 * R + i] = sum;
     }
     if (c.zero_copy_bases) {
-        // Where this rank's rows start at each peer r (a zero-copy combine reads them there): the rows
-        // of r's sources before this rank, from r's counts area once each of them has written there.
+        // Where this rank's rows start at each peer r (a zero-copy dispatch writes them there, a zero-copy
+        // combine reads them there): the rows of r's sources before this rank, from r's counts area once
+        // each of them has written there.
         // Safe to read: a source rewrites its row at r only in its next count exchange, which follows
         // a dispatch that needs this rank's, which follows this notify.
         for (int r = threadIdx.x; r < R; r += blockDim.x) {
@@ -354,12 +355,28 @@ __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchS
     return true;
 }
 
+// Padding rows [first, last) of a num_worst_tokens dispatch: no data, no expert. x_rows and scale_rows
+// are where the outputs' rows lie (the output tensors, or a zero-copy slot).
+__device__ void pad_rows(const DispatchArgs& a, uint8_t* x_rows, uint8_t* scale_rows, int64_t first, int64_t last,
+                         const Warps& warps, int lane) {
+    const int K = a.num_topk;
+    for (int64_t row = first + warps.warp; row < last; row += warps.num_warps) {
+        for (int64_t b = lane; b < a.x_bytes; b += 32) x_rows[row * a.x_bytes + b] = 0;
+        for (int64_t b = lane; b < a.scale_bytes; b += 32) scale_rows[row * a.scale_bytes + b] = 0;
+        for (int k = lane; k < K; k += 32) {
+            a.recv_topk_idx[row * K + k] = -1;
+            a.recv_topk_weights[row * K + k] = 0.f;
+        }
+        if (lane == 0) a.recv_src_idx[row] = -1;
+    }
+}
+
 // Every block stages its share of window w, then pulls its share of every rank's window w.
 template <typename S>
 __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     dispatch_kernel(Ctx c, DispatchArgs a, DispatchSlot slot, int window_tokens) {
     const Env e = make_env(c);
-    const int R = e.num_ranks, K = a.num_topk, lane = threadIdx.x % 32;
+    const int R = e.num_ranks, lane = threadIdx.x % 32;
     const int max_tokens = a.recv_info[0], total = a.recv_info[1];
     const int num_windows = max(1, ceil_div(max_tokens, window_tokens));
     const Warps warps = grid_warps<S::kWarps>();
@@ -371,18 +388,9 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
         if (ok) ok = pull_window<S>(e, a, slot, window_tokens, warps, w);
         since = end_phase(e, kPhasePull, since);
     }
-    // Padding rows of a num_worst_tokens dispatch: no data, no expert.
-    if (ok) {
-        for (int64_t row = min(total, a.num_recv_rows) + warps.warp; row < a.num_recv_rows; row += warps.num_warps) {
-            for (int64_t b = lane; b < a.x_bytes; b += 32) static_cast<uint8_t*>(a.recv_x)[row * a.x_bytes + b] = 0;
-            for (int64_t b = lane; b < a.scale_bytes; b += 32) static_cast<uint8_t*>(a.recv_scales)[row * a.scale_bytes + b] = 0;
-            for (int k = lane; k < K; k += 32) {
-                a.recv_topk_idx[row * K + k] = -1;
-                a.recv_topk_weights[row * K + k] = 0.f;
-            }
-            if (lane == 0) a.recv_src_idx[row] = -1;
-        }
-    }
+    if (ok)
+        pad_rows(a, static_cast<uint8_t*>(a.recv_x), static_cast<uint8_t*>(a.recv_scales),
+                 min(total, a.num_recv_rows), a.num_recv_rows, warps, lane);
     // The next kernel may overwrite this rank's windows: wait until every rank has read them.
     if (ok && blockIdx.x == 0) block_wait(e, kReleasedBy, 0, R, tag(e.seq, num_windows - 1), kErrReleased, num_windows - 1);
     finish_kernel(e, e.own(kDoneCount));
@@ -904,9 +912,6 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
     const Warps warps = grid_warps<S::kWarps>();
     const int* first_row_at = a.recv_info + 3 + 2 * R;
-    // Loads in flight per lane: the destinations' addresses live in registers too, so the 64-register
-    // shapes take fewer than their kCopyDepth (6 spilled).
-    constexpr int kDepth = S::kMinBlocks == 1 ? S::kCopyDepth : 6;
     bool ok = load_volatile(e.own(kAbort)) == 0;
     if (ok && blockIdx.x == 0)
         for (int r = threadIdx.x; r < R; r += blockDim.x) raise_flag(e.peer_array(r, kZeroCopyReadyFrom, me), tag(e.seq, 0));
@@ -932,11 +937,11 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
                 const unsigned to = __ballot_sync(kFullMask, row >= 0);
                 if (to == 0) continue;
                 uint8_t* slot = row >= 0 ? z.areas[r] + z.slot_offset : nullptr;
-                warp_copy_to_all<kDepth>(row >= 0 ? slot + z.x_offset + row * a.x_bytes : nullptr, to,
+                warp_copy_to_all<S::kCopyDepth>(row >= 0 ? slot + z.x_offset + row * a.x_bytes : nullptr, to,
                                                 static_cast<const uint8_t*>(a.x) + t * a.x_bytes, a.x_bytes, lane);
                 if (a.scale_bytes > 0)
-                    warp_copy_to_all<kDepth>(row >= 0 ? slot + z.scale_offset + row * a.scale_bytes : nullptr, to,
-                                                    static_cast<const uint8_t*>(a.scales) + t * a.scale_bytes,
+                    warp_copy_to_all<S::kCopyDepth>(row >= 0 ? slot + z.scale_offset + row * a.scale_bytes : nullptr,
+                                                    to, static_cast<const uint8_t*>(a.scales) + t * a.scale_bytes,
                                                     a.scale_bytes, lane);
                 for (unsigned rest = to; rest != 0; rest &= rest - 1) {
                     const int j = __ffs(rest) - 1, dest = r0 + j;
@@ -972,18 +977,8 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
             }
         }
         for (int64_t i = thread; i < kept; i += threads) a.recv_src_idx[i] = __ldcg(reinterpret_cast<const int*>(own + z.src_offset) + i);
-        // Padding rows of a num_worst_tokens dispatch: no data, no expert.
-        uint8_t* own_rows = z.areas[me] + z.slot_offset;
-        for (int64_t row = kept + warps.warp; row < a.num_recv_rows; row += warps.num_warps) {
-            for (int64_t b = lane; b < a.x_bytes; b += 32) own_rows[z.x_offset + row * a.x_bytes + b] = 0;
-            for (int64_t b = lane; b < a.scale_bytes; b += 32) own_rows[z.scale_offset + row * a.scale_bytes + b] = 0;
-            if (a.recv_topk_idx != nullptr)
-                for (int k = lane; k < K; k += 32) {
-                    a.recv_topk_idx[row * K + k] = -1;
-                    a.recv_topk_weights[row * K + k] = 0.f;
-                }
-            if (lane == 0) a.recv_src_idx[row] = -1;
-        }
+        uint8_t* own_slot = z.areas[me] + z.slot_offset;
+        pad_rows(a, own_slot + z.x_offset, own_slot + z.scale_offset, kept, a.num_recv_rows, warps, lane);
     }
     end_phase(e, kPhaseReduce, since);
     finish_kernel(e, e.own(kDoneCount));

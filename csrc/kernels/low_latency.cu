@@ -357,7 +357,6 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ctx c, const uin
         for (int r = 0; r < e.num_ranks; ++r) raise_flag(e.signals(r) + e.num_experts + e.rank, tag(e.seq, 0));
 }
 
-constexpr int kMaxPicks = 32;           // config.NUM_MAX_TOPK
 // Tokens a combine receive block takes per step: their picks' setup (a chain of dependent loads) is
 // paid once per step, so a step should hold many 16-byte items per thread.
 constexpr int kCombineStepTokens = 8;
@@ -375,8 +374,8 @@ __global__ void __launch_bounds__(kCombineRecvThreads) combine_recv_kernel(Ctx c
                                                                 const float* __restrict__ topk_weights, int num_tokens,
                                                                 int num_topk, __nv_bfloat16* __restrict__ out,
                                                                 int zero_copy_slot) {
-    __shared__ const uint8_t* pick_row[kCombineStepTokens * kMaxPicks];  // nullptr: the pick was not sent
-    __shared__ float pick_weight[kCombineStepTokens * kMaxPicks];
+    __shared__ const uint8_t* pick_row[kCombineStepTokens * kMaxTopk];  // nullptr: the pick was not sent
+    __shared__ float pick_weight[kCombineStepTokens * kMaxTopk];
     const Env e = make_env(c);
     // The wait kernel saw every rank's flag; this block acquires them again (they are final) so that its
     // reads of the rows are ordered after the senders' writes, as in the dispatch receive.

@@ -32,6 +32,12 @@ def row_bytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.shape[1] * t.element_size()
 
 
+def zero_copy_dispatch_layout(area_bytes: int, x: torch.Tensor, scales: Optional[torch.Tensor],
+                              num_topk: int) -> ZeroCopyDispatchSlot:
+    """The slot layout of a zero-copy dispatch area for these rows (both backends check capacities with it)."""
+    return zero_copy_dispatch_slot(area_bytes, row_bytes(x), row_bytes(scales), num_topk)
+
+
 def zero_copy_dispatch_too_small(rank: int, rows: int, x: torch.Tensor, scales: Optional[torch.Tensor], num_topk: int,
                                  area_bytes: int) -> str:
     """The ValueError text when a zero-copy dispatch slot cannot hold a rank's received rows."""
@@ -246,7 +252,7 @@ class IntranodeBackend:
         slot = None
         if zero_copy:
             num_topk = topk_idx.shape[1] if not cached and topk_idx is not None else 0
-            slot = self.zero_copy_dispatch_layout(x, scales, num_topk)
+            slot = zero_copy_dispatch_layout(self.zero_copy_dispatch_bytes, x, scales, num_topk)
             if worst > slot.capacity:  # before the count exchange: every rank finds the same
                 raise ValueError(zero_copy_dispatch_too_small(self.rank, worst, x, scales, num_topk,
                                                               self.zero_copy_dispatch_bytes))
@@ -349,9 +355,6 @@ class IntranodeBackend:
         return send_counts, recv_counts, per_expert
 
     # ---------------------------------------------------------------- zero-copy dispatch
-    def zero_copy_dispatch_layout(self, x: torch.Tensor, scales: Optional[torch.Tensor], num_topk: int) -> ZeroCopyDispatchSlot:
-        return zero_copy_dispatch_slot(self.zero_copy_dispatch_bytes, row_bytes(x), row_bytes(scales), num_topk)
-
     def _zero_copy_dispatch_view(self, slot: ZeroCopyDispatchSlot, offset: int, rows: int, like: torch.Tensor) -> torch.Tensor:
         """[rows, like's columns] of like's dtype at `offset` of this rank's next zero-copy dispatch slot."""
         key = (self._dispatch_next, slot.slot_bytes)

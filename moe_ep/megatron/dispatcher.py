@@ -215,13 +215,12 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         hidden_bytes = hidden_states.shape[1] * max(hidden_states.element_size(), 2)
         # Two slots of every row this rank could receive: each token once from every rank of the group.
+        rows = hidden_states.shape[0] * self.group.size()
         zero_copy_bytes = 0
         if self._zero_copy:
-            row_bytes = hidden_states.shape[1] * hidden_states.element_size()
-            zero_copy_bytes = zero_copy_combine_bytes(hidden_states.shape[0] * self.group.size(), row_bytes)
+            zero_copy_bytes = zero_copy_combine_bytes(rows, hidden_states.shape[1] * hidden_states.element_size())
         zero_copy_dispatch = 0
         if self._state.zero_copy_dispatch:  # the same rows, their top-k and, for any fp8 rows, scales
-            rows = hidden_states.shape[0] * self.group.size()
             zero_copy_dispatch = zero_copy_dispatch_bytes(rows, hidden_bytes, hidden_states.shape[1] // 128 * 4,
                                                           self.router_topk)
         self._state.buffer = _buffer_for(self.group, hidden_bytes, self._state.buffer, zero_copy_bytes,
