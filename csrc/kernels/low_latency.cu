@@ -23,8 +23,11 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-// The receive kernels' blocks are larger: with ranks sharing a GPU each spins on few blocks (see
-// waiting_blocks), and those few should still have as many threads copying as a block per expert had.
+// A receive is two kernels: one block waits for the peers' flags, then the copy kernel, which waits
+// for nothing, runs on as many blocks as its work wants (blocks that spin must leave the SMs to the
+// peers' sends when ranks share a GPU; blocks that only copy need not, and a few spinning blocks
+// copying alone made the receives latency-bound).
+constexpr int kWaitThreads = 256;          // wait kernels: a warp per expert, a lane per source rank
 constexpr int kRecvThreads = 1024;         // dispatch receive: a warp per row (48 registers)
 constexpr int kCombineRecvThreads = 512;   // combine receive: a thread per (token, 16 bytes) (76 registers)
 constexpr unsigned kFullMask = 0xffffffffu;
@@ -78,6 +81,14 @@ __device__ Env make_env(const Ctx& c) {
     e.half_offset = kHeaderBytes + static_cast<int64_t>(e.seq & 1) * e.g.half;
     e.deadline = peer::now_ns() + c.timeout_ns;
     return e;
+}
+
+// Read once per block: the loops after it hold barriers, which every thread of the block must reach.
+__device__ bool block_not_aborted(const Env& e) {
+    __shared__ bool ok;
+    if (threadIdx.x == 0) ok = !e.aborted();
+    __syncthreads();
+    return ok;
 }
 
 // The receive kernel ends the call: its last block advances the call number.
@@ -244,38 +255,56 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ctx c, const __
     }
 }
 
-// A block per local expert (looping when the grid is smaller): wait for every source rank's count, then
-// pack the rows. A count flag is tag(call, rows) >= tag(call, 0) for any row count, and below it for
-// every earlier call.
-__global__ void __launch_bounds__(kRecvThreads) dispatch_recv_kernel(Ctx c, int num_topk, bool use_fp8, bool use_ue8m0,
-                                                                 uint8_t* __restrict__ recv_x, uint8_t* __restrict__ recv_scales,
-                                                                 int* __restrict__ recv_count, int* __restrict__ stats,
-                                                                 int* __restrict__ recv_src_info) {
-    extern __shared__ int first_row[];  // [R + 1]: each source rank's first row, then the total
-    __shared__ int ok;
+// Waits for every (local expert, source rank) count flag of this call (a warp per expert, a lane per
+// source) and writes each local expert's row count. A count flag is tag(call, rows) >= tag(call, 0)
+// for any row count, and below it for every earlier call.
+__global__ void __launch_bounds__(kWaitThreads) dispatch_wait_kernel(Ctx c, int* __restrict__ recv_count,
+                                                                     int* __restrict__ stats) {
     const Env e = make_env(c);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    if (threadIdx.x == 0) ok = !e.aborted();
-    // `ok` is written by thread 0 only between the two barriers of an iteration and read by the others
-    // only after the first: the loop condition must not read it.
-    for (int local = blockIdx.x; local < e.num_local; local += gridDim.x) {
+    bool ok = !e.aborted();
+    for (int local = warp; local < e.num_local; local += kWaitThreads / 32) {
+        int total = 0;
+        for (int s0 = 0; s0 < e.num_ranks; s0 += 32) {
+            const int s = s0 + lane;
+            int rows = 0;
+            if (ok && s < e.num_ranks) {
+                const uint64_t* flag = e.signals(e.rank) + static_cast<int64_t>(local) * e.num_ranks + s;
+                ok = peer::wait_flag(e.failure(), flag, tag(e.seq, 0), intranode::kErrLowLatencyDispatch, s,
+                                     e.rank * e.num_local + local);
+                if (ok) rows = static_cast<int>(load_acquire(flag) & ((1u << kCountBits) - 1)) - 1;
+            }
+            total += __reduce_add_sync(kFullMask, rows);
+        }
+        ok = __all_sync(kFullMask, ok);
+        if (!ok) break;
+        if (lane == 0) {
+            recv_count[local] = total;
+            if (stats != nullptr) stats[local] += total;
+        }
+    }
+}
+
+// After dispatch_wait_kernel: a block per local expert (looping when the grid is smaller) packs its
+// rows, source rank by source rank, from the counts in the flags (final by now).
+__global__ void __launch_bounds__(kRecvThreads) dispatch_recv_kernel(Ctx c, int num_topk, bool use_fp8, bool use_ue8m0,
+                                                                 uint8_t* __restrict__ recv_x, uint8_t* __restrict__ recv_scales,
+                                                                 int* __restrict__ recv_src_info) {
+    extern __shared__ int first_row[];  // [R + 1]: each source rank's first row, then the total
+    const Env e = make_env(c);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const bool ok = block_not_aborted(e);  // the wait kernel gave up: nothing to copy
+    for (int local = blockIdx.x; ok && local < e.num_local; local += gridDim.x) {
         if (threadIdx.x == 0) {
             int total = 0;
             for (int s = 0; s < e.num_ranks; ++s) {
                 first_row[s] = total;
                 const uint64_t* flag = e.signals(e.rank) + static_cast<int64_t>(local) * e.num_ranks + s;
-                ok = ok && peer::wait_flag(e.failure(), flag, tag(e.seq, 0), intranode::kErrLowLatencyDispatch, s,
-                                           e.rank * e.num_local + local);
-                if (ok) total += static_cast<int>(load_acquire(flag) & ((1u << kCountBits) - 1)) - 1;
+                total += static_cast<int>(load_acquire(flag) & ((1u << kCountBits) - 1)) - 1;
             }
             first_row[e.num_ranks] = total;
-            if (ok) {
-                recv_count[local] = total;
-                if (stats != nullptr) stats[local] += total;
-            }
         }
         __syncthreads();
-        if (!ok) break;
         const int64_t x_bytes = use_fp8 ? e.hidden : static_cast<int64_t>(e.hidden) * 2;
         const int64_t s_bytes = scale_bytes(e.hidden, use_fp8, use_ue8m0);
         const int64_t rows_per_expert = static_cast<int64_t>(e.num_ranks) * e.max_tokens;
@@ -332,30 +361,34 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ctx c, const uin
 // paid once per step, so a step should hold many 16-byte items per thread.
 constexpr int kCombineStepTokens = 8;
 
-// Wait for every rank's rows, then per token acc = acc + (weight * row) over the slots in order.
+// Waits for every rank's combine rows (a lane per source rank).
+__global__ void __launch_bounds__(kWaitThreads) combine_wait_kernel(Ctx c) {
+    const Env e = make_env(c);
+    for (int s = threadIdx.x; s < e.num_ranks && !e.aborted(); s += blockDim.x)
+        peer::wait_flag(e.failure(), e.signals(e.rank) + e.num_experts + s, tag(e.seq, 0),
+                        intranode::kErrLowLatencyCombine, s, -1);
+}
+
+// After combine_wait_kernel: per token acc = acc + (weight * row) over the slots in order.
 __global__ void __launch_bounds__(kCombineRecvThreads) combine_recv_kernel(Ctx c, const int64_t* __restrict__ topk_idx,
                                                                 const float* __restrict__ topk_weights, int num_tokens,
                                                                 int num_topk, __nv_bfloat16* __restrict__ out,
                                                                 int zero_copy_slot) {
-    __shared__ int ok;
     __shared__ const uint8_t* pick_row[kCombineStepTokens * kMaxTopk];  // nullptr: the pick was not sent
     __shared__ float pick_weight[kCombineStepTokens * kMaxTopk];
     const Env e = make_env(c);
-    if (threadIdx.x == 0) {
-        ok = !e.aborted();
-        for (int s = 0; ok && s < e.num_ranks; ++s)
-            ok = peer::wait_flag(e.failure(), e.signals(e.rank) + e.num_experts + s, tag(e.seq, 0),
-                                 intranode::kErrLowLatencyCombine, s, -1);
-    }
-    __syncthreads();
-    if (ok) {
+    // The wait kernel saw every rank's flag; this block acquires them again (they are final) so that its
+    // reads of the rows are ordered after the senders' writes, as in the dispatch receive.
+    if (threadIdx.x == 0)
+        for (int s = 0; s < e.num_ranks; ++s) (void)load_acquire(e.signals(e.rank) + e.num_experts + s);
+    if (block_not_aborted(e)) {  // the wait kernel gave up: nothing to sum
         // Per step, a block takes a few tokens: first the rows and weights of their picks go to shared
         // memory (in a zero-copy combine a row's index is a load before the row's own: done once per
         // pick, not once per 16 bytes of it), then a thread per (token, 16-byte vector of eight bf16)
         // loads up to kSlotBatch rows at once and adds them in pick order.
         constexpr int kSlotBatch = 8;
         const int chunks = e.hidden / 8;
-        // Few blocks (ranks sharing a GPU) take many tokens per step; many blocks one each.
+        // Few blocks take many tokens per step; many blocks one each.
         const int per_step = min(kCombineStepTokens, max(1, (num_tokens + gridDim.x - 1) / gridDim.x));
         const uint8_t* slots = e.recv(e.rank);
         for (int t0 = blockIdx.x * per_step; t0 < num_tokens; t0 += gridDim.x * per_step) {
@@ -410,17 +443,6 @@ int blocks_for(int64_t warps_of_work, int num_sms) {
     return static_cast<int>(needed < 1 ? 1 : (needed < num_sms ? needed : num_sms));
 }
 
-// The receive kernels' blocks spin until the peers' send kernels have run. When ranks share a GPU, the
-// spinning blocks of all of them must leave room for those sends, or no send is scheduled and every
-// wait runs into its deadline: each rank spins on at most half its share of the SMs and of the blocks
-// the GPU holds (`resident`, asked once: occupancy does not change during a run). A rank alone on its
-// GPU has its own sends ahead of it in its stream: it may use the whole GPU.
-int waiting_blocks(const Ctx& ctx, int resident, int num_sms, int wanted) {
-    const int sharing = ctx.ranks_on_device > 1 ? 2 * ctx.ranks_on_device : 1;
-    const int cap = std::max(1, std::min(num_sms, resident) / sharing);
-    return std::max(1, std::min(wanted, cap));
-}
-
 // Once per kernel and thread, before its first launch: the largest shared-memory carveout (see
 // prefer_max_shared_carveout; every kernel here asks for it), and how many of its blocks the GPU holds.
 int set_up(const void* kernel, int threads, size_t dynamic_smem) {
@@ -445,12 +467,18 @@ void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t*
 void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales,
                    int* recv_count, int* stats, int* recv_src_info, int num_sms) {
     const size_t smem = sizeof(int) * (ctx.num_ranks + 1);
+    static thread_local const int waiting = set_up(reinterpret_cast<const void*>(dispatch_wait_kernel), kWaitThreads, 0);
     static thread_local const int resident =
         set_up(reinterpret_cast<const void*>(dispatch_recv_kernel), kRecvThreads, sizeof(int) * 65);  // <= 64 ranks
-    const int blocks = waiting_blocks(ctx, resident, num_sms, ctx.num_experts / ctx.num_ranks);
+    (void)waiting;
+    (void)resident;
+    dispatch_wait_kernel<<<1, kWaitThreads, 0, ctx.stream>>>(ctx, recv_count, stats);
+    MOE_EP_LAUNCH_CHECK("low_latency dispatch_wait_kernel");
+    // A block per local expert, up to a few per SM.
+    const int blocks = std::max(1, std::min(ctx.num_experts / ctx.num_ranks, 2 * num_sms));
     dispatch_recv_kernel<<<blocks, kRecvThreads, smem, ctx.stream>>>(
-        ctx, num_topk, use_fp8, use_ue8m0, static_cast<uint8_t*>(recv_x), static_cast<uint8_t*>(recv_scales), recv_count,
-        stats, recv_src_info);
+        ctx, num_topk, use_fp8, use_ue8m0, static_cast<uint8_t*>(recv_x), static_cast<uint8_t*>(recv_scales),
+        recv_src_info);
     MOE_EP_LAUNCH_CHECK("low_latency dispatch_recv_kernel");
 }
 
@@ -467,9 +495,14 @@ void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const in
 
 void combine_recv(const Ctx& ctx, const int64_t* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
                   void* out, int num_sms, int zero_copy_slot) {
+    static thread_local const int waiting = set_up(reinterpret_cast<const void*>(combine_wait_kernel), kWaitThreads, 0);
     static thread_local const int resident =
         set_up(reinterpret_cast<const void*>(combine_recv_kernel), kCombineRecvThreads, 0);
-    const int blocks = waiting_blocks(ctx, resident, num_sms, std::max(1, std::min(num_tokens, num_sms)));  // a token per block at least
+    (void)waiting;
+    (void)resident;
+    combine_wait_kernel<<<1, kWaitThreads, 0, ctx.stream>>>(ctx);
+    MOE_EP_LAUNCH_CHECK("low_latency combine_wait_kernel");
+    const int blocks = std::max(1, std::min(num_tokens, 2 * num_sms));  // a token per block at most (per_step)
     combine_recv_kernel<<<blocks, kCombineRecvThreads, 0, ctx.stream>>>(
         ctx, topk_idx, topk_weights, num_tokens, num_topk, static_cast<__nv_bfloat16*>(out), zero_copy_slot);
     MOE_EP_LAUNCH_CHECK("low_latency combine_recv_kernel");
