@@ -30,6 +30,31 @@ def test_intranode_benchmark_sweeps(tmp_path):
     assert "best chunk at 2 ranks, 8 SMs, dispatch_fp8" in out
 
 
+def test_an_sm_budget_the_kernels_refuse_is_skipped_not_fatal():
+    from types import SimpleNamespace
+    from moe_ep.bench.intranode import unfit_sm_budget
+
+    def check_num_sms(num_sms):
+        if num_sms > 33:
+            raise ValueError(f"num_sms (Config): {num_sms} blocks per kernel ... use num_sms <= 33")
+
+    kernels = SimpleNamespace(check_num_sms=check_num_sms)
+    assert unfit_sm_budget(SimpleNamespace(_intranode=kernels), 24) == ""
+    assert "use num_sms <= 33" in unfit_sm_budget(SimpleNamespace(_intranode=kernels), 48)
+    assert unfit_sm_budget(SimpleNamespace(_intranode=None), 480) == ""  # the portable backend takes any
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_intranode_benchmark_sweep_skips_budgets_too_large_for_the_ranks_on_one_gpu(tmp_path):
+    """8 ranks on one GPU cannot hold 48 blocks per kernel each: that budget is reported and skipped, the
+    others are timed."""
+    assert TINY[:3] == ["--cpu", "--ranks", "2"]
+    out = _run("moe_ep.bench.intranode", *TINY[3:], "--ranks", "8", "--tokens", "64", "--sms", "8", "48",
+               "--modes", "dispatch_bf16", "--json", str(tmp_path / "b.jsonl"))
+    assert "48  skipped: num_sms (Config)" in out, out
+    assert [json.loads(line)["sms"] for line in (tmp_path / "b.jsonl").read_text().splitlines()] == [8]
+
+
 def test_the_cli_lists_and_runs_the_benchmarks(tmp_path):
     """`moe-ep-bench` (python -m moe_ep.bench): the list, an unknown name refused, and a benchmark whose
     ranks are spawned processes run through it (they import the module the CLI ran)."""

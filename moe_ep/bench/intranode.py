@@ -41,6 +41,7 @@ from .timing import wall_seconds_per_call
 MODES = ("dispatch_fp8", "dispatch_bf16", "dispatch_fp8_zero_copy", "dispatch_bf16_zero_copy", "combine",
          "combine_zero_copy")
 NCCL_MODE = "nccl_all_to_all_bf16"
+SKIPPED = "skipped"  # a result row that says an SM budget was refused, and why
 
 
 def wait_shares(profile: dict, mode: str) -> dict:
@@ -61,6 +62,19 @@ def variant(config: Config, num_sms: int, recv_tokens: int = 0) -> Config:
     send_tokens = min(config.num_max_nvl_chunked_send_tokens, recv_tokens - 1)
     return Config(num_sms, send_tokens, recv_tokens, config.num_max_rdma_chunked_send_tokens,
                   config.num_max_rdma_chunked_recv_tokens)
+
+
+def unfit_sm_budget(buffer: Buffer, num_sms: int) -> str:
+    """Why the kernels refuse this SM budget here (its blocks cannot all be resident with this many ranks
+    on one GPU), or "" if they take it. A sweep skips such budgets instead of stopping."""
+    kernels = buffer._intranode  # None on the portable backend, which takes any budget
+    if kernels is None:
+        return ""
+    try:
+        kernels.check_num_sms(num_sms)
+    except ValueError as e:
+        return str(e)
+    return ""
 
 
 def rank_bench(args):
@@ -91,14 +105,15 @@ def rank_bench(args):
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
         layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                       topk_idx=topk_idx, topk_weights=topk_weights)
-        recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, config=configs["dispatch_bf16"][-1], **layout)
+        smallest = min(range(len(args.sms)), key=lambda i: args.sms[i])
+        recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, config=configs["dispatch_bf16"][smallest], **layout)
         rows = recv_x.shape[0]
         y = recv_x.clone()
         if zero_copy_bytes:  # both slots hold the rows before the timing: the calls only combine
             for _ in range(2):
                 view = buffer.get_next_combine_buffer(handle, args.hidden)
                 view.copy_(y)
-                buffer.combine(view, handle, topk_weights=recv_w, config=configs["combine_zero_copy"][-1],
+                buffer.combine(view, handle, topk_weights=recv_w, config=configs["combine_zero_copy"][smallest],
                                zero_copy=True)
 
         def combine_zero_copy(config):
@@ -106,6 +121,10 @@ def rank_bench(args):
             return buffer.combine(view, handle, topk_weights=recv_w, config=config, zero_copy=True)
 
         for i, num_sms in enumerate(args.sms):
+            refused = unfit_sm_budget(buffer, num_sms)
+            if refused:  # the same on every rank of this GPU: all skip it
+                results.append(dict(rank=rank, sms=num_sms, mode=SKIPPED, reason=refused))
+                continue
             calls = {
                 "dispatch_fp8": lambda c=configs["dispatch_fp8"][i]: buffer.dispatch(x_fp8, config=c, **layout),
                 "dispatch_bf16": lambda c=configs["dispatch_bf16"][i]: buffer.dispatch(x, config=c, **layout),
@@ -201,6 +220,10 @@ def main():
         with RankPool(num_ranks, use_cuda=not args.cpu) as pool:
             per_rank = pool.run(rank_bench, args)
         flat = [r for rows in per_rank for r in rows]
+        for num_sms in sorted({r["sms"] for r in flat if r["mode"] == SKIPPED}):
+            reason = next(r["reason"] for r in flat if r["mode"] == SKIPPED and r["sms"] == num_sms)
+            print(f"{num_ranks:>5} {num_sms:>4}  skipped: {reason}")
+        flat = [r for r in flat if r["mode"] != SKIPPED]
         best = {}
         for key in sorted({(r["sms"], r.get("recv_tokens", 0)) for r in flat}):
             num_sms, recv_tokens = key
