@@ -44,14 +44,16 @@ NCCL_MODE = "nccl_all_to_all_bf16"
 SKIPPED = "skipped"  # a result row that says an SM budget was refused, and why
 
 
-def wait_shares(profile: dict, mode: str) -> dict:
+def wait_shares(profile: dict, mode: str, calls: int) -> dict:
     """What the mode's kernel blocks waited for, and their time in each phase ("in pull": waits included),
-    as shares of their time (MOE_EP_PROFILE_WAITS)."""
+    as shares of their time (MOE_EP_PROFILE_WAITS); "block us" is a block's mean device time per call, to
+    set against the call's wall time (a call much longer than its blocks waits on the host)."""
     kernel = profile.get("combine" if mode.startswith("combine") else "dispatch")  # dispatch includes notify
     if not kernel or not kernel.get("kernel"):
         return {}
     shares = {what: sec / kernel["kernel"] for what, sec in kernel.items() if what not in ("kernel", "blocks", "phases")}
     shares.update({f"in {phase}": sec / kernel["kernel"] for phase, sec in kernel.get("phases", {}).items()})
+    shares["block us"] = kernel["kernel"] / max(kernel["blocks"], 1) / calls * 1e6
     return shares
 
 
@@ -142,7 +144,7 @@ def rank_bench(args):
                 if kernels is not None:
                     kernels.reset_wait_profile()
                 seconds = wall_seconds_per_call(fn, args.warmup, args.iters)
-                waits = wait_shares(kernels.wait_profile(), mode) if kernels is not None else {}
+                waits = wait_shares(kernels.wait_profile(), mode, args.warmup + args.iters) if kernels is not None else {}
                 row_bytes = args.hidden * (1 + 4 / 128) if mode.startswith("dispatch_fp8") else args.hidden * 2
                 config = configs[mode][i]
                 results.append(dict(rank=rank, sms=num_sms, recv_tokens=config.num_max_nvl_chunked_recv_tokens,
@@ -243,7 +245,8 @@ def main():
                 for r in rows:
                     for what, share in r.get("waits", {}).items():
                         waits[what] = waits.get(what, 0.0) + share / len(rows)
-                waited = ", ".join(f"{what} {share:.0%}" for what, share in waits.items())
+                waited = ", ".join(f"{what} {share:.0f}" if what == "block us" else f"{what} {share:.0%}"
+                                   for what, share in waits.items())
                 print(f"{num_ranks:>5} {num_sms:>4} {recv_tokens or '-':>6} {mode:>20} {max(r['us'] for r in rows):>9.0f} "
                       f"{min(r['gbps'] for r in rows):>12.0f} / {mean:<10.0f} {aggregate:>15.0f} "
                       f"{aggregate / copy:>7.0%}" + (f"  profile: {waited}" if waited else ""))
