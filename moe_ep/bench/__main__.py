@@ -16,6 +16,7 @@ BENCHMARKS = {
     "trace_kernels": "device time per kernel inside the calls (torch.profiler)",
     "profile_layout_call": "host time of a layout call, piece by piece",
     "profile_low_latency_call": "host time of a low-latency call, piece by piece",
+    "profile_dispatch_call": "host and device time of an intranode dispatch call, launch by launch",
 }
 
 

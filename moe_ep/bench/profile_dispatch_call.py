@@ -1,0 +1,140 @@
+"""Where one intranode dispatch call's time goes, host and device side by side, all ranks running.
+
+The benchmark's wall time per call can exceed the kernels' device time (at 2 ranks the zero-copy
+dispatch's blocks run ~1/3 of it): this says whether the host or the GPU is the bottleneck. Every
+launch the call makes (count exchange, dispatch kernel) and the host's wait for the counts is timed
+on the host clock, and device events around each launch give the kernels' durations and the gaps
+between them. Medians over the timed calls, per rank.
+
+    python -m moe_ep.bench.profile_dispatch_call --ranks 2 [--zero-copy] [--fp8]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from moe_ep import Buffer, fp8
+from moe_ep.config import zero_copy_dispatch_bytes
+from moe_ep.launch import RankPool
+
+LAUNCHES = ("intranode_notify", "intranode_dispatch", "intranode_zero_copy_dispatch")
+
+
+class TimedOps:
+    """The extension's entry points, each call timed on the host; a launch also gets device events
+    before and after it on the stream it goes to (the current one: the backend enters the
+    communication stream around its launches)."""
+
+    def __init__(self, ops, marks: list):
+        self._ops, self._marks = ops, marks
+
+    def __getattr__(self, name):
+        fn = getattr(self._ops, name)
+
+        def timed(*args):
+            launch = name in LAUNCHES
+            if launch:
+                before = torch.cuda.Event(enable_timing=True)
+                before.record()
+            start = time.perf_counter()
+            result = fn(*args)
+            host_us = (time.perf_counter() - start) * 1e6
+            after = None
+            if launch:
+                after = torch.cuda.Event(enable_timing=True)
+                after.record()
+            self._marks.append((name, start, host_us, before if launch else None, after))
+            return result
+
+        return timed
+
+
+def rank_profile(args):
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(7 + rank)
+    x = torch.randn(args.tokens, args.hidden, device="cuda").to(torch.bfloat16)
+    if args.fp8:
+        x = fp8.per_token_cast_to_fp8(x)
+    topk_idx = torch.rand(args.tokens, args.experts, device="cuda").topk(args.topk, dim=1).indices
+    topk_weights = torch.rand(args.tokens, args.topk, device="cuda")
+    config = Buffer.get_dispatch_config(num_ranks)
+    extra = zero_copy_dispatch_bytes(args.tokens * num_ranks, args.hidden * 2, 0, args.topk) if args.zero_copy else 0
+    buffer = Buffer(dist.group.WORLD, config.get_nvl_buffer_size_hint(args.hidden * 2, num_ranks),
+                    explicitly_destroy=True, num_zero_copy_dispatch_bytes=extra)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=topk_idx, topk_weights=topk_weights)
+
+    def call():
+        return buffer.dispatch(x, config=config, zero_copy=args.zero_copy, **layout)
+
+    for _ in range(5):
+        call()
+    marks = []
+    kernels = buffer._intranode
+    kernels.ops = TimedOps(kernels.ops, marks)
+    torch.cuda.synchronize()
+    dist.barrier()
+    calls = []
+    for _ in range(args.iters):
+        first = len(marks)
+        start = time.perf_counter()
+        call()
+        calls.append((start, (time.perf_counter() - start) * 1e6, first, len(marks)))
+    torch.cuda.synchronize()
+    kernels.ops = kernels.ops._ops
+    buffer.destroy()
+
+    rows = {}
+
+    def add(key, value):
+        rows.setdefault(key, []).append(value)
+
+    previous_end = None
+    for start, wall_us, first, last in calls:
+        add("host: whole call", wall_us)
+        mine = marks[first:last]
+        for name, at, host_us, before, after in mine:
+            add(f"host: {name}", host_us)
+            add(f"host: call start -> {name}", (at - start) * 1e6)
+            if before is not None:
+                add(f"device: {name}", before.elapsed_time(after) * 1e3)
+        launches = [(name, before, after) for name, _, _, before, after in mine if before is not None]
+        for (_, _, end_a), (name_b, start_b, _) in zip(launches, launches[1:]):
+            add(f"device gap before {name_b}", end_a.elapsed_time(start_b) * 1e3)
+        if previous_end is not None and launches:
+            add("device gap since the previous call", previous_end.elapsed_time(launches[0][1]) * 1e3)
+        if launches:
+            previous_end = launches[-1][2]
+    return {key: statistics.median(values) for key, values in rows.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--fp8", action="store_true", help="fp8 rows with 1x128 scales (default bf16)")
+    parser.add_argument("--zero-copy", action="store_true", help="dispatch(zero_copy=True)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a GPU: it times the kernels' launches")
+    for num_ranks in args.ranks:
+        with RankPool(num_ranks, use_cuda=True) as pool:
+            per_rank = pool.run(rank_profile, args)
+        kind = ("fp8" if args.fp8 else "bf16") + (" zero-copy" if args.zero_copy else "")
+        print(f"== {num_ranks} ranks, {kind} dispatch, {args.tokens} tokens, hidden {args.hidden}: median us per "
+              f"call (rank 0 .. {num_ranks - 1})")
+        for key in sorted(per_rank[0], key=lambda k: (not k.startswith("host: whole"), k)):
+            print(f"  {key:<52} " + " ".join(f"{r.get(key, float('nan')):8.1f}" for r in per_rank))
+
+
+if __name__ == "__main__":
+    main()
