@@ -526,13 +526,17 @@ void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, v
 
 void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const int* recv_src_info, int num_topk, int num_sms,
                   int zero_copy_slot) {
-    const int64_t rows = static_cast<int64_t>(ctx.num_experts) * ctx.num_max_tokens;  // L * R * max
+    // Rows that can have arrived: every source's tokens, each in at most min(top-k, L) of this rank's
+    // experts (and at most the L x R x max slots).
+    const int64_t num_local = ctx.num_experts / ctx.num_ranks;
+    const int64_t rows = std::min(num_local, static_cast<int64_t>(num_topk)) * ctx.num_ranks * ctx.num_max_tokens;
     static thread_local const int resident = set_up(reinterpret_cast<const void*>(combine_send_kernel), kThreads, 0);
     (void)resident;
-    const size_t smem = sizeof(int) * (ctx.num_experts / ctx.num_ranks + 1);
-    combine_send_kernel<<<blocks_for(rows, num_sms), kThreads, smem, ctx.stream>>>(ctx, static_cast<const uint8_t*>(x),
-                                                                                     recv_count, recv_src_info, num_topk,
-                                                                                     zero_copy_slot);
+    const size_t smem = sizeof(int) * (num_local + 1);
+    const int64_t warps = zero_copy_slot >= 0 ? (rows + 31) / 32 : rows;  // a thread or a warp per row
+    combine_send_kernel<<<blocks_for(warps, num_sms), kThreads, smem, ctx.stream>>>(ctx, static_cast<const uint8_t*>(x),
+                                                                                      recv_count, recv_src_info, num_topk,
+                                                                                      zero_copy_slot);
     MOE_EP_LAUNCH_CHECK("low_latency combine_send_kernel");
 }
 
