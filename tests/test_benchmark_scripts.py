@@ -107,6 +107,12 @@ def test_dispatch_call_profile_times_each_launch():
         assert row in out, out
 
 
+def test_dispatch_call_profile_with_stubbed_launches():
+    out = _run("moe_ep.bench.profile_dispatch_call", "--stub-kernels", "--ranks", "4", "--tokens", "256", "--hidden", "256")
+    for row in ("Buffer.dispatch checks", "backend dispatch ", "backend dispatch, zero-copy"):
+        assert row in out, out
+
+
 def test_low_latency_call_profile_with_stubbed_launches():
     assert "low_latency_combine, no sync" in _run("moe_ep.bench.profile_low_latency_call", "--stub-kernels")
 
