@@ -73,6 +73,14 @@ def test_intranode_benchmark_times_only_the_modes_asked(tmp_path):
     assert [json.loads(line)["mode"] for line in (tmp_path / "b.jsonl").read_text().splitlines()] == ["combine"]
 
 
+def test_intranode_benchmark_cached_dispatch_modes(tmp_path):
+    """The *_cached modes (a handle, no count exchange) run only when asked, zero-copy ones too."""
+    modes = ["dispatch_fp8_cached", "dispatch_bf16_zero_copy_cached"]
+    _run("moe_ep.bench.intranode", *TINY, "--tokens", "64", "--modes", *modes, "--json", str(tmp_path / "b.jsonl"))
+    rows = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    assert [r["mode"] for r in rows] == modes and all(r["aggregate_gbps"] > 0 for r in rows)
+
+
 def test_low_latency_benchmark(tmp_path):
     out = _run("moe_ep.bench.low_latency", *TINY, "--tokens", "16", "--json", str(tmp_path / "b.jsonl"))
     row = json.loads((tmp_path / "b.jsonl").read_text())
@@ -104,6 +112,12 @@ def test_dispatch_call_profile_times_each_launch():
                "--tokens", "64", "--iters", "3", "--zero-copy", "--fp8")
     for row in ("host: whole call", "host: wait_host_value", "device: intranode_notify",
                 "device: intranode_zero_copy_dispatch", "device gap before intranode_zero_copy_dispatch"):
+        assert row in out, out
+
+
+def test_dispatch_call_profile_with_stubbed_launches():
+    out = _run("moe_ep.bench.profile_dispatch_call", "--stub-kernels", "--ranks", "4", "--tokens", "256", "--hidden", "256")
+    for row in ("Buffer.dispatch checks", "backend dispatch ", "backend dispatch, zero-copy"):
         assert row in out, out
 
 

@@ -14,6 +14,8 @@ process's plain device copy of the same number of bytes, measured in the same ru
     python -m moe_ep.bench.intranode --ranks 8 --profile-waits   # where the kernels' time goes
     python -m moe_ep.bench.intranode --ranks 8 --nccl     # one rank per GPU: also NCCL's all-to-all
     python -m moe_ep.bench.intranode --ranks 4 8 --modes combine   # only some of the modes
+    python -m moe_ep.bench.intranode --ranks 2 --modes dispatch_fp8_zero_copy dispatch_fp8_zero_copy_cached
+        # *_cached: from the first call's handle, no count exchange and no host wait (DeepEP's tests' way)
 
 The buffer is sized by the size hint of the largest SM budget given (the kernels size their windows
 from the buffer, not from num_sms), once per --recv-tokens value.
@@ -40,6 +42,10 @@ from .timing import wall_seconds_per_call
 
 MODES = ("dispatch_fp8", "dispatch_bf16", "dispatch_fp8_zero_copy", "dispatch_bf16_zero_copy", "combine",
          "combine_zero_copy")
+# On request only: dispatches from the first call's handle (no count exchange, no host wait: the
+# kernels' own rate, and how DeepEP's tests time their dispatch).
+CACHED_MODES = tuple(f"{m}_cached" for m in MODES if m.startswith("dispatch"))
+ALL_MODES = MODES + CACHED_MODES
 NCCL_MODE = "nccl_all_to_all_bf16"
 SKIPPED = "skipped"  # a result row that says an SM budget was refused, and why
 
@@ -91,16 +97,16 @@ def rank_bench(args):
     x = torch.randn(args.tokens, args.hidden, device=device).to(torch.bfloat16)
     x_fp8 = fp8.per_token_cast_to_fp8(x)
     defaults = {m: (Buffer.get_combine_config if m.startswith("combine") else Buffer.get_dispatch_config)(num_ranks)
-                for m in MODES}
+                for m in ALL_MODES}
     # combine_zero_copy: two slots of every row this rank could receive (all tokens of all ranks).
     zero_copy_bytes = zero_copy_combine_bytes(args.tokens * num_ranks, args.hidden * 2) \
         if "combine_zero_copy" in args.modes else 0
     # dispatch_*_zero_copy: every row this rank could receive, as bf16 (fp8 rows and scales are smaller).
     zero_copy_dispatch = zero_copy_dispatch_bytes(args.tokens * num_ranks, args.hidden * 2, 0, args.topk) \
-        if any(m.startswith("dispatch") and m.endswith("zero_copy") for m in args.modes) else 0
+        if any(m.startswith("dispatch") and "zero_copy" in m for m in args.modes) else 0
     results = []
     for recv_tokens in args.recv_tokens or [0]:
-        configs = {m: [variant(defaults[m], s, recv_tokens) for s in args.sms] for m in MODES}
+        configs = {m: [variant(defaults[m], s, recv_tokens) for s in args.sms] for m in ALL_MODES}
         nvl = max(c.get_nvl_buffer_size_hint(args.hidden * 2, num_ranks) for cs in configs.values() for c in cs)
         buffer = Buffer(dist.group.WORLD, nvl, explicitly_destroy=True, num_zero_copy_combine_bytes=zero_copy_bytes,
                         num_zero_copy_dispatch_bytes=zero_copy_dispatch)
@@ -134,6 +140,14 @@ def rank_bench(args):
                     x_fp8, config=c, zero_copy=True, **layout),
                 "dispatch_bf16_zero_copy": lambda c=configs["dispatch_bf16_zero_copy"][i]: buffer.dispatch(
                     x, config=c, zero_copy=True, **layout),
+                "dispatch_fp8_cached": lambda c=configs["dispatch_fp8_cached"][i]: buffer.dispatch(
+                    x_fp8, handle=handle, config=c),
+                "dispatch_bf16_cached": lambda c=configs["dispatch_bf16_cached"][i]: buffer.dispatch(
+                    x, handle=handle, config=c),
+                "dispatch_fp8_zero_copy_cached": lambda c=configs["dispatch_fp8_zero_copy_cached"][i]: buffer.dispatch(
+                    x_fp8, handle=handle, config=c, zero_copy=True),
+                "dispatch_bf16_zero_copy_cached": lambda c=configs["dispatch_bf16_zero_copy_cached"][i]: buffer.dispatch(
+                    x, handle=handle, config=c, zero_copy=True),
                 "combine": lambda c=configs["combine"][i]: buffer.combine(y, handle, topk_weights=recv_w, config=c),
                 "combine_zero_copy": lambda c=configs["combine_zero_copy"][i]: combine_zero_copy(c),
             }
@@ -202,7 +216,8 @@ def main():
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--sms", type=int, nargs="+", default=[24])
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="which calls to time")
+    parser.add_argument("--modes", nargs="+", choices=ALL_MODES, default=list(MODES),
+                        help="which calls to time (default: all but the *_cached ones)")
     parser.add_argument("--recv-tokens", type=int, nargs="+", default=[],
                         help="num_max_nvl_chunked_recv_tokens values to sweep (the buffer, hence window, size); "
                              "default: the tuned config's")
@@ -229,7 +244,7 @@ def main():
         best = {}
         for key in sorted({(r["sms"], r.get("recv_tokens", 0)) for r in flat}):
             num_sms, recv_tokens = key
-            modes = tuple(m for m in MODES if m in args.modes) + ((NCCL_MODE,) if args.nccl and num_sms == args.sms[0] else ())
+            modes = tuple(m for m in ALL_MODES if m in args.modes) + ((NCCL_MODE,) if args.nccl and num_sms == args.sms[0] else ())
             for mode in modes:
                 rows = [r for r in flat if r["sms"] == num_sms and r.get("recv_tokens", 0) == recv_tokens
                         and r["mode"] == mode]

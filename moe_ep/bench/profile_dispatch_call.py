@@ -7,6 +7,10 @@ on the host clock, and device events around each launch give the kernels' durati
 between them. Medians over the timed calls, per rank.
 
     python -m moe_ep.bench.profile_dispatch_call --ranks 2 [--zero-copy] [--fp8]
+
+With --stub-kernels (any machine, one process): the Python layer alone, CPU tensors, the extension's
+entry points and torch.cuda's stream calls replaced by no-ops: Buffer.dispatch's checks, and the kernel
+backend's dispatch as if the counts of `--ranks` ranks had arrived.
 """
 from __future__ import annotations
 
@@ -18,8 +22,11 @@ import torch
 import torch.distributed as dist
 
 from moe_ep import Buffer, fp8
-from moe_ep.config import zero_copy_dispatch_bytes
-from moe_ep.launch import RankPool
+from moe_ep.config import Config, zero_copy_dispatch_bytes
+from moe_ep.handles import DispatchHandle
+from moe_ep.launch import RankPool, free_port
+
+from .timing import host_call_us
 
 LAUNCHES = ("intranode_notify", "intranode_dispatch", "intranode_zero_copy_dispatch")
 
@@ -113,6 +120,94 @@ def rank_profile(args):
     return {key: statistics.median(values) for key, values in rows.items()}
 
 
+class _NoLaunches:
+    """The extension's intranode entry points doing nothing; the count wait finds the counts there."""
+
+    def __init__(self, backend):
+        self._backend = backend
+
+    def wait_host_value(self, host_info, index, value, timeout_s):
+        host_info[index] = value
+        return True
+
+    def __getattr__(self, name):
+        return lambda *args: None
+
+
+class _NoStream:
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+
+def stubbed_python_layer(args) -> None:
+    """Host time of the Python around a dispatch, with nothing launched (CPU tensors)."""
+    import contextlib
+    import ctypes
+    import types
+
+    from moe_ep.backends import intranode
+    from moe_ep.backends.peers import HOST_COUNTS
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    ranks = args.ranks[0]
+    x = torch.randn(args.tokens, args.hidden).to(torch.bfloat16)
+    topk_idx = torch.rand(args.tokens, args.experts).topk(args.topk, dim=1).indices
+    topk_weights = torch.rand(args.tokens, args.topk)
+    buffer = Buffer(dist.group.WORLD, Buffer.get_dispatch_config(ranks).get_nvl_buffer_size_hint(args.hidden * 2, 1))
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
+
+    # Buffer.dispatch: its checks, the backend's call answered at once.
+    class Answer:
+        def dispatch(self, x_parts, topk_idx, topk_weights, *rest):
+            return x_parts, topk_idx, topk_weights, [], None, None
+
+    buffer._uses_kernels, buffer._intranode, buffer._check_data = (lambda t: True), Answer(), (lambda t: False)
+    checks = host_call_us(lambda: buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                  num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+                                                  topk_weights=topk_weights), iters=2000, warmup=100)
+
+    # The kernel backend's dispatch, `ranks` ranks' worth of counts, torch.cuda's stream calls stubbed.
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    torch.cuda.current_stream = lambda *a: _NoStream()
+    torch.cuda.is_current_stream_capturing = lambda: False
+    backend = intranode.IntranodeBackend.__new__(intranode.IntranodeBackend)
+    host_info = torch.zeros(HOST_COUNTS + 2 * ranks + args.experts + 64, dtype=torch.int32)
+    backend.host_info = host_info  # read as the real one is: a ctypes view of pinned memory
+    backend._host = (ctypes.c_int32 * host_info.numel()).from_address(host_info.data_ptr())
+    backend.ops = _NoLaunches(backend)
+    backend.rank, backend.num_ranks, backend.recv_info_ints, backend.timeout_s = 0, ranks, 64, 20.0
+    backend.ctx, backend.comm_stream = types.SimpleNamespace(wait_ns=0), _NoStream()
+    backend._nonce, backend._fitting_sms, backend._wait_rows = 0, set(), None
+    backend.peers = types.SimpleNamespace(timeout_error=lambda: None)
+    backend._host[HOST_COUNTS: HOST_COUNTS + ranks] = [args.tokens] * ranks
+    area = zero_copy_dispatch_bytes(args.tokens * ranks, args.hidden * 2, 0, args.topk)
+    slots = torch.empty(area, dtype=torch.uint8)
+    backend.zero_copy_dispatch_bytes, backend._dispatch_next, backend._dispatch_slot_bytes = area, 0, {}
+    backend.zero_copy_dispatch = types.SimpleNamespace(addresses=[slots.data_ptr()] * ranks, device="cpu",
+                                                       pointers=torch.zeros(ranks, dtype=torch.int64))
+    intranode.device_view = lambda address, num_bytes, device: slots[:num_bytes]
+    local = args.experts // ranks
+    in_rank = torch.ones(args.tokens, ranks, dtype=torch.bool)
+    per_expert = torch.full((args.experts,), args.tokens // local, dtype=torch.int32)
+    config = Config(24, 6, 256, 6, 128)
+
+    def backend_call(zero_copy):
+        return backend.dispatch([x], topk_idx, topk_weights, in_rank, per_expert, 1, 0, None,
+                                lambda **fields: DispatchHandle(buffer_serial=0, **fields), config, None, False, False,
+                                zero_copy)
+
+    print(f"intranode dispatch, Python layer only (launches and stream calls stubbed), {ranks} ranks' counts, "
+          f"{args.experts} experts: median us per call")
+    print(f"  {'Buffer.dispatch checks':<40} {checks:8.1f}")
+    for zero_copy in (False, True):
+        us = host_call_us(lambda: backend_call(zero_copy), iters=2000, warmup=100)
+        print(f"  {'backend dispatch' + (', zero-copy' if zero_copy else ''):<40} {us:8.1f}")
+    dist.destroy_process_group()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2])
@@ -123,7 +218,12 @@ def main():
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--fp8", action="store_true", help="fp8 rows with 1x128 scales (default bf16)")
     parser.add_argument("--zero-copy", action="store_true", help="dispatch(zero_copy=True)")
+    parser.add_argument("--stub-kernels", action="store_true",
+                        help="the Python layer alone, launches stubbed (CPU, one process; --ranks: whose counts)")
     args = parser.parse_args()
+    if args.stub_kernels:
+        stubbed_python_layer(args)
+        return
     if not torch.cuda.is_available():
         parser.error("needs a GPU: it times the kernels' launches")
     for num_ranks in args.ranks:
