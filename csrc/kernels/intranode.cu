@@ -961,7 +961,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
                 int4 scale{};
                 if (scales_with_row && lane < scale_vectors) scale = __ldg(reinterpret_cast<const int4*>(scale_src) + lane);
                 warp_copy_to_all<kWide, kDepth>(row >= 0 ? slot + z.x_offset + row * a.x_bytes : nullptr, to,
-                                         static_cast<const uint8_t*>(a.x) + t * a.x_bytes, a.x_bytes, lane);
+                                                static_cast<const uint8_t*>(a.x) + t * a.x_bytes, a.x_bytes, lane);
                 if (scales_with_row) {
                     for (unsigned rest = to; rest != 0; rest &= rest - 1) {
                         int4* dst = reinterpret_cast<int4*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(scale_dst), __ffs(rest) - 1));

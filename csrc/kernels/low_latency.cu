@@ -28,8 +28,8 @@ constexpr int kWarps = kThreads / 32;
 // peers' sends when ranks share a GPU; blocks that only copy need not, and a few spinning blocks
 // copying alone made the receives latency-bound).
 constexpr int kWaitThreads = 256;          // wait kernels: a warp per expert, a lane per source rank
-constexpr int kRecvThreads = 1024;         // dispatch receive: a warp per row (48 registers)
-constexpr int kCombineRecvThreads = 512;   // combine receive: a thread per (token, 16 bytes) (76 registers)
+constexpr int kRecvThreads = 1024;         // dispatch receive: a warp per row
+constexpr int kCombineRecvThreads = 512;   // combine receive: a thread per (token, 16 bytes)
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kCountBits = 24;  // peer::tag keeps the step (here: a row count) in the low 24 bits
 

@@ -123,9 +123,6 @@ def rank_profile(args):
 class _NoLaunches:
     """The extension's intranode entry points doing nothing; the count wait finds the counts there."""
 
-    def __init__(self, backend):
-        self._backend = backend
-
     def wait_host_value(self, host_info, index, value, timeout_s):
         host_info[index] = value
         return True
@@ -177,7 +174,7 @@ def stubbed_python_layer(args) -> None:
     host_info = torch.zeros(HOST_COUNTS + 2 * ranks + args.experts + 64, dtype=torch.int32)
     backend.host_info = host_info  # read as the real one is: a ctypes view of pinned memory
     backend._host = (ctypes.c_int32 * host_info.numel()).from_address(host_info.data_ptr())
-    backend.ops = _NoLaunches(backend)
+    backend.ops = _NoLaunches()
     backend.rank, backend.num_ranks, backend.recv_info_ints, backend.timeout_s = 0, ranks, 64, 20.0
     backend.ctx, backend.comm_stream = types.SimpleNamespace(wait_ns=0), _NoStream()
     backend._nonce, backend._fitting_sms, backend._wait_rows = 0, set(), None
