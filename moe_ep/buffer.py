@@ -778,12 +778,18 @@ class Buffer:
         return current
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """Zero both halves of the low-latency buffer (needed after mixing normal and low-latency calls)."""
+        """Clears the low-latency buffer for calls of this shape: the kernels' flags of both halves on
+        every rank (collective: every rank calls it; the kernels also do it by themselves at the first
+        call of a shape that differs from the last one) and the portable backend's staging rows. The
+        normal calls use a buffer of their own, so mixing them with low-latency calls needs nothing."""
         self._check_alive()
         check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
         check_int("hidden", hidden, minimum=1)
         self._check_num_experts(num_experts)
         self._check_low_latency("clean_low_latency_buffer", num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if self._low_latency is not None:
+            shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+            self._low_latency.clear_flags("clean_low_latency_buffer", shape)
         for staging in self._ll_combine_buffers:
             if staging is not None:
                 staging.zero_()

@@ -148,12 +148,13 @@ def _keep_gpu_busy():
 
 def low_latency_round(p: Problem, use_fp8: bool, round_scale: bool = False, use_ue8m0: bool = False,
                       return_recv_hook: bool = False, zero_copy: bool = False, use_out: bool = False,
-                      busy_gpu: bool = False, calls_before: int = 0):
+                      busy_gpu: bool = False, calls_before: int = 0, buffer: Buffer = None):
     """One dispatch + combine; `calls_before` dispatch + combine pairs run first, back to back without
-    any host synchronisation (how a decode loop and the benchmark issue them)."""
+    any host synchronisation (how a decode loop and the benchmark issue them). buffer: a Buffer to use
+    (default: a new one sized for p)."""
     rank = dist.get_rank()
     inp = my_inputs(p)
-    buffer = low_latency_buffer(p)
+    buffer = buffer or low_latency_buffer(p)
     if calls_before:
         zeros = torch.zeros(p.local_experts, p.num_ranks * p.max_tokens, p.hidden, dtype=torch.bfloat16,
                             device=device())
@@ -204,6 +205,15 @@ def low_latency_round(p: Problem, use_fp8: bool, round_scale: bool = False, use_
     return cpu(dict(recv_x=recv_x, recv_count=recv_count, count_before_hook=count_before_hook, stats=stats,
                     y=y, combined=combined, out_is_result=out is not None and combined.data_ptr() == out.data_ptr(),
                     zero_copy_in_place=in_place))
+
+
+def low_latency_shape_changes(problems, use_fp8: bool, zero_copy: bool):
+    """low_latency_round for each problem in turn on one Buffer sized for the largest, so that the
+    shape (max tokens, hidden, experts) and with it the buffer's layout change between calls."""
+    size = max(Buffer.get_low_latency_rdma_size_hint(p.max_tokens, p.hidden, p.num_ranks, p.num_experts)
+               for p in problems)
+    buffer = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True)
+    return [low_latency_round(p, use_fp8, zero_copy=zero_copy, buffer=buffer) for p in problems]
 
 
 def backend_info():

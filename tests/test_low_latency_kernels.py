@@ -57,6 +57,19 @@ def test_low_latency_kernels_equal_portable(pools, gpu_pools, seed, num_ranks, v
         assert all(r["zero_copy_in_place"] for r in on_gpu) and not any(r["zero_copy_in_place"] for r in on_cpu)
 
 
+@pytest.mark.parametrize("use_fp8,zero_copy", [(True, False), (False, True)])
+def test_shape_changes_on_one_buffer(pools, gpu_pools, seed, use_fp8, zero_copy):
+    """Calls of three shapes in turn on one Buffer: each change moves the flags over bytes the previous
+    shape used for rows, which the backend clears first (tests/test_low_latency_shapes.py)."""
+    problems = [Problem(seed, 4, 16, 256, 4, max_tokens=32), Problem(seed + 1, 4, 32, 512, 4, max_tokens=16),
+                Problem(seed + 2, 4, 16, 256, 4, max_tokens=32)]
+    on_gpu = gpu_pools(4).run(rank_fns.with_env, KERNELS, rank_fns.low_latency_shape_changes, problems, use_fp8,
+                              zero_copy)
+    on_cpu = pools(4).run(rank_fns.low_latency_shape_changes, problems, use_fp8, zero_copy)
+    for call in range(len(problems)):
+        _compare(seed, [r[call] for r in on_gpu], [r[call] for r in on_cpu], use_fp8)
+
+
 def test_issue_shape_hidden_7168_top8(pools, gpu_pools, seed):
     p = Problem(seed, 4, 32, 7168, 8, max_tokens=128, drop=0.05)
     on_gpu = gpu_pools(4).run(rank_fns.with_env, KERNELS, rank_fns.low_latency_round, p, use_fp8=True)

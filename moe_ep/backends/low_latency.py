@@ -36,8 +36,10 @@ class LowLatencyBackend:
         self.peers = map_peer_buffers(group, gate, num_rdma_bytes, "low_latency_dispatch", memory)
         self.ops = self.peers.ops
         self.rank, self.num_ranks = self.peers.rank, self.peers.num_ranks
+        self._gate = gate
         self._pending: Optional[str] = None  # the call whose hook has not run yet
         self._contexts = {}
+        self._shape = None  # (max tokens, hidden, experts) of the last call: the buffer's layout now
 
     def close(self) -> None:
         self.peers.close()
@@ -53,6 +55,9 @@ class LowLatencyBackend:
         if error is not None:
             raise error
         shape = (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+        if self._shape is not None and shape != self._shape:
+            self.clear_flags(call, shape)
+        self._shape = shape
         ctx = self._contexts.get(shape)
         if ctx is None:  # one per shape: a decode loop makes the same calls every step
             ctx = self._contexts[shape] = self.ops.LowLatencyCtx(
@@ -60,6 +65,31 @@ class LowLatencyBackend:
                 self.peers.host_info, self.peers.timeout_s, *shape,
             )
         return ctx
+
+    def clear_flags(self, call: str, shape) -> None:
+        """Zeroes, on every rank, the signals and send scratch of both halves as laid out for `shape`.
+        The layout depends on the shape, so after a change they lie where the previous shape kept rows,
+        whose bytes would read as raised flags and row counts. Collective: every rank makes the same
+        calls, so all meet here; between two barriers, so that no peer still reads this buffer for an
+        old call, nor writes it for a new one, while it is cleared."""
+        if self._pending is not None:
+            raise RuntimeError(f"{call}: call the hook of the previous {self._pending} first (its receive "
+                               "waits for the flags that this would clear)")
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{call}: the first call of a new low-latency shape {shape} (max tokens, hidden, experts) "
+                "clears the buffer's flags on every rank and cannot be captured in a CUDA graph: make one "
+                "call of that shape before capturing"
+            )
+        torch.cuda.synchronize()  # this rank's kernels of the old shape are done
+        self._gate.enter(f"{call} (a new low-latency shape: the old calls are done)")
+        layout = LowLatencyLayout(shape[0], shape[1], self.num_ranks, shape[2])
+        for half in range(2):
+            start = self.peers.addresses[self.rank] + layout.HEADER_BYTES + half * layout.half_bytes
+            self.ops.device_zero(start, layout.zero_copy_offset)  # the send kernel's scratch
+            self.ops.device_zero(start + layout.send_bytes + layout.recv_bytes, layout.signal_bytes)
+        self._gate.enter(f"{call} (a new low-latency shape: the flags are cleared)")
+        self._shape = shape
 
     def _deferred(self, call: str, receive, return_recv_hook: bool):
         """Runs `receive` now, or returns it as the hook (once only)."""

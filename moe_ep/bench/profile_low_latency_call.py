@@ -55,6 +55,7 @@ def stub_kernels(buffer: Buffer) -> None:
     backend.peers = types.SimpleNamespace(pointers=torch.zeros(1, dtype=torch.int64), ranks_on_device=1,
                                           host_info=None, timeout_s=buffer.timeout_s, timeout_error=lambda: None)
     backend.ops, backend.rank, backend.num_ranks, backend._pending, backend._contexts = _NoLaunches(), 0, 1, None, {}
+    backend._shape = None
     buffer._low_latency = backend
     buffer._low_latency_kernels_move = lambda x: True
     buffer._check_data = lambda x: False

@@ -1,0 +1,88 @@
+"""The low-latency buffer's layout depends on the call's shape (max tokens, hidden, experts): at a shape
+change the kernel backend clears the new layout's flags on every rank, between two barriers. Here the
+protocol, with the extension's entry points and the barriers recorded instead of run (any machine);
+tests/test_low_latency_kernels.py runs shape changes on a GPU against the portable backend."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moe_ep.backends.low_latency import LowLatencyBackend
+from moe_ep.config import LowLatencyLayout
+from moe_ep.handles import LowLatencyHandle
+
+BASE, RANKS = 1 << 40, 4
+
+
+class Recorder:
+    def __init__(self):
+        self.events = []
+
+    def device_zero(self, ptr, num_bytes):
+        self.events.append(("zero", ptr, num_bytes))
+
+    def enter(self, phase):
+        self.events.append(("enter", phase))
+
+    def LowLatencyCtx(self, *args):
+        return SimpleNamespace(args=args)
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    recorder = Recorder()
+    b = LowLatencyBackend.__new__(LowLatencyBackend)
+    b.ops, b._gate, b.rank, b.num_ranks = recorder, recorder, 1, RANKS
+    b.peers = SimpleNamespace(addresses=[0, BASE, 0, 0], pointers=torch.zeros(1), ranks_on_device=1, host_info=None,
+                              timeout_s=5.0, timeout_error=lambda: None)
+    b._pending, b._contexts, b._shape = None, {}, None
+    return b, recorder
+
+
+def handle(max_tokens, hidden, experts):
+    return LowLatencyHandle(0, max_tokens, hidden, experts, 8, 4, torch.device("cpu"))
+
+
+def test_the_first_shape_and_repeats_clear_nothing(backend):
+    b, recorder = backend
+    for _ in range(3):
+        b._begin("low_latency_dispatch", handle(32, 256, 16))
+    assert recorder.events == []
+
+
+def test_a_new_shape_clears_its_signals_and_scratch_between_two_barriers(backend):
+    b, recorder = backend
+    b._begin("low_latency_dispatch", handle(32, 256, 16))
+    b._begin("low_latency_dispatch", handle(16, 512, 32))
+    layout = LowLatencyLayout(16, 512, RANKS, 32)
+    zeros = []
+    for half in range(2):
+        start = BASE + layout.HEADER_BYTES + half * layout.half_bytes
+        zeros += [("zero", start, layout.zero_copy_offset),
+                  ("zero", start + layout.send_bytes + layout.recv_bytes, layout.signal_bytes)]
+    assert [e[0] for e in recorder.events] == ["enter"] + ["zero"] * 4 + ["enter"]
+    assert recorder.events[1:5] == zeros
+    assert "new low-latency shape" in recorder.events[0][1]
+    recorder.events.clear()
+    b._begin("low_latency_combine", handle(16, 512, 32))  # the same shape again: nothing
+    assert recorder.events == []
+
+
+def test_clearing_refuses_while_a_hook_is_pending(backend):
+    b, recorder = backend
+    b._begin("low_latency_dispatch", handle(32, 256, 16))
+    b._pending = "low_latency_dispatch"
+    with pytest.raises(RuntimeError, match="call the hook of the previous low_latency_dispatch first"):
+        b.clear_flags("clean_low_latency_buffer", (32, 256, 16))
+    assert recorder.events == []
+
+
+def test_clearing_refuses_inside_a_cuda_graph_capture(backend, monkeypatch):
+    b, recorder = backend
+    b._begin("low_latency_dispatch", handle(32, 256, 16))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        b._begin("low_latency_dispatch", handle(16, 256, 16))
+    assert recorder.events == []
