@@ -8,6 +8,7 @@ portable backend runs unchanged on the kernels.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Tuple
 
 from .checks import check_int
 
@@ -159,10 +160,15 @@ def _zero_copy_dispatch_row_bytes(x_bytes: int, scale_bytes: int, num_topk: int)
     return x_bytes + scale_bytes + 12 * num_topk + 4
 
 
+def _zero_copy_slot_bytes(area_bytes: int) -> int:
+    """Bytes of each of a zero-copy area's two slots."""
+    return area_bytes // 2 // INTRANODE_SLOT_ALIGN * INTRANODE_SLOT_ALIGN
+
+
 def zero_copy_dispatch_slot(area_bytes: int, x_bytes: int, scale_bytes: int, num_topk: int) -> ZeroCopyDispatchSlot:
     """The slot layout of a zero-copy dispatch area of `area_bytes` for rows of these sizes."""
     a = INTRANODE_SLOT_ALIGN
-    slot_bytes = area_bytes // 2 // a * a
+    slot_bytes = _zero_copy_slot_bytes(area_bytes)
     # Each of the five parts may lose up to a - 1 bytes to alignment.
     capacity = max(0, (slot_bytes - 5 * a) // _zero_copy_dispatch_row_bytes(x_bytes, scale_bytes, num_topk))
     offsets = [0]
@@ -175,6 +181,13 @@ def zero_copy_pitch(row_bytes: int) -> int:
     """Bytes per row of a zero-copy combine area: the row (16-byte aligned), then room for the largest
     top-k's weights, which the kernel puts there for the peers to read with the row."""
     return _align(row_bytes, INTRANODE_SLOT_ALIGN) + 4 * NUM_MAX_TOPK
+
+
+def zero_copy_combine_slot(area_bytes: int, row_bytes: int) -> Tuple[int, int, int]:
+    """(bytes per slot, bytes per row, rows a slot holds) of a zero-copy combine area of `area_bytes`
+    for rows of `row_bytes`."""
+    slot_bytes, pitch = _zero_copy_slot_bytes(area_bytes), zero_copy_pitch(row_bytes)
+    return slot_bytes, pitch, slot_bytes // pitch
 
 
 def zero_copy_combine_bytes(num_rows: int, row_bytes: int) -> int:

@@ -359,10 +359,8 @@ def graph_round(p: Problem, q: Problem, num_worst_tokens: int, zero_copy: bool =
     static = {k: v.clone() for k, v in inp_p.items()}
 
     def step(inp):
-        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
         recv_x, recv_idx, recv_w, _, handle, _ = buffer.dispatch(
-            inp["x"], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"], num_worst_tokens=num_worst_tokens,
+            inp["x"], **dispatch_args(buffer, inp, p), num_worst_tokens=num_worst_tokens,
             **({"zero_copy": True} if zero_copy else {}))
         y = (recv_x.float() * (rank + 1)).to(torch.bfloat16)
         combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w)
@@ -546,10 +544,7 @@ def zero_copy_round(p: Problem, num_biases: int, repeats: int, cached: bool = Fa
     rows = dist.get_world_size() * p.max_tokens
     zero_copy_bytes = zero_copy_combine_bytes(rows, p.hidden * 2)
     buffer = normal_buffer(p.hidden, num_zero_copy_combine_bytes=zero_copy_bytes)
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
-    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(
-        inp["x"], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"])
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(inp["x"], **dispatch_args(buffer, inp, p))
     if cached:
         recv_x = buffer.dispatch(inp["x"], handle=handle)[0]
     biases = [bias_for(p, rank, inp["x"].shape[0], i).to(device()) for i in range(num_biases)]

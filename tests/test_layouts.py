@@ -4,8 +4,8 @@ import pytest
 
 from moe_ep import Buffer, Config
 from moe_ep.config import (
-    IntranodeLayout, LowLatencyLayout, intranode_header_bytes, zero_copy_combine_bytes, zero_copy_dispatch_bytes,
-    zero_copy_dispatch_slot, zero_copy_pitch,
+    IntranodeLayout, LowLatencyLayout, intranode_header_bytes, zero_copy_combine_bytes, zero_copy_combine_slot,
+    zero_copy_dispatch_bytes, zero_copy_dispatch_slot,
 )
 
 
@@ -60,6 +60,6 @@ def test_zero_copy_dispatch_slots_hold_what_their_size_says(seed):
 def test_zero_copy_combine_slots_hold_what_their_size_says():
     for rows, row_bytes in [(0, 14336), (1, 14336), (4096 * 8, 14336), (77, 264), (5, 8)]:
         area = zero_copy_combine_bytes(rows, row_bytes)
-        pitch = zero_copy_pitch(row_bytes)
+        slot_bytes, pitch, capacity = zero_copy_combine_slot(area, row_bytes)
         assert pitch % 16 == 0 and pitch >= row_bytes + 4 * 32
-        assert (area // 2 // 16 * 16) // pitch >= rows  # the backend's capacity formula
+        assert capacity >= rows and 2 * slot_bytes <= area

@@ -857,12 +857,6 @@ struct DispatchKernel {
     static constexpr auto fn = dispatch_kernel<S>;
 };
 // ------------------------------------------------------------------ zero-copy dispatch
-// A warp stores one row into every destination of `to` (lane j of the mask holds destination j's
-// address in `dst`), reading each vector of the source once: a token sent to several ranks costs one
-// read. All lanes make the same trips (the destinations come by shuffle), and the last trip loads all
-// of a lane's remaining vectors at once (predicated).
-// kWide: `bytes`, src and every destination are 16-byte aligned (the kernel's launch checks the row
-// sizes; the bases are aligned); otherwise one copy per destination.
 // One trip of a row copy: vectors [base, base + 32 x kDepth) of it, lane-strided, predicated at the end.
 template <int kDepth>
 __device__ __forceinline__ void load_trip(int4 (&v)[kDepth], const int4* from, int64_t base, int64_t vectors, int lane) {
@@ -884,6 +878,12 @@ __device__ __forceinline__ void store_trip(const int4 (&v)[kDepth], uint8_t* dst
     }
 }
 
+// A warp stores one row into every destination of `to` (lane j of the mask holds destination j's
+// address in `dst`), reading each vector of the source once: a token sent to several ranks costs one
+// read. All lanes make the same trips (the destinations come by shuffle), and the last trip loads all
+// of a lane's remaining vectors at once (predicated).
+// kWide: `bytes`, src and every destination are 16-byte aligned (the kernel's launch checks the row
+// sizes; the bases are aligned); otherwise one copy per destination.
 template <bool kWide, int kDepth>
 __device__ __forceinline__ void warp_copy_to_all(uint8_t* dst, unsigned to, const uint8_t* src, int64_t bytes, int lane) {
     if constexpr (!kWide) {
@@ -1156,10 +1156,17 @@ int stream_ring_rows(const Ctx& ctx, int64_t x_bytes, int num_topk) {
     return static_cast<int>(std::min<int64_t>(rows, 1 << 20));
 }
 
-void combine(const Ctx& ctx, const CombineArgs& args) {
+// Bytes per row of a combine's x, once the limits both combines share hold: a 64-bit mask of senders
+// per token, and rows of whole 8-byte vectors.
+static int64_t combine_row_bytes(const Ctx& ctx, const CombineArgs& args) {
     if (ctx.num_ranks > kMaxRanks) throw std::runtime_error("moe_ep: intranode combine supports at most 64 ranks");
     const int64_t x_bytes = static_cast<int64_t>(args.hidden) * (args.dtype == DType::kFloat32 ? 4 : 2);
     if (x_bytes % 8 != 0) throw std::runtime_error("moe_ep: intranode combine needs rows of a multiple of 8 bytes");
+    return x_bytes;
+}
+
+void combine(const Ctx& ctx, const CombineArgs& args) {
+    const int64_t x_bytes = combine_row_bytes(ctx, args);
     const int window = combine_window_tokens(ctx.num_ranks, ctx.num_nvl_bytes, x_bytes, args.num_topk);
     if (window < 1) throw std::runtime_error("moe_ep: the intranode buffer cannot hold one combine window");
     const int64_t slot = combine_slot_bytes(x_bytes, args.num_topk);
@@ -1187,8 +1194,7 @@ void zero_copy_dispatch(const Ctx& ctx, const DispatchArgs& args, const ZeroCopy
 
 void zero_copy_combine(const Ctx& ctx, const CombineArgs& args, const ZeroCopyArgs& z) {
     if (!ctx.zero_copy_bases) throw std::runtime_error("moe_ep: zero-copy combine needs a dispatch that found the peers' rows");
-    const int64_t x_bytes = static_cast<int64_t>(args.hidden) * (args.dtype == DType::kFloat32 ? 4 : 2);
-    if (x_bytes % 8 != 0) throw std::runtime_error("moe_ep: intranode combine needs rows of a multiple of 8 bytes");
+    const int64_t x_bytes = combine_row_bytes(ctx, args);
     launch_for_rows<ZeroCopyCombineKernels>(ctx, "intranode zero_copy_combine_kernel", args.dtype, x_bytes % 16 == 0, args, z);
 }
 

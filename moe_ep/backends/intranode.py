@@ -14,7 +14,9 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..config import Config, ZeroCopyDispatchSlot, zero_copy_dispatch_bytes, zero_copy_dispatch_slot, zero_copy_pitch
+from ..config import (
+    Config, ZeroCopyDispatchSlot, zero_copy_combine_slot, zero_copy_dispatch_bytes, zero_copy_dispatch_slot,
+)
 from ..events import EventOverlap
 from ..handles import DispatchHandle
 from ..sync import ArrivalGate
@@ -385,12 +387,6 @@ class IntranodeBackend:
         return base[offset: offset + rows * width].view(like.dtype).view(rows, like.shape[1])
 
     # ---------------------------------------------------------------- zero-copy combine
-    def _zero_copy_slot(self, row_bytes: int):
-        """(bytes per slot, bytes per row, rows a slot holds) for rows of `row_bytes`."""
-        slot_bytes = self.zero_copy_bytes // 2 // 16 * 16
-        pitch = zero_copy_pitch(row_bytes)
-        return slot_bytes, pitch, slot_bytes // pitch
-
     def zero_copy_view(self, num_rows: int, hidden: int, dtype: torch.dtype, slot: int) -> torch.Tensor:
         """Slot `slot` of this rank's zero-copy area as [num_rows, hidden] rows `pitch` bytes apart."""
         if self.zero_copy is None:
@@ -399,7 +395,7 @@ class IntranodeBackend:
                 "num_zero_copy_combine_bytes (the same on every rank) when creating it"
             )
         element = torch.empty((), dtype=dtype).element_size()
-        slot_bytes, pitch, capacity = self._zero_copy_slot(hidden * element)
+        slot_bytes, pitch, capacity = zero_copy_combine_slot(self.zero_copy_bytes, hidden * element)
         if num_rows > capacity:
             raise ValueError(
                 f"num_zero_copy_combine_bytes: {num_rows} received rows of hidden {hidden} need "
@@ -446,7 +442,7 @@ class IntranodeBackend:
             if zero_copy_slot is None:
                 self.ops.intranode_combine(*args)
             else:
-                slot_bytes, pitch, capacity = self._zero_copy_slot(x.shape[1] * x.element_size())
+                slot_bytes, pitch, capacity = zero_copy_combine_slot(self.zero_copy_bytes, x.shape[1] * x.element_size())
                 self.ops.intranode_zero_copy_combine(
                     *args, self.zero_copy.pointers.data_ptr(), zero_copy_slot * slot_bytes, pitch, capacity
                 )

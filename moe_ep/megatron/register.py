@@ -4,6 +4,7 @@ megatron: MoELayer picks its dispatcher with a fixed if/elif, so its constructor
 from __future__ import annotations
 
 import functools
+import os
 
 DISPATCHER_TYPE = "deepep"
 # Which intranode calls of the dispatcher are one-pass ones (--moe-ep-zero-copy, set_zero_copy).
@@ -77,8 +78,6 @@ def add_arguments(parser):
 def apply_arguments(args) -> None:
     """Applies the `--moe-ep-*` options parsed with add_arguments (Megatron-LM copies only options named
     like TransformerConfig fields into the config, so these are applied here)."""
-    import os
-
     from ..buffer import Buffer
 
     if getattr(args, "moe_ep_num_sms", None):
@@ -92,8 +91,6 @@ def apply_arguments(args) -> None:
 def set_zero_copy(which: str) -> None:
     """Which calls of the dispatchers made from now on are one-pass (zero-copy) ones: none, dispatch,
     combine or both (sets MOE_EP_ZERO_COPY_DISPATCH and MOE_EP_ZERO_COPY_COMBINE)."""
-    import os
-
     if which not in ZERO_COPY_CHOICES:
         raise ValueError(f"zero copy: expected one of {ZERO_COPY_CHOICES}, got {which!r}")
     os.environ["MOE_EP_ZERO_COPY_DISPATCH"] = "1" if which in ("dispatch", "both") else "0"
