@@ -11,7 +11,7 @@ from typing import Dict, List, Tuple
 # (key of the problem, metric name, value, higher is better) for one JSON line.
 Figure = Tuple[Tuple, str, float, bool]
 LOW_LATENCY_TIMES = ("dispatch_us", "combine_us", "combine_zero_copy_us", "dispatch_graph_us", "combine_graph_us",
-                     "combine_zero_copy_graph_us")
+                     "combine_zero_copy_graph_us", "dispatch_zero_copy_us", "dispatch_zero_copy_graph_us")
 
 
 def figures(row: dict) -> List[Figure]:
