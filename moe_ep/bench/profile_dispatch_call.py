@@ -6,7 +6,12 @@ launch the call makes (count exchange, dispatch kernel) and the host's wait for 
 on the host clock, and device events around each launch give the kernels' durations and the gaps
 between them. Medians over the timed calls, per rank.
 
-    python -m moe_ep.bench.profile_dispatch_call --ranks 2 [--zero-copy] [--fp8]
+    python -m moe_ep.bench.profile_dispatch_call --ranks 2 [--zero-copy] [--fp8] [--python-profile 15]
+
+--python-profile N: after the timed calls, as many again under cProfile, and each rank's N functions
+(Python and C: torch's calls included) of the largest own time per call: where the host's time before
+and between the launches goes (cProfile adds about a microsecond per function call: the shares matter,
+not the sums).
 
 With --stub-kernels (any machine, one process): the Python layer alone, CPU tensors, the extension's
 entry points and torch.cuda's stream calls replaced by no-ops: Buffer.dispatch's checks, and the kernel
@@ -15,6 +20,9 @@ backend's dispatch as if the counts of `--ranks` ranks had arrived.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import os
+import pstats
 import statistics
 import time
 
@@ -94,6 +102,7 @@ def rank_profile(args):
         calls.append((start, (time.perf_counter() - start) * 1e6, first, len(marks)))
     torch.cuda.synchronize()
     kernels.ops = kernels.ops._ops
+    python_profile = own_time_per_call(call, args.iters, args.python_profile) if args.python_profile else []
     buffer.destroy()
 
     rows = {}
@@ -117,7 +126,25 @@ def rank_profile(args):
             add("device gap since the previous call", previous_end.elapsed_time(launches[0][1]) * 1e3)
         if launches:
             previous_end = launches[-1][2]
-    return {key: statistics.median(values) for key, values in rows.items()}
+    return {key: statistics.median(values) for key, values in rows.items()}, python_profile
+
+
+def own_time_per_call(call, iters: int, top: int):
+    """[(function, own us per call, calls per call)] of the `top` functions with the most own time over
+    `iters` calls of `call` under cProfile."""
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    dist.barrier()
+    profiler.enable()
+    for _ in range(iters):
+        call()
+    profiler.disable()
+    torch.cuda.synchronize()
+    rows = []
+    for (path, line, name), (_, calls, own, _, _) in pstats.Stats(profiler).stats.items():
+        where = name if path == "~" else f"{os.path.basename(path)}:{line} {name}"  # "~": a C function
+        rows.append((where, own / iters * 1e6, calls / iters))
+    return sorted(rows, key=lambda row: -row[1])[:top]
 
 
 class _NoLaunches:
@@ -215,6 +242,8 @@ def main():
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--fp8", action="store_true", help="fp8 rows with 1x128 scales (default bf16)")
     parser.add_argument("--zero-copy", action="store_true", help="dispatch(zero_copy=True)")
+    parser.add_argument("--python-profile", type=int, default=0, metavar="N",
+                        help="also each rank's N functions of most own time per call, under cProfile")
     parser.add_argument("--stub-kernels", action="store_true",
                         help="the Python layer alone, launches stubbed (CPU, one process; --ranks: whose counts)")
     args = parser.parse_args()
@@ -225,12 +254,18 @@ def main():
         parser.error("needs a GPU: it times the kernels' launches")
     for num_ranks in args.ranks:
         with RankPool(num_ranks, use_cuda=True) as pool:
-            per_rank = pool.run(rank_profile, args)
+            results = pool.run(rank_profile, args)
+        per_rank = [timings for timings, _ in results]
         kind = ("fp8" if args.fp8 else "bf16") + (" zero-copy" if args.zero_copy else "")
         print(f"== {num_ranks} ranks, {kind} dispatch, {args.tokens} tokens, hidden {args.hidden}: median us per "
               f"call (rank 0 .. {num_ranks - 1})")
         for key in sorted(per_rank[0], key=lambda k: (not k.startswith("host: whole"), k)):
             print(f"  {key:<52} " + " ".join(f"{r.get(key, float('nan')):8.1f}" for r in per_rank))
+        for rank, (_, profile) in enumerate(results):
+            if profile:
+                print(f"  -- rank {rank} under cProfile: own us per call, calls per call")
+                for where, us, calls in profile:
+                    print(f"     {where[:70]:<70} {us:8.1f} {calls:6.1f}")
 
 
 if __name__ == "__main__":
