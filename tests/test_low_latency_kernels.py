@@ -144,3 +144,14 @@ def test_low_latency_kernels_on_nvshmem_memory(pools, gpu_pools, seed, num_ranks
     on_gpu = gpu_pools(num_ranks).run(rank_fns.with_env, env, rank_fns.low_latency_round, p, **variant)
     on_cpu = pools(num_ranks).run(rank_fns.low_latency_round, p, **variant)
     _compare(seed, on_gpu, on_cpu, True)
+
+
+@pytest.mark.skipif(not _native.has_nvshmem_device(), reason="built without NVSHMEM's device library "
+                                                            "(MOE_EP_NVSHMEM_DEVICE=1 python setup.py build_ext)")
+@pytest.mark.parametrize("num_bytes", [16, 7168 + 224, 1 << 20])
+def test_device_initiated_put_lands_before_its_signal(gpu_pools, num_bytes):
+    """The building block of the puts to peers on other hosts: a put, then a signal ordered after it,
+    from a kernel; on one GPU NVSHMEM carries it between the PEs without a network."""
+    results = gpu_pools(2).run(rank_fns.with_env, dict(KERNELS, MOE_EP_LL_MEMORY="nvshmem"),
+                               rank_fns.nvshmem_put_round, num_bytes)
+    assert results == [None, True], results
