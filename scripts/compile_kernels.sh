@@ -44,6 +44,8 @@ compile g++ "${COMMON[@]}" -I "$NVSHMEM_INC" -DMOE_EP_WITH_NVSHMEM_DEVICE=1 -fsy
 NVSHMEM_LIB=$(dirname "$NVSHMEM_INC")/lib
 compile "$NVCC" "${COMMON[@]}" -I "$NVSHMEM_INC" -rdc=true -gencode=arch=compute_90,code=sm_90 --expt-relaxed-constexpr \
   -c csrc/kernels/nvshmem_puts.cu -o "$OUT/nvshmem_puts.o" || status=1
-compile "$NVCC" -dlink -gencode=arch=compute_90,code=sm_90 "$OUT/nvshmem_puts.o" -L "$NVSHMEM_LIB" -lnvshmem_device \
-  -o "$OUT/nvshmem_puts_dlink.o" || status=1
+compile "$NVCC" "${COMMON[@]}" -I "$NVSHMEM_INC" -DMOE_EP_WITH_NVSHMEM_DEVICE=1 -rdc=true -gencode=arch=compute_90,code=sm_90 \
+  --expt-relaxed-constexpr -c csrc/kernels/low_latency.cu -o "$OUT/low_latency_puts.o" || status=1
+compile "$NVCC" -dlink -gencode=arch=compute_90,code=sm_90 "$OUT/nvshmem_puts.o" "$OUT/low_latency_puts.o" \
+  -L "$NVSHMEM_LIB" -lnvshmem_device -o "$OUT/nvshmem_puts_dlink.o" || status=1
 exit $status
