@@ -53,7 +53,7 @@ def cuda_extension():
         return None, "MOE_EP_NO_CUDA=1"
     try:
         import torch
-        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+        from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, CUDA_HOME, BuildExtension, CUDAExtension
     except ImportError:
         return None, "torch is not installed yet (install torch first, then moe_ep with --no-build-isolation)"
     if torch.version.cuda is None:
@@ -82,6 +82,9 @@ def cuda_extension():
             # the same archive's host part (the init that sets up the device state) goes into the link.
             define_macros.append(("MOE_EP_WITH_NVSHMEM_DEVICE", "1"))
             nvcc_flags.append("-rdc=true")
+            # torch compiles extensions without the half/bf16 operators, which NVSHMEM's device
+            # headers use (its reductions instantiate them): defined back for this build only.
+            nvcc_flags += [f"-U{flag[2:]}" for flag in COMMON_NVCC_FLAGS if flag.startswith("-D__CUDA_NO_")]
             sources.append("csrc/kernels/nvshmem_puts.cu")
             extra_link.insert(0, os.path.join(lib, "libnvshmem_device.a"))
             dlink = dict(dlink=True, dlink_libraries=["nvshmem_device"], library_dirs=[lib])
