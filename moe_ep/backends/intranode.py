@@ -104,6 +104,9 @@ class IntranodeBackend:
         if zero_copy_dispatch_bytes > 0:
             self.zero_copy_dispatch = self._zero_copy_area(group, gate, zero_copy_dispatch_bytes, "dispatch")
         self.comm_stream = comm_stream
+        # The stream orderings every call makes, on two events kept for it: Stream.wait_stream creates and
+        # destroys an event each time (two more CUDA API calls per ordering on the call's host path).
+        self._compute_ready, self._comm_done = torch.cuda.Event(), torch.cuda.Event()
         self._nonce = 0
         self._fitting_sms = set()  # SM budgets known to fit this GPU together with its other ranks
         # MOE_EP_PROFILE_WAITS=1: the kernels add up, per block, the time they wait on peers (by what
@@ -199,7 +202,8 @@ class IntranodeBackend:
         if previous_event is not None and previous_event.event is not None:
             self.comm_stream.wait_event(previous_event.event)
         else:
-            self.comm_stream.wait_stream(compute)
+            self._compute_ready.record(compute)
+            self.comm_stream.wait_event(self._compute_ready)
         return compute
 
     def _leave(self, compute, async_finish: bool, allocate_on_comm_stream: bool, inputs, outputs) -> EventOverlap:
@@ -212,7 +216,8 @@ class IntranodeBackend:
             event.record(self.comm_stream)
             result = EventOverlap(event, inputs + outputs)
         else:
-            compute.wait_stream(self.comm_stream)
+            self._comm_done.record(self.comm_stream)
+            compute.wait_event(self._comm_done)
             result = EventOverlap()
         if allocate_on_comm_stream:
             for t in outputs:

@@ -166,6 +166,11 @@ class _NoStream:
         pass
 
 
+class _NoEvent:
+    def record(self, stream=None):
+        pass
+
+
 def stubbed_python_layer(args) -> None:
     """Host time of the Python around a dispatch, with nothing launched (CPU tensors)."""
     import contextlib
@@ -204,6 +209,7 @@ def stubbed_python_layer(args) -> None:
     backend.ops = _NoLaunches()
     backend.rank, backend.num_ranks, backend.recv_info_ints, backend.timeout_s = 0, ranks, 64, 20.0
     backend.ctx, backend.comm_stream = types.SimpleNamespace(wait_ns=0), _NoStream()
+    backend._compute_ready, backend._comm_done = _NoEvent(), _NoEvent()
     backend._nonce, backend._fitting_sms, backend._wait_rows = 0, set(), None
     backend.peers = types.SimpleNamespace(timeout_error=lambda: None)
     backend._host[HOST_COUNTS: HOST_COUNTS + ranks] = [args.tokens] * ranks
