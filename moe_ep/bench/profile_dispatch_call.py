@@ -36,7 +36,9 @@ from moe_ep.launch import RankPool, free_port
 
 from .timing import host_call_us
 
-LAUNCHES = ("intranode_notify", "intranode_dispatch", "intranode_zero_copy_dispatch")
+# A fresh zero-copy dispatch launches its count exchange and its kernel from one entry point.
+LAUNCHES = ("intranode_notify", "intranode_dispatch", "intranode_zero_copy_dispatch",
+            "intranode_zero_copy_dispatch_early")
 
 
 class TimedOps:
@@ -154,11 +156,21 @@ class _NoLaunches:
         host_info[index] = value
         return True
 
+    def intranode_zero_copy_dispatch_early(self, ctx, num_sms, x, scales, topk_idx, topk_weights, in_rank, per_expert,
+                                           local, nonce, recv_info_ints, *rest):
+        capacity, num_topk = rest[-2], topk_idx.shape[1]
+        ints = dict(dtype=torch.int32)
+        return (torch.empty(x.shape[0], in_rank.shape[1], **ints), torch.empty(recv_info_ints, **ints),
+                torch.empty(capacity, **ints), torch.empty(capacity, num_topk, dtype=torch.int64),
+                torch.empty(capacity, num_topk))
+
     def __getattr__(self, name):
         return lambda *args: None
 
 
 class _NoStream:
+    cuda_stream = 0
+
     def wait_stream(self, stream):
         pass
 
