@@ -36,34 +36,37 @@ from moe_ep.launch import RankPool, free_port
 
 from .timing import host_call_us
 
-# A fresh zero-copy dispatch launches its count exchange and its kernel from one entry point.
 LAUNCHES = ("intranode_notify", "intranode_dispatch", "intranode_zero_copy_dispatch",
-            "intranode_zero_copy_dispatch_early")
+             "intranode_zero_copy_dispatch_early")
+# Entry points called on the caller's stream that launch on the communication stream (a fresh
+# zero-copy dispatch: its count exchange and its kernel from one call).
+LAUNCHES_TO_COMM = ("intranode_zero_copy_dispatch_early",)
 
 
 class TimedOps:
     """The extension's entry points, each call timed on the host; a launch also gets device events
-    before and after it on the stream it goes to (the current one: the backend enters the
-    communication stream around its launches)."""
+    before and after it on the stream it goes to (the current one, where the backend enters the
+    communication stream around its launches; `comm_stream` for LAUNCHES_TO_COMM)."""
 
-    def __init__(self, ops, marks: list):
-        self._ops, self._marks = ops, marks
+    def __init__(self, ops, marks: list, comm_stream):
+        self._ops, self._marks, self._comm_stream = ops, marks, comm_stream
 
     def __getattr__(self, name):
         fn = getattr(self._ops, name)
 
         def timed(*args):
             launch = name in LAUNCHES
+            stream = self._comm_stream if name in LAUNCHES_TO_COMM else torch.cuda.current_stream()
             if launch:
                 before = torch.cuda.Event(enable_timing=True)
-                before.record()
+                before.record(stream)
             start = time.perf_counter()
             result = fn(*args)
             host_us = (time.perf_counter() - start) * 1e6
             after = None
             if launch:
                 after = torch.cuda.Event(enable_timing=True)
-                after.record()
+                after.record(stream)
             self._marks.append((name, start, host_us, before if launch else None, after))
             return result
 
@@ -93,7 +96,7 @@ def rank_profile(args):
         call()
     marks = []
     kernels = buffer._intranode
-    kernels.ops = TimedOps(kernels.ops, marks)
+    kernels.ops = TimedOps(kernels.ops, marks, kernels.comm_stream)
     torch.cuda.synchronize()
     dist.barrier()
     calls = []
