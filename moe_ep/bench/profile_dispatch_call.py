@@ -56,8 +56,8 @@ class TimedOps:
 
         def timed(*args):
             launch = name in LAUNCHES
-            stream = self._comm_stream if name in LAUNCHES_TO_COMM else torch.cuda.current_stream()
             if launch:
+                stream = self._comm_stream if name in LAUNCHES_TO_COMM else torch.cuda.current_stream()
                 before = torch.cuda.Event(enable_timing=True)
                 before.record(stream)
             start = time.perf_counter()
