@@ -8,6 +8,7 @@
 #include <cstring>
 #include <optional>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "kernels/api.cuh"
@@ -287,14 +288,16 @@ py::tuple intranode_zero_copy_dispatch_early(
     const c10::cuda::CUDAStream comm =
         c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(comm_stream), x.device().index());
     if (order_after_caller) {
-        // One event per thread, made once: recorded and waited on at once, so reusing it is safe.
-        static thread_local cudaEvent_t caller_done = [] {
+        // One event per thread and device, made once: recorded and waited on at once, so reusing it is safe.
+        static thread_local std::unordered_map<int, cudaEvent_t> caller_done;
+        auto found = caller_done.find(x.device().index());
+        if (found == caller_done.end()) {
             cudaEvent_t e;
             C10_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-            return e;
-        }();
-        C10_CUDA_CHECK(cudaEventRecord(caller_done, compute.stream()));
-        C10_CUDA_CHECK(cudaStreamWaitEvent(comm.stream(), caller_done, 0));
+            found = caller_done.emplace(x.device().index(), e).first;
+        }
+        C10_CUDA_CHECK(cudaEventRecord(found->second, compute.stream()));
+        C10_CUDA_CHECK(cudaStreamWaitEvent(comm.stream(), found->second, 0));
     }
     const auto ints = x.options().dtype(torch::kInt32);
     torch::Tensor send_pos, recv_info, recv_src_idx;
