@@ -485,11 +485,11 @@ int blocks_for(int64_t warps_of_work, int num_sms) {
     return static_cast<int>(needed < 1 ? 1 : (needed < num_sms ? needed : num_sms));
 }
 
-// Once per kernel and thread, before its first launch: the largest shared-memory carveout (see
-// prefer_max_shared_carveout; every kernel here asks for it), and how many of its blocks the GPU holds.
-int set_up(const void* kernel, int threads, size_t dynamic_smem) {
+// Once per kernel and thread, before its first launch (a static's initialiser calls it): the largest
+// shared-memory carveout (see prefer_max_shared_carveout; every kernel here asks for it).
+bool set_up(const void* kernel) {
     prefer_max_shared_carveout(kernel);
-    return resident_blocks(kernel, threads, dynamic_smem);
+    return true;
 }
 
 }  // namespace
@@ -498,8 +498,8 @@ void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t*
                    bool round_scale, bool use_ue8m0, int* recv_count) {
     if (num_tokens > kMaxListed)
         throw std::invalid_argument("moe_ep: low-latency dispatch takes at most 1024 tokens per rank");
-    static thread_local const int resident = set_up(reinterpret_cast<const void*>(dispatch_send_kernel), kThreads, 0);
-    (void)resident;
+    static thread_local const bool ready = set_up(reinterpret_cast<const void*>(dispatch_send_kernel));
+    (void)ready;
     const int blocks = std::max(1, num_tokens);  // a block per token; one raises the flags when there are none
     dispatch_send_kernel<<<blocks, kThreads, 0, ctx.stream>>>(ctx, static_cast<const __nv_bfloat16*>(x), num_tokens,
                                                               topk_idx, num_topk, use_fp8, round_scale, use_ue8m0, recv_count);
@@ -509,11 +509,9 @@ void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t*
 void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales,
                    int* recv_count, int* stats, int* recv_src_info, int num_sms) {
     const size_t smem = sizeof(int) * (ctx.num_ranks + 1);
-    static thread_local const int waiting = set_up(reinterpret_cast<const void*>(dispatch_wait_kernel), kWaitThreads, 0);
-    static thread_local const int resident =
-        set_up(reinterpret_cast<const void*>(dispatch_recv_kernel), kRecvThreads, sizeof(int) * 65);  // <= 64 ranks
-    (void)waiting;
-    (void)resident;
+    static thread_local const bool ready = set_up(reinterpret_cast<const void*>(dispatch_wait_kernel)) &&
+                                           set_up(reinterpret_cast<const void*>(dispatch_recv_kernel));
+    (void)ready;
     dispatch_wait_kernel<<<1, kWaitThreads, 0, ctx.stream>>>(ctx, recv_count, stats);
     MOE_EP_LAUNCH_CHECK("low_latency dispatch_wait_kernel");
     // A block per local expert, up to a few per SM.
@@ -530,8 +528,8 @@ void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const in
     // experts (and at most the L x R x max slots).
     const int64_t num_local = ctx.num_experts / ctx.num_ranks;
     const int64_t rows = std::min(num_local, static_cast<int64_t>(num_topk)) * ctx.num_ranks * ctx.num_max_tokens;
-    static thread_local const int resident = set_up(reinterpret_cast<const void*>(combine_send_kernel), kThreads, 0);
-    (void)resident;
+    static thread_local const bool ready = set_up(reinterpret_cast<const void*>(combine_send_kernel));
+    (void)ready;
     const size_t smem = sizeof(int) * (num_local + 1);
     const int64_t warps = zero_copy_slot >= 0 ? (rows + 31) / 32 : rows;  // a thread or a warp per row
     combine_send_kernel<<<blocks_for(warps, num_sms), kThreads, smem, ctx.stream>>>(ctx, static_cast<const uint8_t*>(x),
@@ -542,11 +540,9 @@ void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const in
 
 void combine_recv(const Ctx& ctx, const int64_t* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
                   void* out, int num_sms, int zero_copy_slot) {
-    static thread_local const int waiting = set_up(reinterpret_cast<const void*>(combine_wait_kernel), kWaitThreads, 0);
-    static thread_local const int resident =
-        set_up(reinterpret_cast<const void*>(combine_recv_kernel), kCombineRecvThreads, 0);
-    (void)waiting;
-    (void)resident;
+    static thread_local const bool ready = set_up(reinterpret_cast<const void*>(combine_wait_kernel)) &&
+                                           set_up(reinterpret_cast<const void*>(combine_recv_kernel));
+    (void)ready;
     combine_wait_kernel<<<1, kWaitThreads, 0, ctx.stream>>>(ctx);
     MOE_EP_LAUNCH_CHECK("low_latency combine_wait_kernel");
     const int blocks = std::max(1, std::min(num_tokens, 2 * num_sms));  // a token per block at most (per_step)

@@ -27,6 +27,7 @@ permutation are not timed, which favours it).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -46,6 +47,8 @@ MODES = ("dispatch_fp8", "dispatch_bf16", "dispatch_fp8_zero_copy", "dispatch_bf
 # kernels' own rate, and how DeepEP's tests time their dispatch).
 CACHED_MODES = tuple(f"{m}_cached" for m in MODES if m.startswith("dispatch"))
 ALL_MODES = MODES + CACHED_MODES
+# The order the modes run in: every dispatch, then the combines.
+RUN_ORDER = tuple(m for m in ALL_MODES if m.startswith("dispatch")) + tuple(m for m in MODES if m.startswith("combine"))
 NCCL_MODE = "nccl_all_to_all_bf16"
 SKIPPED = "skipped"  # a result row that says an SM budget was refused, and why
 
@@ -124,40 +127,29 @@ def rank_bench(args):
                 buffer.combine(view, handle, topk_weights=recv_w, config=configs["combine_zero_copy"][smallest],
                                zero_copy=True)
 
-        def combine_zero_copy(config):
-            view = buffer.get_next_combine_buffer(handle, args.hidden)
-            return buffer.combine(view, handle, topk_weights=recv_w, config=config, zero_copy=True)
+        def call(mode: str, config: Config):
+            """One call of `mode`; its name says what it is (fp8 or bf16 rows, zero-copy, from the handle)."""
+            if mode == "combine":
+                return buffer.combine(y, handle, topk_weights=recv_w, config=config)
+            if mode == "combine_zero_copy":
+                view = buffer.get_next_combine_buffer(handle, args.hidden)
+                return buffer.combine(view, handle, topk_weights=recv_w, config=config, zero_copy=True)
+            rows_in = x_fp8 if mode.startswith("dispatch_fp8") else x
+            route = dict(handle=handle) if mode.endswith("_cached") else layout
+            return buffer.dispatch(rows_in, config=config, zero_copy="_zero_copy" in mode, **route)
 
         for i, num_sms in enumerate(args.sms):
             refused = unfit_sm_budget(buffer, num_sms)
             if refused:  # the same on every rank of this GPU: all skip it
                 results.append(dict(rank=rank, sms=num_sms, mode=SKIPPED, reason=refused))
                 continue
-            calls = {
-                "dispatch_fp8": lambda c=configs["dispatch_fp8"][i]: buffer.dispatch(x_fp8, config=c, **layout),
-                "dispatch_bf16": lambda c=configs["dispatch_bf16"][i]: buffer.dispatch(x, config=c, **layout),
-                "dispatch_fp8_zero_copy": lambda c=configs["dispatch_fp8_zero_copy"][i]: buffer.dispatch(
-                    x_fp8, config=c, zero_copy=True, **layout),
-                "dispatch_bf16_zero_copy": lambda c=configs["dispatch_bf16_zero_copy"][i]: buffer.dispatch(
-                    x, config=c, zero_copy=True, **layout),
-                "dispatch_fp8_cached": lambda c=configs["dispatch_fp8_cached"][i]: buffer.dispatch(
-                    x_fp8, handle=handle, config=c),
-                "dispatch_bf16_cached": lambda c=configs["dispatch_bf16_cached"][i]: buffer.dispatch(
-                    x, handle=handle, config=c),
-                "dispatch_fp8_zero_copy_cached": lambda c=configs["dispatch_fp8_zero_copy_cached"][i]: buffer.dispatch(
-                    x_fp8, handle=handle, config=c, zero_copy=True),
-                "dispatch_bf16_zero_copy_cached": lambda c=configs["dispatch_bf16_zero_copy_cached"][i]: buffer.dispatch(
-                    x, handle=handle, config=c, zero_copy=True),
-                "combine": lambda c=configs["combine"][i]: buffer.combine(y, handle, topk_weights=recv_w, config=c),
-                "combine_zero_copy": lambda c=configs["combine_zero_copy"][i]: combine_zero_copy(c),
-            }
-            for mode, fn in calls.items():
+            for mode in RUN_ORDER:
                 if mode not in args.modes:
                     continue
                 kernels = buffer._intranode  # None on the portable backend
                 if kernels is not None:
                     kernels.reset_wait_profile()
-                seconds = wall_seconds_per_call(fn, args.warmup, args.iters)
+                seconds = wall_seconds_per_call(functools.partial(call, mode, configs[mode][i]), args.warmup, args.iters)
                 waits = wait_shares(kernels.wait_profile(), mode, args.warmup + args.iters) if kernels is not None else {}
                 row_bytes = args.hidden * (1 + 4 / 128) if mode.startswith("dispatch_fp8") else args.hidden * 2
                 config = configs[mode][i]
