@@ -8,6 +8,7 @@
 #include <cstring>
 #include <optional>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "kernels/api.cuh"
@@ -269,6 +270,61 @@ void intranode_zero_copy_dispatch(const IntranodeCtx& c, int64_t num_blocks, con
     intranode::zero_copy_dispatch(make_ctx(c, num_blocks), a, z);
 }
 
+// A fresh zero-copy dispatch whose row count the host does not know yet, from one Python call: its
+// host time is on the critical path at 2 ranks, and each torch call from Python (stream switches,
+// allocations, the stream ordering's event) costs microseconds more than here. Orders the
+// communication stream after the caller's (order_after_caller; else the caller made it wait for its
+// previous_event), allocates the handle's state on the communication stream and the side outputs for
+// a full slot on the allocation stream, and launches the count exchange and the dispatch behind it.
+// -> (send_pos [N, R], recv_info, recv_src_idx [capacity], recv_topk_idx or None, recv_topk_weights or None)
+py::tuple intranode_zero_copy_dispatch_early(
+    const IntranodeCtx& c, int64_t num_blocks, const torch::Tensor& x, const std::optional<torch::Tensor>& scales,
+    const std::optional<torch::Tensor>& topk_idx, const std::optional<torch::Tensor>& topk_weights,
+    const torch::Tensor& is_token_in_rank, const torch::Tensor& num_tokens_per_expert, int64_t experts_per_rank,
+    int64_t nonce, int64_t recv_info_ints, int64_t comm_stream, bool order_after_caller, bool allocate_on_comm_stream,
+    int64_t areas, int64_t slot_offset, int64_t capacity_rows, const std::vector<int64_t>& offsets) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    const c10::cuda::CUDAStream compute = c10::cuda::getCurrentCUDAStream();
+    const c10::cuda::CUDAStream comm =
+        c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(comm_stream), x.device().index());
+    if (order_after_caller) {
+        // One event per thread and device, made once: recorded and waited on at once, so reusing it is safe.
+        static thread_local std::unordered_map<int, cudaEvent_t> caller_done;
+        auto found = caller_done.find(x.device().index());
+        if (found == caller_done.end()) {
+            cudaEvent_t e;
+            C10_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+            found = caller_done.emplace(x.device().index(), e).first;
+        }
+        C10_CUDA_CHECK(cudaEventRecord(found->second, compute.stream()));
+        C10_CUDA_CHECK(cudaStreamWaitEvent(comm.stream(), found->second, 0));
+    }
+    const auto ints = x.options().dtype(torch::kInt32);
+    torch::Tensor send_pos, recv_info, recv_src_idx;
+    {
+        const c10::cuda::CUDAStreamGuard on_comm(comm);
+        send_pos = torch::empty({x.size(0), c.num_ranks}, ints);
+        recv_info = torch::empty({recv_info_ints}, ints);
+        intranode_notify(c, is_token_in_rank.contiguous(), num_tokens_per_expert.contiguous(), send_pos, recv_info,
+                         nonce);
+        recv_src_idx = torch::empty({capacity_rows}, ints);
+    }
+    std::optional<torch::Tensor> recv_topk_idx, recv_topk_weights;
+    if (topk_idx.has_value()) {
+        const c10::cuda::CUDAStreamGuard on_alloc(allocate_on_comm_stream ? comm : compute);
+        recv_topk_idx = torch::empty({capacity_rows, topk_idx->size(1)}, x.options().dtype(torch::kInt64));
+        recv_topk_weights = torch::empty({capacity_rows, topk_idx->size(1)}, x.options().dtype(torch::kFloat32));
+    }
+    {
+        const c10::cuda::CUDAStreamGuard on_comm(comm);
+        intranode_zero_copy_dispatch(c, num_blocks, x, scales, topk_idx, topk_weights, experts_per_rank, send_pos,
+                                     recv_info, -1, recv_topk_idx, recv_topk_weights, recv_src_idx, areas, slot_offset,
+                                     capacity_rows, offsets);
+    }
+    const auto or_none = [](const std::optional<torch::Tensor>& t) { return t.has_value() ? py::cast(*t) : py::none(); };
+    return py::make_tuple(send_pos, recv_info, recv_src_idx, or_none(recv_topk_idx), or_none(recv_topk_weights));
+}
+
 // The arguments both combines share; x's rows are checked by the caller (the zero-copy view is strided).
 intranode::CombineArgs combine_args(const torch::Tensor& x, const std::optional<torch::Tensor>& topk_weights,
                                     const torch::Tensor& recv_src_idx, const torch::Tensor& recv_info,
@@ -500,6 +556,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("intranode_check_blocks", &moe_ep::intranode_check_blocks, "ValueError unless the blocks fit the GPU");
     py::class_<moe_ep::LowLatencyCtx>(m, "LowLatencyCtx")
         .def(py::init<int64_t, int, int, int, torch::Tensor, double, int, int, int>());
+    m.def("intranode_zero_copy_dispatch_early", &moe_ep::intranode_zero_copy_dispatch_early,
+          "a fresh zero-copy dispatch in one call: stream order, allocations, count exchange and dispatch launched");
     m.def("ll_dispatch_send", &moe_ep::ll_dispatch_send, "low-latency dispatch: send");
     m.def("ll_dispatch_recv", &moe_ep::ll_dispatch_recv, "low-latency dispatch: receive (the hook)");
     m.def("ll_combine_send", &moe_ep::ll_combine_send, "low-latency combine: send");

@@ -104,6 +104,9 @@ class IntranodeBackend:
         if zero_copy_dispatch_bytes > 0:
             self.zero_copy_dispatch = self._zero_copy_area(group, gate, zero_copy_dispatch_bytes, "dispatch")
         self.comm_stream = comm_stream
+        # The stream orderings every call makes, on two events kept for it: Stream.wait_stream creates and
+        # destroys an event each time (two more CUDA API calls per ordering on the call's host path).
+        self._compute_ready, self._comm_done = torch.cuda.Event(), torch.cuda.Event()
         self._nonce = 0
         self._fitting_sms = set()  # SM budgets known to fit this GPU together with its other ranks
         # MOE_EP_PROFILE_WAITS=1: the kernels add up, per block, the time they wait on peers (by what
@@ -199,7 +202,8 @@ class IntranodeBackend:
         if previous_event is not None and previous_event.event is not None:
             self.comm_stream.wait_event(previous_event.event)
         else:
-            self.comm_stream.wait_stream(compute)
+            self._compute_ready.record(compute)
+            self.comm_stream.wait_event(self._compute_ready)
         return compute
 
     def _leave(self, compute, async_finish: bool, allocate_on_comm_stream: bool, inputs, outputs) -> EventOverlap:
@@ -212,7 +216,8 @@ class IntranodeBackend:
             event.record(self.comm_stream)
             result = EventOverlap(event, inputs + outputs)
         else:
-            compute.wait_stream(self.comm_stream)
+            self._comm_done.record(self.comm_stream)
+            compute.wait_event(self._comm_done)
             result = EventOverlap()
         if allocate_on_comm_stream:
             for t in outputs:
@@ -258,67 +263,18 @@ class IntranodeBackend:
             if worst > slot.capacity:  # before the count exchange: every rank finds the same
                 raise ValueError(zero_copy_dispatch_too_small(self.rank, worst, x, scales, num_topk,
                                                               self.zero_copy_dispatch_bytes))
-        compute = self._enter(previous_event)
         local = num_tokens_per_expert.shape[0] // self.num_ranks if not cached else 0
         send_counts = recv_counts = per_expert = None
-        with torch.cuda.stream(self.comm_stream):
-            if cached:
-                state: IntranodeDispatchState = handle.backend_state
-            else:
-                in_rank = is_token_in_rank.contiguous()
-                state = IntranodeDispatchState(
-                    send_pos=torch.empty(x.shape[0], self.num_ranks, dtype=torch.int32, device=x.device),
-                    recv_info=torch.empty(self.recv_info_ints, dtype=torch.int32, device=x.device),
-                    recv_src_idx=None,
-                )
-                self._nonce += 1
-                self.ops.intranode_notify(
-                    self.ctx, in_rank, num_tokens_per_expert.contiguous(), state.send_pos, state.recv_info, self._nonce
-                )
+        recv_x = recv_scales = recv_idx = recv_weights = None
+        slot_index = self._dispatch_next
         # A zero-copy dispatch without num_worst_tokens starts before the host learns how many rows
         # arrive (the kernel reads the count on the device): its side outputs are allocated for a full
         # slot and cut to the count afterwards, and the host's wait overlaps the kernel.
         early = slot is not None and not cached and not worst
-        if cached:
-            rows = handle.num_recv_rows
-        elif worst:
-            rows = worst
-        elif not early:
-            send_counts, recv_counts, per_expert = self._wait_counts(local)
-            rows = sum(recv_counts)
-        # Rows the outputs are allocated for. More rows than a zero-copy slot holds: the kernel still
-        # runs (the peers' kernels wait for this rank's) and drops the rows past it; a ValueError follows.
-        bound = slot.capacity if early else (min(rows, slot.capacity) if slot is not None else rows)
-        overflow = rows if not early and slot is not None and rows > slot.capacity else 0
-        if not cached:
-            with torch.cuda.stream(self.comm_stream):
-                state.recv_src_idx = torch.empty(bound, dtype=torch.int32, device=x.device)
-        alloc = self.comm_stream if allocate_on_comm_stream else compute
-        recv_x = recv_scales = recv_idx = recv_weights = None
-        with torch.cuda.stream(alloc):
-            if slot is None:
-                recv_x = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
-                recv_scales = None if scales is None else torch.empty((rows, scales.shape[1]), dtype=scales.dtype, device=x.device)
-            if not cached and topk_idx is not None:
-                recv_idx = torch.empty((bound, topk_idx.shape[1]), dtype=torch.int64, device=x.device)
-                recv_weights = torch.empty((bound, topk_idx.shape[1]), dtype=torch.float32, device=x.device)
-        slot_index = self._dispatch_next
-        with torch.cuda.stream(self.comm_stream):
-            ids = (None, None) if cached else (topk_idx, topk_weights)
-            if slot is None:
-                self.ops.intranode_dispatch(
-                    self.ctx, config.num_sms, x, scales, *ids, local, state.send_pos, state.recv_info, recv_x,
-                    recv_scales, recv_idx, recv_weights, state.recv_src_idx,
-                )
-            else:
-                self.ops.intranode_zero_copy_dispatch(
-                    self.ctx, config.num_sms, x, scales, *ids, local, state.send_pos, state.recv_info,
-                    -1 if early else bound, recv_idx, recv_weights, state.recv_src_idx,
-                    self.zero_copy_dispatch.pointers.data_ptr(), slot_index * slot.slot_bytes, slot.capacity,
-                    slot.offsets,
-                )
-                self._dispatch_next ^= 1
         if early:
+            compute, state, recv_idx, recv_weights = self._launch_zero_copy_early(
+                x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, local, slot, slot_index,
+                config, previous_event, allocate_on_comm_stream)
             send_counts, recv_counts, per_expert = self._wait_counts(local)
             rows = sum(recv_counts)
             overflow = rows if rows > slot.capacity else 0
@@ -326,6 +282,48 @@ class IntranodeBackend:
             state.recv_src_idx = state.recv_src_idx[:bound]
             if recv_idx is not None:
                 recv_idx, recv_weights = recv_idx[:bound], recv_weights[:bound]
+        else:
+            compute = self._enter(previous_event)
+            if cached:
+                state: IntranodeDispatchState = handle.backend_state
+                rows = handle.num_recv_rows
+            else:
+                state = self._launch_notify(x, is_token_in_rank, num_tokens_per_expert)
+                if worst:
+                    rows = worst
+                else:
+                    send_counts, recv_counts, per_expert = self._wait_counts(local)
+                    rows = sum(recv_counts)
+            # Rows the outputs are allocated for. More rows than a zero-copy slot holds: the kernel still
+            # runs (the peers' kernels wait for this rank's) and drops the rows past it; a ValueError follows.
+            bound = min(rows, slot.capacity) if slot is not None else rows
+            overflow = rows if slot is not None and rows > slot.capacity else 0
+            if not cached:
+                with torch.cuda.stream(self.comm_stream):
+                    state.recv_src_idx = torch.empty(bound, dtype=torch.int32, device=x.device)
+            alloc = self.comm_stream if allocate_on_comm_stream else compute
+            with torch.cuda.stream(alloc):
+                if slot is None:
+                    recv_x = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
+                    recv_scales = None if scales is None else torch.empty((rows, scales.shape[1]), dtype=scales.dtype,
+                                                                          device=x.device)
+                if not cached and topk_idx is not None:
+                    recv_idx = torch.empty((bound, topk_idx.shape[1]), dtype=torch.int64, device=x.device)
+                    recv_weights = torch.empty((bound, topk_idx.shape[1]), dtype=torch.float32, device=x.device)
+            with torch.cuda.stream(self.comm_stream):
+                ids = (None, None) if cached else (topk_idx, topk_weights)
+                if slot is None:
+                    self.ops.intranode_dispatch(
+                        self.ctx, config.num_sms, x, scales, *ids, local, state.send_pos, state.recv_info, recv_x,
+                        recv_scales, recv_idx, recv_weights, state.recv_src_idx,
+                    )
+                else:
+                    self.ops.intranode_zero_copy_dispatch(
+                        self.ctx, config.num_sms, x, scales, *ids, local, state.send_pos, state.recv_info, bound,
+                        recv_idx, recv_weights, state.recv_src_idx, self.zero_copy_dispatch.pointers.data_ptr(),
+                        slot_index * slot.slot_bytes, slot.capacity, slot.offsets,
+                    )
+                    self._dispatch_next ^= 1
         if slot is not None:
             recv_x = self._zero_copy_dispatch_view(slot, slot_index, slot.x_offset, bound, x)
             recv_scales = None if scales is None else self._zero_copy_dispatch_view(slot, slot_index, slot.scale_offset,
@@ -357,6 +355,37 @@ class IntranodeBackend:
             backend_state=state,
         )
         return recv, recv_idx, recv_weights, counts_list, new_handle, event
+
+    def _launch_notify(self, x, is_token_in_rank, num_tokens_per_expert) -> IntranodeDispatchState:
+        """The count exchange of a fresh dispatch, on the communication stream (after _enter)."""
+        with torch.cuda.stream(self.comm_stream):
+            state = IntranodeDispatchState(
+                send_pos=torch.empty(x.shape[0], self.num_ranks, dtype=torch.int32, device=x.device),
+                recv_info=torch.empty(self.recv_info_ints, dtype=torch.int32, device=x.device),
+                recv_src_idx=None,
+            )
+            self._nonce += 1
+            self.ops.intranode_notify(self.ctx, is_token_in_rank.contiguous(), num_tokens_per_expert.contiguous(),
+                                      state.send_pos, state.recv_info, self._nonce)
+        return state
+
+    def _launch_zero_copy_early(self, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
+                                local: int, slot: ZeroCopyDispatchSlot, slot_index: int, config: Config,
+                                previous_event: Optional[EventOverlap], allocate_on_comm_stream: bool):
+        """A fresh zero-copy dispatch up to its launch in one call into the extension (the 2-rank call is
+        bound by its host path): the stream order, the state, the side outputs for a full slot, the count
+        exchange and the dispatch. -> (the caller's stream, state, recv_idx, recv_weights)."""
+        order_after_caller = previous_event is None or previous_event.event is None
+        if not order_after_caller:
+            self.comm_stream.wait_event(previous_event.event)
+        self._nonce += 1
+        send_pos, recv_info, recv_src_idx, recv_idx, recv_weights = self.ops.intranode_zero_copy_dispatch_early(
+            self.ctx, config.num_sms, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, local,
+            self._nonce, self.recv_info_ints, self.comm_stream.cuda_stream, order_after_caller, allocate_on_comm_stream,
+            self.zero_copy_dispatch.pointers.data_ptr(), slot_index * slot.slot_bytes, slot.capacity, slot.offsets,
+        )
+        self._dispatch_next ^= 1
+        return torch.cuda.current_stream(), IntranodeDispatchState(send_pos, recv_info, recv_src_idx), recv_idx, recv_weights
 
     def _wait_counts(self, local: int):
         """The count exchange's result, read from host-mapped memory once the notify kernel is done."""

@@ -36,16 +36,20 @@ from moe_ep.launch import RankPool, free_port
 
 from .timing import host_call_us
 
-LAUNCHES = ("intranode_notify", "intranode_dispatch", "intranode_zero_copy_dispatch")
+LAUNCHES = ("intranode_notify", "intranode_dispatch", "intranode_zero_copy_dispatch",
+             "intranode_zero_copy_dispatch_early")
+# Entry points called on the caller's stream that launch on the communication stream (a fresh
+# zero-copy dispatch: its count exchange and its kernel from one call).
+LAUNCHES_TO_COMM = ("intranode_zero_copy_dispatch_early",)
 
 
 class TimedOps:
     """The extension's entry points, each call timed on the host; a launch also gets device events
-    before and after it on the stream it goes to (the current one: the backend enters the
-    communication stream around its launches)."""
+    before and after it on the stream it goes to (the current one, where the backend enters the
+    communication stream around its launches; `comm_stream` for LAUNCHES_TO_COMM)."""
 
-    def __init__(self, ops, marks: list):
-        self._ops, self._marks = ops, marks
+    def __init__(self, ops, marks: list, comm_stream):
+        self._ops, self._marks, self._comm_stream = ops, marks, comm_stream
 
     def __getattr__(self, name):
         fn = getattr(self._ops, name)
@@ -53,15 +57,16 @@ class TimedOps:
         def timed(*args):
             launch = name in LAUNCHES
             if launch:
+                stream = self._comm_stream if name in LAUNCHES_TO_COMM else torch.cuda.current_stream()
                 before = torch.cuda.Event(enable_timing=True)
-                before.record()
+                before.record(stream)
             start = time.perf_counter()
             result = fn(*args)
             host_us = (time.perf_counter() - start) * 1e6
             after = None
             if launch:
                 after = torch.cuda.Event(enable_timing=True)
-                after.record()
+                after.record(stream)
             self._marks.append((name, start, host_us, before if launch else None, after))
             return result
 
@@ -91,7 +96,7 @@ def rank_profile(args):
         call()
     marks = []
     kernels = buffer._intranode
-    kernels.ops = TimedOps(kernels.ops, marks)
+    kernels.ops = TimedOps(kernels.ops, marks, kernels.comm_stream)
     torch.cuda.synchronize()
     dist.barrier()
     calls = []
@@ -154,15 +159,30 @@ class _NoLaunches:
         host_info[index] = value
         return True
 
+    def intranode_zero_copy_dispatch_early(self, ctx, num_sms, x, scales, topk_idx, topk_weights, in_rank, per_expert,
+                                           local, nonce, recv_info_ints, *rest):
+        capacity, num_topk = rest[-2], topk_idx.shape[1]
+        ints = dict(dtype=torch.int32)
+        return (torch.empty(x.shape[0], in_rank.shape[1], **ints), torch.empty(recv_info_ints, **ints),
+                torch.empty(capacity, **ints), torch.empty(capacity, num_topk, dtype=torch.int64),
+                torch.empty(capacity, num_topk))
+
     def __getattr__(self, name):
         return lambda *args: None
 
 
 class _NoStream:
+    cuda_stream = 0
+
     def wait_stream(self, stream):
         pass
 
     def wait_event(self, event):
+        pass
+
+
+class _NoEvent:
+    def record(self, stream=None):
         pass
 
 
@@ -204,6 +224,7 @@ def stubbed_python_layer(args) -> None:
     backend.ops = _NoLaunches()
     backend.rank, backend.num_ranks, backend.recv_info_ints, backend.timeout_s = 0, ranks, 64, 20.0
     backend.ctx, backend.comm_stream = types.SimpleNamespace(wait_ns=0), _NoStream()
+    backend._compute_ready, backend._comm_done = _NoEvent(), _NoEvent()
     backend._nonce, backend._fitting_sms, backend._wait_rows = 0, set(), None
     backend.peers = types.SimpleNamespace(timeout_error=lambda: None)
     backend._host[HOST_COUNTS: HOST_COUNTS + ranks] = [args.tokens] * ranks
