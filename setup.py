@@ -6,6 +6,9 @@ Environment:
   TORCH_CUDA_ARCH_LIST  overrides the default targets "8.0;9.0" (Ampere and Hopper; the kernels so far
                         use nothing Hopper-only)
   MAX_JOBS              parallel compile jobs (ninja)
+  MOE_EP_NVSHMEM_DEVICE=1  also NVSHMEM's device library (device-initiated puts, for peers on other hosts):
+                        linked statically, every kernel compiled relocatable (-rdc); off by default until
+                        measured on a GPU
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ def cuda_extension():
         return None, "MOE_EP_NO_CUDA=1"
     try:
         import torch
-        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+        from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, CUDA_HOME, BuildExtension, CUDAExtension
     except ImportError:
         return None, "torch is not installed yet (install torch first, then moe_ep with --no-build-isolation)"
     if torch.version.cuda is None:
@@ -66,6 +69,7 @@ def cuda_extension():
         define_macros.append(("MOE_EP_SM90_COMPILED", "1"))
     nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-Xptxas=-v" if os.environ.get("MOE_EP_PTXAS_V") else "-lineinfo"]
     nvshmem, nvshmem_reason = find_nvshmem()
+    dlink = {}
     if nvshmem is not None:
         include, lib, host_library = nvshmem
         include_dirs.append(include)
@@ -73,12 +77,24 @@ def cuda_extension():
         extra_link += [host_library, f"-Wl,-rpath,{lib}"]
         sources.append("csrc/runtime_nvshmem.cpp")
         _say(f"NVSHMEM from {lib}")
+        if os.environ.get("MOE_EP_NVSHMEM_DEVICE") == "1":
+            # Device code calling NVSHMEM is relocatable and device-linked against its static library;
+            # the same archive's host part (the init that sets up the device state) goes into the link.
+            define_macros.append(("MOE_EP_WITH_NVSHMEM_DEVICE", "1"))
+            nvcc_flags.append("-rdc=true")
+            # torch compiles extensions without the half/bf16 operators, which NVSHMEM's device
+            # headers use (its reductions instantiate them): defined back for this build only.
+            nvcc_flags += [f"-U{flag[2:]}" for flag in COMMON_NVCC_FLAGS if flag.startswith("-D__CUDA_NO_")]
+            sources.append("csrc/kernels/nvshmem_puts.cu")
+            extra_link.insert(0, os.path.join(lib, "libnvshmem_device.a"))
+            dlink = dict(dlink=True, dlink_libraries=["nvshmem_device"], library_dirs=[lib])
+            _say("with NVSHMEM's device library (relocatable device code)")
     else:
         define_macros.append(("MOE_EP_NVSHMEM_REASON", f'"{nvshmem_reason}"'))
         _say(f"building without NVSHMEM: {nvshmem_reason}; internode and low-latency kernels are left out")
     ext = CUDAExtension(
         "moe_ep._C", sources, include_dirs=include_dirs, define_macros=define_macros, libraries=libraries,
-        extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags}, extra_link_args=extra_link)
+        extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags}, extra_link_args=extra_link, **dlink)
     return (ext, BuildExtension.with_options(use_ninja=True)), None
 
 

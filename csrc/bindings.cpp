@@ -515,6 +515,16 @@ void nvshmem_release(int64_t ptr);
 int64_t nvshmem_peer_pointer(int64_t ptr, int pe);
 #endif
 
+#ifdef MOE_EP_WITH_NVSHMEM_DEVICE
+// A put of `num_bytes` from `src` to the symmetric `dst` at PE `pe`, then `signal` there set to `value`,
+// on the current stream (nvshmem_puts.cu).
+void nvshmem_put_with_signal(int64_t dst, int64_t src, int64_t num_bytes, int64_t pe, int64_t signal, int64_t value) {
+    nvshmem_puts::put_with_signal(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
+                                  static_cast<size_t>(num_bytes), static_cast<int>(pe),
+                                  reinterpret_cast<uint64_t*>(signal), static_cast<uint64_t>(value), current_stream());
+}
+#endif
+
 }  // namespace moe_ep
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -569,6 +579,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
     m.attr("WITH_NVSHMEM") = false;
     m.attr("NVSHMEM_REASON") = MOE_EP_NVSHMEM_REASON;
+#endif
+#ifdef MOE_EP_WITH_NVSHMEM_DEVICE
+    m.attr("WITH_NVSHMEM_DEVICE") = true;
+    m.def("nvshmem_put_with_signal", &moe_ep::nvshmem_put_with_signal,
+          "device-initiated put to a PE, then a signal there ordered after it");
+#else
+    m.attr("WITH_NVSHMEM_DEVICE") = false;
 #endif
 #ifdef MOE_EP_SM90_COMPILED
     m.attr("SM90_COMPILED") = true;

@@ -1,7 +1,10 @@
 // NVSHMEM host-side runtime: bootstrap from a unique id (which moe_ep sends through the Buffer's
 // process group), the symmetric heap, and peer pointers for ranks reachable by loads and stores.
-// Only the host library is linked: initialisation goes through nvshmemx_hostlib_init_attr, which
-// returns a status where nvshmemx_init_attr would exit the process.
+// Without the device library (the default build) initialisation goes through
+// nvshmemx_hostlib_init_attr, which returns a status where nvshmemx_init_attr would exit the process.
+// With it (MOE_EP_NVSHMEM_DEVICE=1) the device-side calls need the device library's state set up for
+// this module's statically linked code: nvshmemi_init_thread does that (it is what the inline
+// nvshmemx_init_attr calls, and it returns its status instead of exiting).
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
@@ -32,7 +35,15 @@ void nvshmem_init_with_unique_id(const std::string& id_bytes, int rank, int num_
     nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
     if (nvshmemx_set_attr_uniqueid_args(rank, num_ranks, &id, &attr) != 0)
         throw std::runtime_error("moe_ep: nvshmemx_set_attr_uniqueid_args failed");
+#ifdef MOE_EP_WITH_NVSHMEM_DEVICE
+    int provided = 0;
+    const nvshmemi_version_t version = {NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION,
+                                        NVSHMEM_VENDOR_PATCH_VERSION};
+    const int status = nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, NVSHMEMX_INIT_WITH_UNIQUEID, &attr,
+                                            version);
+#else
     const int status = nvshmemx_hostlib_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr);
+#endif
     if (status != 0)
         throw std::runtime_error("moe_ep: NVSHMEM initialisation failed with status " + std::to_string(status) +
                                  " (several ranks on one GPU need MPS and the variables moe_ep.mps sets)");

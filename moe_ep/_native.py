@@ -37,6 +37,12 @@ def has_nvshmem() -> bool:
     return module is not None and bool(getattr(module, "WITH_NVSHMEM", False))
 
 
+def has_nvshmem_device() -> bool:
+    """Built with NVSHMEM's device library (setup.py, MOE_EP_NVSHMEM_DEVICE=1): device-initiated puts."""
+    module, _ = _load()
+    return module is not None and bool(getattr(module, "WITH_NVSHMEM_DEVICE", False))
+
+
 def is_sm90_compiled() -> bool:
     module, _ = _load()
     return module is not None and bool(getattr(module, "SM90_COMPILED", False))
@@ -57,6 +63,7 @@ def backend_info() -> dict:
     info = {
         "cuda_kernels": reason is None,
         "nvshmem": has_nvshmem(),
+        "nvshmem_device": has_nvshmem_device(),
         "sm90": is_sm90_compiled(),
         "cuda_tensors_run_on": "cuda kernels" if reason is None else "portable backend (torch.distributed)",
         "cpu_tensors_run_on": "portable backend (torch.distributed)",

@@ -16,13 +16,18 @@ TORCH_INCS=$(python -c "from torch.utils.cpp_extension import include_paths; pri
 PY_INC=$(python -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 PYBIND_INC=$(python -c "import pybind11; print(pybind11.get_include())" 2>/dev/null || true)
 COMMON=(-std=c++17 -O2 -I csrc -I "$CUDA_INC" -I "$CUDA_INC/cccl")
+# The kernels as torch's extension build compiles them: without the half/bf16 operators...
+read -r -a TORCH_NVCC <<< "$(python -c "from torch.utils.cpp_extension import COMMON_NVCC_FLAGS as f; print(' '.join(f))")"
+# ...which the NVSHMEM device build defines back (setup.py does the same), for NVSHMEM's headers.
+read -r -a NVSHMEM_DEVICE_NVCC <<< "$(python -c "from torch.utils.cpp_extension import COMMON_NVCC_FLAGS as f
+print(' '.join('-U' + x[2:] for x in f if x.startswith('-D__CUDA_NO_')))")"
 JOBS=${MAX_JOBS:-$(nproc)}
 status=0
 compile() { echo "  $*" | sed 's/ -I[^ ]*//g' | cut -c1-160; "$@" || { echo "FAILED: $*" | cut -c1-200; return 1; }; }
 pids=()
-for src in csrc/kernels/*.cu; do
+for src in $(ls csrc/kernels/*.cu | grep -v nvshmem_puts.cu); do
   compile "$NVCC" "${COMMON[@]}" -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 \
-    --expt-relaxed-constexpr \
+    "${TORCH_NVCC[@]}" \
     -c "$src" -o "$OUT/$(basename "$src").o" &
   pids+=($!)
   if (( ${#pids[@]} >= JOBS )); then wait "${pids[0]}" || status=1; pids=("${pids[@]:1}"); fi
@@ -35,5 +40,17 @@ mkdir -p "$OUT/shim/c10/cuda/impl"
 echo '#define C10_CUDA_BUILD_SHARED_LIBS' > "$OUT/shim/c10/cuda/impl/cuda_cmake_macros.h"
 compile g++ "${COMMON[@]}" -std=c++20 $TORCH_INCS -idirafter "$OUT/shim" -I "$PY_INC" ${PYBIND_INC:+-I "$PYBIND_INC"} -DTORCH_EXTENSION_NAME=_C \
   -DMOE_EP_WITH_NVSHMEM=1 -fsyntax-only csrc/bindings.cpp || status=1
+compile g++ "${COMMON[@]}" -std=c++20 $TORCH_INCS -idirafter "$OUT/shim" -I "$PY_INC" ${PYBIND_INC:+-I "$PYBIND_INC"} -DTORCH_EXTENSION_NAME=_C \
+  -DMOE_EP_WITH_NVSHMEM=1 -DMOE_EP_WITH_NVSHMEM_DEVICE=1 -fsyntax-only csrc/bindings.cpp || status=1
 compile g++ "${COMMON[@]}" -I "$NVSHMEM_INC" -fsyntax-only csrc/runtime_nvshmem.cpp || status=1
+compile g++ "${COMMON[@]}" -I "$NVSHMEM_INC" -DMOE_EP_WITH_NVSHMEM_DEVICE=1 -fsyntax-only csrc/runtime_nvshmem.cpp || status=1
+# The device-initiated puts (setup.py with MOE_EP_NVSHMEM_DEVICE=1): relocatable device code, device-linked
+# against NVSHMEM's static device library, so that a missing or mismatched device symbol fails here.
+NVSHMEM_LIB=$(dirname "$NVSHMEM_INC")/lib
+compile "$NVCC" "${COMMON[@]}" -I "$NVSHMEM_INC" -rdc=true -gencode=arch=compute_90,code=sm_90 "${TORCH_NVCC[@]}" \
+  "${NVSHMEM_DEVICE_NVCC[@]}" -c csrc/kernels/nvshmem_puts.cu -o "$OUT/nvshmem_puts.o" || status=1
+compile "$NVCC" "${COMMON[@]}" -I "$NVSHMEM_INC" -DMOE_EP_WITH_NVSHMEM_DEVICE=1 -rdc=true -gencode=arch=compute_90,code=sm_90 \
+  "${TORCH_NVCC[@]}" "${NVSHMEM_DEVICE_NVCC[@]}" -c csrc/kernels/low_latency.cu -o "$OUT/low_latency_puts.o" || status=1
+compile "$NVCC" -dlink -gencode=arch=compute_90,code=sm_90 "$OUT/nvshmem_puts.o" "$OUT/low_latency_puts.o" \
+  -L "$NVSHMEM_LIB" -lnvshmem_device -o "$OUT/nvshmem_puts_dlink.o" || status=1
 exit $status

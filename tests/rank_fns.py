@@ -521,6 +521,56 @@ def low_latency_peer_missing(skipping_rank: int):
     return "returned"
 
 
+def nvshmem_put_round(num_bytes: int):
+    """Rank 0 puts `num_bytes` of its NVSHMEM buffer into rank 1's, then a signal there ordered after
+    them (run it through with_env with MOE_EP_LL_MEMORY=nvshmem). Rank 1 returns whether the bytes it
+    holds once it sees the signal are the ones sent; the others return None."""
+    from moe_ep import _native
+    from moe_ep.backends.peers import device_view
+
+    rank = dist.get_rank()
+    buffer = Buffer(dist.group.WORLD, 0, 8 << 20, low_latency_mode=True)
+    assert buffer._low_latency_kernels_move(torch.empty(1, device=device())), "the low-latency kernels are off"
+    peers = buffer._low_latency.peers
+    own = peers.addresses[rank]  # this PE's symmetric address: what a put names on every PE
+    src_at, dst_at, signal_at, value = 1 << 20, 2 << 20, 3 << 20, 7
+    payload = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(num_bytes)).to(device())
+    device_view(own + src_at, num_bytes, peers.device).copy_(payload)
+    torch.cuda.synchronize()
+    dist.barrier()
+    result = None
+    if rank == 0:
+        _native.ops().nvshmem_put_with_signal(own + dst_at, own + src_at, num_bytes, 1, own + signal_at, value)
+        torch.cuda.synchronize()
+    elif rank == 1:
+        signal = device_view(own + signal_at, 8, peers.device).view(torch.int64)
+        deadline = time.monotonic() + 20
+        while signal.item() != value:
+            if time.monotonic() > deadline:
+                raise TimeoutError("rank 1: the signal of rank 0's put did not arrive within 20 s")
+            time.sleep(0.001)
+        result = torch.equal(device_view(own + dst_at, num_bytes, peers.device), payload)
+    dist.barrier()
+    return result
+
+
+def zero_copy_refused_then_round(p: Problem):
+    """With every peer reached through puts (MOE_EP_LL_PUTS=1): a zero-copy combine buffer is refused
+    with its reason, and an ordinary round on the same Buffer still works. -> (message, round)"""
+    buffer = low_latency_buffer(p)
+    inp = my_inputs(p)
+    _, _, handle, _, _ = buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens, p.num_experts)
+    try:
+        buffer.get_next_low_latency_combine_buffer(handle)
+        message = "no exception"
+    except ValueError as exc:
+        message = str(exc)
+    zeros = torch.zeros(p.local_experts, p.num_ranks * p.max_tokens, p.hidden, dtype=torch.bfloat16, device=device())
+    buffer.low_latency_combine(zeros, inp["topk_idx"], inp["topk_weights"], handle)
+    return message, low_latency_round(p, use_fp8=True, buffer=buffer)
+
+
 def low_latency_layout_numbers(cases):
     from moe_ep import _native
     from moe_ep.config import LowLatencyLayout

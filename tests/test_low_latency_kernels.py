@@ -144,3 +144,44 @@ def test_low_latency_kernels_on_nvshmem_memory(pools, gpu_pools, seed, num_ranks
     on_gpu = gpu_pools(num_ranks).run(rank_fns.with_env, env, rank_fns.low_latency_round, p, **variant)
     on_cpu = pools(num_ranks).run(rank_fns.low_latency_round, p, **variant)
     _compare(seed, on_gpu, on_cpu, True)
+
+
+@pytest.mark.skipif(not _native.has_nvshmem_device(), reason="built without NVSHMEM's device library "
+                                                            "(MOE_EP_NVSHMEM_DEVICE=1 python setup.py build_ext)")
+@pytest.mark.parametrize("num_bytes", [16, 7168 + 224, 1 << 20])
+def test_device_initiated_put_lands_before_its_signal(gpu_pools, num_bytes):
+    """The building block of the puts to peers on other hosts: a put, then a signal ordered after it,
+    from a kernel; on one GPU NVSHMEM carries it between the PEs without a network."""
+    results = gpu_pools(2).run(rank_fns.with_env, dict(KERNELS, MOE_EP_LL_MEMORY="nvshmem"),
+                               rank_fns.nvshmem_put_round, num_bytes)
+    assert results == [None, True], results
+
+
+PUTS = dict(KERNELS, MOE_EP_LL_MEMORY="nvshmem", MOE_EP_LL_PUTS="1")
+
+
+@pytest.mark.skipif(not _native.has_nvshmem_device(), reason="built without NVSHMEM's device library")
+@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("variant", [
+    dict(use_fp8=True, return_recv_hook=True),
+    dict(use_fp8=False, use_out=True, calls_before=3),
+    dict(use_fp8=True, round_scale=True, use_ue8m0=True),
+])
+def test_low_latency_through_puts_equals_portable(pools, gpu_pools, seed, num_ranks, variant):
+    """Every peer reached through NVSHMEM puts (MOE_EP_LL_PUTS=1), as peers on another host would be:
+    rows staged and put, flags as signals after the puts complete. On one GPU NVSHMEM carries them
+    without a network; the results are the stores' bit for bit."""
+    p = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=32)
+    on_gpu = gpu_pools(num_ranks).run(rank_fns.with_env, PUTS, rank_fns.low_latency_round, p, **variant)
+    on_cpu = pools(num_ranks).run(rank_fns.low_latency_round, p, **variant)
+    _compare(seed, on_gpu, on_cpu, variant["use_fp8"])
+
+
+@pytest.mark.skipif(not _native.has_nvshmem_device(), reason="built without NVSHMEM's device library")
+def test_zero_copy_combine_refused_through_puts(pools, gpu_pools, seed):
+    p = Problem(seed, 2, 8, 256, 4, max_tokens=16)
+    results = gpu_pools(2).run(rank_fns.with_env, PUTS, rank_fns.zero_copy_refused_then_round, p)
+    on_cpu = pools(2).run(rank_fns.low_latency_round, p, use_fp8=True)
+    for message, _ in results:
+        assert "zero_copy:" in message and "reached through NVSHMEM puts" in message, message
+    _compare(seed, [r for _, r in results], on_cpu, True)

@@ -206,4 +206,14 @@ void combine_recv(const Ctx& ctx, const int64_t* topk_idx, const float* topk_wei
 
 }  // namespace low_latency
 
+namespace nvshmem_puts {
+
+// One warp puts `bytes` from this PE's `src` to the symmetric `dst` at PE `pe`, then sets the
+// symmetric 64-bit `signal` there to `value`, ordered after the data (nvshmem_puts.cu; built with
+// MOE_EP_NVSHMEM_DEVICE=1 only).
+void put_with_signal(void* dst, const void* src, size_t bytes, int pe, uint64_t* signal, uint64_t value,
+                     cudaStream_t stream);
+
+}  // namespace nvshmem_puts
+
 }  // namespace moe_ep

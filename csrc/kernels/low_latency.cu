@@ -7,9 +7,19 @@
 // never passes for a later one and no flag is ever cleaned. The call number lives in the buffer's
 // header and the receive kernel's last block advances it, so eager calls and CUDA-graph replays (of
 // any number of calls) keep alternating halves on every rank alike.
+//
+// Peers that loads and stores cannot reach (another host; a null entry in the buffer table) get the
+// same bytes through NVSHMEM puts when the build has NVSHMEM's device library: the row is staged in
+// this rank's send region (registered memory, which an RDMA transport reads from), put to the place
+// a store would have written, and the flag follows as a signal once this rank's puts are complete.
 #include <cuda_bf16.h>
 
 #include <algorithm>
+
+#ifdef MOE_EP_WITH_NVSHMEM_DEVICE
+#include <nvshmem.h>
+#include <nvshmemx.h>
+#endif
 
 #include "api.cuh"
 #include "buffer_layout.cuh"
@@ -60,6 +70,13 @@ struct Env {
         return buffers[r] + kHeaderBytes + slot * g.half + g.zero_copy_offset;
     }
     __device__ uint64_t* signals(int r) const { return reinterpret_cast<uint64_t*>(buffers[r] + half_offset + g.send + g.recv); }
+    // Peers without a mapping (null) are reached through NVSHMEM puts.
+    __device__ bool reachable(int r) const { return buffers[r] != nullptr; }
+    // Byte `offset` of any rank's buffer as NVSHMEM names it (this rank's own address: the symmetric
+    // heap has the same layout on every PE).
+    __device__ uint8_t* symmetric(int64_t offset) const { return buffers[rank] + offset; }
+    // Where this rank stages rows for puts: the send region of the call's half, behind the scratch.
+    __device__ uint8_t* staging() const { return buffers[rank] + half_offset + g.zero_copy_offset; }
     __device__ peer::Failure failure() const {
         return {header(rank) + kAbort, header(rank) + kErrorClaim, host, deadline};
     }
@@ -96,6 +113,27 @@ __device__ void finish_call(const Env& e) {
     __syncthreads();
     if (threadIdx.x == 0 && arrive_last(e.header(e.rank) + kRecvDone, gridDim.x))
         atomicAdd(reinterpret_cast<unsigned long long*>(e.header(e.rank) + kSeq), 1ull);
+}
+
+// Rank r's flag `index` (of the call's half) set to `value`: a release store, or for a peer reached
+// through puts a signal, which the caller issues once its puts are complete.
+__device__ void raise_flag_at(const Env& e, int r, int64_t index, uint64_t value) {
+    if (e.reachable(r)) {
+        raise_flag(e.signals(r) + index, value);
+        return;
+    }
+#ifdef MOE_EP_WITH_NVSHMEM_DEVICE
+    uint64_t* flags = reinterpret_cast<uint64_t*>(e.symmetric(e.half_offset + e.g.send + e.g.recv));
+    nvshmemx_signal_op(flags + index, value, NVSHMEM_SIGNAL_SET, r);
+#endif
+}
+
+// Before a block's arrival: the puts its threads issued are complete at their targets (so that the
+// flags raised after the arrival find the bytes in place).
+__device__ void complete_puts(bool issued) {
+#ifdef MOE_EP_WITH_NVSHMEM_DEVICE
+    if (issued) nvshmem_quiet();
+#endif
 }
 
 __device__ __forceinline__ int scale_bytes(int hidden, bool use_fp8, bool use_ue8m0) {
@@ -176,19 +214,35 @@ __device__ void copy_piece_to(const uint8_t* row, uint8_t* const* messages, int 
 // entry order (the portable backend's order): the block's warps count the earlier entries that pick
 // the same expert, each over its own stretch. The last block to finish counts every expert's rows and
 // raises the count flags; nothing waits here, so a block may return at any point before that.
-__global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ctx c, const __nv_bfloat16* __restrict__ x, int num_tokens,
+// Four blocks per SM (64 registers), as ptxas chose before the put path: without the bound it still
+// picks 64 and spills. With NVSHMEM's device calls in the kernel it needs more than 64: no bound.
+#ifdef MOE_EP_WITH_NVSHMEM_DEVICE
+constexpr int kSendMinBlocks = 1;
+#else
+constexpr int kSendMinBlocks = 4;
+#endif
+__global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel(Ctx c, const __nv_bfloat16* __restrict__ x, int num_tokens,
                                                                  const int64_t* __restrict__ topk_idx, int num_topk,
                                                                  bool use_fp8, bool round_scale, bool use_ue8m0,
                                                                  int* __restrict__ recv_count) {
     __shared__ int earlier[kWarps][kMaxTopk];  // per warp: entries of its stretch before pick k with its expert
-    __shared__ uint8_t* messages[kMaxTopk];    // pick k's message at its expert's rank (nullptr: not sent)
-    __shared__ bool stop, last;
+    // Pick k's message at its expert's rank (nullptr: not sent, or sent by a put); the entry after the
+    // picks: the token's staged message, when a pick goes through a put.
+    __shared__ uint8_t* messages[kMaxTopk + 1];
+#ifdef MOE_EP_WITH_NVSHMEM_DEVICE
+    __shared__ int64_t put_at[kMaxTopk];       // pick k's message offset in its rank's buffer
+    __shared__ int put_to[kMaxTopk];           // the rank a pick is put to, or -1
+#endif
+    __shared__ bool stop, last, issued_puts;
     const Env e = make_env(c);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     // Nothing has arrived before the hook: the receive kernel writes the real counts later on this stream.
     if (blockIdx.x == 0)
         for (int i = threadIdx.x; i < e.num_local; i += kThreads) recv_count[i] = 0;
-    if (threadIdx.x == 0) stop = e.aborted();
+    if (threadIdx.x == 0) {
+        stop = e.aborted();
+        issued_puts = false;
+    }
     __syncthreads();
     // A token picks an expert at most once (distinct top-k), so at most max_tokens rows per expert;
     // the cap only keeps repeated ids from writing past the slots.
@@ -214,6 +268,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ctx c, const __
         }
         if (lane < num_topk) earlier[warp][lane] = count;
         __syncthreads();
+        int to = -1;
+        if (threadIdx.x == num_topk) messages[num_topk] = e.staging() + static_cast<int64_t>(t) * e.g.dispatch_message;
         if (threadIdx.x < num_topk) {
             const int k = threadIdx.x;
             const int64_t expert = topk_idx[first + k];
@@ -222,20 +278,49 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ctx c, const __
             uint8_t* message = nullptr;
             if (expert >= 0 && expert < e.num_experts && slot < capacity) {
                 const int dst = static_cast<int>(expert / e.num_local), local = static_cast<int>(expert % e.num_local);
-                message = e.recv(dst) +
-                          ((static_cast<int64_t>(local) * e.num_ranks + e.rank) * e.max_tokens + slot) * e.g.dispatch_message;
-                *reinterpret_cast<int4*>(message) = make_int4(t, k, 0, 0);
+                // The message's place in its rank's buffer.
+                const int64_t at = e.half_offset + e.g.send +
+                    ((static_cast<int64_t>(local) * e.num_ranks + e.rank) * e.max_tokens + slot) * e.g.dispatch_message;
+                if (e.reachable(dst)) {
+                    message = e.buffers[dst] + at;
+                    *reinterpret_cast<int4*>(message) = make_int4(t, k, 0, 0);
+                } else {
+#ifdef MOE_EP_WITH_NVSHMEM_DEVICE
+                    // The header by value (token in the low word, slot in the high one); the row below.
+                    nvshmem_longlong_p(reinterpret_cast<long long*>(e.symmetric(at)),
+                                       static_cast<long long>(t) | (static_cast<long long>(k) << 32), dst);
+                    put_at[k] = at;
+                    to = dst;
+                    issued_puts = true;
+#endif
+                }
             }
             messages[k] = message;
+#ifdef MOE_EP_WITH_NVSHMEM_DEVICE
+            put_to[k] = to;
+#endif
         }
-        __syncthreads();
+        // A pick that goes through a put: the row is also cast into this token's staged message.
+        const int n = __syncthreads_or(to >= 0) ? num_topk + 1 : num_topk;
         const __nv_bfloat16* row = x + static_cast<int64_t>(t) * e.hidden;
         for (int piece = warp; piece < pieces; piece += kWarps) {
-            if (use_fp8) cast_piece_to(row, messages, num_topk, e.hidden, piece, round_scale, use_ue8m0, lane);
-            else copy_piece_to(reinterpret_cast<const uint8_t*>(row), messages, num_topk, row_bytes, piece, lane);
+            if (use_fp8) cast_piece_to(row, messages, n, e.hidden, piece, round_scale, use_ue8m0, lane);
+            else copy_piece_to(reinterpret_cast<const uint8_t*>(row), messages, n, row_bytes, piece, lane);
         }
-        __syncthreads();  // `earlier` and `messages` are rewritten for the next token
+#ifdef MOE_EP_WITH_NVSHMEM_DEVICE
+        if (n > num_topk) {
+            __threadfence_system();  // the staged row, written by every warp, before a transport reads it
+            __syncthreads();
+            const int64_t payload = use_fp8 ? e.hidden + scale_bytes(e.hidden, true, use_ue8m0) : row_bytes;
+            for (int k = warp; k < num_topk; k += kWarps)
+                if (put_to[k] >= 0)
+                    nvshmemx_putmem_nbi_warp(e.symmetric(put_at[k] + kMessageHeaderBytes),
+                                             messages[num_topk] + kMessageHeaderBytes, payload, put_to[k]);
+        }
+#endif
+        __syncthreads();  // `earlier`, `messages` and the puts' entries are rewritten for the next token
     }
+    complete_puts(issued_puts);
     __syncthreads();  // every warp's stores before the arrival
     if (threadIdx.x == 0) last = arrive_last(e.header(e.rank) + kSendDone, gridDim.x);
     __syncthreads();
@@ -251,7 +336,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(Ctx c, const __
     __syncthreads();
     for (int expert = threadIdx.x; expert < e.num_experts; expert += kThreads) {
         const int rows = min(__ldcg(rows_of + expert), capacity), dst = expert / e.num_local, local = expert % e.num_local;
-        raise_flag(e.signals(dst) + static_cast<int64_t>(local) * e.num_ranks + e.rank, tag(e.seq, rows));
+        raise_flag_at(e, dst, static_cast<int64_t>(local) * e.num_ranks + e.rank, tag(e.seq, rows));
     }
 }
 
@@ -355,6 +440,7 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ctx c, const uin
     const Env e = make_env(c);
     const int lane = threadIdx.x % 32, warp_id = blockIdx.x * kWarps + threadIdx.x / 32, num_warps = gridDim.x * kWarps;
     const int64_t rows_per_expert = static_cast<int64_t>(e.num_ranks) * e.max_tokens, row_bytes = e.hidden * 2LL;
+    bool issued_puts = false;  // this thread's
     if (threadIdx.x < 32) {  // warp 0: inclusive scan, 32 experts at a time
         int carry = 0;
         for (int base = 0; base < e.num_local; base += 32) {
@@ -390,13 +476,28 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ctx c, const uin
         } else {
             for (int i = warp_id; i < total; i += num_warps) {
                 locate(i, g, s, entry);
-                warp_copy<Src::kReadOnly>(e.recv(s) + entry * e.g.combine_message, x + g * row_bytes, row_bytes, lane);
+                // The row's place in its source's buffer.
+                const int64_t at = e.half_offset + e.g.send + entry * e.g.combine_message;
+                if (e.reachable(s)) {
+                    warp_copy<Src::kReadOnly>(e.buffers[s] + at, x + g * row_bytes, row_bytes, lane);
+                    continue;
+                }
+#ifdef MOE_EP_WITH_NVSHMEM_DEVICE
+                // Staged in this rank's send region (registered memory a transport can read), then put.
+                uint8_t* staged = e.staging() + g * e.g.combine_message;
+                warp_copy<Src::kReadOnly>(staged, x + g * row_bytes, row_bytes, lane);
+                __threadfence_system();
+                __syncwarp();
+                nvshmemx_putmem_nbi_warp(e.symmetric(at), staged, row_bytes, s);
+                issued_puts = true;
+#endif
             }
         }
     }
+    complete_puts(__syncthreads_or(issued_puts));
     __syncthreads();
     if (threadIdx.x == 0 && arrive_last(e.header(e.rank) + kSendDone, gridDim.x))
-        for (int r = 0; r < e.num_ranks; ++r) raise_flag(e.signals(r) + e.num_experts + e.rank, tag(e.seq, 0));
+        for (int r = 0; r < e.num_ranks; ++r) raise_flag_at(e, r, e.num_experts + e.rank, tag(e.seq, 0));
 }
 
 // Tokens a combine receive block takes per step: their picks' setup (a chain of dependent loads) is

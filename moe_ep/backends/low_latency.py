@@ -139,10 +139,20 @@ class LowLatencyBackend:
         hook = self._deferred("low_latency_dispatch", receive, return_recv_hook)
         return ((recv_x, recv_scales) if use_fp8 else recv_x), recv_count, hook
 
+    def check_zero_copy(self, call: str) -> None:
+        """A zero-copy combine reads rows where they lie, which a peer reached through puts cannot."""
+        if self.peers.unreachable:
+            raise ValueError(
+                f"zero_copy: {call} reads the experts' rows in their ranks' buffers, and ranks "
+                f"{self.peers.unreachable} are reached through NVSHMEM puts only (no mapping from rank "
+                f"{self.rank}): use zero_copy=False"
+            )
+
     def zero_copy_rows(self, handle: LowLatencyHandle, slot: int) -> torch.Tensor:
         """Slot `slot` (0 or 1) of this rank's zero-copy combine rows: [L, R x max, H] bf16 inside its
         mapped buffer, where the peers' combine receives read them in place (no row is copied). Valid
         while the Buffer lives."""
+        self.check_zero_copy("get_next_low_latency_combine_buffer")
         max_tokens, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         layout = LowLatencyLayout(max_tokens, hidden, self.num_ranks, num_experts)
         local, rows = num_experts // self.num_ranks, self.num_ranks * max_tokens
@@ -167,6 +177,8 @@ class LowLatencyBackend:
             raise RuntimeError(
                 "handle: its low_latency_dispatch has not received yet: call the dispatch's hook() first"
             )
+        if zero_copy_slot >= 0:
+            self.check_zero_copy("low_latency_combine")
         ctx = self._begin("low_latency_combine", handle)
         x = aligned(x)
         topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()

@@ -79,6 +79,7 @@ class _MappedBuffers:
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
         self.device = torch.device("cuda", torch.cuda.current_device())
+        self.unreachable: List[int] = []  # ranks reached through puts (no mapping: NVSHMEM only)
         # Ranks sharing one GPU must fit their blocks on it together: the GPU is part of each payload.
         self.device_id = str(torch.cuda.get_device_properties(self.device).uuid).encode()
 
@@ -172,11 +173,16 @@ class NvshmemBuffers(_MappedBuffers):
         own = self.ops.nvshmem_alloc(num_bytes)
         self.ops.device_zero(own, num_bytes)
         pointers = [own if r == self.rank else self.ops.nvshmem_peer_pointer(own, r) for r in range(self.num_ranks)]
-        unreachable = [r for r, p in enumerate(pointers) if p == 0]
-        if unreachable:
+        if os.environ.get("MOE_EP_LL_PUTS") == "1":  # every peer through puts: tests the put path on one GPU
+            pointers = [own if r == self.rank else 0 for r in range(self.num_ranks)]
+        # Peers without a mapping (another host without NVLink) are reached through NVSHMEM puts, which
+        # need the device library in the build.
+        self.unreachable = [r for r, p in enumerate(pointers) if p == 0]
+        if self.unreachable and not getattr(self.ops, "WITH_NVSHMEM_DEVICE", False):
             raise RuntimeError(
-                f"{call}: ranks {unreachable} cannot be reached by loads and stores from rank {self.rank} "
-                "(another host without NVLink); NVSHMEM puts over RDMA are not implemented yet"
+                f"{call}: ranks {self.unreachable} cannot be reached by loads and stores from rank {self.rank} "
+                "(another host without NVLink), and this build cannot put to them: build with "
+                "MOE_EP_NVSHMEM_DEVICE=1 (NVSHMEM's device library)"
             )
         # Every rank zeroed its part before any kernel may write to it; the GPU of each rank comes along.
         payloads = gate.exchange(f"{call} (NVSHMEM buffers ready)", self.device_id)
