@@ -7,8 +7,8 @@ Environment:
                         use nothing Hopper-only)
   MAX_JOBS              parallel compile jobs (ninja)
   MOE_EP_NVSHMEM_DEVICE=1  also NVSHMEM's device library (device-initiated puts, for peers on other hosts):
-                        linked statically, every kernel compiled relocatable (-rdc); off by default until
-                        measured on a GPU
+                        linked statically, every kernel compiled relocatable (-rdc); off by default: those
+                        kernels measured 6-25% slower on one host (docs/PERFORMANCE.md, eleventh session)
 """
 from __future__ import annotations
 
