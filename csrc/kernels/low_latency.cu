@@ -72,9 +72,11 @@ struct Env {
     __device__ uint64_t* signals(int r) const { return reinterpret_cast<uint64_t*>(buffers[r] + half_offset + g.send + g.recv); }
     // Peers without a mapping (null) are reached through NVSHMEM puts.
     __device__ bool reachable(int r) const { return buffers[r] != nullptr; }
+#ifdef MOE_EP_WITH_NVSHMEM_DEVICE
     // Byte `offset` of any rank's buffer as NVSHMEM names it (this rank's own address: the symmetric
     // heap has the same layout on every PE).
     __device__ uint8_t* symmetric(int64_t offset) const { return buffers[rank] + offset; }
+#endif
     // Where this rank stages rows for puts: the send region of the call's half, behind the scratch.
     __device__ uint8_t* staging() const { return buffers[rank] + half_offset + g.zero_copy_offset; }
     __device__ peer::Failure failure() const {
