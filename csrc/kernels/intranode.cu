@@ -874,7 +874,7 @@ __device__ __forceinline__ void store_trip(const int4 (&v)[kDepth], uint8_t* dst
         int4* out = reinterpret_cast<int4*>(__shfl_sync(kFullMask, reinterpret_cast<uintptr_t>(dst), __ffs(rest) - 1)) + base + lane;
 #pragma unroll
         for (int j = 0; j < kDepth; ++j)
-            if (j * 32 < left) __stcs(out + j * 32, v[j]);  // evict-first: nothing here reads the rows back
+            if (j * 32 < left) __stcs(out + j * 32, v[j]);  // evict-first: never read back here
     }
 }
 
