@@ -100,7 +100,8 @@ def test_low_latency_benchmark_device_times_from_graphs(tmp_path):
 
 
 def test_kernel_trace_of_both_modes():
-    for mode, tokens, extra in (("low_latency", "16", []), ("normal", "64", []), ("normal", "64", ["--zero-copy"])):
+    for mode, tokens, extra in (("low_latency", "16", []), ("low_latency", "16", ["--dispatch-only", "--lockstep"]),
+                                ("normal", "64", []), ("normal", "64", ["--zero-copy"])):
         out = _run("moe_ep.bench.trace_kernels", *TINY[:-2], "--mode", mode, "--tokens", tokens, "--rounds", "2",
                    *extra)
         assert "wall time per round" in out and "2 ranks" in out

@@ -8,6 +8,7 @@ mean device microseconds per launch, the mean and the worst over ranks.
     python -m moe_ep.bench.trace_kernels --ranks 8 --mode low_latency     # 128 tokens, 7168, top-8 of 256
     python -m moe_ep.bench.trace_kernels --ranks 4 --mode normal          # 4096 tokens, fp8 dispatch + combine
     python -m moe_ep.bench.trace_kernels --ranks 2 --mode normal --trace-dir out/traces   # + chrome traces
+    python -m moe_ep.bench.trace_kernels --ranks 8 --dispatch-only --lockstep   # all ranks' dispatches at once
     python -m moe_ep.bench.trace_kernels --ranks 8 --mode normal --zero-copy   # the one-pass calls
 
 With --cpu (portable backend on CPU tensors) it reports the CPU operators instead, which checks the
@@ -43,7 +44,8 @@ def _low_latency_round(args, device):
 
     def one_round():
         _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, args.tokens, args.experts, use_fp8=True)
-        buffer.low_latency_combine(y, topk_idx, topk_weights, handle)
+        if not args.dispatch_only:
+            buffer.low_latency_combine(y, topk_idx, topk_weights, handle)
 
     return one_round
 
@@ -93,6 +95,9 @@ def rank_trace(args):
     with profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(args.rounds):
+            if args.lockstep:
+                device_sync()
+                dist.barrier()
             one_round()
         device_sync()
         wall_us = (time.perf_counter() - start) * 1e6 / args.rounds
@@ -134,6 +139,10 @@ def main():
     parser.add_argument("--top", type=int, default=15, help="kernels listed, by device time per round")
     parser.add_argument("--trace-dir", help="also write each rank's chrome trace here")
     parser.add_argument("--zero-copy", action="store_true", help="normal mode: the one-pass dispatch and combine")
+    parser.add_argument("--dispatch-only", action="store_true", help="low_latency mode: a round is one dispatch")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="every round starts on all ranks together (device sync, then a barrier), so a kernel's "
+                             "time is that of all ranks' kernels running at once, not of whichever rank ran ahead")
     parser.add_argument("--cpu", action="store_true", help="CPU tensors (portable backend): checks the script anywhere")
     args = parser.parse_args()
     if args.tokens is None:
