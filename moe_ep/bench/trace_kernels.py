@@ -8,7 +8,7 @@ mean device microseconds per launch, the mean and the worst over ranks.
     python -m moe_ep.bench.trace_kernels --ranks 8 --mode low_latency     # 128 tokens, 7168, top-8 of 256
     python -m moe_ep.bench.trace_kernels --ranks 4 --mode normal          # 4096 tokens, fp8 dispatch + combine
     python -m moe_ep.bench.trace_kernels --ranks 2 --mode normal --trace-dir out/traces   # + chrome traces
-    python -m moe_ep.bench.trace_kernels --ranks 8 --dispatch-only --lockstep   # all ranks' dispatches at once
+    python -m moe_ep.bench.trace_kernels --ranks 8 --dispatch-only --lockstep   # one dispatch a round, rounds in step
     python -m moe_ep.bench.trace_kernels --ranks 8 --mode normal --zero-copy   # the one-pass calls
 
 With --cpu (portable backend on CPU tensors) it reports the CPU operators instead, which checks the
@@ -141,8 +141,8 @@ def main():
     parser.add_argument("--zero-copy", action="store_true", help="normal mode: the one-pass dispatch and combine")
     parser.add_argument("--dispatch-only", action="store_true", help="low_latency mode: a round is one dispatch")
     parser.add_argument("--lockstep", action="store_true",
-                        help="every round starts on all ranks together (device sync, then a barrier), so a kernel's "
-                             "time is that of all ranks' kernels running at once, not of whichever rank ran ahead")
+                        help="a device sync and a barrier before every round: no rank runs rounds ahead of the "
+                             "others (the barrier's own skew, tens of us, stays)")
     parser.add_argument("--cpu", action="store_true", help="CPU tensors (portable backend): checks the script anywhere")
     args = parser.parse_args()
     if args.tokens is None:
