@@ -142,7 +142,7 @@ def main():
     parser.add_argument("--dispatch-only", action="store_true", help="low_latency mode: a round is one dispatch")
     parser.add_argument("--lockstep", action="store_true",
                         help="a device sync and a barrier before every round: no rank runs rounds ahead of the "
-                             "others (the barrier's own skew, tens of us, stays)")
+                             "others (the barrier's own skew between ranks stays)")
     parser.add_argument("--cpu", action="store_true", help="CPU tensors (portable backend): checks the script anywhere")
     args = parser.parse_args()
     if args.tokens is None:
