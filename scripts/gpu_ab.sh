@@ -67,7 +67,11 @@ for round in $(seq 1 "${AB_ROUNDS:-2}"); do
 done
 for v in "${VARIANTS[@]:1}"; do
   echo "== $v against A"
-  $PY scripts/ab_summary.py "$OUT/ab_A.jsonl" "$OUT/ab_$v.jsonl"
+  if [[ -f $OUT/ab_A.jsonl && -f $OUT/ab_$v.jsonl ]]; then
+    $PY scripts/ab_summary.py "$OUT/ab_A.jsonl" "$OUT/ab_$v.jsonl"
+  else
+    echo "no benchmark figures for both (benchmarks skipped or failed)"
+  fi
 done | tee "$OUT/ab_summary.txt"
 # At most 8 files come back from the lent machines: the summary, and everything else in one archive.
 (cd "$OUT" && tar czf ab_logs.tar.gz --exclude ab_summary.txt --exclude ab_logs.tar.gz -- * && \
