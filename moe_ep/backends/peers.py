@@ -178,7 +178,7 @@ class NvshmemBuffers(_MappedBuffers):
         # Peers without a mapping (another host without NVLink) are reached through NVSHMEM puts, which
         # need the device library in the build.
         self.unreachable = [r for r, p in enumerate(pointers) if p == 0]
-        if self.unreachable and not getattr(self.ops, "WITH_NVSHMEM_DEVICE", False):
+        if self.unreachable and not _native.has_nvshmem_device():
             raise RuntimeError(
                 f"{call}: ranks {self.unreachable} cannot be reached by loads and stores from rank {self.rank} "
                 "(another host without NVLink), and this build cannot put to them: build with "
