@@ -174,9 +174,6 @@ class _NoLaunches:
 class _NoStream:
     cuda_stream = 0
 
-    def wait_stream(self, stream):
-        pass
-
     def wait_event(self, event):
         pass
 
