@@ -58,6 +58,7 @@ struct Env {
     int64_t half_offset;
     int* host;
     uint64_t seq, deadline;
+    bool one_device;  // every rank on this GPU (arrive_last)
 
     __device__ uint64_t* header(int r) const { return reinterpret_cast<uint64_t*>(buffers[r]); }
     // This rank's send region: scratch of the send kernel (no peer touches it).
@@ -99,6 +100,7 @@ __device__ Env make_env(const Ctx& c) {
     e.seq = load_volatile(reinterpret_cast<uint64_t*>(c.buffers[c.rank]) + kSeq);
     e.half_offset = kHeaderBytes + static_cast<int64_t>(e.seq & 1) * e.g.half;
     e.deadline = peer::now_ns() + c.timeout_ns;
+    e.one_device = c.ranks_on_device == c.num_ranks;
     return e;
 }
 
@@ -113,7 +115,7 @@ __device__ bool block_not_aborted(const Env& e) {
 // The receive kernel ends the call: its last block advances the call number.
 __device__ void finish_call(const Env& e) {
     __syncthreads();
-    if (threadIdx.x == 0 && arrive_last(e.header(e.rank) + kRecvDone, gridDim.x))
+    if (threadIdx.x == 0 && arrive_last(e.header(e.rank) + kRecvDone, gridDim.x, e.one_device))
         atomicAdd(reinterpret_cast<unsigned long long*>(e.header(e.rank) + kSeq), 1ull);
 }
 
@@ -324,7 +326,7 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
     }
     complete_puts(issued_puts);
     __syncthreads();  // every warp's stores before the arrival
-    if (threadIdx.x == 0) last = arrive_last(e.header(e.rank) + kSendDone, gridDim.x);
+    if (threadIdx.x == 0) last = arrive_last(e.header(e.rank) + kSendDone, gridDim.x, e.one_device);
     __syncthreads();
     if (!last || stop) return;
     // Rows per expert: a histogram of every entry in this rank's scratch, then a flag per expert.
@@ -498,7 +500,7 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ctx c, const uin
     }
     complete_puts(__syncthreads_or(issued_puts));
     __syncthreads();
-    if (threadIdx.x == 0 && arrive_last(e.header(e.rank) + kSendDone, gridDim.x))
+    if (threadIdx.x == 0 && arrive_last(e.header(e.rank) + kSendDone, gridDim.x, e.one_device))
         for (int r = 0; r < e.num_ranks; ++r) raise_flag_at(e, r, e.num_experts + e.rank, tag(e.seq, 0));
 }
 
