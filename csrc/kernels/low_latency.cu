@@ -146,6 +146,21 @@ __device__ __forceinline__ int scale_bytes(int hidden, bool use_fp8, bool use_ue
     return use_ue8m0 ? (blocks + fp8::kUe8m0PerWord - 1) / fp8::kUe8m0PerWord * 4 : blocks * 4;
 }
 
+// Distance between dispatch messages in a receive region: header, row and scales, so that fp8 rows
+// lie at about half a bf16 row's pitch (fewer pages and DRAM rows for the same bytes).
+__device__ __forceinline__ int64_t message_pitch(int hidden, bool use_fp8, bool use_ue8m0) {
+    const int64_t row = use_fp8 ? hidden + scale_bytes(hidden, true, use_ue8m0) : static_cast<int64_t>(hidden) * 2;
+    return (kMessageHeaderBytes + row + 15) / 16 * 16;
+}
+
+// A dispatch message's header: the source token, pick k and local expert, the row's slot among the
+// expert's rows from this source, and the call number (so that a receiver never takes a message left
+// from an earlier call for one of this call).
+constexpr int kPickBits = 5;  // k < kMaxTopk
+__device__ __forceinline__ int4 message_header(int token, int k, int local, int slot, uint64_t seq) {
+    return make_int4(token, k | (local << kPickBits), slot, static_cast<int>(seq));
+}
+
 constexpr int kBlocksPerPiece = 32 / fp8::kLanesPerBlock;        // a warp casts 4 blocks at once
 constexpr int kPieceColumns = kBlocksPerPiece * fp8::kBlock;      // 512
 
@@ -213,11 +228,15 @@ __device__ void copy_piece_to(const uint8_t* row, uint8_t* const* messages, int 
 }
 
 // A block per token (looping when the grid is smaller): the token's row is read, and in fp8 cast,
-// once and stored into the slot of every expert it picked (one read per pick cost 8x the reads at
+// once and stored into a message for every expert it picked (one read per pick cost 8x the reads at
 // top-8, and the cast 8x the arithmetic). A pick's slot is its place among its expert's entries in
-// entry order (the portable backend's order): the block's warps count the earlier entries that pick
-// the same expert, each over its own stretch. The last block to finish counts every expert's rows and
-// raises the count flags; nothing waits here, so a block may return at any point before that.
+// entry order (the portable backend's order), and its message's place is its place among the entries
+// this rank sends to the expert's rank: the block's warps count both over their own stretches of the
+// earlier entries. So each receiver gets this rank's messages densely, in one stretch of its region
+// (per-expert stretches of max_tokens each left ~97% of the region's pages untouched at top-8 of 256,
+// and the eight processes' sends ran at ~860 GB/s: the pages' reach, not the blocks, was the guess).
+// The last block to finish counts every expert's rows and raises the count flags; nothing waits here,
+// so a block may return at any point before that.
 // Four blocks per SM (64 registers), as ptxas chose before the put path: without the bound it still
 // picks 64 and spills. With NVSHMEM's device calls in the kernel it needs more than 64: no bound.
 #ifdef MOE_EP_WITH_NVSHMEM_DEVICE
@@ -229,7 +248,8 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
                                                                  const int64_t* __restrict__ topk_idx, int num_topk,
                                                                  bool use_fp8, bool round_scale, bool use_ue8m0,
                                                                  int* __restrict__ recv_count) {
-    __shared__ int earlier[kWarps][kMaxTopk];  // per warp: entries of its stretch before pick k with its expert
+    __shared__ int earlier[kWarps][kMaxTopk];     // per warp: entries of its stretch before pick k with its expert
+    __shared__ int earlier_to[kWarps][kMaxTopk];  // ... and with its expert's rank
     // Pick k's message at its expert's rank (nullptr: not sent, or sent by a put); the entry after the
     // picks: the token's staged message, when a pick goes through a put.
     __shared__ uint8_t* messages[kMaxTopk + 1];
@@ -251,6 +271,8 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
     // A token picks an expert at most once (distinct top-k), so at most max_tokens rows per expert;
     // the cap only keeps repeated ids from writing past the slots.
     const int capacity = min(kMaxListed, e.max_tokens);
+    const int64_t per_source = static_cast<int64_t>(e.num_local) * e.max_tokens;  // messages a receiver keeps per source
+    const int64_t pitch = message_pitch(e.hidden, use_fp8, use_ue8m0);
     const int64_t row_bytes = static_cast<int64_t>(e.hidden) * 2;
     const int pieces = use_fp8 ? (e.hidden + kPieceColumns - 1) / kPieceColumns
                                : static_cast<int>((row_bytes + kCopyPieceBytes - 1) / kCopyPieceBytes);
@@ -260,39 +282,49 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
         // no block of the expert-major send ever matched them.
         int64_t picked = lane < num_topk ? topk_idx[first + lane] : -1;
         if (picked >= e.num_experts) picked = -1;
-        int count = 0;
+        const int picked_rank = picked >= 0 ? static_cast<int>(picked / e.num_local) : -1;
+        int count = 0, count_to = 0;
         for (int64_t base = static_cast<int64_t>(warp) * 32; base < first + num_topk; base += kWarps * 32) {
             const int64_t entry = base + lane;
-            const int64_t id = entry < first + num_topk ? topk_idx[entry] : -1;
+            int64_t id = entry < first + num_topk ? topk_idx[entry] : -1;
+            if (id >= e.num_experts) id = -1;
+            const int id_rank = id >= 0 ? static_cast<int>(id / e.num_local) : -1;
             for (int k = 0; k < num_topk; ++k) {
                 const int64_t expert = __shfl_sync(kFullMask, picked, k);
-                const unsigned hits = __ballot_sync(kFullMask, expert >= 0 && id == expert && entry < first + k);
-                if (lane == k) count += __popc(hits);
+                const int rank_k = __shfl_sync(kFullMask, picked_rank, k);
+                const bool before = entry < first + k;
+                const unsigned hits = __ballot_sync(kFullMask, expert >= 0 && id == expert && before);
+                const unsigned hits_to = __ballot_sync(kFullMask, rank_k >= 0 && id_rank == rank_k && before);
+                if (lane == k) count += __popc(hits), count_to += __popc(hits_to);
             }
         }
-        if (lane < num_topk) earlier[warp][lane] = count;
+        if (lane < num_topk) earlier[warp][lane] = count, earlier_to[warp][lane] = count_to;
         __syncthreads();
         int to = -1;
         if (threadIdx.x == num_topk) messages[num_topk] = e.staging() + static_cast<int64_t>(t) * e.g.dispatch_message;
         if (threadIdx.x < num_topk) {
             const int k = threadIdx.x;
             const int64_t expert = topk_idx[first + k];
-            int slot = 0;
-            for (int w = 0; w < kWarps; ++w) slot += earlier[w][k];
+            int slot = 0, place = 0;
+            for (int w = 0; w < kWarps; ++w) slot += earlier[w][k], place += earlier_to[w][k];
             uint8_t* message = nullptr;
-            if (expert >= 0 && expert < e.num_experts && slot < capacity) {
+            // Only repeated ids (unchecked unless MOE_EP_DEBUG=1) reach either cap; such rows are not sent.
+            if (expert >= 0 && expert < e.num_experts && slot < capacity && place < per_source) {
                 const int dst = static_cast<int>(expert / e.num_local), local = static_cast<int>(expert % e.num_local);
-                // The message's place in its rank's buffer.
-                const int64_t at = e.half_offset + e.g.send +
-                    ((static_cast<int64_t>(local) * e.num_ranks + e.rank) * e.max_tokens + slot) * e.g.dispatch_message;
+                // The message's place in its rank's buffer: this rank's stretch of the receive region.
+                const int64_t at = e.half_offset + e.g.send + (e.rank * per_source + place) * pitch;
+                const int4 header = message_header(t, k, local, slot, e.seq);
                 if (e.reachable(dst)) {
                     message = e.buffers[dst] + at;
-                    *reinterpret_cast<int4*>(message) = make_int4(t, k, 0, 0);
+                    *reinterpret_cast<int4*>(message) = header;
                 } else {
 #ifdef MOE_EP_WITH_NVSHMEM_DEVICE
-                    // The header by value (token in the low word, slot in the high one); the row below.
-                    nvshmem_longlong_p(reinterpret_cast<long long*>(e.symmetric(at)),
-                                       static_cast<long long>(t) | (static_cast<long long>(k) << 32), dst);
+                    // The header by value, two words at a time; the row below.
+                    long long* words = reinterpret_cast<long long*>(e.symmetric(at));
+                    nvshmem_longlong_p(words, static_cast<long long>(static_cast<unsigned>(header.x)) |
+                                                  (static_cast<long long>(header.y) << 32), dst);
+                    nvshmem_longlong_p(words + 1, static_cast<long long>(static_cast<unsigned>(header.z)) |
+                                                      (static_cast<long long>(header.w) << 32), dst);
                     put_at[k] = at;
                     to = dst;
                     issued_puts = true;
@@ -374,45 +406,66 @@ __global__ void __launch_bounds__(kWaitThreads) dispatch_wait_kernel(Ctx c, int*
     }
 }
 
-// After dispatch_wait_kernel: a block per local expert (looping when the grid is smaller) packs its
-// rows, source rank by source rank, from the counts in the flags (final by now).
+// After dispatch_wait_kernel: every block reads the counts in the flags (final by now) into shared
+// memory, then its warps take the received messages, source by source, a warp per message, and copy
+// each row to its expert's packed rows (the expert's rows from lower source ranks first, then by slot:
+// the portable order). Each source's messages are dense in its stretch of the region.
 __global__ void __launch_bounds__(kRecvThreads) dispatch_recv_kernel(Ctx c, int num_topk, bool use_fp8, bool use_ue8m0,
                                                                  uint8_t* __restrict__ recv_x, uint8_t* __restrict__ recv_scales,
                                                                  int* __restrict__ recv_src_info) {
-    extern __shared__ int first_row[];  // [R + 1]: each source rank's first row, then the total
+    // [L][R + 1]: the first packed row of each (local expert, source) within the expert's rows, then the
+    // expert's total; then [R + 1]: each source's first message in this call's order, then the total.
+    extern __shared__ int tables[];
     const Env e = make_env(c);
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const bool ok = block_not_aborted(e);  // the wait kernel gave up: nothing to copy
-    for (int local = blockIdx.x; ok && local < e.num_local; local += gridDim.x) {
+    const int R = e.num_ranks, L = e.num_local, lane = threadIdx.x % 32;
+    int* first_of = tables;
+    int* first_message = tables + static_cast<int64_t>(L) * (R + 1);
+    const int64_t per_source = static_cast<int64_t>(L) * e.max_tokens;
+    if (block_not_aborted(e)) {  // else the wait kernel gave up: nothing to copy
+        for (int i = threadIdx.x; i < L * R; i += blockDim.x) {
+            const uint64_t* flag = e.signals(e.rank) + i;  // flag of (local i / R, source i % R)
+            first_of[(i / R) * (R + 1) + i % R + 1] = static_cast<int>(load_acquire(flag) & ((1u << kCountBits) - 1)) - 1;
+        }
+        __syncthreads();
+        for (int local = threadIdx.x; local < L; local += blockDim.x) {  // counts -> exclusive prefix
+            int* row = first_of + static_cast<int64_t>(local) * (R + 1);
+            row[0] = 0;
+            for (int s = 1; s <= R; ++s) row[s] += row[s - 1];
+        }
+        __syncthreads();
+        for (int s = threadIdx.x; s < R; s += blockDim.x) {  // each source's messages
+            int64_t from_s = 0;
+            for (int local = 0; local < L; ++local)
+                from_s += first_of[local * (R + 1) + s + 1] - first_of[local * (R + 1) + s];
+            first_message[s + 1] = static_cast<int>(min(from_s, per_source));
+        }
+        __syncthreads();
         if (threadIdx.x == 0) {
-            int total = 0;
-            for (int s = 0; s < e.num_ranks; ++s) {
-                first_row[s] = total;
-                const uint64_t* flag = e.signals(e.rank) + static_cast<int64_t>(local) * e.num_ranks + s;
-                total += static_cast<int>(load_acquire(flag) & ((1u << kCountBits) - 1)) - 1;
-            }
-            first_row[e.num_ranks] = total;
+            first_message[0] = 0;
+            for (int s = 1; s <= R; ++s) first_message[s] += first_message[s - 1];
         }
         __syncthreads();
         const int64_t x_bytes = use_fp8 ? e.hidden : static_cast<int64_t>(e.hidden) * 2;
         const int64_t s_bytes = scale_bytes(e.hidden, use_fp8, use_ue8m0);
-        const int64_t rows_per_expert = static_cast<int64_t>(e.num_ranks) * e.max_tokens;
-        for (int r = warp; r < first_row[e.num_ranks]; r += kRecvThreads / 32) {
-            int s = 0;
-            while (first_row[s + 1] <= r) ++s;
-            const uint8_t* message =
-                e.recv(e.rank) + ((static_cast<int64_t>(local) * e.num_ranks + s) * e.max_tokens + (r - first_row[s])) *
-                                     e.g.dispatch_message;
-            const int64_t row = local * rows_per_expert + r;
-            if (lane == 0) {
-                const int t = __ldcg(reinterpret_cast<const int*>(message)), k = __ldcg(reinterpret_cast<const int*>(message) + 1);
-                recv_src_info[row] = (s * e.max_tokens + t) * num_topk + k;
-            }
+        const int64_t pitch = message_pitch(e.hidden, use_fp8, use_ue8m0);
+        const int64_t rows_per_expert = static_cast<int64_t>(R) * e.max_tokens;
+        const int warps = gridDim.x * (blockDim.x / 32);
+        int s = 0;
+        for (int i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < first_message[R]; i += warps) {
+            while (first_message[s + 1] <= i) ++s;  // i only grows
+            const uint8_t* message = e.recv(e.rank) + (s * per_source + (i - first_message[s])) * pitch;
+            const int4 header = __ldcg(reinterpret_cast<const int4*>(message));
+            const int k = header.y & ((1 << kPickBits) - 1), local = header.y >> kPickBits, slot = header.z;
+            // Only with repeated ids can a message of the stretch be one this call did not write.
+            if (header.w != static_cast<int>(e.seq) || local < 0 || local >= L) continue;
+            const int* first = first_of + static_cast<int64_t>(local) * (R + 1);
+            if (slot < 0 || slot >= first[s + 1] - first[s]) continue;
+            const int64_t row = local * rows_per_expert + first[s] + slot;
+            if (lane == 0) recv_src_info[row] = (s * e.max_tokens + header.x) * num_topk + k;
             warp_copy<Src::kShared>(recv_x + row * x_bytes, message + kMessageHeaderBytes, x_bytes, lane);
             if (s_bytes > 0)
                 warp_copy<Src::kShared>(recv_scales + row * s_bytes, message + kMessageHeaderBytes + e.hidden, s_bytes, lane);
         }
-        __syncthreads();  // first_row is rewritten for the next expert
     }
     finish_call(e);
 }
@@ -597,6 +650,15 @@ bool set_up(const void* kernel) {
     return true;
 }
 
+// The dispatch receive's count tables grow with the experts: past the default 48 KB of dynamic shared
+// memory they need the opt-in.
+constexpr size_t kMaxRecvTableBytes = 48 * 1024 * 2;
+bool allow_recv_tables(const void* kernel) {
+    MOE_EP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(kMaxRecvTableBytes)));
+    return true;
+}
+
 }  // namespace
 
 void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t* topk_idx, int num_topk, bool use_fp8,
@@ -613,14 +675,19 @@ void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t*
 
 void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales,
                    int* recv_count, int* stats, int* recv_src_info, int num_sms) {
-    const size_t smem = sizeof(int) * (ctx.num_ranks + 1);
+    const int num_local = ctx.num_experts / ctx.num_ranks;
+    const size_t smem = sizeof(int) * (static_cast<size_t>(num_local) * (ctx.num_ranks + 1) + ctx.num_ranks + 1);
+    if (smem > kMaxRecvTableBytes)
+        throw std::invalid_argument("moe_ep: low-latency dispatch: num_experts x (num_ranks + 1) / num_ranks counts "
+                                    "exceed the receive kernel's 96 KB of shared memory");
     static thread_local const bool ready = set_up(reinterpret_cast<const void*>(dispatch_wait_kernel)) &&
-                                           set_up(reinterpret_cast<const void*>(dispatch_recv_kernel));
+                                           set_up(reinterpret_cast<const void*>(dispatch_recv_kernel)) &&
+                                           allow_recv_tables(reinterpret_cast<const void*>(dispatch_recv_kernel));
     (void)ready;
     dispatch_wait_kernel<<<1, kWaitThreads, 0, ctx.stream>>>(ctx, recv_count, stats);
     MOE_EP_LAUNCH_CHECK("low_latency dispatch_wait_kernel");
-    // A block per local expert, up to a few per SM.
-    const int blocks = std::max(1, std::min(ctx.num_experts / ctx.num_ranks, 2 * num_sms));
+    // About a message per warp at the benchmark's shape (L blocks of 32 warps), up to a few blocks per SM.
+    const int blocks = std::max(1, std::min(num_local, 2 * num_sms));
     dispatch_recv_kernel<<<blocks, kRecvThreads, smem, ctx.stream>>>(
         ctx, num_topk, use_fp8, use_ue8m0, static_cast<uint8_t*>(recv_x), static_cast<uint8_t*>(recv_scales),
         recv_src_info);
