@@ -207,8 +207,8 @@ class LowLatencyLayout:
     """Low-latency buffer (mirrors low_latency::regions in csrc/kernels/buffer_layout.cuh): a 4 KB header
     and two identical halves used by alternate calls, so that one call's receive buffers stay valid
     while the next call is issued. Each half holds a send region (the send kernel's scratch, then
-    the rows of a zero-copy combine), a receive region of one slot per (local expert, source rank,
-    token), and one signal per (local expert, source rank) and per rank."""
+    the rows of a zero-copy combine), a receive region of L x max message slots per source rank, and one
+    signal per (local expert, source rank) and per rank."""
 
     HEADER_BYTES = 4096
 

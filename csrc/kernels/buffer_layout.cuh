@@ -106,8 +106,22 @@ namespace low_latency {
 // Calls alternate halves, so one call's receive region stays valid while the next call is issued.
 // The send region is where RDMA puts will stage rows; peer-to-peer stores write straight into the
 // receiver's region and leave it unused.
+// A dispatch's receive region: a stretch of L x max messages per source rank, each source's messages
+// dense from the stretch's start (a message's header names its expert and slot); a combine's: a row
+// per (source token, pick).
 constexpr int64_t kHeaderBytes = 4096;
-constexpr int64_t kMessageHeaderBytes = 16;  // source token, top-k slot (int32 each), padding
+constexpr int64_t kMessageHeaderBytes = 16;  // source token, pick | local expert << 5, slot, call (int32 each)
+
+// Distance between a dispatch's messages carrying `payload` bytes (row and scales): an fp8 row's
+// messages lie at about half a bf16 row's pitch.
+__host__ __device__ constexpr int64_t dispatch_message_pitch(int64_t payload) {
+    return intranode::align_up(kMessageHeaderBytes + payload, 16);
+}
+// Byte offset, within the receive region, of message `place` of source rank `source`.
+__host__ __device__ constexpr int64_t dispatch_message_at(int source, int64_t place, int64_t num_local,
+                                                          int64_t num_max_tokens, int64_t pitch) {
+    return (source * num_local * num_max_tokens + place) * pitch;
+}
 enum HeaderSlot : int { kSeq = 0, kAbort = 1, kErrorClaim = 2, kSendDone = 3, kRecvDone = 4 };
 
 struct Regions {

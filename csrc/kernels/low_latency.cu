@@ -1,6 +1,7 @@
-// Low-latency dispatch and combine (decode): fixed per-expert receive slots, stores straight into the
-// peers' buffers, and a split into a send kernel that waits for nothing and a receive kernel (the
-// hook) that waits for the peers' flags, so no block is resident while data is in flight.
+// Low-latency dispatch and combine (decode): fixed-size receive regions (room for max tokens per
+// expert and source), stores straight into the peers' buffers, and a split into a send kernel that
+// waits for nothing and a receive kernel (the hook) that waits for the peers' flags, so no block is
+// resident while data is in flight.
 //
 // Call number c uses half c % 2 of every rank's buffer. Every (source rank, local expert) pair has one
 // flag per half; the sender raises it to tag(call, count) after its rows, so a flag of an earlier call
@@ -146,11 +147,8 @@ __device__ __forceinline__ int scale_bytes(int hidden, bool use_fp8, bool use_ue
     return use_ue8m0 ? (blocks + fp8::kUe8m0PerWord - 1) / fp8::kUe8m0PerWord * 4 : blocks * 4;
 }
 
-// Distance between dispatch messages in a receive region: header, row and scales, so that fp8 rows
-// lie at about half a bf16 row's pitch (fewer pages and DRAM rows for the same bytes).
 __device__ __forceinline__ int64_t message_pitch(int hidden, bool use_fp8, bool use_ue8m0) {
-    const int64_t row = use_fp8 ? hidden + scale_bytes(hidden, true, use_ue8m0) : static_cast<int64_t>(hidden) * 2;
-    return (kMessageHeaderBytes + row + 15) / 16 * 16;
+    return dispatch_message_pitch(use_fp8 ? hidden + scale_bytes(hidden, true, use_ue8m0) : static_cast<int64_t>(hidden) * 2);
 }
 
 // A dispatch message's header: the source token, pick k and local expert, the row's slot among the
@@ -312,7 +310,7 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
             if (expert >= 0 && expert < e.num_experts && slot < capacity && place < per_source) {
                 const int dst = static_cast<int>(expert / e.num_local), local = static_cast<int>(expert % e.num_local);
                 // The message's place in its rank's buffer: this rank's stretch of the receive region.
-                const int64_t at = e.half_offset + e.g.send + (e.rank * per_source + place) * pitch;
+                const int64_t at = e.half_offset + e.g.send + dispatch_message_at(e.rank, place, e.num_local, e.max_tokens, pitch);
                 const int4 header = message_header(t, k, local, slot, e.seq);
                 if (e.reachable(dst)) {
                     message = e.buffers[dst] + at;
@@ -453,7 +451,7 @@ __global__ void __launch_bounds__(kRecvThreads) dispatch_recv_kernel(Ctx c, int 
         int s = 0;
         for (int i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < first_message[R]; i += warps) {
             while (first_message[s + 1] <= i) ++s;  // i only grows
-            const uint8_t* message = e.recv(e.rank) + (s * per_source + (i - first_message[s])) * pitch;
+            const uint8_t* message = e.recv(e.rank) + dispatch_message_at(s, i - first_message[s], L, e.max_tokens, pitch);
             const int4 header = __ldcg(reinterpret_cast<const int4*>(message));
             const int k = header.y & ((1 << kPickBits) - 1), local = header.y >> kPickBits, slot = header.z;
             // Only with repeated ids can a message of the stretch be one this call did not write.
