@@ -651,6 +651,10 @@ bool set_up(const void* kernel) {
 // The dispatch receive's count tables grow with the experts: past the default 48 KB of dynamic shared
 // memory they need the opt-in.
 constexpr size_t kMaxRecvTableBytes = 48 * 1024 * 2;
+size_t recv_table_bytes(const Ctx& ctx) {
+    const size_t num_local = static_cast<size_t>(ctx.num_experts / ctx.num_ranks);
+    return sizeof(int) * (num_local * (ctx.num_ranks + 1) + ctx.num_ranks + 1);
+}
 bool allow_recv_tables(const void* kernel) {
     MOE_EP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(kMaxRecvTableBytes)));
@@ -663,6 +667,10 @@ void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t*
                    bool round_scale, bool use_ue8m0, int* recv_count) {
     if (num_tokens > kMaxListed)
         throw std::invalid_argument("moe_ep: low-latency dispatch takes at most 1024 tokens per rank");
+    // Checked before anything is sent: the receive (maybe a hook, later) must not be the one to refuse.
+    if (recv_table_bytes(ctx) > kMaxRecvTableBytes)
+        throw std::invalid_argument("moe_ep: low-latency dispatch: num_experts too large for this num_ranks (the "
+                                    "receive keeps (num_experts / num_ranks + 1) x (num_ranks + 1) counts in 96 KB)");
     static thread_local const bool ready = set_up(reinterpret_cast<const void*>(dispatch_send_kernel));
     (void)ready;
     const int blocks = std::max(1, num_tokens);  // a block per token; one raises the flags when there are none
@@ -674,10 +682,7 @@ void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t*
 void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales,
                    int* recv_count, int* stats, int* recv_src_info, int num_sms) {
     const int num_local = ctx.num_experts / ctx.num_ranks;
-    const size_t smem = sizeof(int) * (static_cast<size_t>(num_local) * (ctx.num_ranks + 1) + ctx.num_ranks + 1);
-    if (smem > kMaxRecvTableBytes)
-        throw std::invalid_argument("moe_ep: low-latency dispatch: num_experts x (num_ranks + 1) / num_ranks counts "
-                                    "exceed the receive kernel's 96 KB of shared memory");
+    const size_t smem = recv_table_bytes(ctx);  // within kMaxRecvTableBytes: dispatch_send checked
     static thread_local const bool ready = set_up(reinterpret_cast<const void*>(dispatch_wait_kernel)) &&
                                            set_up(reinterpret_cast<const void*>(dispatch_recv_kernel)) &&
                                            allow_recv_tables(reinterpret_cast<const void*>(dispatch_recv_kernel));
