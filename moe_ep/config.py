@@ -214,7 +214,7 @@ class LowLatencyLayout:
 
     def __init__(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int):
         # A bf16 row is the largest message: fp8 rows with their scales are smaller (H + H/32 < 2H).
-        dispatch_msg = _align(LL_MESSAGE_HEADER_BYTES + hidden * 2, 16)
+        dispatch_msg = _align(_align(hidden * 2, 16) + LL_MESSAGE_HEADER_BYTES)  # [row | header], 128-byte pitch
         combine_msg = _align(hidden * 2, 16)
         slots = num_experts * num_max_dispatch_tokens_per_rank
         self.dispatch_message_bytes = dispatch_msg

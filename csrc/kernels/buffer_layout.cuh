@@ -111,11 +111,17 @@ namespace low_latency {
 // per (source token, pick).
 constexpr int64_t kHeaderBytes = 4096;
 constexpr int64_t kMessageHeaderBytes = 16;  // source token, pick | local expert << 5, slot, call (int32 each)
+// A dispatch message is [row | scales | header], its pitch a multiple of 128 bytes: every row starts on
+// a cache line, so a warp's 512-byte store covers whole lines and sectors (a header in front shifted
+// every store by 16 bytes, leaving two partial sectors per store).
+constexpr int64_t kMessageAlign = 128;
 
-// Distance between a dispatch's messages carrying `payload` bytes (row and scales): an fp8 row's
-// messages lie at about half a bf16 row's pitch.
+// Where the header of a message carrying `payload` bytes (row and scales) lies in it.
+__host__ __device__ constexpr int64_t dispatch_header_offset(int64_t payload) { return intranode::align_up(payload, 16); }
+// Distance between a dispatch's messages carrying `payload` bytes: an fp8 row's messages lie at about
+// half a bf16 row's pitch.
 __host__ __device__ constexpr int64_t dispatch_message_pitch(int64_t payload) {
-    return intranode::align_up(kMessageHeaderBytes + payload, 16);
+    return intranode::align_up(dispatch_header_offset(payload) + kMessageHeaderBytes, kMessageAlign);
 }
 // Byte offset, within the receive region, of message `place` of source rank `source`.
 __host__ __device__ constexpr int64_t dispatch_message_at(int source, int64_t place, int64_t num_local,
@@ -131,7 +137,7 @@ struct Regions {
 __host__ __device__ constexpr Regions regions(int64_t num_max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts) {
     Regions r{};
     // A bf16 row is the largest message: fp8 rows with their scales are smaller (H + H/32 < 2H).
-    r.dispatch_message = intranode::align_up(kMessageHeaderBytes + hidden * 2, 16);
+    r.dispatch_message = dispatch_message_pitch(hidden * 2);
     r.combine_message = intranode::align_up(hidden * 2, 16);
     const int64_t slots = num_experts * num_max_tokens;
     const int64_t send_dispatch = num_max_tokens * r.dispatch_message, send_combine = slots * r.combine_message;

@@ -147,8 +147,9 @@ __device__ __forceinline__ int scale_bytes(int hidden, bool use_fp8, bool use_ue
     return use_ue8m0 ? (blocks + fp8::kUe8m0PerWord - 1) / fp8::kUe8m0PerWord * 4 : blocks * 4;
 }
 
-__device__ __forceinline__ int64_t message_pitch(int hidden, bool use_fp8, bool use_ue8m0) {
-    return dispatch_message_pitch(use_fp8 ? hidden + scale_bytes(hidden, true, use_ue8m0) : static_cast<int64_t>(hidden) * 2);
+// Bytes of a dispatch message's row and scales.
+__device__ __forceinline__ int64_t message_payload(int hidden, bool use_fp8, bool use_ue8m0) {
+    return use_fp8 ? hidden + scale_bytes(hidden, true, use_ue8m0) : static_cast<int64_t>(hidden) * 2;
 }
 
 // A dispatch message's header: the source token, pick k and local expert, the row's slot among the
@@ -183,7 +184,6 @@ __device__ void cast_piece_to(const __nv_bfloat16* row, uint8_t* const* messages
     for (int k = 0; k < n; ++k) {
         uint8_t* out = messages[k];
         if (out == nullptr) continue;
-        out += kMessageHeaderBytes;
         uint8_t* scales = out + hidden;
         if (active) {
             *reinterpret_cast<uint4*>(out + b * fp8::kBlock + sub * fp8::kElemsPerLane) = values;
@@ -220,7 +220,7 @@ __device__ void copy_piece_to(const uint8_t* row, uint8_t* const* messages, int 
 #pragma unroll
         for (int j = 0; j < kCopyVectors; ++j) {
             const int64_t at = first + (static_cast<int64_t>(j) * 32 + lane) * 16;
-            if (at < row_bytes) *reinterpret_cast<uint4*>(out + kMessageHeaderBytes + at) = v[j];
+            if (at < row_bytes) *reinterpret_cast<uint4*>(out + at) = v[j];
         }
     }
 }
@@ -270,7 +270,8 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
     // the cap only keeps repeated ids from writing past the slots.
     const int capacity = min(kMaxListed, e.max_tokens);
     const int64_t per_source = static_cast<int64_t>(e.num_local) * e.max_tokens;  // messages a receiver keeps per source
-    const int64_t pitch = message_pitch(e.hidden, use_fp8, use_ue8m0);
+    const int64_t payload = message_payload(e.hidden, use_fp8, use_ue8m0);
+    const int64_t pitch = dispatch_message_pitch(payload), header_at = dispatch_header_offset(payload);
     const int64_t row_bytes = static_cast<int64_t>(e.hidden) * 2;
     const int pieces = use_fp8 ? (e.hidden + kPieceColumns - 1) / kPieceColumns
                                : static_cast<int>((row_bytes + kCopyPieceBytes - 1) / kCopyPieceBytes);
@@ -314,11 +315,11 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
                 const int4 header = message_header(t, k, local, slot, e.seq);
                 if (e.reachable(dst)) {
                     message = e.buffers[dst] + at;
-                    *reinterpret_cast<int4*>(message) = header;
+                    *reinterpret_cast<int4*>(message + header_at) = header;
                 } else {
 #ifdef MOE_EP_WITH_NVSHMEM_DEVICE
                     // The header by value, two words at a time; the row below.
-                    long long* words = reinterpret_cast<long long*>(e.symmetric(at));
+                    long long* words = reinterpret_cast<long long*>(e.symmetric(at + header_at));
                     nvshmem_longlong_p(words, static_cast<long long>(static_cast<unsigned>(header.x)) |
                                                   (static_cast<long long>(header.y) << 32), dst);
                     nvshmem_longlong_p(words + 1, static_cast<long long>(static_cast<unsigned>(header.z)) |
@@ -345,11 +346,9 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
         if (n > num_topk) {
             __threadfence_system();  // the staged row, written by every warp, before a transport reads it
             __syncthreads();
-            const int64_t payload = use_fp8 ? e.hidden + scale_bytes(e.hidden, true, use_ue8m0) : row_bytes;
             for (int k = warp; k < num_topk; k += kWarps)
                 if (put_to[k] >= 0)
-                    nvshmemx_putmem_nbi_warp(e.symmetric(put_at[k] + kMessageHeaderBytes),
-                                             messages[num_topk] + kMessageHeaderBytes, payload, put_to[k]);
+                    nvshmemx_putmem_nbi_warp(e.symmetric(put_at[k]), messages[num_topk], payload, put_to[k]);
         }
 #endif
         __syncthreads();  // `earlier`, `messages` and the puts' entries are rewritten for the next token
@@ -445,14 +444,15 @@ __global__ void __launch_bounds__(kRecvThreads) dispatch_recv_kernel(Ctx c, int 
         __syncthreads();
         const int64_t x_bytes = use_fp8 ? e.hidden : static_cast<int64_t>(e.hidden) * 2;
         const int64_t s_bytes = scale_bytes(e.hidden, use_fp8, use_ue8m0);
-        const int64_t pitch = message_pitch(e.hidden, use_fp8, use_ue8m0);
+        const int64_t payload = message_payload(e.hidden, use_fp8, use_ue8m0);
+        const int64_t pitch = dispatch_message_pitch(payload), header_at = dispatch_header_offset(payload);
         const int64_t rows_per_expert = static_cast<int64_t>(R) * e.max_tokens;
         const int warps = gridDim.x * (blockDim.x / 32);
         int s = 0;
         for (int i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < first_message[R]; i += warps) {
             while (first_message[s + 1] <= i) ++s;  // i only grows
             const uint8_t* message = e.recv(e.rank) + dispatch_message_at(s, i - first_message[s], L, e.max_tokens, pitch);
-            const int4 header = __ldcg(reinterpret_cast<const int4*>(message));
+            const int4 header = __ldcg(reinterpret_cast<const int4*>(message + header_at));
             const int k = header.y & ((1 << kPickBits) - 1), local = header.y >> kPickBits, slot = header.z;
             // Only with repeated ids can a message of the stretch be one this call did not write.
             if (header.w != static_cast<int>(e.seq) || local < 0 || local >= L) continue;
@@ -460,9 +460,8 @@ __global__ void __launch_bounds__(kRecvThreads) dispatch_recv_kernel(Ctx c, int 
             if (slot < 0 || slot >= first[s + 1] - first[s]) continue;
             const int64_t row = local * rows_per_expert + first[s] + slot;
             if (lane == 0) recv_src_info[row] = (s * e.max_tokens + header.x) * num_topk + k;
-            warp_copy<Src::kShared>(recv_x + row * x_bytes, message + kMessageHeaderBytes, x_bytes, lane);
-            if (s_bytes > 0)
-                warp_copy<Src::kShared>(recv_scales + row * s_bytes, message + kMessageHeaderBytes + e.hidden, s_bytes, lane);
+            warp_copy<Src::kShared>(recv_x + row * x_bytes, message, x_bytes, lane);
+            if (s_bytes > 0) warp_copy<Src::kShared>(recv_scales + row * s_bytes, message + e.hidden, s_bytes, lane);
         }
     }
     finish_call(e);
