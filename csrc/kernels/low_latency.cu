@@ -430,11 +430,14 @@ __global__ void __launch_bounds__(kRecvThreads) dispatch_recv_kernel(Ctx c, int 
             for (int s = 1; s <= R; ++s) row[s] += row[s - 1];
         }
         __syncthreads();
-        for (int s = threadIdx.x; s < R; s += blockDim.x) {  // each source's messages
-            int64_t from_s = 0;
-            for (int local = 0; local < L; ++local)
+        // Each source's messages: a warp per source sums over the experts (a thread per source walked
+        // all L of them, 2 us of every block's start at 2 PEs, where L = 128).
+        for (int s = threadIdx.x / 32; s < R; s += blockDim.x / 32) {
+            int from_s = 0;
+            for (int local = lane; local < L; local += 32)
                 from_s += first_of[local * (R + 1) + s + 1] - first_of[local * (R + 1) + s];
-            first_message[s + 1] = static_cast<int>(min(from_s, per_source));
+            for (int d = 16; d > 0; d >>= 1) from_s += __shfl_xor_sync(kFullMask, from_s, d);
+            if (lane == 0) first_message[s + 1] = static_cast<int>(min(static_cast<int64_t>(from_s), per_source));
         }
         __syncthreads();
         if (threadIdx.x == 0) {
