@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
             if (expert >= 0 && expert < e.num_experts && slot < capacity && place < per_source) {
                 const int dst = static_cast<int>(expert / e.num_local), local = static_cast<int>(expert % e.num_local);
                 // The message's place in its rank's buffer: this rank's stretch of the receive region.
-                const int64_t at = e.half_offset + e.g.send + dispatch_message_at(e.rank, place, e.num_local, e.max_tokens, pitch);
+                const int64_t at = e.half_offset + e.g.send + dispatch_message_at(e.rank, place, per_source, pitch);
                 const int4 header = message_header(t, k, local, slot, e.seq);
                 if (e.reachable(dst)) {
                     message = e.buffers[dst] + at;
@@ -454,7 +454,7 @@ __global__ void __launch_bounds__(kRecvThreads) dispatch_recv_kernel(Ctx c, int 
         int s = 0;
         for (int i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < first_message[R]; i += warps) {
             while (first_message[s + 1] <= i) ++s;  // i only grows
-            const uint8_t* message = e.recv(e.rank) + dispatch_message_at(s, i - first_message[s], L, e.max_tokens, pitch);
+            const uint8_t* message = e.recv(e.rank) + dispatch_message_at(s, i - first_message[s], per_source, pitch);
             const int4 header = __ldcg(reinterpret_cast<const int4*>(message + header_at));
             const int k = header.y & ((1 << kPickBits) - 1), local = header.y >> kPickBits, slot = header.z;
             // Only with repeated ids can a message of the stretch be one this call did not write.
