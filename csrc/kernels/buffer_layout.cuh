@@ -117,10 +117,10 @@ constexpr int64_t kMessageHeaderBytes = 16;  // source token, pick | local exper
 __host__ __device__ constexpr int64_t dispatch_message_pitch(int64_t payload) {
     return intranode::align_up(kMessageHeaderBytes + payload, 16);
 }
-// Byte offset, within the receive region, of message `place` of source rank `source`.
-__host__ __device__ constexpr int64_t dispatch_message_at(int source, int64_t place, int64_t num_local,
-                                                          int64_t num_max_tokens, int64_t pitch) {
-    return (source * num_local * num_max_tokens + place) * pitch;
+// Byte offset, within the receive region, of message `place` of source rank `source`, each source's
+// stretch holding `per_source` (L x max) messages.
+__host__ __device__ constexpr int64_t dispatch_message_at(int source, int64_t place, int64_t per_source, int64_t pitch) {
+    return (source * per_source + place) * pitch;
 }
 enum HeaderSlot : int { kSeq = 0, kAbort = 1, kErrorClaim = 2, kSendDone = 3, kRecvDone = 4 };
 

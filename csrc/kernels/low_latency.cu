@@ -147,8 +147,9 @@ __device__ __forceinline__ int scale_bytes(int hidden, bool use_fp8, bool use_ue
     return use_ue8m0 ? (blocks + fp8::kUe8m0PerWord - 1) / fp8::kUe8m0PerWord * 4 : blocks * 4;
 }
 
-__device__ __forceinline__ int64_t message_pitch(int hidden, bool use_fp8, bool use_ue8m0) {
-    return dispatch_message_pitch(use_fp8 ? hidden + scale_bytes(hidden, true, use_ue8m0) : static_cast<int64_t>(hidden) * 2);
+// Bytes of a dispatch message's row and scales.
+__device__ __forceinline__ int64_t message_payload(int hidden, bool use_fp8, bool use_ue8m0) {
+    return use_fp8 ? hidden + scale_bytes(hidden, true, use_ue8m0) : static_cast<int64_t>(hidden) * 2;
 }
 
 // A dispatch message's header: the source token, pick k and local expert, the row's slot among the
@@ -270,7 +271,7 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
     // the cap only keeps repeated ids from writing past the slots.
     const int capacity = min(kMaxListed, e.max_tokens);
     const int64_t per_source = static_cast<int64_t>(e.num_local) * e.max_tokens;  // messages a receiver keeps per source
-    const int64_t pitch = message_pitch(e.hidden, use_fp8, use_ue8m0);
+    const int64_t payload = message_payload(e.hidden, use_fp8, use_ue8m0), pitch = dispatch_message_pitch(payload);
     const int64_t row_bytes = static_cast<int64_t>(e.hidden) * 2;
     const int pieces = use_fp8 ? (e.hidden + kPieceColumns - 1) / kPieceColumns
                                : static_cast<int>((row_bytes + kCopyPieceBytes - 1) / kCopyPieceBytes);
@@ -310,7 +311,7 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
             if (expert >= 0 && expert < e.num_experts && slot < capacity && place < per_source) {
                 const int dst = static_cast<int>(expert / e.num_local), local = static_cast<int>(expert % e.num_local);
                 // The message's place in its rank's buffer: this rank's stretch of the receive region.
-                const int64_t at = e.half_offset + e.g.send + dispatch_message_at(e.rank, place, e.num_local, e.max_tokens, pitch);
+                const int64_t at = e.half_offset + e.g.send + dispatch_message_at(e.rank, place, per_source, pitch);
                 const int4 header = message_header(t, k, local, slot, e.seq);
                 if (e.reachable(dst)) {
                     message = e.buffers[dst] + at;
@@ -345,7 +346,6 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
         if (n > num_topk) {
             __threadfence_system();  // the staged row, written by every warp, before a transport reads it
             __syncthreads();
-            const int64_t payload = use_fp8 ? e.hidden + scale_bytes(e.hidden, true, use_ue8m0) : row_bytes;
             for (int k = warp; k < num_topk; k += kWarps)
                 if (put_to[k] >= 0)
                     nvshmemx_putmem_nbi_warp(e.symmetric(put_at[k] + kMessageHeaderBytes),
@@ -448,13 +448,13 @@ __global__ void __launch_bounds__(kRecvThreads) dispatch_recv_kernel(Ctx c, int 
         __syncthreads();
         const int64_t x_bytes = use_fp8 ? e.hidden : static_cast<int64_t>(e.hidden) * 2;
         const int64_t s_bytes = scale_bytes(e.hidden, use_fp8, use_ue8m0);
-        const int64_t pitch = message_pitch(e.hidden, use_fp8, use_ue8m0);
+        const int64_t pitch = dispatch_message_pitch(message_payload(e.hidden, use_fp8, use_ue8m0));
         const int64_t rows_per_expert = static_cast<int64_t>(R) * e.max_tokens;
         const int warps = gridDim.x * (blockDim.x / 32);
         int s = 0;
         for (int i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < first_message[R]; i += warps) {
             while (first_message[s + 1] <= i) ++s;  // i only grows
-            const uint8_t* message = e.recv(e.rank) + dispatch_message_at(s, i - first_message[s], L, e.max_tokens, pitch);
+            const uint8_t* message = e.recv(e.rank) + dispatch_message_at(s, i - first_message[s], per_source, pitch);
             const int4 header = __ldcg(reinterpret_cast<const int4*>(message));
             const int k = header.y & ((1 << kPickBits) - 1), local = header.y >> kPickBits, slot = header.z;
             // Only with repeated ids can a message of the stretch be one this call did not write.
