@@ -16,7 +16,8 @@ from .checks import check_int
 NUM_MAX_NVL_PEERS = 8
 # Top-k entries a normal-mode receive queue reserves per token (top-k idx int64 + weight float32).
 NUM_MAX_TOPK = 32
-# Low-latency messages carry a 16-byte header (source token, its top-k slot) in front of the row.
+# A low-latency dispatch message carries a 16-byte header (source token, pick and expert, slot, call)
+# behind its row and scales.
 LL_MESSAGE_HEADER_BYTES = 16
 ALIGNMENT_BYTES = 128
 FP8_BLOCK = 128
