@@ -160,6 +160,15 @@ __device__ __forceinline__ int4 message_header(int token, int k, int local, int 
     return make_int4(token, k | (local << kPickBits), slot, static_cast<int>(seq));
 }
 
+#ifdef MOE_EP_WITH_NVSHMEM_DEVICE
+// Two int32 as the 64-bit word they make in memory (`low` first), for a put by value; built unsigned,
+// as the call number in a header reaches the sign bit.
+__device__ __forceinline__ long long word_of(int low, int high) {
+    return static_cast<long long>(static_cast<unsigned>(low) |
+                                  (static_cast<unsigned long long>(static_cast<unsigned>(high)) << 32));
+}
+#endif
+
 constexpr int kBlocksPerPiece = 32 / fp8::kLanesPerBlock;        // a warp casts 4 blocks at once
 constexpr int kPieceColumns = kBlocksPerPiece * fp8::kBlock;      // 512
 
@@ -320,10 +329,8 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
 #ifdef MOE_EP_WITH_NVSHMEM_DEVICE
                     // The header by value, two words at a time; the row below.
                     long long* words = reinterpret_cast<long long*>(e.symmetric(at + header_at));
-                    nvshmem_longlong_p(words, static_cast<long long>(static_cast<unsigned>(header.x)) |
-                                                  (static_cast<long long>(header.y) << 32), dst);
-                    nvshmem_longlong_p(words + 1, static_cast<long long>(static_cast<unsigned>(header.z)) |
-                                                      (static_cast<long long>(header.w) << 32), dst);
+                    nvshmem_longlong_p(words, word_of(header.x, header.y), dst);
+                    nvshmem_longlong_p(words + 1, word_of(header.z, header.w), dst);
                     put_at[k] = at;
                     to = dst;
                     issued_puts = true;
