@@ -61,7 +61,7 @@ class RankError(RuntimeError):
         )
 
 
-def _rank_main(rank: int, num_ranks: int, port: int, backend: str, use_cuda: bool, env: Dict[str, str], conn,
+def _rank_main(rank: int, num_ranks: int, rendezvous: str, backend: str, use_cuda: bool, env: Dict[str, str], conn,
                stacks_path: str):
     os.environ.update(env)
     import faulthandler
@@ -78,7 +78,7 @@ def _rank_main(rank: int, num_ranks: int, port: int, backend: str, use_cuda: boo
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=rendezvous,
         rank=rank,
         world_size=num_ranks,
         timeout=timedelta(seconds=DEFAULT_CALL_TIMEOUT_S),
@@ -133,14 +133,16 @@ class RankPool:
         self.num_ranks = num_ranks
         self.backend = backend
         ctx = mp.get_context("spawn")
-        port = free_port()
         self._conns, self._procs = [], []
-        stacks_dir = self._exit.enter_context(tempfile.TemporaryDirectory(prefix="moe_ep_stacks_"))
-        self._stacks_paths = [os.path.join(stacks_dir, f"rank{rank}.txt") for rank in range(num_ranks)]
+        pool_dir = self._exit.enter_context(tempfile.TemporaryDirectory(prefix="moe_ep_pool_"))
+        # The ranks meet at a file, not a port: a port picked free here can be taken by another process
+        # before rank 0 listens on it (seen on the GPU machine as EADDRINUSE between two benchmark pools).
+        rendezvous = "file://" + os.path.join(pool_dir, "rendezvous")
+        self._stacks_paths = [os.path.join(pool_dir, f"rank{rank}.txt") for rank in range(num_ranks)]
         for rank in range(num_ranks):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
-                target=_rank_main, args=(rank, num_ranks, port, backend, use_cuda, env, child, self._stacks_paths[rank]),
+                target=_rank_main, args=(rank, num_ranks, rendezvous, backend, use_cuda, env, child, self._stacks_paths[rank]),
                 daemon=True,
             )
             proc.start()
