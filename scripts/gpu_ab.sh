@@ -12,8 +12,8 @@
 #   patched ones): which variants, by patch name. AB_ROUNDS (2): rounds over all variants.
 #   AB_INTRANODE ("--ranks 2 4 8 --sms 24"): bench_intranode's arguments, empty to skip;
 #   AB_LOW_LATENCY ("--ranks 2 8 --graph"): bench_low_latency's, empty to skip.
-#   AB_INTRANODE_<variant> / AB_LOW_LATENCY_<variant> (variant = patch name): that variant's own
-#   arguments, e.g. a mode only it has.
+#   AB_INTRANODE_<variant> / AB_LOW_LATENCY_<variant> (variant = patch name, each character outside
+#   [A-Za-z0-9_] as _): that variant's own arguments, e.g. a mode only it has.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 INTRANODE=${AB_INTRANODE-"--ranks 2 4 8 --sms 24"}
@@ -53,8 +53,9 @@ fi
 
 for round in $(seq 1 "${AB_ROUNDS:-2}"); do
   for v in "${VARIANTS[@]}"; do
-    own=AB_INTRANODE_$v; INTRANODE_V=${!own-$INTRANODE}
-    own=AB_LOW_LATENCY_$v; LOW_LATENCY_V=${!own-$LOW_LATENCY}
+    key=${v//[^A-Za-z0-9_]/_}  # a patch name may hold characters a variable name may not
+    own=AB_INTRANODE_$key; INTRANODE_V=${!own-$INTRANODE}
+    own=AB_LOW_LATENCY_$key; LOW_LATENCY_V=${!own-$LOW_LATENCY}
     if [[ -n $INTRANODE_V ]]; then
       (cd "${TREE[$v]}" && timeout 300 $PY -m moe_ep.bench.intranode $INTRANODE_V --json "$OUT/ab_$v.jsonl" \
         > "$OUT/ab_${v}_intranode_$round.txt" 2>&1) || echo "bench_intranode $v round $round failed"
