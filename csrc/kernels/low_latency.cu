@@ -306,8 +306,10 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
             // Only repeated ids (unchecked unless MOE_EP_DEBUG=1) reach the cap; such rows are not sent.
             const int dst = k < num_topk && slot < capacity ? picked_rank : -1;
             const int local = static_cast<int>(picked - static_cast<int64_t>(dst) * e.num_local);
-            // A rank's first pick sends the row; every pick writes its index entry.
-            const bool sends = dst >= 0 && __ffs(__match_any_sync(kFullMask, dst)) - 1 == lane;
+            // A rank's first pick sends the row; every pick writes its index entry. (Every lane takes part
+            // in the match: a lane left out of it would hang the warp.)
+            const unsigned same_rank = __match_any_sync(kFullMask, dst);
+            const bool sends = dst >= 0 && __ffs(same_rank) - 1 == lane;
             const int64_t entry_at = index_at + dispatch_index_entry(local, e.rank, slot, e.num_ranks, e.max_tokens) *
                                                     kIndexEntryBytes;
             const int64_t message_at = stretch_at + static_cast<int64_t>(t) * pitch;
