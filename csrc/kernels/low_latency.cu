@@ -39,7 +39,11 @@ constexpr int kWarps = kThreads / 32;
 // peers' sends when ranks share a GPU; blocks that only copy need not, and a few spinning blocks
 // copying alone made the receives latency-bound).
 constexpr int kWaitThreads = 256;          // wait kernels: a warp per expert, a lane per source rank
-constexpr int kRecvThreads = 1024;         // dispatch receive: a warp per row
+// Dispatch receive: a warp per row. Blocks of 256 threads at 64 registers take 1/4 of an
+// SM's registers: a 1024-thread block needed a whole SM free of other blocks, which with 8 PEs' sends
+// and receives sharing the GPU is rare (and their 8 x 32 blocks took two waves of the 132 SMs).
+constexpr int kRecvThreads = 256;
+constexpr int kRecvBlocksPerSm = 65536 / (kRecvThreads * 64);
 constexpr int kCombineRecvThreads = 512;   // combine receive: a thread per (token, 16 bytes)
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kCountBits = 24;  // peer::tag keeps the step (here: a row count) in the low 24 bits
@@ -421,7 +425,7 @@ __device__ __forceinline__ int range_of(const int* starts, int n, int i) {
 // After dispatch_wait_kernel: every block reads the counts in the flags (final by now) into shared
 // memory, then its warps take the received rows in the packed order (by expert, then source rank, then
 // slot: the portable order), a warp per row, and copy each from the message its index entry names.
-__global__ void __launch_bounds__(kRecvThreads) dispatch_recv_kernel(Ctx c, int num_topk, bool use_fp8, bool use_ue8m0,
+__global__ void __launch_bounds__(kRecvThreads, kRecvBlocksPerSm) dispatch_recv_kernel(Ctx c, int num_topk, bool use_fp8, bool use_ue8m0,
                                                                  uint8_t* __restrict__ recv_x, uint8_t* __restrict__ recv_scales,
                                                                  int* __restrict__ recv_src_info) {
     // [L][R + 1]: the first packed row of each (local expert, source) within the expert's rows, then the
@@ -691,8 +695,9 @@ void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, v
     (void)ready;
     dispatch_wait_kernel<<<1, kWaitThreads, 0, ctx.stream>>>(ctx, recv_count, stats);
     MOE_EP_LAUNCH_CHECK("low_latency dispatch_wait_kernel");
-    // About a message per warp at the benchmark's shape (L blocks of 32 warps), up to a few blocks per SM.
-    const int blocks = std::max(1, std::min(num_local, 2 * num_sms));
+    // About a message per warp at the benchmark's shape (32 warps per local expert), up to two SMs' worth
+    // of warps per SM.
+    const int blocks = std::max(1, std::min(num_local, 2 * num_sms) * (1024 / kRecvThreads));
     dispatch_recv_kernel<<<blocks, kRecvThreads, smem, ctx.stream>>>(
         ctx, num_topk, use_fp8, use_ue8m0, static_cast<uint8_t*>(recv_x), static_cast<uint8_t*>(recv_scales),
         recv_src_info);
