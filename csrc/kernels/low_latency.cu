@@ -325,9 +325,9 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
 #ifdef MOE_EP_WITH_NVSHMEM_DEVICE
                 // The entry by value; the row below.
                 const int2 entry = index_entry(t, k, e.seq);
-                nvshmem_longlong_p(reinterpret_cast<long long*>(e.symmetric(entry_at)),
-                                   static_cast<long long>(static_cast<unsigned>(entry.x)) |
-                                       (static_cast<long long>(entry.y) << 32), dst);
+                const unsigned long long word = static_cast<unsigned>(entry.x) |
+                                                (static_cast<unsigned long long>(static_cast<unsigned>(entry.y)) << 32);
+                nvshmem_longlong_p(reinterpret_cast<long long*>(e.symmetric(entry_at)), static_cast<long long>(word), dst);
                 if (sends) {
                     put_at[k] = message_at;
                     to = dst;
