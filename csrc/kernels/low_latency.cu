@@ -167,6 +167,15 @@ __device__ __forceinline__ bool entry_of_call(int2 entry, uint64_t seq) {
 }
 __device__ __forceinline__ int entry_pick(int2 entry) { return entry.y & ((1 << kPickBits) - 1); }
 
+#ifdef MOE_EP_WITH_NVSHMEM_DEVICE
+// Two int32 as the 64-bit word they make in memory (`low` first), for a put by value; built unsigned,
+// as the call number in a header or an index entry reaches the sign bit.
+__device__ __forceinline__ long long word_of(int low, int high) {
+    return static_cast<long long>(static_cast<unsigned>(low) |
+                                  (static_cast<unsigned long long>(static_cast<unsigned>(high)) << 32));
+}
+#endif
+
 constexpr int kBlocksPerPiece = 32 / fp8::kLanesPerBlock;        // a warp casts 4 blocks at once
 constexpr int kPieceColumns = kBlocksPerPiece * fp8::kBlock;      // 512
 
@@ -325,9 +334,7 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
 #ifdef MOE_EP_WITH_NVSHMEM_DEVICE
                 // The entry by value; the row below.
                 const int2 entry = index_entry(t, k, e.seq);
-                const unsigned long long word = static_cast<unsigned>(entry.x) |
-                                                (static_cast<unsigned long long>(static_cast<unsigned>(entry.y)) << 32);
-                nvshmem_longlong_p(reinterpret_cast<long long*>(e.symmetric(entry_at)), static_cast<long long>(word), dst);
+                nvshmem_longlong_p(reinterpret_cast<long long*>(e.symmetric(entry_at)), word_of(entry.x, entry.y), dst);
                 if (sends) {
                     put_at[k] = message_at;
                     to = dst;
