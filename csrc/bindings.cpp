@@ -474,6 +474,7 @@ py::dict low_latency_layout(int64_t num_max_tokens, int64_t hidden, int64_t num_
     const auto r = low_latency::regions(num_max_tokens, hidden, num_ranks, num_experts);
     py::dict d;
     d["dispatch_message_bytes"] = r.dispatch_message;
+    d["dispatch_messages_offset"] = low_latency::dispatch_messages_offset(num_experts, num_max_tokens);
     d["combine_message_bytes"] = r.combine_message;
     d["zero_copy_offset"] = r.zero_copy_offset;
     d["send_bytes"] = r.send;

@@ -16,9 +16,8 @@ from .checks import check_int
 NUM_MAX_NVL_PEERS = 8
 # Top-k entries a normal-mode receive queue reserves per token (top-k idx int64 + weight float32).
 NUM_MAX_TOPK = 32
-# A low-latency dispatch message carries a 16-byte header (source token, pick and expert, slot, call)
-# behind its row and scales.
-LL_MESSAGE_HEADER_BYTES = 16
+# A low-latency dispatch's receive index: an entry (source token, pick and call) per expert row.
+LL_INDEX_ENTRY_BYTES = 8
 ALIGNMENT_BYTES = 128
 FP8_BLOCK = 128
 
@@ -208,14 +207,14 @@ class LowLatencyLayout:
     """Low-latency buffer (mirrors low_latency::regions in csrc/kernels/buffer_layout.cuh): a 4 KB header
     and two identical halves used by alternate calls, so that one call's receive buffers stay valid
     while the next call is issued. Each half holds a send region (the send kernel's scratch, then
-    the rows of a zero-copy combine), a receive region of L x max message slots per source rank, and one
-    signal per (local expert, source rank) and per rank."""
+    the rows of a zero-copy combine), a receive region (a dispatch's index and a message per source
+    token and rank, or a combine's rows), and one signal per (local expert, source rank) and per rank."""
 
     HEADER_BYTES = 4096
 
     def __init__(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int):
         # A bf16 row is the largest message: fp8 rows with their scales are smaller (H + H/32 < 2H).
-        dispatch_msg = _align(_align(hidden * 2, 16) + LL_MESSAGE_HEADER_BYTES)  # [row | header], 128-byte pitch
+        dispatch_msg = _align(hidden * 2)  # a row, 128-byte pitch
         combine_msg = _align(hidden * 2, 16)
         slots = num_experts * num_max_dispatch_tokens_per_rank
         self.dispatch_message_bytes = dispatch_msg
@@ -224,7 +223,11 @@ class LowLatencyLayout:
         self.zero_copy_offset = _align(slots * 4)
         self.send_bytes = self.zero_copy_offset + _align(max(num_max_dispatch_tokens_per_rank * dispatch_msg,
                                                              slots * combine_msg))
-        self.recv_bytes = _align(max(slots * dispatch_msg, slots * combine_msg))
+        # A dispatch's index (an entry per expert row), then a message per (source rank, token); a
+        # combine's row per (expert row).
+        self.dispatch_messages_offset = _align(slots * LL_INDEX_ENTRY_BYTES)
+        self.recv_bytes = _align(max(self.dispatch_messages_offset + num_ranks * num_max_dispatch_tokens_per_rank *
+                                     dispatch_msg, slots * combine_msg))
         self.signal_bytes = _align((num_experts + num_ranks) * 8)
         self.half_bytes = self.send_bytes + self.recv_bytes + self.signal_bytes
         self.total_bytes = self.HEADER_BYTES + 2 * self.half_bytes

@@ -25,7 +25,12 @@ def test_a_hinted_buffer_holds_a_window(num_ranks, hidden, fp8):
 
 def test_low_latency_layout_has_room_for_every_slot():
     layout = LowLatencyLayout(128, 7168, 8, 288)
-    assert layout.recv_bytes >= 288 * 128 * layout.dispatch_message_bytes
+    # A dispatch's index (8 bytes per expert row), then a bf16 row per (source rank, token), lines apart.
+    assert layout.dispatch_message_bytes >= 7168 * 2 and layout.dispatch_message_bytes % 128 == 0
+    assert layout.dispatch_messages_offset >= 288 * 128 * 8
+    assert layout.recv_bytes >= layout.dispatch_messages_offset + 8 * 128 * layout.dispatch_message_bytes
+    # A combine row per (expert, source, token).
+    assert layout.recv_bytes >= 288 * 128 * layout.combine_message_bytes
     assert layout.signal_bytes >= (288 + 8) * 8
     assert layout.total_bytes == LowLatencyLayout.HEADER_BYTES + 2 * layout.half_bytes
     assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 288) == layout.total_bytes

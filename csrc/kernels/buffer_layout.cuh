@@ -106,27 +106,33 @@ namespace low_latency {
 // Calls alternate halves, so one call's receive region stays valid while the next call is issued.
 // The send region is where RDMA puts will stage rows; peer-to-peer stores write straight into the
 // receiver's region and leave it unused.
-// A dispatch's receive region: a stretch of L x max messages per source rank, each source's messages
-// dense from the stretch's start (a message's header names its expert and slot); a combine's: a row
-// per (source token, pick).
+// A dispatch's receive region: an index entry per (local expert, source rank, slot), naming the source
+// token and pick of the expert's slot-th row from that source, then a stretch of max messages per
+// source rank, message t carrying source token t's row (and scales) once for all its picks of this
+// rank's experts; a combine's: a row per (source token, pick).
 constexpr int64_t kHeaderBytes = 4096;
-constexpr int64_t kMessageHeaderBytes = 16;  // source token, pick | local expert << 5, slot, call (int32 each)
-// A dispatch message is [row | scales | header], its pitch a multiple of 128 bytes: every row starts on
-// a cache line, so a warp's 512-byte store covers whole lines and sectors (a header in front shifted
-// every store by 16 bytes, leaving two partial sectors per store).
+constexpr int64_t kIndexEntryBytes = 8;  // source token; pick | call << 5 (int32 each)
+// A dispatch message's pitch is a multiple of 128 bytes: every row starts on a cache line, so a warp's
+// 512-byte store covers whole lines and sectors.
 constexpr int64_t kMessageAlign = 128;
 
-// Where the header of a message carrying `payload` bytes (row and scales) lies in it.
-__host__ __device__ constexpr int64_t dispatch_header_offset(int64_t payload) { return intranode::align_up(payload, 16); }
-// Distance between a dispatch's messages carrying `payload` bytes: an fp8 row's messages lie at about
-// half a bf16 row's pitch.
+// Distance between a dispatch's messages carrying `payload` bytes (row and scales): an fp8 row's
+// messages lie at about half a bf16 row's pitch.
 __host__ __device__ constexpr int64_t dispatch_message_pitch(int64_t payload) {
-    return intranode::align_up(dispatch_header_offset(payload) + kMessageHeaderBytes, kMessageAlign);
+    return intranode::align_up(payload, kMessageAlign);
 }
-// Byte offset, within the receive region, of message `place` of source rank `source`, each source's
-// stretch holding `per_source` (L x max) messages.
-__host__ __device__ constexpr int64_t dispatch_message_at(int source, int64_t place, int64_t per_source, int64_t pitch) {
-    return (source * per_source + place) * pitch;
+// Where, within the receive region, a dispatch's messages start: behind the index of E x max entries.
+__host__ __device__ constexpr int64_t dispatch_messages_offset(int64_t num_experts, int64_t num_max_tokens) {
+    return intranode::align_up(num_experts * num_max_tokens * kIndexEntryBytes, kMessageAlign);
+}
+// Byte offset, within the dispatch's messages, of source rank `source`'s message for token `token`.
+__host__ __device__ constexpr int64_t dispatch_message_at(int source, int64_t token, int64_t num_max_tokens, int64_t pitch) {
+    return (source * num_max_tokens + token) * pitch;
+}
+// Index entry of the `slot`-th row of local expert `local` from source rank `source`.
+__host__ __device__ constexpr int64_t dispatch_index_entry(int local, int source, int slot, int num_ranks,
+                                                           int64_t num_max_tokens) {
+    return (static_cast<int64_t>(local) * num_ranks + source) * num_max_tokens + slot;
 }
 enum HeaderSlot : int { kSeq = 0, kAbort = 1, kErrorClaim = 2, kSendDone = 3, kRecvDone = 4 };
 
@@ -141,7 +147,9 @@ __host__ __device__ constexpr Regions regions(int64_t num_max_tokens, int64_t hi
     r.combine_message = intranode::align_up(hidden * 2, 16);
     const int64_t slots = num_experts * num_max_tokens;
     const int64_t send_dispatch = num_max_tokens * r.dispatch_message, send_combine = slots * r.combine_message;
-    const int64_t recv_dispatch = slots * r.dispatch_message, recv_combine = slots * r.combine_message;
+    const int64_t recv_dispatch = dispatch_messages_offset(num_experts, num_max_tokens) +
+                                  num_ranks * num_max_tokens * r.dispatch_message;
+    const int64_t recv_combine = slots * r.combine_message;
     // The send region: the send kernel's scratch (E x max int32, of which it uses the first E for its
     // rows per expert), then the rows of a zero-copy combine ([L, R x max, H] bf16, written by the
     // caller; peers read them in place).

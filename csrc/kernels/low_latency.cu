@@ -39,7 +39,11 @@ constexpr int kWarps = kThreads / 32;
 // peers' sends when ranks share a GPU; blocks that only copy need not, and a few spinning blocks
 // copying alone made the receives latency-bound).
 constexpr int kWaitThreads = 256;          // wait kernels: a warp per expert, a lane per source rank
-constexpr int kRecvThreads = 1024;         // dispatch receive: a warp per row
+// Dispatch receive: a warp per row. Blocks of 256 threads at 64 registers take 1/4 of an
+// SM's registers: a 1024-thread block needed a whole SM free of other blocks, which with 8 PEs' sends
+// and receives sharing the GPU is rare (and their 8 x 32 blocks took two waves of the 132 SMs).
+constexpr int kRecvThreads = 256;
+constexpr int kRecvBlocksPerSm = 65536 / (kRecvThreads * 64);
 constexpr int kCombineRecvThreads = 512;   // combine receive: a thread per (token, 16 bytes)
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kCountBits = 24;  // peer::tag keeps the step (here: a row count) in the low 24 bits
@@ -152,17 +156,20 @@ __device__ __forceinline__ int64_t message_payload(int hidden, bool use_fp8, boo
     return use_fp8 ? hidden + scale_bytes(hidden, true, use_ue8m0) : static_cast<int64_t>(hidden) * 2;
 }
 
-// A dispatch message's header: the source token, pick k and local expert, the row's slot among the
-// expert's rows from this source, and the call number (so that a receiver never takes a message left
-// from an earlier call for one of this call).
+// A dispatch's index entry for an expert row: the source token and pick k, and the call number (so that
+// a receiver never takes an entry left from an earlier call for one of this call).
 constexpr int kPickBits = 5;  // k < kMaxTopk
-__device__ __forceinline__ int4 message_header(int token, int k, int local, int slot, uint64_t seq) {
-    return make_int4(token, k | (local << kPickBits), slot, static_cast<int>(seq));
+__device__ __forceinline__ int2 index_entry(int token, int k, uint64_t seq) {
+    return make_int2(token, static_cast<int>((static_cast<unsigned>(seq) << kPickBits) | static_cast<unsigned>(k)));
 }
+__device__ __forceinline__ bool entry_of_call(int2 entry, uint64_t seq) {
+    return static_cast<unsigned>(entry.y) >> kPickBits == (static_cast<unsigned>(seq) & (~0u >> kPickBits));
+}
+__device__ __forceinline__ int entry_pick(int2 entry) { return entry.y & ((1 << kPickBits) - 1); }
 
 #ifdef MOE_EP_WITH_NVSHMEM_DEVICE
 // Two int32 as the 64-bit word they make in memory (`low` first), for a put by value; built unsigned,
-// as the call number in a header reaches the sign bit.
+// as the call number in a header or an index entry reaches the sign bit.
 __device__ __forceinline__ long long word_of(int low, int high) {
     return static_cast<long long>(static_cast<unsigned>(low) |
                                   (static_cast<unsigned long long>(static_cast<unsigned>(high)) << 32));
@@ -235,15 +242,13 @@ __device__ void copy_piece_to(const uint8_t* row, uint8_t* const* messages, int 
 }
 
 // A block per token (looping when the grid is smaller): the token's row is read, and in fp8 cast,
-// once and stored into a message for every expert it picked (one read per pick cost 8x the reads at
-// top-8, and the cast 8x the arithmetic). A pick's slot is its place among its expert's entries in
-// entry order (the portable backend's order), and its message's place is its place among the entries
-// this rank sends to the expert's rank: the block's warps count both over their own stretches of the
-// earlier entries. So each receiver gets this rank's messages densely, in one stretch of its region
-// (per-expert stretches of max_tokens each left ~97% of the region's pages untouched at top-8 of 256,
-// and the eight processes' sends ran at ~860 GB/s: the pages' reach, not the blocks, was the guess).
-// The last block to finish counts every expert's rows and raises the count flags; nothing waits here,
-// so a block may return at any point before that.
+// once and stored into one message per rank whose experts it picked, at the token's place in this
+// rank's stretch of that rank's messages (a message per pick stored 8 rows per token at top-8, where
+// 8 ranks of 32 experts are picked 5.3 times on average and 2 ranks 2 times). Each pick writes its
+// entry in its rank's index: its slot, its place among its expert's entries in entry order (the
+// portable backend's order; the block's warps count it over their own stretches of the earlier
+// entries), names the token and pick. The last block to finish counts every expert's rows and raises
+// the count flags; nothing waits here, so a block may return at any point before that.
 // Four blocks per SM (64 registers), as ptxas chose before the put path: without the bound it still
 // picks 64 and spills. With NVSHMEM's device calls in the kernel it needs more than 64: no bound.
 #ifdef MOE_EP_WITH_NVSHMEM_DEVICE
@@ -255,10 +260,10 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
                                                                  const int64_t* __restrict__ topk_idx, int num_topk,
                                                                  bool use_fp8, bool round_scale, bool use_ue8m0,
                                                                  int* __restrict__ recv_count) {
-    __shared__ int earlier[kWarps][kMaxTopk];     // per warp: entries of its stretch before pick k with its expert
-    __shared__ int earlier_to[kWarps][kMaxTopk];  // ... and with its expert's rank
-    // Pick k's message at its expert's rank (nullptr: not sent, or sent by a put); the entry after the
-    // picks: the token's staged message, when a pick goes through a put.
+    __shared__ int earlier[kWarps][kMaxTopk];  // per warp: entries of its stretch before pick k with its expert
+    // The token's message at pick k's rank when k is the rank's first pick (else nullptr, as for a pick
+    // not sent or sent by a put); the entry after the picks: the token's staged message, when a pick
+    // goes through a put.
     __shared__ uint8_t* messages[kMaxTopk + 1];
 #ifdef MOE_EP_WITH_NVSHMEM_DEVICE
     __shared__ int64_t put_at[kMaxTopk];       // pick k's message offset in its rank's buffer
@@ -278,9 +283,11 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
     // A token picks an expert at most once (distinct top-k), so at most max_tokens rows per expert;
     // the cap only keeps repeated ids from writing past the slots.
     const int capacity = min(kMaxListed, e.max_tokens);
-    const int64_t per_source = static_cast<int64_t>(e.num_local) * e.max_tokens;  // messages a receiver keeps per source
-    const int64_t payload = message_payload(e.hidden, use_fp8, use_ue8m0);
-    const int64_t pitch = dispatch_message_pitch(payload), header_at = dispatch_header_offset(payload);
+    const int64_t payload = message_payload(e.hidden, use_fp8, use_ue8m0), pitch = dispatch_message_pitch(payload);
+    // This rank's stretch of every rank's messages, and every rank's index (offsets in the buffers).
+    const int64_t index_at = e.half_offset + e.g.send;
+    const int64_t stretch_at = index_at + dispatch_messages_offset(e.num_experts, e.max_tokens) +
+                               dispatch_message_at(e.rank, 0, e.max_tokens, pitch);
     const int64_t row_bytes = static_cast<int64_t>(e.hidden) * 2;
     const int pieces = use_fp8 ? (e.hidden + kPieceColumns - 1) / kPieceColumns
                                : static_cast<int>((row_bytes + kCopyPieceBytes - 1) / kCopyPieceBytes);
@@ -291,56 +298,56 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
         int64_t picked = lane < num_topk ? topk_idx[first + lane] : -1;
         if (picked >= e.num_experts) picked = -1;
         const int picked_rank = picked >= 0 ? static_cast<int>(picked / e.num_local) : -1;
-        int count = 0, count_to = 0;
+        int count = 0;
         for (int64_t base = static_cast<int64_t>(warp) * 32; base < first + num_topk; base += kWarps * 32) {
             const int64_t entry = base + lane;
-            int64_t id = entry < first + num_topk ? topk_idx[entry] : -1;
-            if (id >= e.num_experts) id = -1;
-            const int id_rank = id >= 0 ? static_cast<int>(id / e.num_local) : -1;
+            const int64_t id = entry < first + num_topk ? topk_idx[entry] : -1;
             for (int k = 0; k < num_topk; ++k) {
                 const int64_t expert = __shfl_sync(kFullMask, picked, k);
-                const int rank_k = __shfl_sync(kFullMask, picked_rank, k);
-                const bool before = entry < first + k;
-                const unsigned hits = __ballot_sync(kFullMask, expert >= 0 && id == expert && before);
-                const unsigned hits_to = __ballot_sync(kFullMask, rank_k >= 0 && id_rank == rank_k && before);
-                if (lane == k) count += __popc(hits), count_to += __popc(hits_to);
+                const unsigned hits = __ballot_sync(kFullMask, expert >= 0 && id == expert && entry < first + k);
+                if (lane == k) count += __popc(hits);
             }
         }
-        if (lane < num_topk) earlier[warp][lane] = count, earlier_to[warp][lane] = count_to;
+        if (lane < num_topk) earlier[warp][lane] = count;
         __syncthreads();
         int to = -1;
         if (threadIdx.x == num_topk) messages[num_topk] = e.staging() + static_cast<int64_t>(t) * e.g.dispatch_message;
-        if (threadIdx.x < num_topk) {
-            const int k = threadIdx.x;
-            const int64_t expert = topk_idx[first + k];
-            int slot = 0, place = 0;
-            for (int w = 0; w < kWarps; ++w) slot += earlier[w][k], place += earlier_to[w][k];
+        if (warp == 0) {  // lane k: pick k
+            const int k = lane;
+            int slot = 0;
+            for (int w = 0; w < kWarps && k < num_topk; ++w) slot += earlier[w][k];
+            // Only repeated ids (unchecked unless MOE_EP_DEBUG=1) reach the cap; such rows are not sent.
+            const int dst = k < num_topk && slot < capacity ? picked_rank : -1;
+            const int local = static_cast<int>(picked - static_cast<int64_t>(dst) * e.num_local);
+            // A rank's first pick sends the row; every pick writes its index entry. (Every lane takes part
+            // in the match: a lane left out of it would hang the warp.)
+            const unsigned same_rank = __match_any_sync(kFullMask, dst);
+            const bool sends = dst >= 0 && __ffs(same_rank) - 1 == lane;
+            const int64_t entry_at = index_at + dispatch_index_entry(local, e.rank, slot, e.num_ranks, e.max_tokens) *
+                                                    kIndexEntryBytes;
+            const int64_t message_at = stretch_at + static_cast<int64_t>(t) * pitch;
             uint8_t* message = nullptr;
-            // Only repeated ids (unchecked unless MOE_EP_DEBUG=1) reach either cap; such rows are not sent.
-            if (expert >= 0 && expert < e.num_experts && slot < capacity && place < per_source) {
-                const int dst = static_cast<int>(expert / e.num_local), local = static_cast<int>(expert % e.num_local);
-                // The message's place in its rank's buffer: this rank's stretch of the receive region.
-                const int64_t at = e.half_offset + e.g.send + dispatch_message_at(e.rank, place, per_source, pitch);
-                const int4 header = message_header(t, k, local, slot, e.seq);
-                if (e.reachable(dst)) {
-                    message = e.buffers[dst] + at;
-                    *reinterpret_cast<int4*>(message + header_at) = header;
-                } else {
+            if (dst >= 0 && e.reachable(dst)) {
+                *reinterpret_cast<int2*>(e.buffers[dst] + entry_at) = index_entry(t, k, e.seq);
+                if (sends) message = e.buffers[dst] + message_at;
+            } else if (dst >= 0) {
 #ifdef MOE_EP_WITH_NVSHMEM_DEVICE
-                    // The header by value, two words at a time; the row below.
-                    long long* words = reinterpret_cast<long long*>(e.symmetric(at + header_at));
-                    nvshmem_longlong_p(words, word_of(header.x, header.y), dst);
-                    nvshmem_longlong_p(words + 1, word_of(header.z, header.w), dst);
-                    put_at[k] = at;
+                // The entry by value; the row below.
+                const int2 entry = index_entry(t, k, e.seq);
+                nvshmem_longlong_p(reinterpret_cast<long long*>(e.symmetric(entry_at)), word_of(entry.x, entry.y), dst);
+                if (sends) {
+                    put_at[k] = message_at;
                     to = dst;
                     issued_puts = true;
-#endif
                 }
-            }
-            messages[k] = message;
-#ifdef MOE_EP_WITH_NVSHMEM_DEVICE
-            put_to[k] = to;
 #endif
+            }
+            if (k < num_topk) {
+                messages[k] = message;
+#ifdef MOE_EP_WITH_NVSHMEM_DEVICE
+                put_to[k] = to;
+#endif
+            }
         }
         // A pick that goes through a put: the row is also cast into this token's staged message.
         const int n = __syncthreads_or(to >= 0) ? num_topk + 1 : num_topk;
@@ -410,21 +417,31 @@ __global__ void __launch_bounds__(kWaitThreads) dispatch_wait_kernel(Ctx c, int*
     }
 }
 
+// The last of `n` ranges whose start (`starts`, ascending) is at or before i: with the starts of
+// the experts' rows, the expert of row i (experts without rows share their start with the next one).
+__device__ __forceinline__ int range_of(const int* starts, int n, int i) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (starts[mid] <= i) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 // After dispatch_wait_kernel: every block reads the counts in the flags (final by now) into shared
-// memory, then its warps take the received messages, source by source, a warp per message, and copy
-// each row to its expert's packed rows (the expert's rows from lower source ranks first, then by slot:
-// the portable order). Each source's messages are dense in its stretch of the region.
-__global__ void __launch_bounds__(kRecvThreads) dispatch_recv_kernel(Ctx c, int num_topk, bool use_fp8, bool use_ue8m0,
+// memory, then its warps take the received rows in the packed order (by expert, then source rank, then
+// slot: the portable order), a warp per row, and copy each from the message its index entry names.
+__global__ void __launch_bounds__(kRecvThreads, kRecvBlocksPerSm) dispatch_recv_kernel(Ctx c, int num_topk, bool use_fp8, bool use_ue8m0,
                                                                  uint8_t* __restrict__ recv_x, uint8_t* __restrict__ recv_scales,
                                                                  int* __restrict__ recv_src_info) {
     // [L][R + 1]: the first packed row of each (local expert, source) within the expert's rows, then the
-    // expert's total; then [R + 1]: each source's first message in this call's order, then the total.
+    // expert's total; then [L + 1]: each expert's first row among all received rows, then the total.
     extern __shared__ int tables[];
     const Env e = make_env(c);
     const int R = e.num_ranks, L = e.num_local, lane = threadIdx.x % 32;
     int* first_of = tables;
-    int* first_message = tables + static_cast<int64_t>(L) * (R + 1);
-    const int64_t per_source = static_cast<int64_t>(L) * e.max_tokens;
+    int* first_row = tables + static_cast<int64_t>(L) * (R + 1);
     if (block_not_aborted(e)) {  // else the wait kernel gave up: nothing to copy
         for (int i = threadIdx.x; i < L * R; i += blockDim.x) {
             const uint64_t* flag = e.signals(e.rank) + i;  // flag of (local i / R, source i % R)
@@ -437,57 +454,44 @@ __global__ void __launch_bounds__(kRecvThreads) dispatch_recv_kernel(Ctx c, int 
             for (int s = 1; s <= R; ++s) row[s] += row[s - 1];
         }
         __syncthreads();
-        // Each source's messages: a warp per source sums over the experts (a thread per source walked
-        // all L of them, 2 us of every block's start at 2 PEs, where L = 128).
-        for (int s = threadIdx.x / 32; s < R; s += blockDim.x / 32) {
-            int from_s = 0;
-            for (int local = lane; local < L; local += 32)
-                from_s += first_of[local * (R + 1) + s + 1] - first_of[local * (R + 1) + s];
-            for (int d = 16; d > 0; d >>= 1) from_s += __shfl_xor_sync(kFullMask, from_s, d);
-            if (lane == 0) first_message[s + 1] = static_cast<int>(min(static_cast<int64_t>(from_s), per_source));
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            first_message[0] = 0;
-            for (int s = 1; s <= R; ++s) first_message[s] += first_message[s - 1];
+        if (threadIdx.x < 32) {  // warp 0: the experts' totals -> exclusive prefix, 32 experts at a time
+            int carry = 0;
+            for (int base = 0; base < L; base += 32) {
+                int n = base + lane < L ? first_of[(base + lane) * (R + 1) + R] : 0;
+#pragma unroll
+                for (int d = 1; d < 32; d <<= 1) {
+                    const int below = __shfl_up_sync(kFullMask, n, d);
+                    if (lane >= d) n += below;
+                }
+                if (base + lane < L) first_row[base + lane + 1] = carry + n;
+                carry += __shfl_sync(kFullMask, n, 31);
+            }
+            if (lane == 0) first_row[0] = 0;
         }
         __syncthreads();
         const int64_t x_bytes = use_fp8 ? e.hidden : static_cast<int64_t>(e.hidden) * 2;
         const int64_t s_bytes = scale_bytes(e.hidden, use_fp8, use_ue8m0);
-        const int64_t payload = message_payload(e.hidden, use_fp8, use_ue8m0);
-        const int64_t pitch = dispatch_message_pitch(payload), header_at = dispatch_header_offset(payload);
+        const int64_t pitch = dispatch_message_pitch(message_payload(e.hidden, use_fp8, use_ue8m0));
+        const int2* index = reinterpret_cast<const int2*>(e.recv(e.rank));
+        const uint8_t* messages = e.recv(e.rank) + dispatch_messages_offset(e.num_experts, e.max_tokens);
         const int64_t rows_per_expert = static_cast<int64_t>(R) * e.max_tokens;
         const int warps = gridDim.x * (blockDim.x / 32);
-        int s = 0;
-        for (int i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < first_message[R]; i += warps) {
-            while (first_message[s + 1] <= i) ++s;  // i only grows
-            const uint8_t* message = e.recv(e.rank) + dispatch_message_at(s, i - first_message[s], per_source, pitch);
-            const int4 header = __ldcg(reinterpret_cast<const int4*>(message + header_at));
-            const int k = header.y & ((1 << kPickBits) - 1), local = header.y >> kPickBits, slot = header.z;
-            // Only with repeated ids can a message of the stretch be one this call did not write.
-            if (header.w != static_cast<int>(e.seq) || local < 0 || local >= L) continue;
+        for (int i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < first_row[L]; i += warps) {
+            const int local = range_of(first_row, L, i), within = i - first_row[local];
             const int* first = first_of + static_cast<int64_t>(local) * (R + 1);
-            if (slot < 0 || slot >= first[s + 1] - first[s]) continue;
-            const int64_t row = local * rows_per_expert + first[s] + slot;
-            if (lane == 0) recv_src_info[row] = (s * e.max_tokens + header.x) * num_topk + k;
+            const int s = range_of(first, R, within);
+            const int2 entry = __ldcg(index + dispatch_index_entry(local, s, within - first[s], R, e.max_tokens));
+            // Only with repeated ids can an entry of the counted rows be one this call did not write.
+            if (!entry_of_call(entry, e.seq) || entry_pick(entry) >= num_topk || entry.x < 0 || entry.x >= e.max_tokens)
+                continue;
+            const int64_t row = local * rows_per_expert + within;
+            const uint8_t* message = messages + dispatch_message_at(s, entry.x, e.max_tokens, pitch);
+            if (lane == 0) recv_src_info[row] = (s * e.max_tokens + entry.x) * num_topk + entry_pick(entry);
             warp_copy<Src::kShared>(recv_x + row * x_bytes, message, x_bytes, lane);
             if (s_bytes > 0) warp_copy<Src::kShared>(recv_scales + row * s_bytes, message + e.hidden, s_bytes, lane);
         }
     }
     finish_call(e);
-}
-
-// The local expert that received row `i` of all received rows in expert order (first_row: exclusive
-// prefix of the experts' row counts, num_local + 1 entries): the last expert whose rows start at or
-// before i (experts without rows share their start with the next one).
-__device__ __forceinline__ int expert_of_row(const int* first_row, int num_local, int i) {
-    int lo = 0, hi = num_local - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (first_row[mid] <= i) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
 }
 
 // Every received row back to the (token, slot) slot of its source rank, or in a zero-copy combine only
@@ -523,7 +527,7 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ctx c, const uin
     const int total = first_row[e.num_local];
     // A row's place in the slots (g) and in its source's combine buffer (entry, of source s).
     const auto locate = [&](int i, int64_t& g, int& s, int64_t& entry) {
-        const int local = expert_of_row(first_row, e.num_local, i);
+        const int local = range_of(first_row, e.num_local, i);
         g = local * rows_per_expert + (i - first_row[local]);
         const int info = recv_src_info[g], k = info % num_topk, t = info / num_topk % e.max_tokens;
         s = info / num_topk / e.max_tokens;
@@ -662,7 +666,7 @@ bool set_up(const void* kernel) {
 constexpr size_t kMaxRecvTableBytes = 48 * 1024 * 2;
 size_t recv_table_bytes(const Ctx& ctx) {
     const size_t num_local = static_cast<size_t>(ctx.num_experts / ctx.num_ranks);
-    return sizeof(int) * (num_local * (ctx.num_ranks + 1) + ctx.num_ranks + 1);
+    return sizeof(int) * (num_local * (ctx.num_ranks + 1) + num_local + 1);
 }
 bool allow_recv_tables(const void* kernel) {
     MOE_EP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -679,7 +683,7 @@ void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t*
     // Checked before anything is sent: the receive (maybe a hook, later) must not be the one to refuse.
     if (recv_table_bytes(ctx) > kMaxRecvTableBytes)
         throw std::invalid_argument("moe_ep: low-latency dispatch: num_experts too large for this num_ranks (the "
-                                    "receive keeps (num_experts / num_ranks + 1) x (num_ranks + 1) counts in 96 KB)");
+                                    "receive keeps (num_experts / num_ranks) x (num_ranks + 2) + 1 counts in 96 KB)");
     static thread_local const bool ready = set_up(reinterpret_cast<const void*>(dispatch_send_kernel));
     (void)ready;
     const int blocks = std::max(1, num_tokens);  // a block per token; one raises the flags when there are none
@@ -698,8 +702,9 @@ void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, v
     (void)ready;
     dispatch_wait_kernel<<<1, kWaitThreads, 0, ctx.stream>>>(ctx, recv_count, stats);
     MOE_EP_LAUNCH_CHECK("low_latency dispatch_wait_kernel");
-    // About a message per warp at the benchmark's shape (L blocks of 32 warps), up to a few blocks per SM.
-    const int blocks = std::max(1, std::min(num_local, 2 * num_sms));
+    // About a message per warp at the benchmark's shape (32 warps per local expert), up to two SMs' worth
+    // of warps per SM.
+    const int blocks = std::max(1, std::min(num_local, 2 * num_sms) * (1024 / kRecvThreads));
     dispatch_recv_kernel<<<blocks, kRecvThreads, smem, ctx.stream>>>(
         ctx, num_topk, use_fp8, use_ue8m0, static_cast<uint8_t*>(recv_x), static_cast<uint8_t*>(recv_scales),
         recv_src_info);
