@@ -477,6 +477,7 @@ py::dict low_latency_layout(int64_t num_max_tokens, int64_t hidden, int64_t num_
     d["dispatch_messages_offset"] = low_latency::dispatch_messages_offset(num_experts, num_max_tokens);
     d["combine_message_bytes"] = r.combine_message;
     d["zero_copy_offset"] = r.zero_copy_offset;
+    d["outbox_offset"] = r.outbox_offset;
     d["send_bytes"] = r.send;
     d["recv_bytes"] = r.recv;
     d["signal_bytes"] = r.signal;

@@ -206,8 +206,8 @@ def zero_copy_dispatch_bytes(num_rows: int, x_bytes: int, scale_bytes: int, num_
 class LowLatencyLayout:
     """Low-latency buffer (mirrors low_latency::regions in csrc/kernels/buffer_layout.cuh): a 4 KB header
     and two identical halves used by alternate calls, so that one call's receive buffers stay valid
-    while the next call is issued. Each half holds a send region (the send kernel's scratch, then
-    the rows of a zero-copy combine), a receive region (a dispatch's index and a message per source
+    while the next call is issued. Each half holds a send region (the send kernel's scratch, the rows
+    of a zero-copy combine, then a dispatch's outbox: a message per token of this rank), a receive region (a dispatch's index and a message per source
     token and rank, or a combine's rows), and one signal per (local expert, source rank) and per rank."""
 
     HEADER_BYTES = 4096
@@ -219,10 +219,10 @@ class LowLatencyLayout:
         slots = num_experts * num_max_dispatch_tokens_per_rank
         self.dispatch_message_bytes = dispatch_msg
         self.combine_message_bytes = combine_msg
-        # Entry lists (E x max int32), then a zero-copy combine's rows ([L, R x max, H] bf16).
+        # Entry lists (E x max int32), a zero-copy combine's rows ([L, R x max, H] bf16), the outbox.
         self.zero_copy_offset = _align(slots * 4)
-        self.send_bytes = self.zero_copy_offset + _align(max(num_max_dispatch_tokens_per_rank * dispatch_msg,
-                                                             slots * combine_msg))
+        self.outbox_offset = self.zero_copy_offset + _align(slots * combine_msg)
+        self.send_bytes = self.outbox_offset + num_max_dispatch_tokens_per_rank * dispatch_msg
         # A dispatch's index (an entry per expert row), then a message per (source rank, token); a
         # combine's row per (expert row).
         self.dispatch_messages_offset = _align(slots * LL_INDEX_ENTRY_BYTES)

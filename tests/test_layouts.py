@@ -31,6 +31,9 @@ def test_low_latency_layout_has_room_for_every_slot():
     assert layout.recv_bytes >= layout.dispatch_messages_offset + 8 * 128 * layout.dispatch_message_bytes
     # A combine row per (expert, source, token).
     assert layout.recv_bytes >= 288 * 128 * layout.combine_message_bytes
+    # The send region: scratch, a zero-copy combine's rows, then an outbox message per token of this rank.
+    assert layout.outbox_offset >= layout.zero_copy_offset + 288 * 128 * layout.combine_message_bytes
+    assert layout.send_bytes >= layout.outbox_offset + 128 * layout.dispatch_message_bytes
     assert layout.signal_bytes >= (288 + 8) * 8
     assert layout.total_bytes == LowLatencyLayout.HEADER_BYTES + 2 * layout.half_bytes
     assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 288) == layout.total_bytes

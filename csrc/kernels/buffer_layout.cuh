@@ -137,7 +137,7 @@ __host__ __device__ constexpr int64_t dispatch_index_entry(int local, int source
 enum HeaderSlot : int { kSeq = 0, kAbort = 1, kErrorClaim = 2, kSendDone = 3, kRecvDone = 4 };
 
 struct Regions {
-    int64_t dispatch_message, combine_message, zero_copy_offset, send, recv, signal, half, total;
+    int64_t dispatch_message, combine_message, zero_copy_offset, outbox_offset, send, recv, signal, half, total;
 };
 
 __host__ __device__ constexpr Regions regions(int64_t num_max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts) {
@@ -146,15 +146,19 @@ __host__ __device__ constexpr Regions regions(int64_t num_max_tokens, int64_t hi
     r.dispatch_message = dispatch_message_pitch(hidden * 2);
     r.combine_message = intranode::align_up(hidden * 2, 16);
     const int64_t slots = num_experts * num_max_tokens;
-    const int64_t send_dispatch = num_max_tokens * r.dispatch_message, send_combine = slots * r.combine_message;
+    const int64_t send_combine = slots * r.combine_message;
     const int64_t recv_dispatch = dispatch_messages_offset(num_experts, num_max_tokens) +
                                   num_ranks * num_max_tokens * r.dispatch_message;
     const int64_t recv_combine = slots * r.combine_message;
     // The send region: the send kernel's scratch (E x max int32, of which it uses the first E for its
     // rows per expert), then the rows of a zero-copy combine ([L, R x max, H] bf16, written by the
-    // caller; peers read them in place).
+    // caller; peers read them in place; a combine through puts stages its rows there), then a
+    // dispatch's outbox: a message per token of this rank, which peers with a mapping read in place and
+    // puts send to the others. The outbox has its own bytes: the caller may write the zero-copy rows
+    // while peers still read this call's messages.
     r.zero_copy_offset = intranode::align_up(slots * 4, 128);
-    r.send = r.zero_copy_offset + intranode::align_up(send_dispatch > send_combine ? send_dispatch : send_combine, 128);
+    r.outbox_offset = r.zero_copy_offset + intranode::align_up(send_combine, 128);
+    r.send = r.outbox_offset + num_max_tokens * r.dispatch_message;
     r.recv = intranode::align_up(recv_dispatch > recv_combine ? recv_dispatch : recv_combine, 128);
     r.signal = intranode::align_up((num_experts + num_ranks) * 8, 128);
     r.half = r.send + r.recv + r.signal;

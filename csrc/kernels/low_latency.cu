@@ -83,8 +83,16 @@ struct Env {
     // heap has the same layout on every PE).
     __device__ uint8_t* symmetric(int64_t offset) const { return buffers[rank] + offset; }
 #endif
-    // Where this rank stages rows for puts: the send region of the call's half, behind the scratch.
+#ifdef MOE_EP_WITH_NVSHMEM_DEVICE
+    // Where this rank stages a combine's rows for puts: the send region of the call's half, behind the
+    // scratch.
     __device__ uint8_t* staging() const { return buffers[rank] + half_offset + g.zero_copy_offset; }
+#endif
+    // Rank r's dispatch message of token t in this call (messages `pitch` apart in its outbox, in the
+    // send region of the call's half): the receive reads it there when rank r is mapped here.
+    __device__ uint8_t* outbox(int r, int64_t t, int64_t pitch) const {
+        return buffers[r] + half_offset + g.outbox_offset + t * pitch;
+    }
     __device__ peer::Failure failure() const {
         return {header(rank) + kAbort, header(rank) + kErrorClaim, host, deadline};
     }
@@ -242,9 +250,9 @@ __device__ void copy_piece_to(const uint8_t* row, uint8_t* const* messages, int 
 }
 
 // A block per token (looping when the grid is smaller): the token's row is read, and in fp8 cast,
-// once and stored into one message per rank whose experts it picked, at the token's place in this
-// rank's stretch of that rank's messages (a message per pick stored 8 rows per token at top-8, where
-// 8 ranks of 32 experts are picked 5.3 times on average and 2 ranks 2 times). Each pick writes its
+// once and stored once, as the token's message in this rank's outbox, where every mapped rank whose
+// experts it picked reads it (a rank reached through puts gets it put into its region, at the token's
+// place in this rank's stretch of that rank's messages). Each pick writes its
 // entry in its rank's index: its slot, its place among its expert's entries in entry order (the
 // portable backend's order; the block's warps count it over their own stretches of the earlier
 // entries), names the token and pick. The last block to finish counts every expert's rows and raises
@@ -261,10 +269,8 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
                                                                  bool use_fp8, bool round_scale, bool use_ue8m0,
                                                                  int* __restrict__ recv_count) {
     __shared__ int earlier[kWarps][kMaxTopk];  // per warp: entries of its stretch before pick k with its expert
-    // The token's message at pick k's rank when k is the rank's first pick (else nullptr, as for a pick
-    // not sent or sent by a put); the entry after the picks: the token's staged message, when a pick
-    // goes through a put.
-    __shared__ uint8_t* messages[kMaxTopk + 1];
+    // The token's message in this rank's outbox (nullptr: the token picks no expert).
+    __shared__ uint8_t* message[1];
 #ifdef MOE_EP_WITH_NVSHMEM_DEVICE
     __shared__ int64_t put_at[kMaxTopk];       // pick k's message offset in its rank's buffer
     __shared__ int put_to[kMaxTopk];           // the rank a pick is put to, or -1
@@ -284,10 +290,13 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
     // the cap only keeps repeated ids from writing past the slots.
     const int capacity = min(kMaxListed, e.max_tokens);
     const int64_t payload = message_payload(e.hidden, use_fp8, use_ue8m0), pitch = dispatch_message_pitch(payload);
-    // This rank's stretch of every rank's messages, and every rank's index (offsets in the buffers).
+    // Every rank's index, and (for puts) this rank's stretch of every rank's messages: offsets in the
+    // buffers.
     const int64_t index_at = e.half_offset + e.g.send;
+#ifdef MOE_EP_WITH_NVSHMEM_DEVICE
     const int64_t stretch_at = index_at + dispatch_messages_offset(e.num_experts, e.max_tokens) +
                                dispatch_message_at(e.rank, 0, e.max_tokens, pitch);
+#endif
     const int64_t row_bytes = static_cast<int64_t>(e.hidden) * 2;
     const int pieces = use_fp8 ? (e.hidden + kPieceColumns - 1) / kPieceColumns
                                : static_cast<int>((row_bytes + kCopyPieceBytes - 1) / kCopyPieceBytes);
@@ -311,7 +320,6 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
         if (lane < num_topk) earlier[warp][lane] = count;
         __syncthreads();
         int to = -1;
-        if (threadIdx.x == num_topk) messages[num_topk] = e.staging() + static_cast<int64_t>(t) * e.g.dispatch_message;
         if (warp == 0) {  // lane k: pick k
             const int k = lane;
             int slot = 0;
@@ -319,53 +327,50 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
             // Only repeated ids (unchecked unless MOE_EP_DEBUG=1) reach the cap; such rows are not sent.
             const int dst = k < num_topk && slot < capacity ? picked_rank : -1;
             const int local = static_cast<int>(picked - static_cast<int64_t>(dst) * e.num_local);
-            // A rank's first pick sends the row; every pick writes its index entry. (Every lane takes part
-            // in the match: a lane left out of it would hang the warp.)
-            const unsigned same_rank = __match_any_sync(kFullMask, dst);
-            const bool sends = dst >= 0 && __ffs(same_rank) - 1 == lane;
+            // Every pick writes its index entry at its rank. The row is stored once, in this rank's
+            // outbox, where mapped ranks read it (a local store here, a load there: pushing it into
+            // each rank's buffer made eight concurrent sends on one GPU several times slower than one);
+            // a rank reached through puts gets it once, by its first pick there.
             const int64_t entry_at = index_at + dispatch_index_entry(local, e.rank, slot, e.num_ranks, e.max_tokens) *
                                                     kIndexEntryBytes;
-            const int64_t message_at = stretch_at + static_cast<int64_t>(t) * pitch;
-            uint8_t* message = nullptr;
             if (dst >= 0 && e.reachable(dst)) {
                 *reinterpret_cast<int2*>(e.buffers[dst] + entry_at) = index_entry(t, k, e.seq);
-                if (sends) message = e.buffers[dst] + message_at;
             } else if (dst >= 0) {
 #ifdef MOE_EP_WITH_NVSHMEM_DEVICE
-                // The entry by value; the row below.
-                const int2 entry = index_entry(t, k, e.seq);
+                const int2 entry = index_entry(t, k, e.seq);  // by value; the row below
                 nvshmem_longlong_p(reinterpret_cast<long long*>(e.symmetric(entry_at)), word_of(entry.x, entry.y), dst);
-                if (sends) {
-                    put_at[k] = message_at;
-                    to = dst;
-                    issued_puts = true;
-                }
 #endif
             }
-            if (k < num_topk) {
-                messages[k] = message;
 #ifdef MOE_EP_WITH_NVSHMEM_DEVICE
-                put_to[k] = to;
-#endif
+            // (Every lane takes part in the match: a lane left out of it would hang the warp.)
+            const unsigned same_rank = __match_any_sync(kFullMask, dst);
+            if (dst >= 0 && !e.reachable(dst) && __ffs(same_rank) - 1 == lane) {
+                put_at[k] = stretch_at + static_cast<int64_t>(t) * pitch;
+                to = dst;
+                issued_puts = true;
             }
+            if (k < num_topk) put_to[k] = to;
+#endif
+            const bool sent = __any_sync(kFullMask, dst >= 0);
+            if (lane == 0) message[0] = sent ? e.outbox(e.rank, t, pitch) : nullptr;
         }
-        // A pick that goes through a put: the row is also cast into this token's staged message.
-        const int n = __syncthreads_or(to >= 0) ? num_topk + 1 : num_topk;
+        const bool puts = __syncthreads_or(to >= 0);
         const __nv_bfloat16* row = x + static_cast<int64_t>(t) * e.hidden;
         for (int piece = warp; piece < pieces; piece += kWarps) {
-            if (use_fp8) cast_piece_to(row, messages, n, e.hidden, piece, round_scale, use_ue8m0, lane);
-            else copy_piece_to(reinterpret_cast<const uint8_t*>(row), messages, n, row_bytes, piece, lane);
+            if (use_fp8) cast_piece_to(row, message, 1, e.hidden, piece, round_scale, use_ue8m0, lane);
+            else copy_piece_to(reinterpret_cast<const uint8_t*>(row), message, 1, row_bytes, piece, lane);
         }
 #ifdef MOE_EP_WITH_NVSHMEM_DEVICE
-        if (n > num_topk) {
-            __threadfence_system();  // the staged row, written by every warp, before a transport reads it
+        if (puts) {
+            __threadfence_system();  // the outbox row, written by every warp, before a transport reads it
             __syncthreads();
             for (int k = warp; k < num_topk; k += kWarps)
-                if (put_to[k] >= 0)
-                    nvshmemx_putmem_nbi_warp(e.symmetric(put_at[k]), messages[num_topk], payload, put_to[k]);
+                if (put_to[k] >= 0) nvshmemx_putmem_nbi_warp(e.symmetric(put_at[k]), message[0], payload, put_to[k]);
         }
+#else
+        (void)puts;
 #endif
-        __syncthreads();  // `earlier`, `messages` and the puts' entries are rewritten for the next token
+        __syncthreads();  // `earlier`, `message` and the puts' entries are rewritten for the next token
     }
     complete_puts(issued_puts);
     __syncthreads();  // every warp's stores before the arrival
@@ -431,7 +436,8 @@ __device__ __forceinline__ int range_of(const int* starts, int n, int i) {
 
 // After dispatch_wait_kernel: every block reads the counts in the flags (final by now) into shared
 // memory, then its warps take the received rows in the packed order (by expert, then source rank, then
-// slot: the portable order), a warp per row, and copy each from the message its index entry names.
+// slot: the portable order), a warp per row, and copy each from the message its index entry names (in
+// the source's outbox, or for a source that puts in this rank's region).
 __global__ void __launch_bounds__(kRecvThreads, kRecvBlocksPerSm) dispatch_recv_kernel(Ctx c, int num_topk, bool use_fp8, bool use_ue8m0,
                                                                  uint8_t* __restrict__ recv_x, uint8_t* __restrict__ recv_scales,
                                                                  int* __restrict__ recv_src_info) {
@@ -485,7 +491,9 @@ __global__ void __launch_bounds__(kRecvThreads, kRecvBlocksPerSm) dispatch_recv_
             if (!entry_of_call(entry, e.seq) || entry_pick(entry) >= num_topk || entry.x < 0 || entry.x >= e.max_tokens)
                 continue;
             const int64_t row = local * rows_per_expert + within;
-            const uint8_t* message = messages + dispatch_message_at(s, entry.x, e.max_tokens, pitch);
+            // A mapped source's row waits in its outbox; a source that puts sent it into this region.
+            const uint8_t* message = e.reachable(s) ? e.outbox(s, entry.x, pitch)
+                                                    : messages + dispatch_message_at(s, entry.x, e.max_tokens, pitch);
             if (lane == 0) recv_src_info[row] = (s * e.max_tokens + entry.x) * num_topk + entry_pick(entry);
             warp_copy<Src::kShared>(recv_x + row * x_bytes, message, x_bytes, lane);
             if (s_bytes > 0) warp_copy<Src::kShared>(recv_scales + row * s_bytes, message + e.hidden, s_bytes, lane);
