@@ -448,15 +448,17 @@ void ll_dispatch_recv(const LowLatencyCtx& c, int64_t num_topk, bool use_fp8, bo
 
 // Launches the send kernel; returns `out`, or where none is given a new [num_tokens, hidden] bf16
 // tensor for the receive (allocated here for the same reason as ll_dispatch_send's outputs).
-// zero_copy_slot: -1, or the slot of this rank's buffer that x is (zero_copy_rows): then no row moves.
+// zero_copy_slot: -1, or the slot of this rank's buffer that x is (zero_copy_rows): then no row moves;
+// with stage_rows, the slot the received rows of x are copied into first (every rank mapped).
 torch::Tensor ll_combine_send(const LowLatencyCtx& c, const torch::Tensor& x, const torch::Tensor& recv_count,
                               const torch::Tensor& recv_src_info, int64_t num_topk, int64_t num_tokens,
-                              const std::optional<torch::Tensor>& out, int64_t zero_copy_slot) {
+                              const std::optional<torch::Tensor>& out, int64_t zero_copy_slot, bool stage_rows) {
     const c10::cuda::CUDAGuard guard(x.device());
     check_rows(x, "x");
     auto target = out.has_value() ? *out : torch::empty({num_tokens, c.hidden}, x.options().dtype(torch::kBFloat16));
     low_latency::combine_send(make_ctx(c), x.data_ptr(), recv_count.data_ptr<int>(), recv_src_info.data_ptr<int>(),
-                              static_cast<int>(num_topk), num_sms_of_current_device(), static_cast<int>(zero_copy_slot));
+                              static_cast<int>(num_topk), num_sms_of_current_device(), static_cast<int>(zero_copy_slot),
+                              stage_rows);
     return target;
 }
 

@@ -744,7 +744,7 @@ class Buffer:
         self._ll_next ^= 1
         if made_by_kernels:  # zero copy: the peers read the rows where the caller wrote them
             combined, hook = self._low_latency.low_latency_combine(
-                x, topk_idx, topk_weights, handle, return_recv_hook, out, zero_copy_slot=slot if zero_copy else -1
+                x, topk_idx, topk_weights, handle, return_recv_hook, out, slot=slot, zero_copy=zero_copy
             )
         else:
             combined, hook = self._portable.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook, out)

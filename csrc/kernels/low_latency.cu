@@ -521,7 +521,7 @@ __global__ void __launch_bounds__(kRecvThreads, kRecvBlocksPerSm) dispatch_recv_
 __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ctx c, const uint8_t* __restrict__ x,
                                                                 const int* __restrict__ recv_count,
                                                                 const int* __restrict__ recv_src_info, int num_topk,
-                                                                int zero_copy_slot) {
+                                                                int zero_copy_slot, bool stage_rows) {
     extern __shared__ int first_row[];  // [num_local + 1]
     let_dependents_start();  // as in the dispatch send: the wait kernel after this one polls flags
     const Env e = make_env(c);
@@ -555,7 +555,18 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ctx c, const uin
     if (!e.aborted()) {
         int64_t g, entry;
         int s;
-        if (zero_copy_slot >= 0) {
+        if (stage_rows) {
+            // A plain combine with every rank mapped: each row is copied into this rank's zero-copy rows
+            // of the call's slot (a local store), and the token's rank reads it there as in a zero-copy
+            // combine (a load from a peer's buffer): pushing the rows into the token ranks' buffers
+            // made eight combines on one GPU three times slower than eight zero-copy ones.
+            uint8_t* const staged = const_cast<uint8_t*>(e.zero_copy_rows(e.rank, zero_copy_slot));
+            for (int i = warp_id; i < total; i += num_warps) {
+                locate(i, g, s, entry);
+                warp_copy<Src::kReadOnly>(staged + g * row_bytes, x + g * row_bytes, row_bytes, lane);
+                if (lane == 0) reinterpret_cast<int*>(e.recv(s))[entry] = static_cast<int>(g);
+            }
+        } else if (zero_copy_slot >= 0) {
             for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
                 locate(i, g, s, entry);
                 reinterpret_cast<int*>(e.recv(s))[entry] = static_cast<int>(g);
@@ -734,7 +745,7 @@ void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, v
 }
 
 void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const int* recv_src_info, int num_topk, int num_sms,
-                  int zero_copy_slot) {
+                  int zero_copy_slot, bool stage_rows) {
     // Rows that can have arrived: every source's tokens, each in at most min(top-k, L) of this rank's
     // experts (and at most the L x R x max slots).
     const int64_t num_local = ctx.num_experts / ctx.num_ranks;
@@ -742,10 +753,11 @@ void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const in
     static thread_local const bool ready = set_up(reinterpret_cast<const void*>(combine_send_kernel));
     (void)ready;
     const size_t smem = sizeof(int) * (num_local + 1);
-    const int64_t warps = zero_copy_slot >= 0 ? (rows + 31) / 32 : rows;  // a thread or a warp per row
+    // A thread per row's index in a zero-copy combine, else a warp per row.
+    const int64_t warps = zero_copy_slot >= 0 && !stage_rows ? (rows + 31) / 32 : rows;
     combine_send_kernel<<<blocks_for(warps, num_sms), kThreads, smem, ctx.stream>>>(ctx, static_cast<const uint8_t*>(x),
                                                                                       recv_count, recv_src_info, num_topk,
-                                                                                      zero_copy_slot);
+                                                                                      zero_copy_slot, stage_rows);
     MOE_EP_LAUNCH_CHECK("low_latency combine_send_kernel");
 }
 

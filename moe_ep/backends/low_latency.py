@@ -169,16 +169,22 @@ class LowLatencyBackend:
         handle: LowLatencyHandle,
         return_recv_hook: bool,
         out: Optional[torch.Tensor],
-        zero_copy_slot: int = -1,
+        slot: int,
+        zero_copy: bool = False,
     ):
-        """zero_copy_slot: -1, or the slot of zero_copy_rows that x is."""
+        """slot: the zero-copy rows (0 or 1) this combine owns; with zero_copy, x is zero_copy_rows(slot).
+        Without it, when every rank is mapped, x's received rows are copied into that slot and read there
+        by the tokens' ranks (a local copy and a pull: pushing them into the peers' buffers is several
+        times slower with ranks sharing a GPU); else they are pushed."""
         state: LowLatencyKernelState = handle.backend_state
         if not state.received:
             raise RuntimeError(
                 "handle: its low_latency_dispatch has not received yet: call the dispatch's hook() first"
             )
-        if zero_copy_slot >= 0:
+        if zero_copy:
             self.check_zero_copy("low_latency_combine")
+        stage_rows = not zero_copy and not self.peers.unreachable
+        zero_copy_slot = slot if zero_copy or stage_rows else -1
         ctx = self._begin("low_latency_combine", handle)
         x = aligned(x)
         topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
@@ -186,7 +192,7 @@ class LowLatencyBackend:
         direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
         target = self.ops.ll_combine_send(
             ctx, x, state.recv_count, state.recv_src_info, handle.num_topk, handle.num_tokens, out if direct else None,
-            zero_copy_slot,
+            zero_copy_slot, stage_rows,
         )
 
         def receive():

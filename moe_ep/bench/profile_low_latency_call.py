@@ -43,7 +43,7 @@ class _NoLaunches:
     def ll_dispatch_send(self, *args):
         return self._outputs
 
-    def ll_combine_send(self, ctx, x, recv_count, recv_src_info, num_topk, num_tokens, out, zero_copy_slot):
+    def ll_combine_send(self, ctx, x, recv_count, recv_src_info, num_topk, num_tokens, out, zero_copy_slot, stage_rows):
         return out if out is not None else self._combined
 
     def __getattr__(self, name):
@@ -53,7 +53,7 @@ class _NoLaunches:
 def stub_kernels(buffer: Buffer) -> None:
     backend = LowLatencyBackend.__new__(LowLatencyBackend)
     backend.peers = types.SimpleNamespace(pointers=torch.zeros(1, dtype=torch.int64), ranks_on_device=1,
-                                          host_info=None, timeout_s=buffer.timeout_s, timeout_error=lambda: None)
+                                          host_info=None, timeout_s=buffer.timeout_s, timeout_error=lambda: None, unreachable=[])
     backend.ops, backend.rank, backend.num_ranks, backend._pending, backend._contexts = _NoLaunches(), 0, 1, None, {}
     backend._shape = None
     buffer._low_latency = backend
