@@ -169,7 +169,7 @@ __device__ __forceinline__ int entry_pick(int2 entry) { return entry.y & ((1 << 
 
 #ifdef MOE_EP_WITH_NVSHMEM_DEVICE
 // Two int32 as the 64-bit word they make in memory (`low` first), for a put by value; built unsigned,
-// as the call number in a header or an index entry reaches the sign bit.
+// as the call number in an index entry reaches the sign bit.
 __device__ __forceinline__ long long word_of(int low, int high) {
     return static_cast<long long>(static_cast<unsigned>(low) |
                                   (static_cast<unsigned long long>(static_cast<unsigned>(high)) << 32));
@@ -696,7 +696,7 @@ void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, v
     (void)ready;
     dispatch_wait_kernel<<<1, kWaitThreads, 0, ctx.stream>>>(ctx, recv_count, stats);
     MOE_EP_LAUNCH_CHECK("low_latency dispatch_wait_kernel");
-    // About a message per warp at the benchmark's shape (32 warps per local expert), up to two SMs' worth
+    // About a row per warp at the benchmark's shape (32 warps per local expert), up to two SMs' worth
     // of warps per SM.
     const int blocks = std::max(1, std::min(num_local, 2 * num_sms) * (1024 / kRecvThreads));
     dispatch_recv_kernel<<<blocks, kRecvThreads, smem, ctx.stream>>>(
