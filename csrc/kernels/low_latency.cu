@@ -337,6 +337,9 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
             // a rank reached through puts gets it once, by its first pick there.
             const int64_t entry_at = index_at + dispatch_index_entry(local, e.rank, slot, e.num_ranks, e.max_tokens) *
                                                     kIndexEntryBytes;
+            // Slots of an expert's entries run 0, 1, ...: the largest + 1 is its row count, gathered
+            // here by every block at once rather than counted afterwards by the last one.
+            if (dst >= 0) atomicMax(e.send_scratch() + picked, slot + 1);
             if (dst >= 0 && e.reachable(dst)) {
                 *reinterpret_cast<int2*>(e.buffers[dst] + entry_at) = index_entry(t, k, e.seq);
             } else if (dst >= 0) {
@@ -380,19 +383,14 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
     __syncthreads();  // every warp's stores before the arrival
     if (threadIdx.x == 0) last = arrive_last(e.header(e.rank) + kSendDone, gridDim.x, e.one_device);
     __syncthreads();
-    if (!last || stop) return;
-    // Rows per expert: a histogram of every entry in this rank's scratch, then a flag per expert.
+    if (!last) return;
+    // Each expert's row count (the blocks' largest slot + 1), raised as its flag and zeroed for the
+    // call after next in this half (also after an abort, whose blocks stopped counting part way).
     int* rows_of = e.send_scratch();
-    for (int i = threadIdx.x; i < e.num_experts; i += kThreads) rows_of[i] = 0;
-    __syncthreads();
-    for (int64_t i = threadIdx.x; i < static_cast<int64_t>(num_tokens) * num_topk; i += kThreads) {
-        const int64_t expert = topk_idx[i];
-        if (expert >= 0 && expert < e.num_experts) atomicAdd(rows_of + expert, 1);
-    }
-    __syncthreads();
     for (int expert = threadIdx.x; expert < e.num_experts; expert += kThreads) {
-        const int rows = min(__ldcg(rows_of + expert), capacity), dst = expert / e.num_local, local = expert % e.num_local;
-        raise_flag_at(e, dst, static_cast<int64_t>(local) * e.num_ranks + e.rank, tag(e.seq, rows));
+        const int rows = __ldcg(rows_of + expert), dst = expert / e.num_local, local = expert % e.num_local;
+        rows_of[expert] = 0;
+        if (!stop) raise_flag_at(e, dst, static_cast<int64_t>(local) * e.num_ranks + e.rank, tag(e.seq, rows));
     }
 }
 
