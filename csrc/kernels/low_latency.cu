@@ -1,7 +1,10 @@
 // Low-latency dispatch and combine (decode): fixed-size receive regions (room for max tokens per
-// expert and source), stores straight into the peers' buffers, and a split into a send kernel that
-// waits for nothing and a receive kernel (the hook) that waits for the peers' flags, so no block is
-// resident while data is in flight.
+// expert and source), and a split into a send kernel that waits for nothing and a receive (the hook:
+// a one-block wait kernel and a copy kernel) that waits for the peers' flags, so no block is resident
+// while data is in flight. Between mapped ranks the rows are pulled: a send stores each row once in
+// its own buffer (the dispatch's outbox; a plain combine's staged rows) and pushes only small index
+// entries, and the receivers read the rows from there (eight ranks on one GPU pushing rows into each
+// other's buffers took several times longer for the same bytes).
 //
 // Call number c uses half c % 2 of every rank's buffer. Every (source rank, local expert) pair has one
 // flag per half; the sender raises it to tag(call, count) after its rows, so a flag of an earlier call
@@ -10,9 +13,9 @@
 // any number of calls) keep alternating halves on every rank alike.
 //
 // Peers that loads and stores cannot reach (another host; a null entry in the buffer table) get the
-// same bytes through NVSHMEM puts when the build has NVSHMEM's device library: the row is staged in
-// this rank's send region (registered memory, which an RDMA transport reads from), put to the place
-// a store would have written, and the flag follows as a signal once this rank's puts are complete.
+// rows through NVSHMEM puts when the build has NVSHMEM's device library: the row is staged in this
+// rank's send region (registered memory, which an RDMA transport reads from), put into the peer's
+// receive region, and the flag follows as a signal once this rank's puts are complete.
 #include <cuda_bf16.h>
 
 #include <algorithm>
