@@ -27,6 +27,7 @@
 #include "api.cuh"
 #include "buffer_layout.cuh"
 #include "cuda_check.cuh"
+#include "early_launch.cuh"
 #include "fp8_block.cuh"
 #include "peer_sync.cuh"
 
@@ -305,6 +306,9 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
     __shared__ int put_to[kMaxTopk];           // the rank a pick is put to, or -1
 #endif
     __shared__ bool stop, last, issued_puts;
+    // The wait kernel after this one (one block, polling flags) may start now: what it waits for is
+    // in the flags, not in this kernel's end.
+    let_dependents_start();
     const Env e = make_env(c);
     stamp_start(e.seq, 1);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -449,12 +453,17 @@ __global__ void __launch_bounds__(kWaitThreads) dispatch_wait_kernel(Ctx c, int*
         }
         ok = __all_sync(kFullMask, ok);
         if (!ok) break;
-        if (lane == 0) {
+        if (lane == 0) {  // after this rank's own flag, so after the send kernel zeroed the counts
             recv_count[local] = total;
             if (stats != nullptr) stats[local] += total;
         }
     }
     stamp_block_done(e.seq, kWaitSeen);
+    // Every flag is in (or the wait gave up): the copy kernel may be scheduled, and it waits for this
+    // kernel's end before it reads anything.
+    __syncthreads();
+    let_dependents_start();
+    wait_for_prerequisite();
 }
 
 // The last of `n` ranges whose start (`starts`, ascending) is at or before i: with the starts of
@@ -475,6 +484,7 @@ __device__ __forceinline__ int range_of(const int* starts, int n, int i) {
 __global__ void __launch_bounds__(kRecvThreads, kRecvBlocksPerSm) dispatch_recv_kernel(Ctx c, int num_topk, bool use_fp8, bool use_ue8m0,
                                                                  uint8_t* __restrict__ recv_x, uint8_t* __restrict__ recv_scales,
                                                                  int* __restrict__ recv_src_info) {
+    wait_for_prerequisite();  // the wait kernel's end: every flag final, or the call aborted
     // [L][R + 1]: the first packed row of each (local expert, source) within the expert's rows, then the
     // expert's total; then [L + 1]: each expert's first row among all received rows, then the total.
     extern __shared__ int tables[];
@@ -546,6 +556,7 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ctx c, const uin
                                                                 const int* __restrict__ recv_src_info, int num_topk,
                                                                 int zero_copy_slot) {
     extern __shared__ int first_row[];  // [num_local + 1]
+    let_dependents_start();  // as in the dispatch send: the wait kernel after this one polls flags
     const Env e = make_env(c);
     stamp_start(e.seq, 2);
     const int lane = threadIdx.x % 32, warp_id = blockIdx.x * kWarps + threadIdx.x / 32, num_warps = gridDim.x * kWarps;
@@ -625,6 +636,9 @@ __global__ void __launch_bounds__(kWaitThreads) combine_wait_kernel(Ctx c) {
         peer::wait_flag(e.failure(), e.signals(e.rank) + e.num_experts + s, tag(e.seq, 0),
                         intranode::kErrLowLatencyCombine, s, -1);
     stamp_block_done(e.seq, kWaitSeen);
+    __syncthreads();
+    let_dependents_start();
+    wait_for_prerequisite();
 }
 
 // After combine_wait_kernel: per token acc = acc + (weight * row) over the slots in order.
@@ -634,6 +648,7 @@ __global__ void __launch_bounds__(kCombineRecvThreads) combine_recv_kernel(Ctx c
                                                                 int zero_copy_slot) {
     __shared__ const uint8_t* pick_row[kCombineStepTokens * kMaxTopk];  // nullptr: the pick was not sent
     __shared__ float pick_weight[kCombineStepTokens * kMaxTopk];
+    wait_for_prerequisite();  // the wait kernel's end
     const Env e = make_env(c);
     stamp_first(e.seq, kRecvFirstStart);
     // The wait kernel saw every rank's flag; this block acquires them again (they are final) so that its
@@ -748,15 +763,14 @@ void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, v
                                            set_up(reinterpret_cast<const void*>(dispatch_recv_kernel)) &&
                                            allow_recv_tables(reinterpret_cast<const void*>(dispatch_recv_kernel));
     (void)ready;
-    dispatch_wait_kernel<<<1, kWaitThreads, 0, ctx.stream>>>(ctx, recv_count, stats);
-    MOE_EP_LAUNCH_CHECK("low_latency dispatch_wait_kernel");
+    launch_early(dispatch_wait_kernel, 1, kWaitThreads, 0, ctx.stream, "low_latency dispatch_wait_kernel", ctx,
+                 recv_count, stats);
     // About a message per warp at the benchmark's shape (32 warps per local expert), up to two SMs' worth
     // of warps per SM.
     const int blocks = std::max(1, std::min(num_local, 2 * num_sms) * (1024 / kRecvThreads));
-    dispatch_recv_kernel<<<blocks, kRecvThreads, smem, ctx.stream>>>(
-        ctx, num_topk, use_fp8, use_ue8m0, static_cast<uint8_t*>(recv_x), static_cast<uint8_t*>(recv_scales),
-        recv_src_info);
-    MOE_EP_LAUNCH_CHECK("low_latency dispatch_recv_kernel");
+    launch_early(dispatch_recv_kernel, blocks, kRecvThreads, smem, ctx.stream, "low_latency dispatch_recv_kernel", ctx,
+                 num_topk, use_fp8, use_ue8m0, static_cast<uint8_t*>(recv_x), static_cast<uint8_t*>(recv_scales),
+                 recv_src_info);
 }
 
 void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const int* recv_src_info, int num_topk, int num_sms,
@@ -780,12 +794,10 @@ void combine_recv(const Ctx& ctx, const int64_t* topk_idx, const float* topk_wei
     static thread_local const bool ready = set_up(reinterpret_cast<const void*>(combine_wait_kernel)) &&
                                            set_up(reinterpret_cast<const void*>(combine_recv_kernel));
     (void)ready;
-    combine_wait_kernel<<<1, kWaitThreads, 0, ctx.stream>>>(ctx);
-    MOE_EP_LAUNCH_CHECK("low_latency combine_wait_kernel");
+    launch_early(combine_wait_kernel, 1, kWaitThreads, 0, ctx.stream, "low_latency combine_wait_kernel", ctx);
     const int blocks = std::max(1, std::min(num_tokens, 2 * num_sms));  // a token per block at most (per_step)
-    combine_recv_kernel<<<blocks, kCombineRecvThreads, 0, ctx.stream>>>(
-        ctx, topk_idx, topk_weights, num_tokens, num_topk, static_cast<__nv_bfloat16*>(out), zero_copy_slot);
-    MOE_EP_LAUNCH_CHECK("low_latency combine_recv_kernel");
+    launch_early(combine_recv_kernel, blocks, kCombineRecvThreads, 0, ctx.stream, "low_latency combine_recv_kernel",
+                 ctx, topk_idx, topk_weights, num_tokens, num_topk, static_cast<__nv_bfloat16*>(out), zero_copy_slot);
 }
 
 bool timeline_built() {
