@@ -368,8 +368,8 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
             const int dst = k < num_topk && slot < capacity ? picked_rank : -1;
             const int local = static_cast<int>(picked - static_cast<int64_t>(dst) * e.num_local);
             // Every pick writes its index entry at its rank. The row is stored once, in this rank's
-            // outbox, where mapped ranks read it (a local store here, a load there: pushing it into
-            // each rank's buffer made eight concurrent sends on one GPU several times slower than one);
+            // outbox, where mapped ranks read it, as the zero-copy combine reads its rows (eight sends
+            // pushing rows into each other's buffers at once took ~4x one send's time on one GPU);
             // a rank reached through puts gets it once, by its first pick there.
             const int64_t entry_at = index_at + dispatch_index_entry(local, e.rank, slot, e.num_ranks, e.max_tokens) *
                                                     kIndexEntryBytes;
