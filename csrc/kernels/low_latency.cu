@@ -725,7 +725,7 @@ void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, v
     (void)ready;
     launch_early(dispatch_wait_kernel, 1, kWaitThreads, 0, ctx.stream, "low_latency dispatch_wait_kernel", ctx,
                  recv_count, stats);
-    // About a message per warp at the benchmark's shape (32 warps per local expert), up to two SMs' worth
+    // About a row per warp at the benchmark's shape (32 warps per local expert), up to two SMs' worth
     // of warps per SM.
     const int blocks = std::max(1, std::min(num_local, 2 * num_sms) * (1024 / kRecvThreads));
     launch_early(dispatch_recv_kernel, blocks, kRecvThreads, smem, ctx.stream, "low_latency dispatch_recv_kernel", ctx,
