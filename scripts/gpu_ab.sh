@@ -9,7 +9,9 @@
 #   ab/ is ignored: name it in the device call's carry.
 #   AB_TESTS: pytest arguments run in every patched tree before the benchmarks (a variant must be right
 #   before its speed counts), e.g. "tests/test_low_latency_kernels.py -x"; AB_TEST_VARIANTS (all
-#   patched ones): which variants, by patch name. AB_ROUNDS (2): rounds over all variants.
+#   patched ones): which variants, by patch name; a variant whose tests fail is not benchmarked (a wrong
+#   kernel's speed says nothing, and a hung one would eat the call). AB_ROUNDS (2): rounds over all
+#   variants. AB_BENCH_TIMEOUT: seconds a benchmark run may take (default 300 intranode, 240 low-latency).
 #   AB_INTRANODE ("--ranks 2 4 8 --sms 24"): bench_intranode's arguments, empty to skip;
 #   AB_LOW_LATENCY ("--ranks 2 8 --graph"): bench_low_latency's, empty to skip.
 #   AB_INTRANODE_<variant> / AB_LOW_LATENCY_<variant> (variant = patch name, each character outside
@@ -43,25 +45,32 @@ for v in "${VARIANTS[@]}"; do
 done
 echo "built ${VARIANTS[*]} in $(( $(date +%s) - t0 )) s"
 
+FAILED_TESTS=()
 if [[ -n ${AB_TESTS:-} ]]; then
   export MOE_EP_TIMEOUT_S=${MOE_EP_TIMEOUT_S:-20} MOE_EP_CALL_TIMEOUT_S=${MOE_EP_CALL_TIMEOUT_S:-120}
   for v in ${AB_TEST_VARIANTS:-${VARIANTS[@]:1}}; do
-    (cd "${TREE[$v]}" && eval "timeout 400 $PY -m pytest -q -rf $AB_TESTS" > "$OUT/tests_$v.log" 2>&1)  # eval: quoted -k
+    if ! (cd "${TREE[$v]}" && eval "timeout 400 $PY -m pytest -q -rf $AB_TESTS" > "$OUT/tests_$v.log" 2>&1); then  # eval: quoted -k
+      FAILED_TESTS+=("$v")
+    fi
     echo "tests of $v: $(tail -1 "$OUT/tests_$v.log")"
   done
 fi
+BENCHED=()
+for v in "${VARIANTS[@]}"; do
+  if [[ " ${FAILED_TESTS[*]} " == *" $v "* ]]; then echo "$v: tests failed, not benchmarked"; else BENCHED+=("$v"); fi
+done
 
 for round in $(seq 1 "${AB_ROUNDS:-2}"); do
-  for v in "${VARIANTS[@]}"; do
+  for v in "${BENCHED[@]}"; do
     key=${v//[^A-Za-z0-9_]/_}  # a patch name may hold characters a variable name may not
     own=AB_INTRANODE_$key; INTRANODE_V=${!own-$INTRANODE}
     own=AB_LOW_LATENCY_$key; LOW_LATENCY_V=${!own-$LOW_LATENCY}
     if [[ -n $INTRANODE_V ]]; then
-      (cd "${TREE[$v]}" && timeout 300 $PY -m moe_ep.bench.intranode $INTRANODE_V --json "$OUT/ab_$v.jsonl" \
+      (cd "${TREE[$v]}" && timeout "${AB_BENCH_TIMEOUT:-300}" $PY -m moe_ep.bench.intranode $INTRANODE_V --json "$OUT/ab_$v.jsonl" \
         > "$OUT/ab_${v}_intranode_$round.txt" 2>&1) || echo "bench_intranode $v round $round failed"
     fi
     if [[ -n $LOW_LATENCY_V ]]; then
-      (cd "${TREE[$v]}" && timeout 240 $PY -m moe_ep.bench.low_latency $LOW_LATENCY_V --json "$OUT/ab_$v.jsonl" \
+      (cd "${TREE[$v]}" && timeout "${AB_BENCH_TIMEOUT:-240}" $PY -m moe_ep.bench.low_latency $LOW_LATENCY_V --json "$OUT/ab_$v.jsonl" \
         > "$OUT/ab_${v}_low_latency_$round.txt" 2>&1) || echo "bench_low_latency $v round $round failed"
     fi
   done

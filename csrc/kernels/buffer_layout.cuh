@@ -104,8 +104,8 @@ namespace low_latency {
 //   [ header: uint64 slots, 4 KB ] [ half 0 ] [ half 1 ]
 //   half = [ send region | receive region | signals: uint64 per (local expert, source rank), then per rank ]
 // Calls alternate halves, so one call's receive region stays valid while the next call is issued.
-// The send region is where RDMA puts will stage rows; peer-to-peer stores write straight into the
-// receiver's region and leave it unused.
+// The send region holds the send kernel's scratch and a zero-copy combine's rows (and rows staged for
+// puts); peer-to-peer stores write straight into the receiver's region.
 // A dispatch's receive region: an index entry per (local expert, source rank, slot), naming the source
 // token and pick of the expert's slot-th row from that source, then a stretch of max messages per
 // source rank, message t carrying source token t's row (and scales) once for all its picks of this

@@ -213,7 +213,7 @@ __device__ __forceinline__ int entry_pick(int2 entry) { return entry.y & ((1 << 
 
 #ifdef MOE_EP_WITH_NVSHMEM_DEVICE
 // Two int32 as the 64-bit word they make in memory (`low` first), for a put by value; built unsigned,
-// as the call number in a header or an index entry reaches the sign bit.
+// as the call number in an index entry reaches the sign bit.
 __device__ __forceinline__ long long word_of(int low, int high) {
     return static_cast<long long>(static_cast<unsigned>(low) |
                                   (static_cast<unsigned long long>(static_cast<unsigned>(high)) << 32));
@@ -483,6 +483,24 @@ __device__ __forceinline__ int range_of(const int* starts, int n, int i) {
     return lo;
 }
 
+// Warp-wide, the starts of n consecutive ranges from their sizes: first[0] = 0 and first[i + 1] =
+// size(0) + ... + size(i), 32 sizes at a time (size(i) is asked by the lane that takes i).
+template <typename Size>
+__device__ __forceinline__ void warp_range_starts(int* first, int n, Size size, int lane) {
+    int carry = 0;
+    for (int base = 0; base < n; base += 32) {
+        int sum = base + lane < n ? size(base + lane) : 0;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const int below = __shfl_up_sync(kFullMask, sum, d);
+            if (lane >= d) sum += below;
+        }
+        if (base + lane < n) first[base + lane + 1] = carry + sum;
+        carry += __shfl_sync(kFullMask, sum, 31);
+    }
+    if (lane == 0) first[0] = 0;
+}
+
 // After dispatch_wait_kernel: every block reads the counts in the flags (final by now) into shared
 // memory, then its warps take the received rows in the packed order (by expert, then source rank, then
 // slot: the portable order), a warp per row, and copy each from the message its index entry names (in
@@ -511,20 +529,8 @@ __global__ void __launch_bounds__(kRecvThreads, kRecvBlocksPerSm) dispatch_recv_
             for (int s = 1; s <= R; ++s) row[s] += row[s - 1];
         }
         __syncthreads();
-        if (threadIdx.x < 32) {  // warp 0: the experts' totals -> exclusive prefix, 32 experts at a time
-            int carry = 0;
-            for (int base = 0; base < L; base += 32) {
-                int n = base + lane < L ? first_of[(base + lane) * (R + 1) + R] : 0;
-#pragma unroll
-                for (int d = 1; d < 32; d <<= 1) {
-                    const int below = __shfl_up_sync(kFullMask, n, d);
-                    if (lane >= d) n += below;
-                }
-                if (base + lane < L) first_row[base + lane + 1] = carry + n;
-                carry += __shfl_sync(kFullMask, n, 31);
-            }
-            if (lane == 0) first_row[0] = 0;
-        }
+        if (threadIdx.x < 32)  // warp 0: each expert's first row, from the experts' totals
+            warp_range_starts(first_row, L, [&](int local) { return first_of[local * (R + 1) + R]; }, lane);
         __syncthreads();
         const int64_t x_bytes = use_fp8 ? e.hidden : static_cast<int64_t>(e.hidden) * 2;
         const int64_t s_bytes = scale_bytes(e.hidden, use_fp8, use_ue8m0);
@@ -570,20 +576,8 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ctx c, const uin
     const int lane = threadIdx.x % 32, warp_id = blockIdx.x * kWarps + threadIdx.x / 32, num_warps = gridDim.x * kWarps;
     const int64_t rows_per_expert = static_cast<int64_t>(e.num_ranks) * e.max_tokens, row_bytes = e.hidden * 2LL;
     bool issued_puts = false;  // this thread's
-    if (threadIdx.x < 32) {  // warp 0: inclusive scan, 32 experts at a time
-        int carry = 0;
-        for (int base = 0; base < e.num_local; base += 32) {
-            int n = base + lane < e.num_local ? recv_count[base + lane] : 0;
-#pragma unroll
-            for (int d = 1; d < 32; d <<= 1) {
-                const int below = __shfl_up_sync(kFullMask, n, d);
-                if (lane >= d) n += below;
-            }
-            if (base + lane < e.num_local) first_row[base + lane + 1] = carry + n;
-            carry += __shfl_sync(kFullMask, n, 31);
-        }
-        if (lane == 0) first_row[0] = 0;
-    }
+    if (threadIdx.x < 32)  // warp 0: each expert's first row, from the experts' counts
+        warp_range_starts(first_row, e.num_local, [&](int local) { return recv_count[local]; }, lane);
     __syncthreads();
     const int total = first_row[e.num_local];
     // A row's place in the slots (g) and in its source's combine buffer (entry, of source s).
