@@ -9,6 +9,8 @@ Environment:
   MOE_EP_NVSHMEM_DEVICE=1  also NVSHMEM's device library (device-initiated puts, for peers on other hosts):
                         linked statically, every kernel compiled relocatable (-rdc); off by default: those
                         kernels measured 6-25% slower on one host (docs/PERFORMANCE.md, eleventh session)
+  MOE_EP_TIMELINE=1     a measuring build: the low-latency kernels stamp the GPU clock at the edges of
+                        their phases (python -m moe_ep.bench.ll_timeline reads it); off by default
 """
 from __future__ import annotations
 
@@ -68,6 +70,8 @@ def cuda_extension():
     if "9.0" in os.environ["TORCH_CUDA_ARCH_LIST"]:
         define_macros.append(("MOE_EP_SM90_COMPILED", "1"))
     nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-Xptxas=-v" if os.environ.get("MOE_EP_PTXAS_V") else "-lineinfo"]
+    if os.environ.get("MOE_EP_TIMELINE") == "1":  # a measuring build: the low-latency kernels stamp their phases
+        define_macros.append(("MOE_EP_TIMELINE", "1"))
     nvshmem, nvshmem_reason = find_nvshmem()
     dlink = {}
     if nvshmem is not None:

@@ -462,6 +462,14 @@ torch::Tensor ll_combine_send(const LowLatencyCtx& c, const torch::Tensor& x, co
     return target;
 }
 
+// The low-latency kernels' timeline (api.cuh; a build with MOE_EP_TIMELINE=1): int64 [calls, columns]
+// on the host, and the column names in order.
+torch::Tensor ll_timeline() {
+    auto out = torch::empty({low_latency::kTimelineCalls, low_latency::kTimelineColumns}, torch::kInt64);
+    low_latency::timeline_read(out.data_ptr<int64_t>());
+    return out;
+}
+
 void ll_combine_recv(const LowLatencyCtx& c, const torch::Tensor& topk_idx, const torch::Tensor& topk_weights,
                      const torch::Tensor& out, int64_t zero_copy_slot) {
     const c10::cuda::CUDAGuard guard(out.device());
@@ -566,6 +574,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("ll_dispatch_recv", &moe_ep::ll_dispatch_recv, "low-latency dispatch: receive (the hook)");
     m.def("ll_combine_send", &moe_ep::ll_combine_send, "low-latency combine: send");
     m.def("ll_combine_recv", &moe_ep::ll_combine_recv, "low-latency combine: receive (the hook)");
+    m.def("ll_timeline_built", &moe_ep::low_latency::timeline_built, "whether the kernels stamp a timeline");
+    m.def("ll_timeline_reset", &moe_ep::low_latency::timeline_reset, "clears the low-latency kernels' timeline");
+    m.def("ll_timeline", &moe_ep::ll_timeline, "the low-latency kernels' timeline, [calls, columns] int64");
     m.def("low_latency_layout", &moe_ep::low_latency_layout, "buffer layout numbers of the low-latency kernels");
     m.def("intranode_layout", &moe_ep::intranode_layout, "buffer layout numbers of the intranode kernels");
 #ifdef MOE_EP_WITH_NVSHMEM

@@ -33,6 +33,9 @@ for src in $(ls csrc/kernels/*.cu | grep -v nvshmem_puts.cu); do
   if (( ${#pids[@]} >= JOBS )); then wait "${pids[0]}" || status=1; pids=("${pids[@]:1}"); fi
 done
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+# The measuring build (setup.py with MOE_EP_TIMELINE=1): the low-latency kernels with their stamps.
+compile "$NVCC" "${COMMON[@]}" -gencode=arch=compute_90,code=sm_90 "${TORCH_NVCC[@]}" -DMOE_EP_TIMELINE=1 \
+  -c csrc/kernels/low_latency.cu -o "$OUT/low_latency_timeline.o" || status=1
 # Host sources: torch's headers and NVSHMEM's, syntax only. A CPU wheel of torch ships the c10/cuda
 # headers but not the one header its CUDA build generates; a stand-in with the same single define lets
 # the bindings be checked here (on a CUDA build of torch the real one is found first).

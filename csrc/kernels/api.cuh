@@ -205,6 +205,29 @@ void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const in
 void combine_recv(const Ctx& ctx, const int64_t* topk_idx, const float* topk_weights, int num_tokens, int num_topk,
                   void* out, int num_sms, int zero_copy_slot);
 
+// A timeline of the last kTimelineCalls calls on this GPU, in a build with MOE_EP_TIMELINE (a
+// measuring tool; elsewhere the kernels stamp nothing): per call (its number modulo kTimelineCalls) the
+// GPU's global timer (ns, one clock for every process on the GPU) at the edges of its phases, so that
+// a run shows where the time of ranks sharing a GPU goes, which a profiler (it serializes kernels)
+// cannot. "First" columns keep the earliest stamp of any block, the others the latest.
+enum TimelineColumn : int {
+    kCallNumber,      // the call's number
+    kCallKind,        // 1: dispatch, 2: combine
+    kSendFirstStart,  // first send block running
+    kSendLastStart,   // last send block running
+    kSendLastEnd,     // last send block done with its rows
+    kFlagsRaised,     // the last block has raised every flag
+    kWaitStart,       // the wait kernel running
+    kWaitSeen,        // every flag seen
+    kRecvFirstStart,  // first receive block running
+    kRecvLastEnd,     // last receive block done
+    kTimelineColumns
+};
+constexpr int kTimelineCalls = 64;
+bool timeline_built();
+void timeline_reset();                // every stamp cleared (synchronous)
+void timeline_read(int64_t* out);     // [kTimelineCalls][kTimelineColumns] (synchronous)
+
 }  // namespace low_latency
 
 namespace nvshmem_puts {

@@ -19,6 +19,8 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <stdexcept>
+#include <vector>
 
 #ifdef MOE_EP_WITH_NVSHMEM_DEVICE
 #include <nvshmem.h>
@@ -121,6 +123,38 @@ __device__ Env make_env(const Ctx& c) {
     return e;
 }
 
+#ifdef MOE_EP_TIMELINE
+__device__ unsigned long long g_timeline[kTimelineCalls][kTimelineColumns];
+#endif
+// Thread 0 of a block stamps the timeline (api.cuh); nothing without MOE_EP_TIMELINE.
+__device__ __forceinline__ void stamp_first(uint64_t seq, int column) {
+#ifdef MOE_EP_TIMELINE
+    if (threadIdx.x == 0) atomicMin(&g_timeline[seq % kTimelineCalls][column], peer::now_ns());
+#endif
+}
+__device__ __forceinline__ void stamp_last(uint64_t seq, int column) {
+#ifdef MOE_EP_TIMELINE
+    if (threadIdx.x == 0) atomicMax(&g_timeline[seq % kTimelineCalls][column], peer::now_ns());
+#endif
+}
+// Once every thread of the block is done (a barrier only in the timeline build: all threads reach it).
+__device__ __forceinline__ void stamp_block_done(uint64_t seq, int column) {
+#ifdef MOE_EP_TIMELINE
+    __syncthreads();
+    stamp_last(seq, column);
+#endif
+}
+__device__ __forceinline__ void stamp_start(uint64_t seq, int kind) {  // a send block's start
+    stamp_first(seq, kSendFirstStart);
+    stamp_last(seq, kSendLastStart);
+#ifdef MOE_EP_TIMELINE
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+        g_timeline[seq % kTimelineCalls][kCallNumber] = seq;
+        g_timeline[seq % kTimelineCalls][kCallKind] = kind;
+    }
+#endif
+}
+
 // Read once per block: the loops after it hold barriers, which every thread of the block must reach.
 __device__ bool block_not_aborted(const Env& e) {
     __shared__ bool ok;
@@ -132,6 +166,7 @@ __device__ bool block_not_aborted(const Env& e) {
 // The receive kernel ends the call: its last block advances the call number.
 __device__ void finish_call(const Env& e) {
     __syncthreads();
+    stamp_last(e.seq, kRecvLastEnd);
     if (threadIdx.x == 0 && arrive_last(e.header(e.rank) + kRecvDone, gridDim.x, e.one_device))
         atomicAdd(reinterpret_cast<unsigned long long*>(e.header(e.rank) + kSeq), 1ull);
 }
@@ -284,6 +319,7 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
     // in the flags, not in this kernel's end.
     let_dependents_start();
     const Env e = make_env(c);
+    stamp_start(e.seq, 1);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     // Nothing has arrived before the hook: the receive kernel writes the real counts later on this stream.
     if (blockIdx.x == 0)
@@ -384,6 +420,7 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
     }
     complete_puts(issued_puts);
     __syncthreads();  // every warp's stores before the arrival
+    stamp_last(e.seq, kSendLastEnd);
     if (threadIdx.x == 0) last = arrive_last(e.header(e.rank) + kSendDone, gridDim.x, e.one_device);
     __syncthreads();
     if (!last) return;
@@ -395,6 +432,7 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
         rows_of[expert] = 0;
         if (!stop) raise_flag_at(e, dst, static_cast<int64_t>(local) * e.num_ranks + e.rank, tag(e.seq, rows));
     }
+    stamp_block_done(e.seq, kFlagsRaised);
 }
 
 // Waits for every (local expert, source rank) count flag of this call (a warp per expert, a lane per
@@ -403,6 +441,7 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
 __global__ void __launch_bounds__(kWaitThreads) dispatch_wait_kernel(Ctx c, int* __restrict__ recv_count,
                                                                      int* __restrict__ stats) {
     const Env e = make_env(c);
+    stamp_last(e.seq, kWaitStart);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     bool ok = !e.aborted();
     for (int local = warp; local < e.num_local; local += kWaitThreads / 32) {
@@ -425,6 +464,7 @@ __global__ void __launch_bounds__(kWaitThreads) dispatch_wait_kernel(Ctx c, int*
             if (stats != nullptr) stats[local] += total;
         }
     }
+    stamp_block_done(e.seq, kWaitSeen);
     // Every flag is in (or the wait gave up): the copy kernel may be scheduled, and it waits for this
     // kernel's end before it reads anything.
     __syncthreads();
@@ -477,6 +517,7 @@ __global__ void __launch_bounds__(kRecvThreads, kRecvBlocksPerSm) dispatch_recv_
     const int R = e.num_ranks, L = e.num_local, lane = threadIdx.x % 32;
     int* first_of = tables;
     int* first_row = tables + static_cast<int64_t>(L) * (R + 1);
+    stamp_first(e.seq, kRecvFirstStart);
     if (block_not_aborted(e)) {  // else the wait kernel gave up: nothing to copy
         for (int i = threadIdx.x; i < L * R; i += blockDim.x) {
             const uint64_t* flag = e.signals(e.rank) + i;  // flag of (local i / R, source i % R)
@@ -532,6 +573,7 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ctx c, const uin
     extern __shared__ int first_row[];  // [num_local + 1]
     let_dependents_start();  // as in the dispatch send: the wait kernel after this one polls flags
     const Env e = make_env(c);
+    stamp_start(e.seq, 2);
     const int lane = threadIdx.x % 32, warp_id = blockIdx.x * kWarps + threadIdx.x / 32, num_warps = gridDim.x * kWarps;
     const int64_t rows_per_expert = static_cast<int64_t>(e.num_ranks) * e.max_tokens, row_bytes = e.hidden * 2LL;
     bool issued_puts = false;  // this thread's
@@ -589,8 +631,11 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ctx c, const uin
     }
     complete_puts(__syncthreads_or(issued_puts));
     __syncthreads();
-    if (threadIdx.x == 0 && arrive_last(e.header(e.rank) + kSendDone, gridDim.x, e.one_device))
+    stamp_last(e.seq, kSendLastEnd);
+    if (threadIdx.x == 0 && arrive_last(e.header(e.rank) + kSendDone, gridDim.x, e.one_device)) {
         for (int r = 0; r < e.num_ranks; ++r) raise_flag_at(e, r, e.num_experts + e.rank, tag(e.seq, 0));
+        stamp_last(e.seq, kFlagsRaised);
+    }
 }
 
 // Tokens a combine receive block takes per step: their picks' setup (a chain of dependent loads) is
@@ -600,9 +645,11 @@ constexpr int kCombineStepTokens = 8;
 // Waits for every rank's combine rows (a lane per source rank).
 __global__ void __launch_bounds__(kWaitThreads) combine_wait_kernel(Ctx c) {
     const Env e = make_env(c);
+    stamp_last(e.seq, kWaitStart);
     for (int s = threadIdx.x; s < e.num_ranks && !e.aborted(); s += blockDim.x)
         peer::wait_flag(e.failure(), e.signals(e.rank) + e.num_experts + s, tag(e.seq, 0),
                         intranode::kErrLowLatencyCombine, s, -1);
+    stamp_block_done(e.seq, kWaitSeen);
     __syncthreads();
     let_dependents_start();
     wait_for_prerequisite();
@@ -617,6 +664,7 @@ __global__ void __launch_bounds__(kCombineRecvThreads) combine_recv_kernel(Ctx c
     __shared__ float pick_weight[kCombineStepTokens * kMaxTopk];
     wait_for_prerequisite();  // the wait kernel's end
     const Env e = make_env(c);
+    stamp_first(e.seq, kRecvFirstStart);
     // The wait kernel saw every rank's flag; this block acquires them again (they are final) so that its
     // reads of the rows are ordered after the senders' writes, as in the dispatch receive.
     if (threadIdx.x == 0)
@@ -765,6 +813,34 @@ void combine_recv(const Ctx& ctx, const int64_t* topk_idx, const float* topk_wei
     const int blocks = std::max(1, std::min(num_tokens, 2 * num_sms));  // a token per block at most (per_step)
     launch_early(combine_recv_kernel, blocks, kCombineRecvThreads, 0, ctx.stream, "low_latency combine_recv_kernel",
                  ctx, topk_idx, topk_weights, num_tokens, num_topk, static_cast<__nv_bfloat16*>(out), zero_copy_slot);
+}
+
+bool timeline_built() {
+#ifdef MOE_EP_TIMELINE
+    return true;
+#else
+    return false;
+#endif
+}
+
+void timeline_reset() {
+#ifdef MOE_EP_TIMELINE
+    std::vector<unsigned long long> cleared(kTimelineCalls * kTimelineColumns, 0);
+    for (int call = 0; call < kTimelineCalls; ++call)
+        for (int column : {kSendFirstStart, kRecvFirstStart}) cleared[call * kTimelineColumns + column] = ~0ull;
+    MOE_EP_CUDA_CHECK(cudaMemcpyToSymbol(g_timeline, cleared.data(), cleared.size() * sizeof(cleared[0])));
+#else
+    throw std::runtime_error("moe_ep: the timeline needs a build with MOE_EP_TIMELINE=1");
+#endif
+}
+
+void timeline_read(int64_t* out) {
+#ifdef MOE_EP_TIMELINE
+    MOE_EP_CUDA_CHECK(cudaMemcpyFromSymbol(out, g_timeline, kTimelineCalls * kTimelineColumns * sizeof(int64_t)));
+#else
+    (void)out;
+    throw std::runtime_error("moe_ep: the timeline needs a build with MOE_EP_TIMELINE=1");
+#endif
 }
 
 }  // namespace low_latency
