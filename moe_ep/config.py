@@ -207,8 +207,9 @@ class LowLatencyLayout:
     """Low-latency buffer (mirrors low_latency::regions in csrc/kernels/buffer_layout.cuh): a 4 KB header
     and two identical halves used by alternate calls, so that one call's receive buffers stay valid
     while the next call is issued. Each half holds a send region (the send kernel's scratch, the rows
-    of a zero-copy combine, then a dispatch's outbox: a message per token of this rank), a receive region (a dispatch's index and a message per source
-    token and rank, or a combine's rows), and one signal per (local expert, source rank) and per rank."""
+    of a zero-copy combine, then a dispatch's outbox: a message per token of this rank), a receive
+    region (a dispatch's index and a message per source token and rank, or a combine's rows), and one
+    signal per (local expert, source rank) and per rank."""
 
     HEADER_BYTES = 4096
 
