@@ -16,6 +16,9 @@
 #   AB_LOW_LATENCY ("--ranks 2 8 --graph"): bench_low_latency's, empty to skip.
 #   AB_INTRANODE_<variant> / AB_LOW_LATENCY_<variant> (variant = patch name, each character outside
 #   [A-Za-z0-9_] as _): that variant's own arguments, e.g. a mode only it has.
+#   AB_TIMELINE (empty: none), e.g. "--ranks 8 --combine": every variant is also built with
+#   MOE_EP_TIMELINE=1 (in a copy of its tree, alongside the other builds) and, after the benchmarks,
+#   moe_ep.bench.ll_timeline runs there with these arguments: where each variant's time goes.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 INTRANODE=${AB_INTRANODE-"--ranks 2 4 8 --sms 24"}
@@ -34,16 +37,30 @@ for patch in "${PATCHES[@]}"; do
   TREE[$name]=$dir
   VARIANTS+=("$name")
 done
+declare -A TIMELINE_TREE
+if [[ -n ${AB_TIMELINE:-} ]]; then
+  for v in "${VARIANTS[@]}"; do
+    dir=/tmp/moe_ep_timeline_$v
+    rm -rf "$dir" && mkdir -p "$dir"
+    (cd "${TREE[$v]}" && tar --exclude=./.git --exclude=./.venv --exclude=./build --exclude='./moe_ep/*.so' \
+      --exclude=./out -cf - . | tar -xf - -C "$dir")
+    TIMELINE_TREE[$v]=$dir
+  done
+fi
 t0=$(date +%s)
 declare -A BUILD
 for v in "${VARIANTS[@]}"; do
   (cd "${TREE[$v]}" && $PY setup.py build_ext --inplace > "$OUT/build_$v.log" 2>&1) &
   BUILD[$v]=$!
+  if [[ -n ${TIMELINE_TREE[$v]:-} ]]; then
+    (cd "${TIMELINE_TREE[$v]}" && MOE_EP_TIMELINE=1 $PY setup.py build_ext --inplace > "$OUT/build_timeline_$v.log" 2>&1) &
+    BUILD[timeline_$v]=$!
+  fi
 done
-for v in "${VARIANTS[@]}"; do
-  wait "${BUILD[$v]}" || { echo "BUILD $v FAILED (tail of build_$v.log follows)"; tail -30 "$OUT/build_$v.log"; exit 1; }
+for job in "${!BUILD[@]}"; do
+  wait "${BUILD[$job]}" || { echo "BUILD $job FAILED (tail of build_$job.log follows)"; tail -30 "$OUT/build_$job.log"; exit 1; }
 done
-echo "built ${VARIANTS[*]} in $(( $(date +%s) - t0 )) s"
+echo "built ${VARIANTS[*]}${AB_TIMELINE:+ (and their timeline builds)} in $(( $(date +%s) - t0 )) s"
 
 FAILED_TESTS=()
 if [[ -n ${AB_TESTS:-} ]]; then
@@ -75,6 +92,12 @@ for round in $(seq 1 "${AB_ROUNDS:-2}"); do
     fi
   done
 done
+if [[ -n ${AB_TIMELINE:-} ]]; then
+  for v in "${BENCHED[@]}"; do
+    (cd "${TIMELINE_TREE[$v]}" && timeout "${AB_BENCH_TIMEOUT:-240}" $PY -m moe_ep.bench.ll_timeline $AB_TIMELINE \
+      > "$OUT/timeline_$v.txt" 2>&1) || echo "ll_timeline $v failed"
+  done
+fi
 for v in "${VARIANTS[@]:1}"; do
   echo "== $v against A"
   if [[ -f $OUT/ab_A.jsonl && -f $OUT/ab_$v.jsonl ]]; then
@@ -83,6 +106,9 @@ for v in "${VARIANTS[@]:1}"; do
     echo "no benchmark figures for both (benchmarks skipped or failed)"
   fi
 done | tee "$OUT/ab_summary.txt"
+for v in "${BENCHED[@]}"; do
+  [[ -f $OUT/timeline_$v.txt ]] && { echo "== timeline of $v"; cat "$OUT/timeline_$v.txt"; }
+done | tee -a "$OUT/ab_summary.txt"
 # At most 8 files come back from the lent machines: the summary, and everything else in one archive.
 (cd "$OUT" && tar czf ab_logs.tar.gz --exclude ab_summary.txt --exclude ab_logs.tar.gz -- * && \
   find . -maxdepth 1 -type f ! -name ab_summary.txt ! -name ab_logs.tar.gz -delete)
