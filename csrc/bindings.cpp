@@ -463,7 +463,7 @@ torch::Tensor ll_combine_send(const LowLatencyCtx& c, const torch::Tensor& x, co
 }
 
 // The low-latency kernels' timeline (api.cuh; a build with MOE_EP_TIMELINE=1): int64 [calls, columns]
-// on the host, and the column names in order.
+// on the host, columns in TimelineColumn's order.
 torch::Tensor ll_timeline() {
     auto out = torch::empty({low_latency::kTimelineCalls, low_latency::kTimelineColumns}, torch::kInt64);
     low_latency::timeline_read(out.data_ptr<int64_t>());

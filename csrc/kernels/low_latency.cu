@@ -163,6 +163,15 @@ __device__ bool block_not_aborted(const Env& e) {
     return ok;
 }
 
+// A wait kernel's end: every flag is in (or the wait gave up), so the receive's copy kernel may be
+// scheduled; it waits for this kernel's end before it reads anything.
+__device__ void let_receive_start(const Env& e) {
+    stamp_block_done(e.seq, kWaitSeen);
+    __syncthreads();
+    let_dependents_start();
+    wait_for_prerequisite();
+}
+
 // The receive kernel ends the call: its last block advances the call number.
 __device__ void finish_call(const Env& e) {
     __syncthreads();
@@ -228,9 +237,9 @@ constexpr int kPieceColumns = kBlocksPerPiece * fp8::kBlock;      // 512
 
 // A warp casts columns [piece * 512, +512) of a bf16 row to e4m3 once, with the cast kernel's own lane
 // code (fp8_block.cuh, so the bits equal fp8.cu's and fp8.py's), and stores them and their scales
-// (after the row: out + hidden) into each of the `n` messages of `messages` (nullptr: not sent).
-__device__ void cast_piece_to(const __nv_bfloat16* row, uint8_t* const* messages, int n, int hidden, int piece,
-                              bool round_scale, bool use_ue8m0, int lane) {
+// (after the row: out + hidden) into the message `out`.
+__device__ void cast_piece_to(const __nv_bfloat16* row, uint8_t* out, int hidden, int piece, bool round_scale,
+                              bool use_ue8m0, int lane) {
     const int blocks = hidden / fp8::kBlock, sub = lane % fp8::kLanesPerBlock;
     const int b = piece * kBlocksPerPiece + lane / fp8::kLanesPerBlock;
     const bool active = b < blocks;
@@ -244,19 +253,15 @@ __device__ void cast_piece_to(const __nv_bfloat16* row, uint8_t* const* messages
     alignas(16) uint8_t q[fp8::kElemsPerLane];
     const float scale = fp8::cast_lane(v, round_scale, q);  // every lane takes part in the shuffles
     const uint4 values = *reinterpret_cast<const uint4*>(q);
-    for (int k = 0; k < n; ++k) {
-        uint8_t* out = messages[k];
-        if (out == nullptr) continue;
-        uint8_t* scales = out + hidden;
-        if (active) {
-            *reinterpret_cast<uint4*>(out + b * fp8::kBlock + sub * fp8::kElemsPerLane) = values;
-            if (sub == 0) {
-                if (use_ue8m0) scales[b] = fp8::ue8m0_byte(scale);
-                else reinterpret_cast<float*>(scales)[b] = scale;
-            }
-        } else if (use_ue8m0 && sub == 0 && b < scale_bytes(hidden, true, true)) {
-            scales[b] = 0;  // the pad bytes of the last UE8M0 word are zero, as in the cast kernel
+    uint8_t* scales = out + hidden;
+    if (active) {
+        *reinterpret_cast<uint4*>(out + b * fp8::kBlock + sub * fp8::kElemsPerLane) = values;
+        if (sub == 0) {
+            if (use_ue8m0) scales[b] = fp8::ue8m0_byte(scale);
+            else reinterpret_cast<float*>(scales)[b] = scale;
         }
+    } else if (use_ue8m0 && sub == 0 && b < scale_bytes(hidden, true, true)) {
+        scales[b] = 0;  // the pad bytes of the last UE8M0 word are zero, as in the cast kernel
     }
 }
 
@@ -267,9 +272,8 @@ constexpr int kMaxTopk = 32;      // config.NUM_MAX_TOPK: a lane per pick
 constexpr int kCopyVectors = 4;
 constexpr int64_t kCopyPieceBytes = 32 * 16 * kCopyVectors;
 
-// A warp loads bytes [piece * 2 KB, +2 KB) of a bf16 row once and stores them into each message.
-__device__ void copy_piece_to(const uint8_t* row, uint8_t* const* messages, int n, int64_t row_bytes, int piece,
-                              int lane) {
+// A warp copies bytes [piece * 2 KB, +2 KB) of a bf16 row into the message `out`.
+__device__ void copy_piece_to(const uint8_t* row, uint8_t* out, int64_t row_bytes, int piece, int lane) {
     const int64_t first = piece * kCopyPieceBytes;
     uint4 v[kCopyVectors];
 #pragma unroll
@@ -277,25 +281,21 @@ __device__ void copy_piece_to(const uint8_t* row, uint8_t* const* messages, int 
         const int64_t at = first + (static_cast<int64_t>(j) * 32 + lane) * 16;
         if (at < row_bytes) v[j] = __ldg(reinterpret_cast<const uint4*>(row + at));
     }
-    for (int k = 0; k < n; ++k) {
-        uint8_t* out = messages[k];
-        if (out == nullptr) continue;
 #pragma unroll
-        for (int j = 0; j < kCopyVectors; ++j) {
-            const int64_t at = first + (static_cast<int64_t>(j) * 32 + lane) * 16;
-            if (at < row_bytes) *reinterpret_cast<uint4*>(out + at) = v[j];
-        }
+    for (int j = 0; j < kCopyVectors; ++j) {
+        const int64_t at = first + (static_cast<int64_t>(j) * 32 + lane) * 16;
+        if (at < row_bytes) *reinterpret_cast<uint4*>(out + at) = v[j];
     }
 }
 
 // A block per token (looping when the grid is smaller): the token's row is read, and in fp8 cast,
 // once and stored once, as the token's message in this rank's outbox, where every mapped rank whose
 // experts it picked reads it (a rank reached through puts gets it put into its region, at the token's
-// place in this rank's stretch of that rank's messages). Each pick writes its
-// entry in its rank's index: its slot, its place among its expert's entries in entry order (the
-// portable backend's order; the block's warps count it over their own stretches of the earlier
-// entries), names the token and pick. The last block to finish counts every expert's rows and raises
-// the count flags; nothing waits here, so a block may return at any point before that.
+// place in this rank's stretch of that rank's messages). Each pick writes its entry in its rank's
+// index: its slot, its place among its expert's entries in entry order (the portable backend's order;
+// the block's warps count it over their own stretches of the earlier entries), names the token and
+// pick, and the slot raises its expert's row count. The last block to finish raises the count flags;
+// nothing waits here, so a block may return at any point before that.
 // Four blocks per SM (64 registers), as ptxas chose before the put path: without the bound it still
 // picks 64 and spills. With NVSHMEM's device calls in the kernel it needs more than 64: no bound.
 #ifdef MOE_EP_WITH_NVSHMEM_DEVICE
@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
                                                                  int* __restrict__ recv_count) {
     __shared__ int earlier[kWarps][kMaxTopk];  // per warp: entries of its stretch before pick k with its expert
     // The token's message in this rank's outbox (nullptr: the token picks no expert).
-    __shared__ uint8_t* message[1];
+    __shared__ uint8_t* message;
 #ifdef MOE_EP_WITH_NVSHMEM_DEVICE
     __shared__ int64_t put_at[kMaxTopk];       // pick k's message offset in its rank's buffer
     __shared__ int put_to[kMaxTopk];           // the rank a pick is put to, or -1
@@ -398,20 +398,21 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
             if (k < num_topk) put_to[k] = to;
 #endif
             const bool sent = __any_sync(kFullMask, dst >= 0);
-            if (lane == 0) message[0] = sent ? e.outbox(e.rank, t, pitch) : nullptr;
+            if (lane == 0) message = sent ? e.outbox(e.rank, t, pitch) : nullptr;
         }
         const bool puts = __syncthreads_or(to >= 0);
         const __nv_bfloat16* row = x + static_cast<int64_t>(t) * e.hidden;
-        for (int piece = warp; piece < pieces; piece += kWarps) {
-            if (use_fp8) cast_piece_to(row, message, 1, e.hidden, piece, round_scale, use_ue8m0, lane);
-            else copy_piece_to(reinterpret_cast<const uint8_t*>(row), message, 1, row_bytes, piece, lane);
+        // A token that picks no expert has no message and stores nothing.
+        for (int piece = warp; message != nullptr && piece < pieces; piece += kWarps) {
+            if (use_fp8) cast_piece_to(row, message, e.hidden, piece, round_scale, use_ue8m0, lane);
+            else copy_piece_to(reinterpret_cast<const uint8_t*>(row), message, row_bytes, piece, lane);
         }
 #ifdef MOE_EP_WITH_NVSHMEM_DEVICE
         if (puts) {
             __threadfence_system();  // the outbox row, written by every warp, before a transport reads it
             __syncthreads();
             for (int k = warp; k < num_topk; k += kWarps)
-                if (put_to[k] >= 0) nvshmemx_putmem_nbi_warp(e.symmetric(put_at[k]), message[0], payload, put_to[k]);
+                if (put_to[k] >= 0) nvshmemx_putmem_nbi_warp(e.symmetric(put_at[k]), message, payload, put_to[k]);
         }
 #else
         (void)puts;
@@ -464,12 +465,7 @@ __global__ void __launch_bounds__(kWaitThreads) dispatch_wait_kernel(Ctx c, int*
             if (stats != nullptr) stats[local] += total;
         }
     }
-    stamp_block_done(e.seq, kWaitSeen);
-    // Every flag is in (or the wait gave up): the copy kernel may be scheduled, and it waits for this
-    // kernel's end before it reads anything.
-    __syncthreads();
-    let_dependents_start();
-    wait_for_prerequisite();
+    let_receive_start(e);
 }
 
 // The last of `n` ranges whose start (`starts`, ascending) is at or before i: with the starts of
@@ -649,10 +645,7 @@ __global__ void __launch_bounds__(kWaitThreads) combine_wait_kernel(Ctx c) {
     for (int s = threadIdx.x; s < e.num_ranks && !e.aborted(); s += blockDim.x)
         peer::wait_flag(e.failure(), e.signals(e.rank) + e.num_experts + s, tag(e.seq, 0),
                         intranode::kErrLowLatencyCombine, s, -1);
-    stamp_block_done(e.seq, kWaitSeen);
-    __syncthreads();
-    let_dependents_start();
-    wait_for_prerequisite();
+    let_receive_start(e);
 }
 
 // After combine_wait_kernel: per token acc = acc + (weight * row) over the slots in order.
