@@ -25,14 +25,19 @@ INTRANODE=${AB_INTRANODE-"--ranks 2 4 8 --sms 24"}
 LOW_LATENCY=${AB_LOW_LATENCY-"--ranks 2 8 --graph"}
 read -r -a PATCHES <<< "${AB_PATCHES:?AB_PATCHES: the patches that make the variants, space-separated}"
 
-# Variant A is this tree; each other variant a fresh copy (a copied build/ would point at A's sources).
+# A fresh copy of the sources in $1 at $2 (a copied build/ would point at the first tree's sources).
+copy_sources() {
+  rm -rf "$2" && mkdir -p "$2"
+  (cd "$1" && tar --exclude=./.git --exclude=./.venv --exclude=./build --exclude='./moe_ep/*.so' --exclude=./out \
+    -cf - .) | tar -xf - -C "$2"
+}
+# Variant A is this tree; each other variant a patched copy.
 declare -A TREE=([A]=$ROOT)
 VARIANTS=(A)
 for patch in "${PATCHES[@]}"; do
   name=$(basename "$patch" .patch)
   dir=/tmp/moe_ep_variant_$name
-  rm -rf "$dir" && mkdir -p "$dir"
-  tar --exclude=./.git --exclude=./.venv --exclude=./build --exclude='./moe_ep/*.so' --exclude=./out -cf - . | tar -xf - -C "$dir"
+  copy_sources "$ROOT" "$dir"
   (cd "$dir" && patch -s -p1 < "$ROOT/$patch") || { echo "$patch does not apply to this tree"; exit 1; }
   TREE[$name]=$dir
   VARIANTS+=("$name")
@@ -40,11 +45,8 @@ done
 declare -A TIMELINE_TREE
 if [[ -n ${AB_TIMELINE:-} ]]; then
   for v in "${VARIANTS[@]}"; do
-    dir=/tmp/moe_ep_timeline_$v
-    rm -rf "$dir" && mkdir -p "$dir"
-    (cd "${TREE[$v]}" && tar --exclude=./.git --exclude=./.venv --exclude=./build --exclude='./moe_ep/*.so' \
-      --exclude=./out -cf - . | tar -xf - -C "$dir")
-    TIMELINE_TREE[$v]=$dir
+    TIMELINE_TREE[$v]=/tmp/moe_ep_timeline_$v
+    copy_sources "${TREE[$v]}" "${TIMELINE_TREE[$v]}"
   done
 fi
 t0=$(date +%s)
