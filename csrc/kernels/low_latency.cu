@@ -49,7 +49,8 @@ constexpr int kWaitThreads = 256;          // wait kernels: a warp per expert, a
 // SM's registers: a 1024-thread block needed a whole SM free of other blocks, which with 8 PEs' sends
 // and receives sharing the GPU is rare (and their 8 x 32 blocks took two waves of the 132 SMs).
 constexpr int kRecvThreads = 256;
-constexpr int kRecvBlocksPerSm = 65536 / (kRecvThreads * 64);
+// Three blocks per SM: each holds its warps' bulk-copy stages (64 KB), so no more fit; 85 registers.
+constexpr int kRecvBlocksPerSm = 3;
 constexpr int kCombineRecvThreads = 512;   // combine receive: a thread per (token, 16 bytes)
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kCountBits = 24;  // peer::tag keeps the step (here: a row count) in the low 24 bits
@@ -498,6 +499,64 @@ __device__ __forceinline__ void warp_range_starts(int* first, int n, Size size, 
     if (lane == 0) first[0] = 0;
 }
 
+// The receive's count tables in bytes, rounded up to 128 (the bulk-copy stages follow them).
+__host__ __device__ __forceinline__ int64_t recv_tables_bytes_aligned(int num_local, int num_ranks) {
+    return (4LL * (static_cast<int64_t>(num_local) * (num_ranks + 1) + num_local + 1) + 127) / 128 * 128;
+}
+
+// A warp's bulk copy of a row (sm_90's bulk-copy unit: global -> shared -> global, issued by one lane,
+// so the warp's other lanes and the SM's issue slots stay free while the bytes move). Each warp owns
+// kBulkChunk bytes of staging and an mbarrier that counts the bytes landing there.
+constexpr int kBulkChunk = 8192;
+struct BulkStage {
+    uint8_t* bytes;
+    uint64_t* bar;
+    unsigned phase;
+};
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void bulk_init(BulkStage& st) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(st.bar)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    st.phase = 0;
+}
+// Lane 0 only: `bytes` (a multiple of 16, 16-byte aligned ends) from src to dst through the stage.
+__device__ __forceinline__ void bulk_copy(BulkStage& st, uint8_t* dst, const uint8_t* src, int64_t bytes) {
+    const unsigned bar = shared_address(st.bar), stage = shared_address(st.bytes);
+    for (int64_t at = 0; at < bytes; at += kBulkChunk) {
+        const unsigned n = static_cast<unsigned>(bytes - at < kBulkChunk ? bytes - at : kBulkChunk);
+        // The stage is free once the previous chunk's store has read it.
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(n) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(stage),
+                     "l"(src + at), "r"(n), "r"(bar)
+                     : "memory");
+        unsigned done = 0;
+        while (!done)
+            asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                         : "=r"(done)
+                         : "r"(bar), "r"(st.phase)
+                         : "memory");
+        st.phase ^= 1;
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst + at), "r"(stage), "r"(n) : "memory");
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+}
+// Lane 0: every store issued is complete (before the kernel's end is announced).
+__device__ __forceinline__ void bulk_drain() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// After the flags' acquire: the bulk unit's reads (another proxy) see what the acquire made visible.
+__device__ __forceinline__ void bulk_acquire_fence() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+constexpr bool kHaveBulk = true;
+#else
+__device__ __forceinline__ void bulk_init(BulkStage&) {}
+__device__ __forceinline__ void bulk_copy(BulkStage&, uint8_t*, const uint8_t*, int64_t) {}
+__device__ __forceinline__ void bulk_drain() {}
+__device__ __forceinline__ void bulk_acquire_fence() {}
+constexpr bool kHaveBulk = false;
+#endif
+
 // After dispatch_wait_kernel: every block reads the counts in the flags (final by now) into shared
 // memory, then its warps take the received rows in the packed order (by expert, then source rank, then
 // slot: the portable order), a warp per row, and copy each from the message its index entry names (in
@@ -508,11 +567,13 @@ __global__ void __launch_bounds__(kRecvThreads, kRecvBlocksPerSm) dispatch_recv_
     wait_for_prerequisite();  // the wait kernel's end: every flag final, or the call aborted
     // [L][R + 1]: the first packed row of each (local expert, source) within the expert's rows, then the
     // expert's total; then [L + 1]: each expert's first row among all received rows, then the total.
-    extern __shared__ int tables[];
+    // Then each warp's bulk-copy stage and its mbarrier.
+    extern __shared__ __align__(128) int tables[];
     const Env e = make_env(c);
     const int R = e.num_ranks, L = e.num_local, lane = threadIdx.x % 32;
     int* first_of = tables;
     int* first_row = tables + static_cast<int64_t>(L) * (R + 1);
+    const int64_t table_bytes = recv_tables_bytes_aligned(L, R);
     stamp_first(e.seq, kRecvFirstStart);
     if (block_not_aborted(e)) {  // else the wait kernel gave up: nothing to copy
         for (int i = threadIdx.x; i < L * R; i += blockDim.x) {
@@ -536,6 +597,16 @@ __global__ void __launch_bounds__(kRecvThreads, kRecvBlocksPerSm) dispatch_recv_
         const uint8_t* messages = e.recv(e.rank) + dispatch_messages_offset(e.num_experts, e.max_tokens);
         const int64_t rows_per_expert = static_cast<int64_t>(R) * e.max_tokens;
         const int warps = gridDim.x * (blockDim.x / 32);
+        // This warp's stage, behind the tables (table_bytes, 128-byte aligned).
+        BulkStage stage{};
+        const bool bulk = kHaveBulk && x_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(recv_x) % 16 == 0;
+        if (bulk && lane == 0) {
+            uint8_t* base = reinterpret_cast<uint8_t*>(tables) + table_bytes;
+            stage.bytes = base + (threadIdx.x / 32) * kBulkChunk;
+            stage.bar = reinterpret_cast<uint64_t*>(base + kWarps * kBulkChunk) + threadIdx.x / 32;
+            bulk_init(stage);
+            bulk_acquire_fence();
+        }
         for (int i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < first_row[L]; i += warps) {
             const int local = range_of(first_row, L, i), within = i - first_row[local];
             const int* first = first_of + static_cast<int64_t>(local) * (R + 1);
@@ -549,9 +620,14 @@ __global__ void __launch_bounds__(kRecvThreads, kRecvBlocksPerSm) dispatch_recv_
             const uint8_t* message = e.reachable(s) ? e.outbox(s, entry.x, pitch)
                                                     : messages + dispatch_message_at(s, entry.x, e.max_tokens, pitch);
             if (lane == 0) recv_src_info[row] = (s * e.max_tokens + entry.x) * num_topk + entry_pick(entry);
-            warp_copy<Src::kShared>(recv_x + row * x_bytes, message, x_bytes, lane);
+            if (bulk) {
+                if (lane == 0) bulk_copy(stage, recv_x + row * x_bytes, message, x_bytes);
+            } else {
+                warp_copy<Src::kShared>(recv_x + row * x_bytes, message, x_bytes, lane);
+            }
             if (s_bytes > 0) warp_copy<Src::kShared>(recv_scales + row * s_bytes, message + e.hidden, s_bytes, lane);
         }
+        if (bulk && lane == 0) bulk_drain();
     }
     finish_call(e);
 }
@@ -732,15 +808,16 @@ bool set_up(const void* kernel) {
 }
 
 // The dispatch receive's count tables grow with the experts: past the default 48 KB of dynamic shared
-// memory they need the opt-in.
+// memory they need the opt-in (with the bulk-copy stages behind them).
 constexpr size_t kMaxRecvTableBytes = 48 * 1024 * 2;
+constexpr size_t kRecvStageBytes = kWarps * (kBulkChunk + sizeof(uint64_t));
 size_t recv_table_bytes(const Ctx& ctx) {
     const size_t num_local = static_cast<size_t>(ctx.num_experts / ctx.num_ranks);
     return sizeof(int) * (num_local * (ctx.num_ranks + 1) + num_local + 1);
 }
 bool allow_recv_tables(const void* kernel) {
     MOE_EP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(kMaxRecvTableBytes)));
+                                           static_cast<int>(kMaxRecvTableBytes + 128 + kRecvStageBytes)));
     return true;
 }
 
@@ -765,7 +842,7 @@ void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t*
 void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales,
                    int* recv_count, int* stats, int* recv_src_info, int num_sms) {
     const int num_local = ctx.num_experts / ctx.num_ranks;
-    const size_t smem = recv_table_bytes(ctx);  // within kMaxRecvTableBytes: dispatch_send checked
+    const size_t smem = static_cast<size_t>(recv_tables_bytes_aligned(num_local, ctx.num_ranks)) + kRecvStageBytes;
     static thread_local const bool ready = set_up(reinterpret_cast<const void*>(dispatch_wait_kernel)) &&
                                            set_up(reinterpret_cast<const void*>(dispatch_recv_kernel)) &&
                                            allow_recv_tables(reinterpret_cast<const void*>(dispatch_recv_kernel));
