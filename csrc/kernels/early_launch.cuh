@@ -25,21 +25,21 @@ __device__ __forceinline__ void wait_for_prerequisite() {
 #endif
 }
 
-// Whether the current device schedules kernels early (compute capability 9 or more), asked once per
-// device and thread.
-inline bool current_device_launches_early() {
+// The current device's compute capability (major), asked once per device and thread.
+inline int current_device_major() {
     static thread_local int device_asked = -1;
-    static thread_local bool answer = false;
+    static thread_local int major = 0;
     int device = 0;
     MOE_EP_CUDA_CHECK(cudaGetDevice(&device));
     if (device != device_asked) {
-        int major = 0;
         MOE_EP_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
         device_asked = device;
-        answer = major >= 9;
     }
-    return answer;
+    return major;
 }
+
+// Whether the current device schedules kernels early (compute capability 9 or more).
+inline bool current_device_launches_early() { return current_device_major() >= 9; }
 
 template <typename... Params, typename... Args>
 void launch_early(void (*kernel)(Params...), int blocks, int threads, size_t smem, cudaStream_t stream,

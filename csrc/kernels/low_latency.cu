@@ -45,11 +45,11 @@ constexpr int kWarps = kThreads / 32;
 // peers' sends when ranks share a GPU; blocks that only copy need not, and a few spinning blocks
 // copying alone made the receives latency-bound).
 constexpr int kWaitThreads = 256;          // wait kernels: a warp per expert, a lane per source rank
-// Dispatch receive: a warp per row. Blocks of 256 threads at 64 registers take 1/4 of an
-// SM's registers: a 1024-thread block needed a whole SM free of other blocks, which with 8 PEs' sends
-// and receives sharing the GPU is rare (and their 8 x 32 blocks took two waves of the 132 SMs).
+// Dispatch receive: a warp per row. Blocks of 256 threads: a 1024-thread block needed a whole SM free
+// of other blocks, which with 8 PEs' sends and receives sharing the GPU is rare (and their 8 x 32
+// blocks took two waves of the 132 SMs). Three per SM: each holds its warps' bulk-copy stages (64 KB of
+// shared memory), so no more fit, and the bound leaves ptxas 85 registers (64 spilled).
 constexpr int kRecvThreads = 256;
-// Three blocks per SM: each holds its warps' bulk-copy stages (64 KB), so no more fit; 85 registers.
 constexpr int kRecvBlocksPerSm = 3;
 constexpr int kCombineRecvThreads = 512;   // combine receive: a thread per (token, 16 bytes)
 constexpr unsigned kFullMask = 0xffffffffu;
@@ -500,12 +500,13 @@ __device__ __forceinline__ void warp_range_starts(int* first, int n, Size size, 
 }
 
 // The receive's count tables in bytes, rounded up to 128 (the bulk-copy stages follow them).
-__host__ __device__ __forceinline__ int64_t recv_tables_bytes_aligned(int num_local, int num_ranks) {
+__host__ __device__ __forceinline__ int64_t recv_table_bytes(int num_local, int num_ranks) {
     return (4LL * (static_cast<int64_t>(num_local) * (num_ranks + 1) + num_local + 1) + 127) / 128 * 128;
 }
 
 // A warp's bulk copy of a row (sm_90's bulk-copy unit: global -> shared -> global, issued by one lane,
-// so the warp's other lanes and the SM's issue slots stay free while the bytes move). Each warp owns
+// so the warp's other lanes and the SM's issue slots stay free while the bytes move; with 8 PEs on one
+// H200 the dispatch took ~5 us less than with the lanes' 16-byte loads and stores). Each warp owns
 // kBulkChunk bytes of staging and an mbarrier that counts the bytes landing there.
 constexpr int kBulkChunk = 8192;
 struct BulkStage {
@@ -560,10 +561,11 @@ constexpr bool kHaveBulk = false;
 // After dispatch_wait_kernel: every block reads the counts in the flags (final by now) into shared
 // memory, then its warps take the received rows in the packed order (by expert, then source rank, then
 // slot: the portable order), a warp per row, and copy each from the message its index entry names (in
-// the source's outbox, or for a source that puts in this rank's region).
+// the source's outbox, or for a source that puts in this rank's region); on sm_90 the row itself goes
+// through the bulk-copy unit, the scales (a few hundred bytes, not always a multiple of 16) by the lanes.
 __global__ void __launch_bounds__(kRecvThreads, kRecvBlocksPerSm) dispatch_recv_kernel(Ctx c, int num_topk, bool use_fp8, bool use_ue8m0,
                                                                  uint8_t* __restrict__ recv_x, uint8_t* __restrict__ recv_scales,
-                                                                 int* __restrict__ recv_src_info) {
+                                                                 int* __restrict__ recv_src_info, bool with_stages) {
     wait_for_prerequisite();  // the wait kernel's end: every flag final, or the call aborted
     // [L][R + 1]: the first packed row of each (local expert, source) within the expert's rows, then the
     // expert's total; then [L + 1]: each expert's first row among all received rows, then the total.
@@ -573,7 +575,7 @@ __global__ void __launch_bounds__(kRecvThreads, kRecvBlocksPerSm) dispatch_recv_
     const int R = e.num_ranks, L = e.num_local, lane = threadIdx.x % 32;
     int* first_of = tables;
     int* first_row = tables + static_cast<int64_t>(L) * (R + 1);
-    const int64_t table_bytes = recv_tables_bytes_aligned(L, R);
+    const int64_t table_bytes = recv_table_bytes(L, R);
     stamp_first(e.seq, kRecvFirstStart);
     if (block_not_aborted(e)) {  // else the wait kernel gave up: nothing to copy
         for (int i = threadIdx.x; i < L * R; i += blockDim.x) {
@@ -599,7 +601,7 @@ __global__ void __launch_bounds__(kRecvThreads, kRecvBlocksPerSm) dispatch_recv_
         const int warps = gridDim.x * (blockDim.x / 32);
         // This warp's stage, behind the tables (table_bytes, 128-byte aligned).
         BulkStage stage{};
-        const bool bulk = kHaveBulk && x_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(recv_x) % 16 == 0;
+        const bool bulk = kHaveBulk && with_stages && x_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(recv_x) % 16 == 0;
         if (bulk && lane == 0) {
             uint8_t* base = reinterpret_cast<uint8_t*>(tables) + table_bytes;
             stage.bytes = base + (threadIdx.x / 32) * kBulkChunk;
@@ -808,16 +810,17 @@ bool set_up(const void* kernel) {
 }
 
 // The dispatch receive's count tables grow with the experts: past the default 48 KB of dynamic shared
-// memory they need the opt-in (with the bulk-copy stages behind them).
+// memory they need the opt-in, with the bulk-copy stages behind them (sm_90 and later only: older
+// GPUs copy with the warp's lanes and need no stage).
 constexpr size_t kMaxRecvTableBytes = 48 * 1024 * 2;
 constexpr size_t kRecvStageBytes = kWarps * (kBulkChunk + sizeof(uint64_t));
 size_t recv_table_bytes(const Ctx& ctx) {
-    const size_t num_local = static_cast<size_t>(ctx.num_experts / ctx.num_ranks);
-    return sizeof(int) * (num_local * (ctx.num_ranks + 1) + num_local + 1);
+    return static_cast<size_t>(recv_table_bytes(ctx.num_experts / ctx.num_ranks, ctx.num_ranks));
 }
+size_t recv_stage_bytes() { return current_device_major() >= 9 ? kRecvStageBytes : 0; }
 bool allow_recv_tables(const void* kernel) {
     MOE_EP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(kMaxRecvTableBytes + 128 + kRecvStageBytes)));
+                                           static_cast<int>(kMaxRecvTableBytes + recv_stage_bytes())));
     return true;
 }
 
@@ -842,7 +845,9 @@ void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t*
 void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales,
                    int* recv_count, int* stats, int* recv_src_info, int num_sms) {
     const int num_local = ctx.num_experts / ctx.num_ranks;
-    const size_t smem = static_cast<size_t>(recv_tables_bytes_aligned(num_local, ctx.num_ranks)) + kRecvStageBytes;
+    // The tables are within kMaxRecvTableBytes (dispatch_send checked); `with_stages` tells the kernel
+    // that the bulk-copy stages follow them.
+    const size_t smem = recv_table_bytes(ctx) + recv_stage_bytes();
     static thread_local const bool ready = set_up(reinterpret_cast<const void*>(dispatch_wait_kernel)) &&
                                            set_up(reinterpret_cast<const void*>(dispatch_recv_kernel)) &&
                                            allow_recv_tables(reinterpret_cast<const void*>(dispatch_recv_kernel));
@@ -854,7 +859,7 @@ void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, v
     const int blocks = std::max(1, std::min(num_local, 2 * num_sms) * (1024 / kRecvThreads));
     launch_early(dispatch_recv_kernel, blocks, kRecvThreads, smem, ctx.stream, "low_latency dispatch_recv_kernel", ctx,
                  num_topk, use_fp8, use_ue8m0, static_cast<uint8_t*>(recv_x), static_cast<uint8_t*>(recv_scales),
-                 recv_src_info);
+                 recv_src_info, recv_stage_bytes() > 0);
 }
 
 void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const int* recv_src_info, int num_topk, int num_sms,
