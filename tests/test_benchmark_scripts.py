@@ -141,5 +141,5 @@ def test_peer_copy_benchmark_moves_bytes_between_ranks(tmp_path):
     _run("moe_ep.bench.peer_copy", "--ranks", "2", "--mib", "8", "--warmup", "1", "--iters", "2",
          "--json", str(tmp_path / "b.jsonl"), env={"CUDA_VISIBLE_DEVICES": "0"})  # its ranks share one GPU
     rows = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
-    assert [r["mode"] for r in rows] == ["own -> own", "own -> peer (push)", "peer -> own (pull)"]
+    assert [r["mode"] for r in rows] == ["own -> own", "own -> peer (push)", "peer -> own (pull)", "own -> every peer"]
     assert all(len(r["per_rank_gbps"]) == 2 and min(r["per_rank_gbps"]) > 0 for r in rows)

@@ -1,8 +1,11 @@
 """Is a store into another rank's buffer slower than a load from it? Ranks on one GPU map each other's
-buffers with CUDA IPC (as the kernels do) and, all at once, move the same bytes three ways with one
-elementwise kernel each: within their own buffer, from their buffer into the next rank's (a push),
-and from the next rank's buffer into theirs (a pull). The combine pushes and the dispatch pulls; the
-per-phase profile shows the push taking twice the pull's time for the same bytes (PERFORMANCE.md).
+buffers with CUDA IPC (as the kernels do) and, all at once, move the same bytes four ways with
+elementwise kernels: within their own buffer, from their buffer into the next rank's (a push), from
+the next rank's buffer into theirs (a pull), and from their buffer into every other rank's, a kernel
+per peer, each into its own 1/R of the peer's destination (pushes to every peer, one peer at a time:
+what the one-pass dispatch does, except that it interleaves the peers row by row). The combine pushes
+and the dispatch pulls; the per-phase profile shows the push taking twice the pull's time for the same
+bytes (PERFORMANCE.md).
 
     python -m moe_ep.bench.peer_copy --ranks 2 4 8 --mib 256
 """
@@ -20,11 +23,11 @@ from moe_ep.sync import ArrivalGate
 
 from .timing import wall_seconds_per_call
 
-MODES = ("own -> own", "own -> peer (push)", "peer -> own (pull)")
+MODES = ("own -> own", "own -> peer (push)", "peer -> own (pull)", "own -> every peer")
 
 
 def rank_copy(args):
-    """Per mode: seconds per copy of args.mib MiB, every rank copying at the same time."""
+    """Per mode: (seconds per call, bytes each rank moves per call), every rank copying at the same time."""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     size = args.mib << 20
     # Each rank's buffer: [source | destination]; rank r pushes into rank r + 1's destination and pulls
@@ -39,6 +42,15 @@ def rank_copy(args):
 
         own_src, own_dst, next_src, next_dst = half(rank, 0), half(rank, 1), half(nxt, 0), half(nxt, 1)
         own_src.normal_()
+        # Every peer's destination in R parts: part `rank` is this rank's, filled from part p of its source.
+        part = own_src.numel() // num_ranks
+        peers = [p for p in range(num_ranks) if p != rank]
+        to_peers = [(own_src[p * part:(p + 1) * part], half(p, 1)[rank * part:(rank + 1) * part]) for p in peers]
+
+        def to_every_peer():
+            for src, dst in to_peers:
+                torch.neg(src, out=dst)
+
         torch.cuda.synchronize()
         dist.barrier()
         # torch.neg: one read and one write of every element, on the SMs (a plain copy may go to a copy engine).
@@ -46,14 +58,20 @@ def rank_copy(args):
             MODES[0]: lambda: torch.neg(own_src, out=own_dst),
             MODES[1]: lambda: torch.neg(own_src, out=next_dst),
             MODES[2]: lambda: torch.neg(next_src, out=own_dst),
+            MODES[3]: to_every_peer,
         }
+        moved = {mode: size for mode in MODES}
+        moved[MODES[3]] = len(peers) * part * own_src.element_size()
         results = {}
         for mode, fn in calls.items():
-            results[mode] = wall_seconds_per_call(fn, args.warmup, args.iters)
+            results[mode] = (wall_seconds_per_call(fn, args.warmup, args.iters), moved[mode])
             dist.barrier()  # its copies are done on every rank: the next mode writes other destinations
-        # The last mode (pull) left the next rank's source, negated, in this rank's destination.
-        if not torch.equal(own_dst, -next_src):
-            raise RuntimeError("bench_peer_copy: the pulled bytes differ from the peer's")
+            if mode == MODES[2] and not torch.equal(own_dst, -next_src):  # the next rank's source, negated
+                raise RuntimeError("bench_peer_copy: the pulled bytes differ from the peer's")
+        # The last mode left part `p` of every peer's source, negated, in part p of this rank's destination.
+        for p in peers:
+            if not torch.equal(own_dst[p * part:(p + 1) * part], -half(p, 0)[rank * part:(rank + 1) * part]):
+                raise RuntimeError(f"bench_peer_copy: the bytes rank {p} pushed here differ from its source")
         return results
     finally:
         buffers.close()
@@ -76,8 +94,8 @@ def main():
         with RankPool(num_ranks, use_cuda=True) as pool:
             per_rank = pool.run(rank_copy, args)
         for mode in MODES:
-            seconds = [r[mode] for r in per_rank]
-            gbps = [(args.mib << 20) / s / 1e9 for s in seconds]
+            seconds = [r[mode][0] for r in per_rank]
+            gbps = [r[mode][1] / r[mode][0] / 1e9 for r in per_rank]
             print(f"{num_ranks:>5} {mode:>20} {max(seconds) * 1e6:>14.0f} {min(gbps):>20.0f} {sum(gbps):>15.0f}")
             if args.json:
                 with open(args.json, "a") as f:
