@@ -65,9 +65,11 @@ def rank_copy(args):
         results = {}
         for mode, fn in calls.items():
             results[mode] = (wall_seconds_per_call(fn, args.warmup, args.iters), moved[mode])
-            dist.barrier()  # its copies are done on every rank: the next mode writes other destinations
-            if mode == MODES[2] and not torch.equal(own_dst, -next_src):  # the next rank's source, negated
+            # The pull left the next rank's source, negated, here; checked before the barrier, after
+            # which the peers push into this destination.
+            if mode == MODES[2] and not torch.equal(own_dst, -next_src):
                 raise RuntimeError("bench_peer_copy: the pulled bytes differ from the peer's")
+            dist.barrier()  # its copies are done on every rank: the next mode writes other destinations
         # The last mode left part `p` of every peer's source, negated, in part p of this rank's destination.
         for p in peers:
             if not torch.equal(own_dst[p * part:(p + 1) * part], -half(p, 0)[rank * part:(rank + 1) * part]):
