@@ -131,7 +131,7 @@ def test_low_latency_call_profile_with_stubbed_launches():
 
 
 def test_shell_scripts_parse():
-    for script in sorted((ROOT / "scripts").glob("*.sh")) + [ROOT / ".ci" / "run"]:
+    for script in sorted((ROOT / "scripts").rglob("*.sh")) + [ROOT / ".ci" / "run"]:
         done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert done.returncode == 0, f"{script.name}: {done.stderr}"
 
