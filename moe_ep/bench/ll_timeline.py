@@ -18,10 +18,10 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from moe_ep import Buffer
 from moe_ep._native import ops
 from moe_ep.launch import RankPool
 
+from .low_latency import add_problem_arguments, make_problem
 from .timing import device_sync
 
 # The columns of low_latency::TimelineColumn, in order.
@@ -33,15 +33,8 @@ KINDS = {1: "dispatch", 2: "combine"}
 def rank_timeline(args, num_experts: int):
     if not ops().ll_timeline_built():
         raise RuntimeError("the extension was built without MOE_EP_TIMELINE=1: no timeline to read")
-    rank, num_ranks = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(3000 + rank)
-    x = torch.randn(args.tokens, args.hidden, device="cuda").to(torch.bfloat16)
-    topk_idx = torch.rand(args.tokens, num_experts, device="cuda").topk(args.topk, dim=1).indices
-    topk_weights = torch.rand(args.tokens, args.topk, device="cuda")
-    size = Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, num_ranks, num_experts)
-    buffer = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, num_qps_per_rank=num_experts // num_ranks)
+    x, topk_idx, topk_weights, y, buffer = make_problem(args, num_experts, 3000)
     _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, args.tokens, num_experts, use_fp8=True)
-    y = torch.randn(num_experts // num_ranks, num_ranks * args.tokens, args.hidden, device="cuda").to(torch.bfloat16)
 
     def one_round():
         buffer.low_latency_dispatch(x, topk_idx, args.tokens, num_experts, use_fp8=True)
@@ -104,11 +97,7 @@ def phases(tables, skip: int):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[8])
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=256)
+    add_problem_arguments(parser)
     parser.add_argument("--calls", type=int, default=20, help="rounds captured in the graph (at most 30 with --combine)")
     parser.add_argument("--skip", type=int, default=2, help="first calls of the replay left out")
     parser.add_argument("--combine", action="store_true", help="a round is a dispatch and a combine")

@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -27,18 +28,33 @@ from moe_ep.launch import RankError, RankPool
 from .timing import cuda_kernel_us, device_sync, wall_seconds_per_call
 
 
-def rank_bench(args, num_experts: int):
+def add_problem_arguments(parser: argparse.ArgumentParser, experts_help: Optional[str] = None) -> None:
+    """The shape of the low-latency problem (the timeline benchmark, ll_timeline, takes the same)."""
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=256, help=experts_help)
+
+
+def make_problem(args, num_experts: int, seed: int, device: str = "cuda"):
+    """This rank's random inputs (x, top-k ids and weights), the experts' outputs for the combine (y,
+    [local experts, ranks x tokens, hidden]) and a low-latency Buffer sized for them."""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(2000 + rank)
-    device = "cpu" if args.cpu else "cuda"
+    torch.manual_seed(seed + rank)
     x = torch.randn(args.tokens, args.hidden, device=device).to(torch.bfloat16)
     topk_idx = torch.rand(args.tokens, num_experts, device=device).topk(args.topk, dim=1).indices
     topk_weights = torch.rand(args.tokens, args.topk, device=device)
     local, rows = num_experts // num_ranks, num_ranks * args.tokens
     y = torch.randn(local, rows, args.hidden, device=device).to(torch.bfloat16)
-    selections = int((topk_idx >= 0).sum())
     size = Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, num_ranks, num_experts)
-    buffer = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, num_qps_per_rank=num_experts // num_ranks)
+    buffer = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, num_qps_per_rank=local)
+    return x, topk_idx, topk_weights, y, buffer
+
+
+def rank_bench(args, num_experts: int):
+    x, topk_idx, topk_weights, y, buffer = make_problem(args, num_experts, 2000, "cpu" if args.cpu else "cuda")
+    selections = int((topk_idx >= 0).sum())
     device_sync()
     dist.barrier()
     recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, args.tokens, num_experts, use_fp8=True)
@@ -98,11 +114,7 @@ def rank_bench(args, num_experts: int):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[8])
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=256, help="with 8 ranks the run uses 288 as well")
+    add_problem_arguments(parser, experts_help="with 8 ranks the run uses 288 as well")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", help="append one JSON line per run here")
