@@ -742,7 +742,7 @@ class Buffer:
             handle, x, LowLatencyKernelState, self._ll_kernels, "low_latency_dispatch"
         )
         self._ll_next ^= 1
-        if made_by_kernels:  # zero copy: the peers read the rows where the caller wrote them
+        if made_by_kernels:  # the combine owns zero-copy slot `slot`: the caller's rows, or x's rows staged there
             combined, hook = self._low_latency.low_latency_combine(
                 x, topk_idx, topk_weights, handle, return_recv_hook, out, slot=slot, zero_copy=zero_copy
             )
