@@ -13,6 +13,7 @@
 
 #include "kernels/api.cuh"
 #include "kernels/buffer_layout.cuh"
+#include "peer_memory.h"
 
 #ifndef MOE_EP_NVSHMEM_REASON
 #define MOE_EP_NVSHMEM_REASON ""
@@ -122,6 +123,24 @@ int64_t ipc_open(const std::string& handle_bytes) {
     void* ptr = nullptr;
     C10_CUDA_CHECK(cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess));
     return reinterpret_cast<int64_t>(ptr);
+}
+
+// The same through the driver's virtual-memory API (peer_memory.h): the allocation travels as a file
+// descriptor, which Python passes to the peers; handles and sizes travel as integers.
+py::tuple vmm_alloc(int64_t num_bytes) {
+    TORCH_CHECK(num_bytes > 0, "vmm_alloc: num_bytes must be positive");
+    int fd = -1;
+    const auto m = peer_memory::allocate(c10::cuda::current_device(), static_cast<size_t>(num_bytes), &fd);
+    return py::make_tuple(static_cast<int64_t>(m.address), static_cast<int64_t>(m.size), static_cast<int64_t>(m.handle), fd);
+}
+
+py::tuple vmm_import(int fd, int64_t size) {
+    const auto m = peer_memory::import(c10::cuda::current_device(), fd, static_cast<size_t>(size));
+    return py::make_tuple(static_cast<int64_t>(m.address), static_cast<int64_t>(m.handle));
+}
+
+void vmm_release(int64_t address, int64_t size, int64_t handle) {
+    peer_memory::release({static_cast<uint64_t>(address), static_cast<size_t>(size), static_cast<uint64_t>(handle)});
 }
 
 // Zeroes device memory and waits (a buffer must be clean before any peer can see it).
@@ -549,6 +568,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("ipc_close", &moe_ep::ipc_close, "unmap a peer's buffer");
     m.def("device_free", &moe_ep::device_free, "free a buffer from ipc_alloc");
     m.def("device_zero", &moe_ep::device_zero, "zero device memory and wait");
+    m.def("vmm_supported", [] { return moe_ep::peer_memory::supported(c10::cuda::current_device()); },
+          "whether this GPU can export memory as file descriptors (the virtual-memory API)");
+    m.def("vmm_alloc", &moe_ep::vmm_alloc, "zeroed device buffer, its size, handle and an exported file descriptor");
+    m.def("vmm_import", &moe_ep::vmm_import, "map a peer's buffer from its file descriptor");
+    m.def("vmm_release", &moe_ep::vmm_release, "unmap a buffer from vmm_alloc or vmm_import");
     m.def("wait_host_value", &moe_ep::wait_host_value, "spin on a host-mapped counter");
     py::class_<moe_ep::IntranodeCtx>(m, "IntranodeCtx")
         .def(py::init<int64_t, int, int, int64_t, torch::Tensor, double, int>())

@@ -69,6 +69,8 @@ def backend_info() -> dict:
         "cpu_tensors_run_on": "portable backend (torch.distributed)",
         "reason": reason or "extension loaded",
     }
+    if reason is None:  # how peers' buffers are mapped by default (backends/peers.py, peer_memory)
+        info["peer_memory_vmm"] = bool(ops().vmm_supported())
     if reason is None and not info["nvshmem"]:
         module, _ = _load()
         info["nvshmem_reason"] = getattr(module, "NVSHMEM_REASON", "built without NVSHMEM")

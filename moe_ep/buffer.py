@@ -19,6 +19,7 @@ from .backends.intranode import (
     IntranodeBackend, IntranodeDispatchState, zero_copy_dispatch_layout, zero_copy_dispatch_too_small,
 )
 from .backends.low_latency import LowLatencyBackend, LowLatencyKernelState
+from .backends.peers import peer_memory
 from .backends.portable import PortableBackend, dispatch_layout
 from .checks import FP8_BLOCK, check_expert_ids, check_fp8_pair, check_int, check_tensor, debug_checks_enabled
 from .config import NUM_MAX_NVL_PEERS, NUM_MAX_TOPK, Config, combine_config, dispatch_config, low_latency_rdma_size_hint
@@ -157,7 +158,8 @@ class Buffer:
 
     def _low_latency_kernels_usable(self) -> bool:
         """The low-latency kernels serve CUDA tensors when the whole group is on this host (their
-        buffers mapped with CUDA IPC, or with NVSHMEM under MOE_EP_LL_MEMORY=nvshmem).
+        buffers mapped as backends/peers.py's peer_memory says: the driver's virtual-memory API, CUDA
+        IPC handles, or NVSHMEM under MOE_EP_LL_MEMORY=nvshmem).
         MOE_EP_LL_KERNELS=0 (or MOE_EP_KERNELS=0) keeps low-latency calls on the portable backend."""
         return (
             os.environ.get("MOE_EP_LL_KERNELS", "1") != "0"
@@ -172,7 +174,7 @@ class Buffer:
         if not (x.is_cuda and self._ll_kernels):
             return False
         if self._low_latency is None:  # collective: every rank makes the same first call
-            memory = os.environ.get("MOE_EP_LL_MEMORY", "ipc")
+            memory = peer_memory(low_latency=True)
             self._low_latency = LowLatencyBackend(self.group, self._gate, self.num_rdma_bytes, memory)
         return True
 

@@ -45,6 +45,7 @@ compile g++ "${COMMON[@]}" -std=c++20 $TORCH_INCS -idirafter "$OUT/shim" -I "$PY
   -DMOE_EP_WITH_NVSHMEM=1 -fsyntax-only csrc/bindings.cpp || status=1
 compile g++ "${COMMON[@]}" -std=c++20 $TORCH_INCS -idirafter "$OUT/shim" -I "$PY_INC" ${PYBIND_INC:+-I "$PYBIND_INC"} -DTORCH_EXTENSION_NAME=_C \
   -DMOE_EP_WITH_NVSHMEM=1 -DMOE_EP_WITH_NVSHMEM_DEVICE=1 -fsyntax-only csrc/bindings.cpp || status=1
+compile g++ "${COMMON[@]}" -Wall -Wextra -Werror -fsyntax-only csrc/peer_memory.cpp || status=1
 compile g++ "${COMMON[@]}" -I "$NVSHMEM_INC" -fsyntax-only csrc/runtime_nvshmem.cpp || status=1
 compile g++ "${COMMON[@]}" -I "$NVSHMEM_INC" -DMOE_EP_WITH_NVSHMEM_DEVICE=1 -fsyntax-only csrc/runtime_nvshmem.cpp || status=1
 # The device-initiated puts (setup.py with MOE_EP_NVSHMEM_DEVICE=1): relocatable device code, device-linked

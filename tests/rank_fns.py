@@ -682,3 +682,30 @@ def zero_copy_dispatch_overflow(p: Problem, capacity_rows: int):
     worst = outcome(lambda: buffer.dispatch(inp["x"], zero_copy=True, num_worst_tokens=capacity_rows + 100, **args))
     without = outcome(lambda: bare.dispatch(inp["x"], zero_copy=True, **args))
     return first, received, worst, without
+
+
+def descriptor_round(skipping_rank: int = -1):
+    """Every rank hands a file holding its rank to every other through exchange_descriptors (what the
+    peer memory's descriptors travel by); returns (payloads, what each received file holds), or the
+    error a rank met when skipping_rank never makes the call."""
+    import tempfile
+
+    from moe_ep.backends.descriptors import exchange_descriptors
+    from moe_ep.sync import ArrivalGate, next_buffer_serial, timeout_seconds
+
+    rank = dist.get_rank()
+    gate = ArrivalGate(dist.group.WORLD, next_buffer_serial(), timeout_seconds())
+    if rank == skipping_rank:
+        return None
+    with tempfile.TemporaryFile() as f:
+        f.write(f"rank {rank}".encode())
+        f.flush()
+        try:
+            payloads, fds = exchange_descriptors(gate, "descriptor test", f.fileno(), bytes([rank]) * (rank + 1))
+        except TimeoutError as e:
+            return str(e)
+    try:
+        return payloads, {peer: os.pread(fd, 64, 0).decode() for peer, fd in fds.items()}
+    finally:
+        for fd in fds.values():
+            os.close(fd)

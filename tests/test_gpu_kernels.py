@@ -87,5 +87,6 @@ def test_backend_info_reports_the_kernels(gpu_pools):
     info = gpu_pools(2).run(rank_fns.backend_info)[0]
     assert info["cuda_kernels"] is True
     assert info["sm90"] is True
+    assert info["peer_memory_vmm"] is True, "an H100/H200 maps peers' buffers through file descriptors"
     if _native.has_nvshmem():
         assert _native.ops().nvshmem_version().startswith("3."), "the nvidia-nvshmem wheel is NVSHMEM 3"

@@ -1,4 +1,4 @@
-"""Intranode kernels (CUDA IPC) against the portable backend, bit for bit, with ranks sharing one GPU.
+"""Intranode kernels (peers mapped through the virtual-memory API or CUDA IPC) against the portable backend, bit for bit, with ranks sharing one GPU.
 
 Every test runs the same rank function on GPU ranks (kernels) and CPU ranks (portable backend) and
 compares all outputs. Skipped where there is no GPU or no extension.
@@ -107,6 +107,17 @@ def test_zero_copy_dispatch_equals_portable(pools, gpu_pools, seed, num_ranks, h
     portable backend's bits, the first recv_x read after the cached dispatch filled the other slot."""
     p = Problem(seed, num_ranks, num_ranks * 8, hidden, 6, max_tokens=96)
     _compare(seed, *_both(pools, gpu_pools, num_ranks, rank_fns.normal_round, p, zero_copy_dispatch=True, **variant))
+
+
+@pytest.mark.parametrize("num_ranks,zero_copy_dispatch", [(2, False), (8, True)])
+def test_buffers_mapped_through_cuda_ipc(pools, gpu_pools, seed, num_ranks, zero_copy_dispatch):
+    """MOE_EP_PEER_MEMORY=ipc: the peers' buffers and zero-copy areas opened from CUDA IPC handles
+    instead of file descriptors (the default where the GPU can export them): the same bits."""
+    p = Problem(seed, num_ranks, num_ranks * 8, 512, 6, max_tokens=96)
+    args = (rank_fns.normal_round, p)
+    on_gpu = gpu_pools(num_ranks).run(rank_fns.with_env, {"MOE_EP_PEER_MEMORY": "ipc"}, *args,
+                                      zero_copy_dispatch=zero_copy_dispatch, use_fp8=True)
+    _compare(seed, on_gpu, pools(num_ranks).run(*args, zero_copy_dispatch=zero_copy_dispatch, use_fp8=True))
 
 
 @pytest.mark.parametrize("num_ranks,use_fp8,num_worst_tokens", [(2, True, 0), (4, False, 200), (8, False, 0)])

@@ -132,6 +132,17 @@ def test_low_latency_layouts_agree(gpu_pools):
             assert cuda_numbers[key] == value, key
 
 
+@pytest.mark.parametrize("num_ranks", [2, 8])
+def test_low_latency_kernels_on_cuda_ipc_memory(pools, gpu_pools, seed, num_ranks):
+    """MOE_EP_LL_MEMORY=ipc: the buffers opened from CUDA IPC handles instead of file descriptors."""
+    p = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=32)
+    variant = dict(use_fp8=True, return_recv_hook=True)
+    env = dict(KERNELS, MOE_EP_LL_MEMORY="ipc")
+    on_gpu = gpu_pools(num_ranks).run(rank_fns.with_env, env, rank_fns.low_latency_round, p, **variant)
+    on_cpu = pools(num_ranks).run(rank_fns.low_latency_round, p, **variant)
+    _compare(seed, on_gpu, on_cpu, True)
+
+
 # Last in the file: NVSHMEM starts once per rank process (the pools live for the whole session).
 @pytest.mark.skipif(not _native.has_nvshmem(), reason="built without NVSHMEM")
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])

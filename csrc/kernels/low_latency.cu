@@ -844,7 +844,6 @@ void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t*
 
 void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales,
                    int* recv_count, int* stats, int* recv_src_info, int num_sms) {
-    const int num_local = ctx.num_experts / ctx.num_ranks;
     // The tables are within kMaxRecvTableBytes (dispatch_send checked); `with_stages` tells the kernel
     // that the bulk-copy stages follow them.
     const size_t smem = recv_table_bytes(ctx) + recv_stage_bytes();
@@ -854,9 +853,14 @@ void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, v
     (void)ready;
     launch_early(dispatch_wait_kernel, 1, kWaitThreads, 0, ctx.stream, "low_latency dispatch_wait_kernel", ctx,
                  recv_count, stats);
-    // About a row per warp at the benchmark's shape (32 warps per local expert), up to two SMs' worth
-    // of warps per SM.
-    const int blocks = std::max(1, std::min(num_local, 2 * num_sms) * (1024 / kRecvThreads));
+    // A warp per two rows a rank receives when the load is even (max tokens x top-k: 1,024 at the
+    // benchmark's shape, whatever the expert count), up to two blocks per SM; a heavier load loops.
+    // Fewer receive blocks leave room on the SMs for the other ranks' sends (a receive block with its
+    // bulk-copy stages fills a third of an SM).
+    const int64_t even_rows = static_cast<int64_t>(ctx.num_max_tokens) * num_topk;
+    const int64_t warps = (even_rows + 1) / 2;
+    const int64_t warps_per_block = kRecvThreads / 32;
+    const int blocks = static_cast<int>(std::clamp<int64_t>((warps + warps_per_block - 1) / warps_per_block, 1, 2 * num_sms));
     launch_early(dispatch_recv_kernel, blocks, kRecvThreads, smem, ctx.stream, "low_latency dispatch_recv_kernel", ctx,
                  num_topk, use_fp8, use_ue8m0, static_cast<uint8_t*>(recv_x), static_cast<uint8_t*>(recv_scales),
                  recv_src_info, recv_stage_bytes() > 0);

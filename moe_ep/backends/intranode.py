@@ -20,7 +20,10 @@ from ..config import (
 from ..events import EventOverlap
 from ..handles import DispatchHandle
 from ..sync import ArrivalGate
-from .peers import HOST_COUNTS, HOST_DONE, HOST_OVERFLOW, PHASE_NAMES, WAIT_NAMES, PeerBuffers, aligned, device_view
+from .peers import (
+    HOST_COUNTS, HOST_DONE, HOST_OVERFLOW, PHASE_NAMES, WAIT_NAMES, MappedBuffers, aligned, device_view, map_peer_buffers,
+    peer_memory,
+)
 
 # Host-side grace on top of the kernels' own deadline before the host gives up on a count exchange.
 _HOST_GRACE_S = 5.0
@@ -75,7 +78,8 @@ class IntranodeDispatchState:
 class IntranodeBackend:
     def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_nvl_bytes: int, comm_stream: torch.cuda.Stream,
                  zero_copy_bytes: int = 0, zero_copy_dispatch_bytes: int = 0):
-        self.peers = PeerBuffers(group, gate, num_nvl_bytes, "dispatch")
+        self.memory = peer_memory()
+        self.peers = map_peer_buffers(group, gate, num_nvl_bytes, "dispatch", self.memory)
         self.ops = self.peers.ops
         self.rank, self.num_ranks = self.peers.rank, self.peers.num_ranks
         self.num_nvl_bytes = num_nvl_bytes
@@ -90,14 +94,14 @@ class IntranodeBackend:
         self.ctx.stream_combine = use_stream_combine(self.num_ranks)
         # Zero-copy combine: a second mapped area of two slots, where callers write their combine rows
         # (get_next_combine_buffer) and the ranks that own the tokens read them.
-        self.zero_copy: Optional[PeerBuffers] = None
+        self.zero_copy: Optional[MappedBuffers] = None
         self.zero_copy_bytes = zero_copy_bytes
         self._zero_copy_views = {}
         if zero_copy_bytes > 0:
             self.zero_copy = self._zero_copy_area(group, gate, zero_copy_bytes, "combine")
         # Zero-copy dispatch: a third mapped area of two slots, into which the senders store the rows
         # at their final place (zero_copy_dispatch_slot), so that recv_x is a view of it.
-        self.zero_copy_dispatch: Optional[PeerBuffers] = None
+        self.zero_copy_dispatch: Optional[MappedBuffers] = None
         self.zero_copy_dispatch_bytes = zero_copy_dispatch_bytes
         self._dispatch_next = 0
         self._dispatch_slot_bytes = {}  # (slot, slot bytes): that slot as a uint8 tensor
@@ -115,7 +119,7 @@ class IntranodeBackend:
         self._wait_rows = {} if os.environ.get("MOE_EP_PROFILE_WAITS") == "1" else None
         self._wait_slots = layout["wait_slots"]
 
-    def _zero_copy_area(self, group, gate, size: int, kind: str) -> PeerBuffers:
+    def _zero_copy_area(self, group, gate, size: int, kind: str) -> MappedBuffers:
         """A mapped area for zero-copy calls. Every rank's slots must hold the same rows, since the
         kernels bound peers' rows by their own capacity."""
         sizes = [None] * self.num_ranks
@@ -123,7 +127,7 @@ class IntranodeBackend:
         if len(set(sizes)) != 1:
             raise ValueError(f"num_zero_copy_{kind}_bytes: expected the same value on every rank, got {sizes}")
         self.ctx.zero_copy_bases = True  # notify finds where this rank's rows start at every peer
-        return PeerBuffers(group, gate, size, f"zero-copy {kind} area")
+        return map_peer_buffers(group, gate, size, f"zero-copy {kind} area", self.memory)
 
     def close(self) -> None:
         self.peers.close()

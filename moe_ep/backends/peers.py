@@ -2,8 +2,11 @@
 to (GPUs of one host over NVLink, or processes on one GPU), a device table of their addresses, and the
 pinned record the kernels report failures into. Shared by the intranode and the low-latency backends.
 
-Two ways to map them: CUDA IPC (`PeerBuffers`, the default), or NVSHMEM's symmetric heap with
-`nvshmem_ptr` (`NvshmemBuffers`, bootstrapped through the Buffer's process group).
+Three ways to map them (`map_peer_buffers`): the driver's virtual-memory API (`VmmBuffers`, the default
+where the GPU has it: each allocation exported as a file descriptor that the peers import), CUDA IPC
+handles (`PeerBuffers`), or NVSHMEM's symmetric heap with `nvshmem_ptr` (`NvshmemBuffers`, bootstrapped
+through the Buffer's process group). Stores into IPC-opened mappings are slower when many ranks
+scatter rows into each other's buffers (docs/DESIGN.md, "Peer memory").
 """
 
 from __future__ import annotations
@@ -11,13 +14,14 @@ from __future__ import annotations
 import ctypes
 import os
 import weakref
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .. import _native
 from ..sync import ArrivalGate
+from .descriptors import exchange_descriptors
 
 # host_info slots (csrc/kernels/api.cuh, intranode::HostInfo)
 HOST_DONE, HOST_ERROR, HOST_ERROR_KIND, HOST_ERROR_PEER, HOST_ERROR_WINDOW, HOST_OVERFLOW = range(6)
@@ -71,7 +75,7 @@ def _release(ops, own: int, opened: List[int]) -> None:
         pass
 
 
-class _MappedBuffers:
+class MappedBuffers:
     """What both mappings share: the address table, the host record, and the failure it reports."""
 
     def _start(self, group: dist.ProcessGroup):
@@ -108,7 +112,54 @@ class _MappedBuffers:
         )
 
 
-class PeerBuffers(_MappedBuffers):
+def _release_vmm(ops, mappings: List[Tuple[int, int, int]]) -> None:
+    try:
+        torch.cuda.synchronize()
+        for address, size, handle in mappings:
+            ops.vmm_release(address, size, handle)
+    except RuntimeError:  # at interpreter exit the CUDA context may already be gone, and with it the memory
+        pass
+
+
+class VmmBuffers(MappedBuffers):
+    """The driver's virtual-memory API: each rank allocates and exports a file descriptor, which every
+    peer (processes of this host) receives over a Unix socket, imports and maps."""
+
+    def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_bytes: int, call: str):
+        """Collective: every rank of `group` makes it in the same call (named `call` in a timeout)."""
+        self._start(group)
+        ops = self.ops
+        own, size, handle, fd = ops.vmm_alloc(num_bytes)  # zeroed before its descriptor is handed out
+        mappings = [(own, size, handle)]
+        self._finalizer = weakref.finalize(self, _release_vmm, ops, mappings)
+        try:
+            payloads, fds = exchange_descriptors(
+                gate, f"{call} (mapping the peers' buffers)", fd, size.to_bytes(8, "little") + self.device_id
+            )
+        finally:
+            os.close(fd)
+        pointers = []
+        try:
+            for r in range(self.num_ranks):
+                if r == self.rank:
+                    pointers.append(own)
+                    continue
+                address, peer_handle = ops.vmm_import(fds[r], int.from_bytes(payloads[r][:8], "little"))
+                mappings.append((address, int.from_bytes(payloads[r][:8], "little"), peer_handle))
+                pointers.append(address)
+        finally:
+            for peer_fd in fds.values():
+                os.close(peer_fd)
+        # No rank's kernels may start waiting on a peer that is still mapping (see PeerBuffers).
+        gate.exchange(f"{call} (peers' buffers mapped)", b"")
+        self._finish(group, gate, pointers, sum(p[8:] == self.device_id for p in payloads))
+
+    def close(self) -> None:
+        dist.barrier(group=self.group)  # no peer touches this rank's buffer any more
+        self._finalizer()
+
+
+class PeerBuffers(MappedBuffers):
     """CUDA IPC: each rank allocates, every peer opens the handle."""
 
     def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_bytes: int, call: str):
@@ -162,7 +213,7 @@ def bootstrap_nvshmem(group: dist.ProcessGroup, gate: ArrivalGate, symmetric_byt
     _nvshmem_world = ranks
 
 
-class NvshmemBuffers(_MappedBuffers):
+class NvshmemBuffers(MappedBuffers):
     """NVSHMEM's symmetric heap: one collective allocation, peers' copies through nvshmem_ptr. The
     allocation is freed by close() (collective); a Buffer that is garbage-collected instead keeps it
     until the process ends (nvshmem_free must be called by every rank at once)."""
@@ -195,10 +246,27 @@ class NvshmemBuffers(_MappedBuffers):
         self.ops.nvshmem_release(self._own)  # collective, like the allocation
 
 
+MEMORY_KINDS = ("vmm", "ipc", "nvshmem")
+
+
+def peer_memory(low_latency: bool = False) -> str:
+    """The memory kind the environment asks for: MOE_EP_PEER_MEMORY ("vmm" or "ipc") for every Buffer,
+    MOE_EP_LL_MEMORY ("vmm", "ipc" or "nvshmem") for the low-latency kernels' buffers, which it
+    overrides; unset: "vmm" where this GPU can export memory as file descriptors, else "ipc"."""
+    variable, kinds = "MOE_EP_PEER_MEMORY", MEMORY_KINDS[:2]
+    if low_latency and os.environ.get("MOE_EP_LL_MEMORY"):
+        variable, kinds = "MOE_EP_LL_MEMORY", MEMORY_KINDS
+    memory = os.environ.get(variable, "")
+    if not memory:
+        return "vmm" if _native.ops().vmm_supported() else "ipc"
+    if memory not in kinds:
+        raise ValueError(f"{variable}: expected one of {', '.join(repr(k) for k in kinds)}, got {memory!r}")
+    if memory == "vmm" and not _native.ops().vmm_supported():
+        raise RuntimeError(f"{variable}=vmm: this GPU or driver cannot export memory as file descriptors")
+    return memory
+
+
 def map_peer_buffers(group: dist.ProcessGroup, gate: ArrivalGate, num_bytes: int, call: str, memory: str):
-    """memory: "ipc" or "nvshmem"."""
-    if memory == "nvshmem":
-        return NvshmemBuffers(group, gate, num_bytes, call)
-    if memory != "ipc":
-        raise ValueError(f"MOE_EP_LL_MEMORY: expected 'ipc' or 'nvshmem', got {memory!r}")
-    return PeerBuffers(group, gate, num_bytes, call)
+    """Collective. memory: one of MEMORY_KINDS (see peer_memory)."""
+    kind = {"vmm": VmmBuffers, "ipc": PeerBuffers, "nvshmem": NvshmemBuffers}[memory]
+    return kind(group, gate, num_bytes, call)

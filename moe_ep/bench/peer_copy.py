@@ -1,5 +1,5 @@
 """Is a store into another rank's buffer slower than a load from it? Ranks on one GPU map each other's
-buffers with CUDA IPC (as the kernels do) and, all at once, move the same bytes four ways with
+buffers as the kernels do (MOE_EP_PEER_MEMORY: vmm or ipc) and, all at once, move the same bytes four ways with
 elementwise kernels: within their own buffer, from their buffer into the next rank's (a push), from
 the next rank's buffer into theirs (a pull), and from their buffer into every other rank's, a kernel
 per peer, each into its own 1/R of the peer's destination (pushes to every peer, one peer at a time:
@@ -17,7 +17,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from moe_ep.backends.peers import PeerBuffers, device_view
+from moe_ep.backends.peers import device_view, map_peer_buffers, peer_memory
 from moe_ep.launch import RankPool
 from moe_ep.sync import ArrivalGate
 
@@ -33,7 +33,7 @@ def rank_copy(args):
     # Each rank's buffer: [source | destination]; rank r pushes into rank r + 1's destination and pulls
     # from rank r + 1's source, so every destination has one writer.
     gate = ArrivalGate(dist.group.WORLD, serial=0, timeout_s=60.0)  # the process's only gate
-    buffers = PeerBuffers(dist.group.WORLD, gate, 2 * size, "bench_peer_copy")
+    buffers = map_peer_buffers(dist.group.WORLD, gate, 2 * size, "bench_peer_copy", peer_memory())
     try:
         nxt = (rank + 1) % num_ranks
 

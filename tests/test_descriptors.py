@@ -1,0 +1,34 @@
+"""File descriptors between ranks (how buffers exported through the virtual-memory API reach the
+peers), and the choice of peer memory; CPU only."""
+import pytest
+
+from moe_ep.backends import peers
+
+from . import rank_fns
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_every_rank_receives_every_peers_descriptor(pools, num_ranks):
+    results = pools(num_ranks).run(rank_fns.descriptor_round)
+    for rank, (payloads, received) in enumerate(results):
+        assert payloads == [bytes([r]) * (r + 1) for r in range(num_ranks)]
+        assert received == {r: f"rank {r}" for r in range(num_ranks) if r != rank}
+
+
+def test_a_rank_that_never_hands_out_its_descriptor_is_named(pools):
+    results = pools(2).run(rank_fns.with_env, {"MOE_EP_TIMEOUT_S": "1.5"}, rank_fns.descriptor_round, skipping_rank=1)
+    assert results[1] is None
+    assert isinstance(results[0], str) and "rank(s) 1 did not arrive" in results[0], results[0]
+
+
+@pytest.mark.parametrize("variable,low_latency", [("MOE_EP_PEER_MEMORY", False), ("MOE_EP_LL_MEMORY", True)])
+def test_an_unknown_peer_memory_is_refused_by_name(monkeypatch, variable, low_latency):
+    monkeypatch.setenv(variable, "shared")
+    with pytest.raises(ValueError, match=f"{variable}: expected one of 'vmm', 'ipc'"):
+        peers.peer_memory(low_latency=low_latency)
+
+
+def test_nvshmem_is_for_the_low_latency_buffers_only(monkeypatch):
+    monkeypatch.setenv("MOE_EP_PEER_MEMORY", "nvshmem")
+    with pytest.raises(ValueError, match="MOE_EP_PEER_MEMORY: expected one of 'vmm', 'ipc', got 'nvshmem'"):
+        peers.peer_memory()
