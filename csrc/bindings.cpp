@@ -131,7 +131,8 @@ py::tuple vmm_alloc(int64_t num_bytes) {
     TORCH_CHECK(num_bytes > 0, "vmm_alloc: num_bytes must be positive");
     int fd = -1;
     const auto m = peer_memory::allocate(c10::cuda::current_device(), static_cast<size_t>(num_bytes), &fd);
-    return py::make_tuple(static_cast<int64_t>(m.address), static_cast<int64_t>(m.size), static_cast<int64_t>(m.handle), fd);
+    return py::make_tuple(static_cast<int64_t>(m.address), static_cast<int64_t>(m.size),
+                          static_cast<int64_t>(m.handle), fd);
 }
 
 py::tuple vmm_import(int fd, int64_t size) {
@@ -140,7 +141,8 @@ py::tuple vmm_import(int fd, int64_t size) {
 }
 
 void vmm_release(int64_t address, int64_t size, int64_t handle) {
-    peer_memory::release({static_cast<uint64_t>(address), static_cast<size_t>(size), static_cast<uint64_t>(handle)});
+    peer_memory::release(
+        {static_cast<uint64_t>(address), static_cast<size_t>(size), static_cast<uint64_t>(handle)});
 }
 
 // Zeroes device memory and waits (a buffer must be clean before any peer can see it).

@@ -36,7 +36,8 @@ bool find(const char* symbol, unsigned int version, Fn* fn) {
     void* address = nullptr;
     cudaDriverEntryPointQueryResult found{};
 #if CUDART_VERSION >= 12050
-    const cudaError_t status = cudaGetDriverEntryPointByVersion(symbol, &address, version, cudaEnableDefault, &found);
+    const cudaError_t status =
+        cudaGetDriverEntryPointByVersion(symbol, &address, version, cudaEnableDefault, &found);
 #else
     (void)version;
     const cudaError_t status = cudaGetDriverEntryPoint(symbol, &address, cudaEnableDefault, &found);
@@ -71,7 +72,8 @@ void check(CUresult result, const char* what) {
 }
 
 void check(cudaError_t result, const char* what) {
-    if (result != cudaSuccess) throw std::runtime_error(std::string("peer memory: ") + what + " failed: " + cudaGetErrorString(result));
+    if (result != cudaSuccess)
+        throw std::runtime_error(std::string("peer memory: ") + what + " failed: " + cudaGetErrorString(result));
 }
 
 CUmemAllocationProp properties(int device) {
@@ -118,10 +120,10 @@ bool supported(int device) {
     try {
         const Driver& d = driver();
         int vmm = 0, descriptors = 0;
-        return d.device_attribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device) == CUDA_SUCCESS &&
-               d.device_attribute(&descriptors, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device) ==
-                   CUDA_SUCCESS &&
-               vmm != 0 && descriptors != 0;
+        const auto vmm_attribute = CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
+        const auto fd_attribute = CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED;
+        return d.device_attribute(&vmm, vmm_attribute, device) == CUDA_SUCCESS &&
+               d.device_attribute(&descriptors, fd_attribute, device) == CUDA_SUCCESS && vmm != 0 && descriptors != 0;
     } catch (const std::runtime_error&) {
         return false;
     }
@@ -147,7 +149,8 @@ Mapping allocate(int device, size_t num_bytes, int* exported_fd) {
         check(cudaMemset(reinterpret_cast<void*>(m.address), 0, m.size), "zeroing the allocation");
         check(cudaDeviceSynchronize(), "zeroing the allocation");
         int fd = -1;
-        check(d.export_handle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), "cuMemExportToShareableHandle");
+        check(d.export_handle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+              "cuMemExportToShareableHandle");
         *exported_fd = fd;
     } catch (...) {
         release(m);

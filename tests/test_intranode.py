@@ -1,4 +1,5 @@
-"""Intranode kernels (peers mapped through the virtual-memory API or CUDA IPC) against the portable backend, bit for bit, with ranks sharing one GPU.
+"""Intranode kernels (peers mapped through the virtual-memory API or CUDA IPC) against the portable
+backend, bit for bit, with ranks sharing one GPU.
 
 Every test runs the same rank function on GPU ranks (kernels) and CPU ranks (portable backend) and
 compares all outputs. Skipped where there is no GPU or no extension.

@@ -23,15 +23,16 @@ _NAME = struct.Struct("<H")  # length of the socket name in a payload
 
 def _serve(server: socket.socket, fd: int, peers: int, failure: List[BaseException]) -> None:
     try:
-        for _ in range(peers):
+        served = 0
+        while served < peers:
             conn, _ = server.accept()
             with conn:
                 creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
                 _, uid, _ = struct.unpack("3i", creds)
                 if uid != os.getuid():  # not one of ours: it gets nothing and does not count as a peer
-                    peers += 1
                     continue
                 socket.send_fds(conn, [b"m"], [fd])
+                served += 1
     except BaseException as e:  # noqa: B902 (re-raised in the caller's thread)
         failure.append(e)
 
@@ -65,9 +66,12 @@ def exchange_descriptors(
             received[peer] = _fetch(names[peer], peer, gate.timeout_s)
         serving.join(gate.timeout_s)
         if serving.is_alive():
-            raise TimeoutError(f"moe_ep: {phase}: not every peer fetched rank {rank}'s descriptor within {gate.timeout_s:g} s")
+            raise TimeoutError(
+                f"moe_ep: {phase}: not every peer fetched rank {rank}'s descriptor within {gate.timeout_s:g} s"
+            )
         if failure:
-            raise RuntimeError(f"moe_ep: {phase}: rank {rank} could not hand out its descriptor: {failure[0]}") from failure[0]
+            reason = failure[0]
+            raise RuntimeError(f"moe_ep: {phase}: rank {rank} could not hand out its descriptor: {reason}") from reason
         return own_payloads, received
     except BaseException:
         for got in received.values():

@@ -21,8 +21,8 @@ from ..events import EventOverlap
 from ..handles import DispatchHandle
 from ..sync import ArrivalGate
 from .peers import (
-    HOST_COUNTS, HOST_DONE, HOST_OVERFLOW, PHASE_NAMES, WAIT_NAMES, MappedBuffers, aligned, device_view, map_peer_buffers,
-    peer_memory,
+    HOST_COUNTS, HOST_DONE, HOST_OVERFLOW, PHASE_NAMES, WAIT_NAMES, MappedBuffers, aligned, device_view,
+    map_peer_buffers, peer_memory,
 )
 
 # Host-side grace on top of the kernels' own deadline before the host gives up on a count exchange.

@@ -1,6 +1,6 @@
 """Is a store into another rank's buffer slower than a load from it? Ranks on one GPU map each other's
-buffers as the kernels do (MOE_EP_PEER_MEMORY: vmm or ipc) and, all at once, move the same bytes four ways with
-elementwise kernels: within their own buffer, from their buffer into the next rank's (a push), from
+buffers as the kernels do (MOE_EP_PEER_MEMORY: vmm or ipc) and, all at once, move the same bytes four
+ways with elementwise kernels: within their own buffer, from their buffer into the next rank's (a push), from
 the next rank's buffer into theirs (a pull), and from their buffer into every other rank's, a kernel
 per peer, each into its own 1/R of the peer's destination (pushes to every peer, one peer at a time:
 what the one-pass dispatch does, except that it interleaves the peers row by row). The combine pushes
