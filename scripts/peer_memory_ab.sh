@@ -3,6 +3,7 @@
 # default) against CUDA IPC handles (=ipc), in one build, alternating: the 8-rank intranode benchmark
 # (five modes) and the 2- and 8-PE low-latency one; then the tests that cover both mappings (~7 min).
 #   usage (GPU machine, repository root): export OUT; bash scripts/peer_memory_ab.sh
+#   RANKS (8): the intranode benchmark's ranks, spread over the host's GPUs (rank % GPUs).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 t0=$(date +%s)
@@ -11,7 +12,7 @@ echo "built in $(( $(date +%s) - t0 )) s"
 for round in 1 2; do
   for memory in vmm ipc; do
     echo "== intranode, $memory, round $round"
-    MOE_EP_PEER_MEMORY=$memory timeout 120 $PY -m moe_ep.bench.intranode --ranks 8 --sms 24 \
+    MOE_EP_PEER_MEMORY=$memory timeout 120 $PY -m moe_ep.bench.intranode --ranks "${RANKS:-8}" --sms 24 \
       --modes dispatch_fp8_zero_copy dispatch_bf16_zero_copy dispatch_bf16 combine combine_zero_copy \
       --json "$OUT/intranode_$memory.jsonl" 2>&1 | grep -v "^ranks" | cut -c1-110
   done
