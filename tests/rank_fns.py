@@ -684,26 +684,35 @@ def zero_copy_dispatch_overflow(p: Problem, capacity_rows: int):
     return first, received, worst, without
 
 
-def descriptor_round(skipping_rank: int = -1):
+def descriptor_round(skipping_rank: int = -1, unreachable_rank: int = -1):
     """Every rank hands a file holding its rank to every other through exchange_descriptors (what the
     peer memory's descriptors travel by); returns (payloads, what each received file holds), or the
-    error a rank met when skipping_rank never makes the call."""
+    error a rank met (its type's name and message) when skipping_rank never makes the call or
+    unreachable_rank cannot reach its peers' sockets."""
     import tempfile
 
-    from moe_ep.backends.descriptors import exchange_descriptors
+    from moe_ep.backends import descriptors
     from moe_ep.sync import ArrivalGate, next_buffer_serial, timeout_seconds
 
     rank = dist.get_rank()
     gate = ArrivalGate(dist.group.WORLD, next_buffer_serial(), timeout_seconds())
     if rank == skipping_rank:
         return None
+    fetch = descriptors._fetch
+    if rank == unreachable_rank:  # as if its peers' sockets were in another network namespace
+        def refused(name, peer, timeout_s):
+            raise RuntimeError(f"could not fetch rank {peer}'s memory descriptor (test: refused)")
+        descriptors._fetch = refused
     with tempfile.TemporaryFile() as f:
         f.write(f"rank {rank}".encode())
         f.flush()
         try:
-            payloads, fds = exchange_descriptors(gate, "descriptor test", f.fileno(), bytes([rank]) * (rank + 1))
-        except TimeoutError as e:
-            return str(e)
+            payloads, fds = descriptors.exchange_descriptors(gate, "descriptor test", f.fileno(),
+                                                             bytes([rank]) * (rank + 1))
+        except (TimeoutError, descriptors.DescriptorsUnavailable) as e:
+            return type(e).__name__, str(e)
+        finally:
+            descriptors._fetch = fetch
     try:
         return payloads, {peer: os.pread(fd, 64, 0).decode() for peer, fd in fds.items()}
     finally:

@@ -18,7 +18,19 @@ def test_every_rank_receives_every_peers_descriptor(pools, num_ranks):
 def test_a_rank_that_never_hands_out_its_descriptor_is_named(pools):
     results = pools(2).run(rank_fns.with_env, {"MOE_EP_TIMEOUT_S": "1.5"}, rank_fns.descriptor_round, skipping_rank=1)
     assert results[1] is None
-    assert isinstance(results[0], str) and "rank(s) 1 did not arrive" in results[0], results[0]
+    kind, message = results[0]
+    assert kind == "TimeoutError" and "rank(s) 1 did not arrive" in message, message
+
+
+def test_a_rank_that_cannot_reach_its_peers_fails_every_rank_alike_and_at_once(pools):
+    """Every rank raises DescriptorsUnavailable naming the rank (map_peer_buffers then falls back to
+    CUDA IPC handles on every rank together), well before the 60 s deadline a peer's server has."""
+    results = pools(3).run(rank_fns.with_env, {"MOE_EP_TIMEOUT_S": "60"}, rank_fns.descriptor_round,
+                           unreachable_rank=2)
+    for kind, message in results:
+        assert kind == "DescriptorsUnavailable", (kind, message)
+        assert "rank 2 could not fetch rank 0's memory descriptor (test: refused)" in message, message
+    # Waiting on the servers first would end in a TimeoutError after 60 s instead (the kind checked above).
 
 
 @pytest.mark.parametrize("variable,low_latency", [("MOE_EP_PEER_MEMORY", False), ("MOE_EP_LL_MEMORY", True)])

@@ -4,7 +4,9 @@ Memory exported through the driver's virtual-memory API is named by a file descr
 kernel can carry from one process to another: over a Unix socket (SCM_RIGHTS). Every rank listens on an
 abstract socket (no file to clean up), publishes its name through the Buffer's ArrivalGate (bounded
 wait: a rank that never arrives is named), serves its descriptor to each peer that connects, and
-fetches each peer's. Only processes of the same user get the descriptor.
+fetches each peer's. Only processes of the same user get the descriptor. Ranks that cannot reach each
+other's sockets (another network namespace, another host) make every rank raise DescriptorsUnavailable
+together, so that the caller can fall back to another mapping collectively.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ from typing import Dict, List, Optional, Tuple
 from ..sync import ArrivalGate
 
 _NAME = struct.Struct("<H")  # length of the socket name in a payload
+
+
+class DescriptorsUnavailable(RuntimeError):
+    """Some rank could not fetch a peer's descriptor; raised on every rank of the exchange alike."""
 
 
 def _serve(server: socket.socket, fd: int, peers: int, failure: List[BaseException]) -> None:
@@ -60,10 +66,21 @@ def exchange_descriptors(
             (n,) = _NAME.unpack_from(p)
             names.append(p[_NAME.size : _NAME.size + n])
             own_payloads.append(p[_NAME.size + n :])
+        problem = b""
         for peer in range(num_ranks):
             if peer == rank:
                 continue
-            received[peer] = _fetch(names[peer], peer, gate.timeout_s)
+            try:
+                received[peer] = _fetch(names[peer], peer, gate.timeout_s)
+            except RuntimeError as e:
+                problem = str(e).encode()
+                break
+        # Every rank learns whether every other got all its descriptors before anyone waits on its server
+        # (a peer that could not connect would leave it waiting until the deadline).
+        outcomes = gate.exchange(f"{phase} (descriptors received)", problem)
+        failed = {r: o.decode() for r, o in enumerate(outcomes) if o}
+        if failed:
+            raise DescriptorsUnavailable(f"moe_ep: {phase}: " + "; ".join(f"rank {r} {why}" for r, why in failed.items()))
         serving.join(gate.timeout_s)
         if serving.is_alive():
             raise TimeoutError(
@@ -89,9 +106,9 @@ def _fetch(name: bytes, peer: int, timeout_s: float) -> int:
             _, fds, _, _ = socket.recv_fds(conn, 1, 1)
         except OSError as e:
             raise RuntimeError(
-                f"moe_ep: could not fetch rank {peer}'s memory descriptor over a Unix socket ({e}): are the ranks "
-                "in one network namespace of one host? MOE_EP_PEER_MEMORY=ipc maps peers through CUDA IPC instead"
+                f"could not fetch rank {peer}'s memory descriptor over a Unix socket ({e}): the ranks are not in "
+                "one network namespace of one host"
             ) from e
         if len(fds) != 1:
-            raise RuntimeError(f"moe_ep: rank {peer} sent no memory descriptor")
+            raise RuntimeError(f"rank {peer} sent no memory descriptor")
         return fds[0]

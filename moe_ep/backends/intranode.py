@@ -78,8 +78,8 @@ class IntranodeDispatchState:
 class IntranodeBackend:
     def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_nvl_bytes: int, comm_stream: torch.cuda.Stream,
                  zero_copy_bytes: int = 0, zero_copy_dispatch_bytes: int = 0):
-        self.memory = peer_memory()
-        self.peers = map_peer_buffers(group, gate, num_nvl_bytes, "dispatch", self.memory)
+        self.peers = map_peer_buffers(group, gate, num_nvl_bytes, "dispatch", peer_memory())
+        self.memory = self.peers.memory  # the zero-copy areas are mapped the same way
         self.ops = self.peers.ops
         self.rank, self.num_ranks = self.peers.rank, self.peers.num_ranks
         self.num_nvl_bytes = num_nvl_bytes

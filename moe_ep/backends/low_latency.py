@@ -31,9 +31,9 @@ class LowLatencyKernelState:
 
 
 class LowLatencyBackend:
-    def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_rdma_bytes: int, memory: str = "vmm"):
-        """memory: "vmm" (the driver's virtual-memory API), "ipc" (CUDA IPC handles) or "nvshmem"
-        (NVSHMEM's symmetric heap, bootstrapped through `group`): peers.peer_memory."""
+    def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_rdma_bytes: int, memory: str = "auto"):
+        """memory: "vmm" (the driver's virtual-memory API), "ipc" (CUDA IPC handles), "nvshmem"
+        (NVSHMEM's symmetric heap, bootstrapped through `group`) or "auto": peers.peer_memory."""
         self.peers = map_peer_buffers(group, gate, num_rdma_bytes, "low_latency_dispatch", memory)
         self.ops = self.peers.ops
         self.rank, self.num_ranks = self.peers.rank, self.peers.num_ranks

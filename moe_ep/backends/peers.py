@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 import weakref
 from typing import List, Optional, Tuple
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from .. import _native
 from ..sync import ArrivalGate
-from .descriptors import exchange_descriptors
+from .descriptors import DescriptorsUnavailable, exchange_descriptors
 
 # host_info slots (csrc/kernels/api.cuh, intranode::HostInfo)
 HOST_DONE, HOST_ERROR, HOST_ERROR_KIND, HOST_ERROR_PEER, HOST_ERROR_WINDOW, HOST_OVERFLOW = range(6)
@@ -78,6 +79,8 @@ def _release(ops, own: int, opened: List[int]) -> None:
 class MappedBuffers:
     """What every mapping shares: the address table, the host record, and the failure it reports."""
 
+    memory = ""  # which mapping: each kind names itself ("vmm", "ipc", "nvshmem")
+
     def _start(self, group: dist.ProcessGroup):
         self.ops = _native.ops()
         self.rank = dist.get_rank(group)
@@ -125,6 +128,8 @@ class VmmBuffers(MappedBuffers):
     """The driver's virtual-memory API: each rank allocates and exports a file descriptor, which every
     peer (processes of this host) receives over a Unix socket, imports and maps."""
 
+    memory = "vmm"
+
     def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_bytes: int, call: str):
         """Collective: every rank of `group` makes it in the same call (named `call` in a timeout)."""
         self._start(group)
@@ -136,6 +141,9 @@ class VmmBuffers(MappedBuffers):
             payloads, fds = exchange_descriptors(
                 gate, f"{call} (mapping the peers' buffers)", fd, size.to_bytes(8, "little") + self.device_id
             )
+        except DescriptorsUnavailable:
+            self._finalizer()  # now, not at the next collection: the caller maps other memory instead
+            raise
         finally:
             os.close(fd)
         pointers = []
@@ -161,6 +169,8 @@ class VmmBuffers(MappedBuffers):
 
 class PeerBuffers(MappedBuffers):
     """CUDA IPC: each rank allocates, every peer opens the handle."""
+
+    memory = "ipc"
 
     def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_bytes: int, call: str):
         """Collective: every rank of `group` makes it in the same call (named `call` in a timeout)."""
@@ -218,6 +228,8 @@ class NvshmemBuffers(MappedBuffers):
     allocation is freed by close() (collective); a Buffer that is garbage-collected instead keeps it
     until the process ends (nvshmem_free must be called by every rank at once)."""
 
+    memory = "nvshmem"
+
     def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_bytes: int, call: str):
         self._start(group)
         bootstrap_nvshmem(group, gate, num_bytes, call)
@@ -252,13 +264,14 @@ MEMORY_KINDS = ("vmm", "ipc", "nvshmem")
 def peer_memory(low_latency: bool = False) -> str:
     """The memory kind the environment asks for: MOE_EP_PEER_MEMORY ("vmm" or "ipc") for every Buffer,
     MOE_EP_LL_MEMORY ("vmm", "ipc" or "nvshmem") for the low-latency kernels' buffers, which it
-    overrides; unset: "vmm" where this GPU can export memory as file descriptors, else "ipc"."""
+    overrides. Unset: "auto", which is "vmm" where this GPU can export memory as file descriptors and
+    every rank can fetch every peer's, else "ipc" (map_peer_buffers decides)."""
     variable, kinds = "MOE_EP_PEER_MEMORY", MEMORY_KINDS[:2]
     if low_latency and os.environ.get("MOE_EP_LL_MEMORY"):
         variable, kinds = "MOE_EP_LL_MEMORY", MEMORY_KINDS
     memory = os.environ.get(variable, "")
     if not memory:
-        return "vmm" if _native.ops().vmm_supported() else "ipc"
+        return "auto"
     if memory not in kinds:
         raise ValueError(f"{variable}: expected one of {', '.join(repr(k) for k in kinds)}, got {memory!r}")
     if memory == "vmm" and not _native.ops().vmm_supported():
@@ -267,6 +280,16 @@ def peer_memory(low_latency: bool = False) -> str:
 
 
 def map_peer_buffers(group: dist.ProcessGroup, gate: ArrivalGate, num_bytes: int, call: str, memory: str):
-    """Collective. memory: one of MEMORY_KINDS (see peer_memory)."""
+    """Collective. memory: one of MEMORY_KINDS or "auto" (see peer_memory); the result's `memory` says
+    which one it is."""
+    if memory == "auto":
+        # Every rank sees the same GPUs and driver on one host, so every rank takes the same branch.
+        if not _native.ops().vmm_supported():
+            return PeerBuffers(group, gate, num_bytes, call)
+        try:
+            return VmmBuffers(group, gate, num_bytes, call)
+        except DescriptorsUnavailable as e:  # raised on every rank alike
+            warnings.warn(f"{e}; mapping the peers' buffers through CUDA IPC handles instead", stacklevel=2)
+            return PeerBuffers(group, gate, num_bytes, call)
     kind = {"vmm": VmmBuffers, "ipc": PeerBuffers, "nvshmem": NvshmemBuffers}[memory]
     return kind(group, gate, num_bytes, call)
