@@ -109,6 +109,8 @@ def rank_bench(args, num_experts: int):
     results["dispatch_gbps"] = selections * fp8_bytes / results["dispatch_us"] / 1e3
     results["combine_gbps"] = selections * args.hidden * 2 / results["combine_us"] / 1e3
     results["backend"] = "kernels" if buffer._low_latency is not None else "portable"
+    # How the peers' buffers were mapped (the mapping moves these figures: PERFORMANCE.md, 18th session).
+    results["peer_memory"] = buffer._low_latency.peers.memory if buffer._low_latency is not None else None
     return results
 
 
