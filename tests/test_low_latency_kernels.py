@@ -132,15 +132,20 @@ def test_low_latency_layouts_agree(gpu_pools):
             assert cuda_numbers[key] == value, key
 
 
-@pytest.mark.parametrize("num_ranks", [2, 8])
-def test_low_latency_kernels_on_cuda_ipc_memory(pools, gpu_pools, seed, num_ranks):
-    """MOE_EP_LL_MEMORY=ipc: the buffers opened from CUDA IPC handles instead of file descriptors."""
+def _round_on_memory(pools, gpu_pools, seed, num_ranks, memory):
+    """A hooked fp8 round with the buffers mapped as MOE_EP_LL_MEMORY=memory, against the CPU ranks."""
     p = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=32)
     variant = dict(use_fp8=True, return_recv_hook=True)
-    env = dict(KERNELS, MOE_EP_LL_MEMORY="ipc")
+    env = dict(KERNELS, MOE_EP_LL_MEMORY=memory)
     on_gpu = gpu_pools(num_ranks).run(rank_fns.with_env, env, rank_fns.low_latency_round, p, **variant)
     on_cpu = pools(num_ranks).run(rank_fns.low_latency_round, p, **variant)
     _compare(seed, on_gpu, on_cpu, True)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 8])
+def test_low_latency_kernels_on_cuda_ipc_memory(pools, gpu_pools, seed, num_ranks):
+    """MOE_EP_LL_MEMORY=ipc: the buffers opened from CUDA IPC handles instead of file descriptors."""
+    _round_on_memory(pools, gpu_pools, seed, num_ranks, "ipc")
 
 
 # Last in the file: NVSHMEM starts once per rank process (the pools live for the whole session).
@@ -149,12 +154,7 @@ def test_low_latency_kernels_on_cuda_ipc_memory(pools, gpu_pools, seed, num_rank
 def test_low_latency_kernels_on_nvshmem_memory(pools, gpu_pools, seed, num_ranks):
     """NVSHMEM bootstrapped through the process group (unique id over the store), several PEs on one
     GPU, the buffers on its symmetric heap and the peers reached through nvshmem_ptr."""
-    p = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=32)
-    variant = dict(use_fp8=True, return_recv_hook=True)
-    env = dict(KERNELS, MOE_EP_LL_MEMORY="nvshmem")
-    on_gpu = gpu_pools(num_ranks).run(rank_fns.with_env, env, rank_fns.low_latency_round, p, **variant)
-    on_cpu = pools(num_ranks).run(rank_fns.low_latency_round, p, **variant)
-    _compare(seed, on_gpu, on_cpu, True)
+    _round_on_memory(pools, gpu_pools, seed, num_ranks, "nvshmem")
 
 
 @pytest.mark.skipif(not _native.has_nvshmem_device(), reason="built without NVSHMEM's device library "
