@@ -718,3 +718,14 @@ def descriptor_round(skipping_rank: int = -1, unreachable_rank: int = -1):
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def mapped_memory_kinds(p: Problem):
+    """How a Buffer's peers' buffers were mapped with the environment as it is: (intranode, low latency),
+    after one round of each on their own Buffers."""
+    normal = normal_buffer(p.hidden)
+    normal_round(p, buffer=normal)
+    low = low_latency_buffer(p)
+    low_latency_round(p, use_fp8=True, buffer=low)
+    return (normal._intranode.memory if normal._intranode else None,
+            low._low_latency.peers.memory if low._low_latency else None)

@@ -83,6 +83,15 @@ def test_ranks_sharing_a_gpu_match_cpu_ranks(pools, gpu_pools, seed, num_ranks):
         assert torch.equal(g_res["combined"], c_res["combined"]), f"rank {rank}: combined"
 
 
+def test_peers_are_mapped_through_file_descriptors_by_default(gpu_pools, seed):
+    """The default ("auto") maps through the virtual-memory API where the GPU can (every H100/H200), and
+    MOE_EP_PEER_MEMORY=ipc through CUDA IPC handles, for the intranode and the low-latency buffers alike."""
+    p = Problem(seed, 2, 8, 256, 4, max_tokens=32)
+    assert gpu_pools(2).run(rank_fns.mapped_memory_kinds, p) == [("vmm", "vmm")] * 2
+    ipc = gpu_pools(2).run(rank_fns.with_env, {"MOE_EP_PEER_MEMORY": "ipc"}, rank_fns.mapped_memory_kinds, p)
+    assert ipc == [("ipc", "ipc")] * 2
+
+
 def test_backend_info_reports_the_kernels(gpu_pools):
     info = gpu_pools(2).run(rank_fns.backend_info)[0]
     assert info["cuda_kernels"] is True
