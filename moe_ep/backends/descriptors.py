@@ -16,7 +16,7 @@ import socket
 import struct
 import threading
 import uuid
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 from ..sync import ArrivalGate
 
@@ -54,7 +54,6 @@ def exchange_descriptors(
     server.settimeout(gate.timeout_s)
     failure: List[BaseException] = []
     received: Dict[int, int] = {}
-    serving: Optional[threading.Thread] = None
     try:
         server.bind(name)
         server.listen(num_ranks)

@@ -12,10 +12,11 @@ scatter rows into each other's buffers (docs/DESIGN.md, "Shape", peer memory).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import warnings
 import weakref
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -66,12 +67,12 @@ def device_view(address: int, size: int, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(_DeviceBytes(address, size), device=device)
 
 
-def _release(ops, own: int, opened: List[int]) -> None:
+def _release(steps: List[Callable[[], None]]) -> None:
+    """Unmaps and frees a mapping's buffers, in order, once the device is done with them."""
     try:
         torch.cuda.synchronize()
-        for ptr in opened:
-            ops.ipc_close(ptr)
-        ops.device_free(own)
+        for step in steps:
+            step()
     except RuntimeError:  # at interpreter exit the CUDA context may already be gone, and with it the memory
         pass
 
@@ -115,15 +116,6 @@ class MappedBuffers:
         )
 
 
-def _release_vmm(ops, mappings: List[Tuple[int, int, int]]) -> None:
-    try:
-        torch.cuda.synchronize()
-        for address, size, handle in mappings:
-            ops.vmm_release(address, size, handle)
-    except RuntimeError:  # at interpreter exit the CUDA context may already be gone, and with it the memory
-        pass
-
-
 class VmmBuffers(MappedBuffers):
     """The driver's virtual-memory API: each rank allocates and exports a file descriptor, which every
     peer (processes of this host) receives over a Unix socket, imports and maps."""
@@ -135,8 +127,8 @@ class VmmBuffers(MappedBuffers):
         self._start(group)
         ops = self.ops
         own, size, handle, fd = ops.vmm_alloc(num_bytes)  # zeroed before its descriptor is handed out
-        mappings = [(own, size, handle)]
-        self._finalizer = weakref.finalize(self, _release_vmm, ops, mappings)
+        releases = [functools.partial(ops.vmm_release, own, size, handle)]  # grows with each peer mapped
+        self._finalizer = weakref.finalize(self, _release, releases)
         try:
             payloads, fds = exchange_descriptors(
                 gate, f"{call} (mapping the peers' buffers)", fd, size.to_bytes(8, "little") + self.device_id
@@ -152,8 +144,9 @@ class VmmBuffers(MappedBuffers):
                 if r == self.rank:
                     pointers.append(own)
                     continue
-                address, peer_handle = ops.vmm_import(fds[r], int.from_bytes(payloads[r][:8], "little"))
-                mappings.append((address, int.from_bytes(payloads[r][:8], "little"), peer_handle))
+                peer_size = int.from_bytes(payloads[r][:8], "little")
+                address, peer_handle = ops.vmm_import(fds[r], peer_size)
+                releases.append(functools.partial(ops.vmm_release, address, peer_size, peer_handle))
                 pointers.append(address)
         finally:
             for peer_fd in fds.values():
@@ -181,7 +174,8 @@ class PeerBuffers(MappedBuffers):
         payloads = gate.exchange(f"{call} (mapping the peers' buffers)", handle + self.device_id)
         handles = [p[: len(handle)] for p in payloads]
         opened = [ops.ipc_open(h) for r, h in enumerate(handles) if r != self.rank]
-        self._finalizer = weakref.finalize(self, _release, ops, own, opened)
+        steps = [functools.partial(ops.ipc_close, ptr) for ptr in opened] + [functools.partial(ops.device_free, own)]
+        self._finalizer = weakref.finalize(self, _release, steps)
         # Opening large buffers takes a while (about a second for several GB): no rank's kernels may
         # start waiting on a peer that is still mapping, or the wait's deadline runs out on it.
         gate.exchange(f"{call} (peers' buffers mapped)", b"")
