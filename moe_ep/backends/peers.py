@@ -91,10 +91,11 @@ class MappedBuffers:
         # Ranks sharing one GPU must fit their blocks on it together: the GPU is part of each payload.
         self.device_id = str(torch.cuda.get_device_properties(self.device).uuid).encode()
 
-    def _finish(self, group: dist.ProcessGroup, gate: ArrivalGate, pointers: List[int], ranks_on_device: int):
+    def _finish(self, group: dist.ProcessGroup, gate: ArrivalGate, pointers: List[int], device_ids: List[bytes]):
+        """device_ids: every rank's GPU (device_id), from the exchange that mapped the buffers."""
         self.group = group
         self.timeout_s = gate.timeout_s
-        self.ranks_on_device = ranks_on_device
+        self.ranks_on_device = device_ids.count(self.device_id)
         self.pointers = torch.tensor(pointers, dtype=torch.int64, device=self.device)
         self.addresses = list(pointers)  # the same, on the host
         size = self.ops.intranode_layout(self.num_ranks, 0, 0, 0, 0)["host_info_ints"]
@@ -114,6 +115,12 @@ class MappedBuffers:
             f"for {waited} (call {h[HOST_ERROR_CALL]}; its flag announced {seen}). Raise MOE_EP_TIMEOUT_S if the "
             "peer is only slow; the Buffer's ranks are out of step now: create a new Buffer."
         )
+
+    def close(self) -> None:
+        """Collective: once no peer touches this rank's buffer, the finalizer unmaps and frees (NvshmemBuffers
+        overrides it: NVSHMEM frees collectively)."""
+        dist.barrier(group=self.group)  # no peer touches this rank's buffer any more
+        self._finalizer()
 
 
 class VmmBuffers(MappedBuffers):
@@ -153,11 +160,7 @@ class VmmBuffers(MappedBuffers):
                 os.close(peer_fd)
         # No rank's kernels may start waiting on a peer that is still mapping (see PeerBuffers).
         gate.exchange(f"{call} (peers' buffers mapped)", b"")
-        self._finish(group, gate, pointers, sum(p[8:] == self.device_id for p in payloads))
-
-    def close(self) -> None:
-        dist.barrier(group=self.group)  # no peer touches this rank's buffer any more
-        self._finalizer()
+        self._finish(group, gate, pointers, [p[8:] for p in payloads])
 
 
 class PeerBuffers(MappedBuffers):
@@ -179,12 +182,8 @@ class PeerBuffers(MappedBuffers):
         # Opening large buffers takes a while (about a second for several GB): no rank's kernels may
         # start waiting on a peer that is still mapping, or the wait's deadline runs out on it.
         gate.exchange(f"{call} (peers' buffers mapped)", b"")
-        ranks_on_device = sum(p[len(handle) :] == self.device_id for p in payloads)
-        self._finish(group, gate, opened[: self.rank] + [own] + opened[self.rank :], ranks_on_device)
-
-    def close(self) -> None:
-        dist.barrier(group=self.group)  # no peer touches this rank's buffer any more
-        self._finalizer()
+        device_ids = [p[len(handle) :] for p in payloads]
+        self._finish(group, gate, opened[: self.rank] + [own] + opened[self.rank :], device_ids)
 
 
 # NVSHMEM has one world per process: the ranks of the group it was started for.
@@ -244,7 +243,7 @@ class NvshmemBuffers(MappedBuffers):
         # Every rank zeroed its part before any kernel may write to it; the GPU of each rank comes along.
         payloads = gate.exchange(f"{call} (NVSHMEM buffers ready)", self.device_id)
         self._own = own
-        self._finish(group, gate, pointers, sum(p == self.device_id for p in payloads))
+        self._finish(group, gate, pointers, list(payloads))
 
     def close(self) -> None:
         torch.cuda.synchronize()
