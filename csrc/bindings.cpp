@@ -181,6 +181,9 @@ struct IntranodeCtx {
     int64_t wait_ns = 0;  // device uint64 [blocks][kWaitSlots] wait profile, or 0 (set from Python per call)
     bool stream_combine = false;  // set from Python (backends/intranode.py: use_stream_combine)
     bool zero_copy_bases = false;  // set from Python when the Buffer has a zero-copy area
+    // The group's largest count of ranks on one GPU, for fitted_blocks; 0: the data kernels take the SM
+    // budget as their block count (MOE_EP_FIT_BLOCKS=0).
+    int fit_ranks_on_device = 0;
 };
 
 intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
@@ -198,6 +201,13 @@ intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
     ctx.stream_combine = c.stream_combine;
     ctx.zero_copy_bases = c.zero_copy_bases;
     ctx.stream = current_stream();
+    return ctx;
+}
+
+// The context of a data kernel (dispatch, combine): the SM budget fitted to the ranks sharing a GPU.
+intranode::Ctx data_ctx(const IntranodeCtx& c, int64_t num_blocks) {
+    intranode::Ctx ctx = make_ctx(c, num_blocks);
+    if (c.fit_ranks_on_device > 0) ctx.num_blocks = intranode::fitted_blocks(ctx.num_blocks, c.fit_ranks_on_device);
     return ctx;
 }
 
@@ -265,7 +275,7 @@ void intranode_dispatch(const IntranodeCtx& c, int64_t num_blocks, const torch::
     a.recv_x = recv_x.data_ptr();
     a.recv_scales = optional_ptr<void>(recv_scales);
     a.num_recv_rows = static_cast<int>(recv_x.size(0));
-    intranode::dispatch(make_ctx(c, num_blocks), a);
+    intranode::dispatch(data_ctx(c, num_blocks), a);
 }
 
 // Zero-copy dispatch: the rows go straight into the receivers' zero-copy areas (areas: device int64
@@ -288,7 +298,7 @@ void intranode_zero_copy_dispatch(const IntranodeCtx& c, int64_t num_blocks, con
     a.num_recv_rows = static_cast<int>(num_recv_rows);
     const intranode::ZeroCopyDispatchArgs z{reinterpret_cast<uint8_t* const*>(areas), slot_offset, capacity_rows,
                                             offsets[0], offsets[1], offsets[2], offsets[3], offsets[4]};
-    intranode::zero_copy_dispatch(make_ctx(c, num_blocks), a, z);
+    intranode::zero_copy_dispatch(data_ctx(c, num_blocks), a, z);
 }
 
 // A fresh zero-copy dispatch whose row count the host does not know yet, from one Python call: its
@@ -379,7 +389,7 @@ void intranode_combine(const IntranodeCtx& c, int64_t num_blocks, const torch::T
                        const torch::Tensor& out, const std::optional<torch::Tensor>& out_weights) {
     const c10::cuda::CUDAGuard guard(x.device());
     check_rows(x, "x");
-    intranode::combine(make_ctx(c, num_blocks),
+    intranode::combine(data_ctx(c, num_blocks),
                        combine_args(x, topk_weights, recv_src_idx, recv_info, send_pos, bias0, bias1, out, out_weights));
 }
 
@@ -395,16 +405,17 @@ void intranode_zero_copy_combine(const IntranodeCtx& c, int64_t num_blocks, cons
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.stride(0) * x.element_size() == pitch,
                 "x: expected the view of get_next_combine_buffer (rows ", pitch, " bytes apart)");
     const intranode::ZeroCopyArgs z{reinterpret_cast<uint8_t* const*>(areas), slot_offset, pitch, capacity_rows};
-    intranode::zero_copy_combine(make_ctx(c, num_blocks),
+    intranode::zero_copy_combine(data_ctx(c, num_blocks),
                                  combine_args(x, topk_weights, recv_src_idx, recv_info, send_pos, bias0, bias1, out,
                                               out_weights),
                                  z);
 }
 
 void intranode_check_blocks(const IntranodeCtx& c, int64_t num_blocks) { intranode::check_blocks_fit(make_ctx(c, num_blocks)); }
+int64_t intranode_launch_blocks(const IntranodeCtx& c, int64_t num_blocks) { return data_ctx(c, num_blocks).num_blocks; }
 
 int64_t intranode_stream_ring_rows(const IntranodeCtx& c, int64_t num_blocks, int64_t x_bytes, int64_t num_topk) {
-    return intranode::stream_ring_rows(make_ctx(c, num_blocks), x_bytes, static_cast<int>(num_topk));
+    return intranode::stream_ring_rows(data_ctx(c, num_blocks), x_bytes, static_cast<int>(num_topk));
 }
 
 // ------------------------------------------------------------------ low-latency kernels
@@ -581,7 +592,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("timeout_s", &moe_ep::IntranodeCtx::timeout_s)
         .def_readwrite("wait_ns", &moe_ep::IntranodeCtx::wait_ns)
         .def_readwrite("stream_combine", &moe_ep::IntranodeCtx::stream_combine)
-        .def_readwrite("zero_copy_bases", &moe_ep::IntranodeCtx::zero_copy_bases);
+        .def_readwrite("zero_copy_bases", &moe_ep::IntranodeCtx::zero_copy_bases)
+        .def_readwrite("fit_ranks_on_device", &moe_ep::IntranodeCtx::fit_ranks_on_device);
+    m.def("intranode_launch_blocks", &moe_ep::intranode_launch_blocks,
+          "blocks of a dispatch or combine kernel for an SM budget (fitted to the ranks sharing a GPU)");
     m.def("intranode_stream_ring_rows", &moe_ep::intranode_stream_ring_rows,
           "rows per ring of the streaming combine (0: the combine uses windows)");
     m.def("intranode_notify", &moe_ep::intranode_notify, "count exchange of an intranode dispatch");

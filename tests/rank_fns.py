@@ -1,6 +1,7 @@
 """Functions the tests run on every rank of a RankPool (module level, so they can be pickled)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -69,6 +70,23 @@ def forced_combine_round(p: Problem, stream: bool, config: Config = None, **kwar
         return result, rows
 
     return with_env({"MOE_EP_STREAM_COMBINE": "1" if stream else "0"}, run)
+
+
+def fitted_blocks_round(p: Problem, fit: bool, num_sms: int, **kwargs):
+    """normal_round (and a zero-copy dispatch) at an SM budget of num_sms on a Buffer of its own, with
+    MOE_EP_FIT_BLOCKS forced to `fit`: (its results, the blocks its kernels ran on)."""
+
+    def run():
+        config = dataclasses.replace(Buffer.get_combine_config(p.num_ranks), num_sms=num_sms)
+        area = zero_copy_dispatch_area(p)
+        buffer = normal_buffer(p.hidden, config, num_zero_copy_dispatch_bytes=area)
+        result = normal_round(p, buffer=buffer, config=config, **kwargs)
+        result["zero_copy"] = normal_round(p, buffer=buffer, config=config, zero_copy_dispatch=True,
+                                           **kwargs)["combined"]
+        kernels = buffer._intranode
+        return result, (kernels.launch_blocks(num_sms) if kernels is not None else num_sms)
+
+    return with_env({"MOE_EP_FIT_BLOCKS": "1" if fit else "0"}, run)
 
 
 def low_latency_buffer(p: Problem) -> Buffer:

@@ -118,6 +118,12 @@ struct DispatchArgs {
 // Throws std::invalid_argument when the blocks of all ranks on this GPU cannot be resident together;
 // check_blocks_fit(ctx) says so before a call starts (the count exchange would run otherwise).
 void check_blocks_fit(const Ctx& ctx);
+// The blocks a data kernel runs on for an SM budget of `budget` (which check_blocks_fit accepted) when
+// up to `ranks_on_device` ranks of the group share a GPU: the count, at most the budget, whose blocks
+// hold the most threads in the shape that fits them (with 8 ranks on one H200 a budget of 24 fits only
+// in 256-thread blocks, 16 blocks of 512 threads hold a third more). Every rank of the group must pass
+// the same values: the streaming combine's channels follow the count. `budget` when one rank has a GPU.
+int fitted_blocks(int budget, int ranks_on_device);
 void dispatch(const Ctx& ctx, const DispatchArgs& args);
 
 struct CombineArgs {

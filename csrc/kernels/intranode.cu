@@ -1113,6 +1113,33 @@ void check_blocks_fit(const Ctx& ctx) {
     launch_resident(ctx, shapes_of<DispatchKernel>(), "check_blocks_fit", [](int) {});
 }
 
+int fitted_blocks(int budget, int ranks_on_device) {
+    if (ranks_on_device <= 1) return budget;  // one block an SM (Solo) up to the SM count: nothing to gain
+    // The answer depends only on the arguments (occupancy does not change during a run): kept per thread.
+    static thread_local int last_budget = -1, last_ranks = -1, last_blocks = 0;
+    if (budget == last_budget && ranks_on_device == last_ranks) return last_blocks;
+    // Every shape's rate follows the loads its threads keep in flight; counted as threads, so that a tie
+    // keeps the budget (the largest count is tried first and only a strict gain moves off it).
+    const Shapes shapes = shapes_of<DispatchKernel>();
+    const int64_t sharing = 2LL * ranks_on_device;  // as in launch_resident
+    int blocks = budget;
+    int64_t most = 0;
+    // Even counts only, as budgets are (Config): the streaming combine pairs a receiving and a sending
+    // block per channel.
+    for (int b = budget; b >= 2; b -= 2) {
+        for (int i = 0; i < 3; ++i) {
+            if (sharing * b > cached_resident_blocks(shapes.kernel[i], kShapeThreads[i])) continue;
+            if (static_cast<int64_t>(b) * kShapeThreads[i] > most) {
+                most = static_cast<int64_t>(b) * kShapeThreads[i];
+                blocks = b;
+            }
+            break;
+        }
+    }
+    last_budget = budget, last_ranks = ranks_on_device, last_blocks = blocks;
+    return blocks;
+}
+
 int dispatch_window_tokens(int num_ranks, int64_t num_nvl_bytes, int64_t x_bytes, int64_t scale_bytes, int num_topk) {
     const int64_t half = half_bytes(num_nvl_bytes, num_ranks);
     const int64_t tokens = half / dispatch_slot(num_ranks, x_bytes, scale_bytes, num_topk).bytes;  // slot >= 16 bytes

@@ -55,6 +55,15 @@ def zero_copy_dispatch_too_small(rank: int, rows: int, x: torch.Tensor, scales: 
     )
 
 
+def fit_blocks() -> bool:
+    """Whether the data kernels fit their block count to the ranks sharing a GPU (fitted_blocks in
+    intranode.cu; MOE_EP_FIT_BLOCKS=0 takes the SM budget as the count, as before)."""
+    value = os.environ.get("MOE_EP_FIT_BLOCKS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"MOE_EP_FIT_BLOCKS: expected 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def use_stream_combine(num_ranks: int) -> bool:
     """Whether the intranode combine streams: by rank count, or as MOE_EP_STREAM_COMBINE=1 / 0 forces.
     (The kernels fall back to windows past 32 ranks either way.)"""
@@ -92,6 +101,7 @@ class IntranodeBackend:
             self.peers.ranks_on_device,
         )
         self.ctx.stream_combine = use_stream_combine(self.num_ranks)
+        self.ctx.fit_ranks_on_device = self.peers.max_ranks_on_device if fit_blocks() else 0
         # Zero-copy combine: a second mapped area of two slots, where callers write their combine rows
         # (get_next_combine_buffer) and the ranks that own the tokens read them.
         self.zero_copy: Optional[MappedBuffers] = None
@@ -156,6 +166,12 @@ class IntranodeBackend:
         if num_sms not in self._fitting_sms:
             self.ops.intranode_check_blocks(self.ctx, num_sms)
             self._fitting_sms.add(num_sms)
+
+    def launch_blocks(self, num_sms: int) -> int:
+        """The blocks a dispatch or combine kernel runs on for an SM budget of num_sms (fewer where ranks
+        share a GPU and fewer blocks of a larger shape hold more threads; the same on every rank)."""
+        self.check_num_sms(num_sms)
+        return self.ops.intranode_launch_blocks(self.ctx, num_sms)
 
     def _start_call(self, kernel: str, num_sms: int) -> None:
         """What every dispatch and combine does first: report what an earlier kernel found, refuse an SM

@@ -96,6 +96,9 @@ class MappedBuffers:
         self.group = group
         self.timeout_s = gate.timeout_s
         self.ranks_on_device = device_ids.count(self.device_id)
+        # The most ranks that any GPU of the group holds: what every rank must choose alike (the intranode
+        # kernels' block count) rests on it, not on this GPU's own count.
+        self.max_ranks_on_device = max(device_ids.count(d) for d in device_ids)
         self.pointers = torch.tensor(pointers, dtype=torch.int64, device=self.device)
         self.addresses = list(pointers)  # the same, on the host
         size = self.ops.intranode_layout(self.num_ranks, 0, 0, 0, 0)["host_info_ints"]

@@ -156,7 +156,8 @@ def rank_bench(args):
                 results.append(dict(rank=rank, sms=num_sms, recv_tokens=config.num_max_nvl_chunked_recv_tokens,
                                     nvl_bytes=nvl, mode=mode, us=seconds * 1e6, rows=rows, bytes=rows * row_bytes,
                                     gbps=rows * row_bytes / seconds / 1e9, waits=waits,
-                                    peer_memory=kernels.memory if kernels is not None else None))
+                                    peer_memory=kernels.memory if kernels is not None else None,
+                                    blocks=kernels.launch_blocks(num_sms) if kernels is not None else None))
         buffer.destroy()  # collective: no peer reads this rank's windows any more
     if args.nccl:  # the routing is the same for every buffer: the last one's layout serves
         results.append(nccl_reference(args, x, in_rank, per_rank, rows))
@@ -266,6 +267,7 @@ def main():
                                                 experts=args.experts, per_rank_gbps=[r["gbps"] for r in rows],
                                                 us=[r["us"] for r in rows], aggregate_gbps=aggregate,
                                                 copy_gbps=copy, waits=waits, peer_memory=rows[0].get("peer_memory"),
+                                                blocks=rows[0].get("blocks"),
                                                 stream_combine=os.environ.get("MOE_EP_STREAM_COMBINE", "auto"))) + "\n")
         if len(args.recv_tokens) > 1:
             for (num_sms, mode), (gbps, recv_tokens) in sorted(best.items()):
