@@ -11,6 +11,8 @@
 // of an earlier call never satisfies a wait of a later one, and every wait has a deadline: a peer
 // that never arrives is reported to the host record and all blocks return; nothing traps.
 #include <cub/block/block_scan.cuh>
+#include <cstdlib>
+#include <string>
 #include <cuda_bf16.h>
 
 #include "api.cuh"
@@ -25,7 +27,8 @@ namespace {
 // Every block of every rank must be resident at once (they wait on each other), and with several
 // ranks on one GPU two consecutive kernels of different ranks can be alive together (one rank in
 // combine while another finishes its dispatch): 2 * ranks * blocks must fit. Each kernel is built in
-// three shapes and a launch takes the first whose blocks fit (launch_resident):
+// four shapes and a launch takes the first whose blocks fit (launch_resident), in the order
+// shape_order() gives:
 //  - Solo: 512 threads, one block per SM, so 128 registers per thread: no spills, and twice the
 //    loads in flight per lane. The kernels are bound by memory latency (every warp waits on its own
 //    loads; the wait profile shows little waiting on peers), so loads in flight are what moves bytes.
@@ -33,20 +36,26 @@ namespace {
 //  - Narrow: 256 threads, four per SM. Measured on an H200: 512-thread blocks moved 15-20% more than
 //    256-thread ones at 2 and 4 ranks, and deadlocked until the deadline with 8 ranks of 20 blocks
 //    (2 per SM: 264 fit) before the shape was chosen by residency.
+//  - Full: 1024 threads, one block per SM (64 registers, the code of Wide): the threads of two Wide
+//    blocks on one SM, so fewer blocks, which is what residency rations when ranks share a GPU (4 ranks
+//    at a budget of 24: 16 Full blocks hold 16,384 threads where 24 Wide ones hold 12,288).
 template <int kThreadsPerBlock, int kBlocksPerSm>
 struct Shape {
     static constexpr int kThreads = kThreadsPerBlock;
     static constexpr int kMinBlocks = kBlocksPerSm;
     static constexpr int kWarps = kThreads / 32;
+    // What __launch_bounds__ leaves a thread of the SM's 64K registers (at most 255).
+    static constexpr int kRegisters = 65536 / (kThreadsPerBlock * kBlocksPerSm);
     // 16-byte loads in flight per lane in a row copy.
-    static constexpr int kCopyDepth = kBlocksPerSm == 1 ? 12 : 6;
+    static constexpr int kCopyDepth = kRegisters >= 128 ? 12 : 6;
     // Combine loads up to this many ranks' slots of a token at once (kChunks vectors of each per lane)
     // before summing them in rank order.
-    static constexpr int kCombineBatch = kBlocksPerSm == 1 ? 4 : 2;
+    static constexpr int kCombineBatch = kRegisters >= 128 ? 4 : 2;
 };
 using Solo = Shape<512, 1>;
 using Wide = Shape<512, 2>;
 using Narrow = Shape<256, 4>;
+using Full = Shape<1024, 1>;
 constexpr int kChunks = 2;
 constexpr int kNotifyThreads = 512;
 constexpr int kScanItems = 4;
@@ -793,11 +802,25 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     finish_kernel(e, e.own(kDoneCount));
 }
 
-// A kernel built in the three shapes.
+// A kernel built in the four shapes.
+constexpr int kNumShapes = 4;
 struct Shapes {
-    const void* kernel[3];  // Solo, Wide, Narrow
+    const void* kernel[kNumShapes];  // Solo, Wide, Narrow, Full
 };
-constexpr int kShapeThreads[3] = {Solo::kThreads, Wide::kThreads, Narrow::kThreads};
+constexpr int kShapeThreads[kNumShapes] = {Solo::kThreads, Wide::kThreads, Narrow::kThreads, Full::kThreads};
+// The shapes a launch tries, first to last: Solo, Wide, Narrow; with MOE_EP_FULL_BLOCKS=1 Full, Wide,
+// Narrow (Full fits wherever Solo does). Read once per process; every rank of a group has the same
+// environment, so all choose alike.
+struct ShapeOrder {
+    int shape[3];
+};
+const ShapeOrder& shape_order() {
+    static const ShapeOrder order = [] {
+        const char* full = std::getenv("MOE_EP_FULL_BLOCKS");
+        return full != nullptr && std::string(full) == "1" ? ShapeOrder{{3, 1, 2}} : ShapeOrder{{0, 1, 2}};
+    }();
+    return order;
+}
 // How many blocks of `kernel` the GPU holds at once. Occupancy does not change during a run: asked
 // once per kernel (a handful of kernels per process).
 int cached_resident_blocks(const void* kernel, int threads) {
@@ -820,7 +843,7 @@ void launch_resident(const Ctx& ctx, const Shapes& shapes, const char* what, Lau
     const int sharing = ctx.ranks_on_device > 1 ? 2 * ctx.ranks_on_device : 1;
     const int64_t needed = static_cast<int64_t>(sharing) * ctx.num_blocks;
     int capacity = 0;
-    for (int i = 0; i < 3; ++i) {
+    for (const int i : shape_order().shape) {
         capacity = cached_resident_blocks(shapes.kernel[i], kShapeThreads[i]);
         if (needed <= capacity) {
             launch(i);
@@ -838,17 +861,18 @@ void launch_resident(const Ctx& ctx, const Shapes& shapes, const char* what, Lau
 template <template <typename> class Kernel>
 Shapes shapes_of() {
     return {{reinterpret_cast<const void*>(Kernel<Solo>::fn), reinterpret_cast<const void*>(Kernel<Wide>::fn),
-             reinterpret_cast<const void*>(Kernel<Narrow>::fn)}};
+             reinterpret_cast<const void*>(Kernel<Narrow>::fn), reinterpret_cast<const void*>(Kernel<Full>::fn)}};
 }
 
-// Launches kernel<Solo | Wide | Narrow>(args...) on the first shape that fits.
+// Launches kernel<Solo | Wide | Narrow | Full>(args...) on the first shape that fits.
 template <template <typename> class Kernel, typename... Args>
 void launch_shaped(const Ctx& ctx, const char* what, Args... args) {
     launch_resident(ctx, shapes_of<Kernel>(), what, [&](int i) {
         const dim3 grid(ctx.num_blocks), block(kShapeThreads[i]);
         if (i == 0) Kernel<Solo>::fn<<<grid, block, 0, ctx.stream>>>(ctx, args...);
         else if (i == 1) Kernel<Wide>::fn<<<grid, block, 0, ctx.stream>>>(ctx, args...);
-        else Kernel<Narrow>::fn<<<grid, block, 0, ctx.stream>>>(ctx, args...);
+        else if (i == 2) Kernel<Narrow>::fn<<<grid, block, 0, ctx.stream>>>(ctx, args...);
+        else Kernel<Full>::fn<<<grid, block, 0, ctx.stream>>>(ctx, args...);
     });
 }
 
@@ -926,7 +950,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     const int* first_row_at = a.recv_info + 3 + 2 * R;
     // Loads in flight per lane: 16 in the 128-register shape, so that an fp8 row of 7168 (14 vectors
     // per lane) is one trip.
-    constexpr int kDepth = S::kMinBlocks == 1 ? 16 : 6;
+    constexpr int kDepth = S::kRegisters >= 128 ? 16 : 6;
     // Scales of up to 32 vectors travel in registers, one vector per lane, loaded before the row so
     // that their latency hides behind it (a separate copy after the row cost a latency per token).
     const int scale_vectors = static_cast<int>(a.scale_bytes / 16);
@@ -1127,7 +1151,7 @@ int fitted_blocks(int budget, int ranks_on_device) {
     // Even counts only, as budgets are (Config): the streaming combine pairs a receiving and a sending
     // block per channel.
     for (int b = budget; b >= 2; b -= 2) {
-        for (int i = 0; i < 3; ++i) {
+        for (const int i : shape_order().shape) {
             if (sharing * b > cached_resident_blocks(shapes.kernel[i], kShapeThreads[i])) continue;
             if (static_cast<int64_t>(b) * kShapeThreads[i] > most) {
                 most = static_cast<int64_t>(b) * kShapeThreads[i];
