@@ -74,7 +74,8 @@ def forced_combine_round(p: Problem, stream: bool, config: Config = None, **kwar
 
 def fitted_blocks_round(p: Problem, fit: bool, num_sms: int, **kwargs):
     """normal_round (and a zero-copy dispatch) at an SM budget of num_sms on a Buffer of its own, with
-    MOE_EP_FIT_BLOCKS forced to `fit`: (its results, the blocks its kernels ran on)."""
+    MOE_EP_FIT_BLOCKS forced to `fit`: (its results, the blocks its kernels ran on: the two-pass
+    calls', the zero-copy dispatch's)."""
 
     def run():
         config = dataclasses.replace(Buffer.get_combine_config(p.num_ranks), num_sms=num_sms)
@@ -84,7 +85,9 @@ def fitted_blocks_round(p: Problem, fit: bool, num_sms: int, **kwargs):
         result["zero_copy"] = normal_round(p, buffer=buffer, config=config, zero_copy_dispatch=True,
                                            **kwargs)["combined"]
         kernels = buffer._intranode
-        return result, (kernels.launch_blocks(num_sms) if kernels is not None else num_sms)
+        if kernels is None:
+            return result, (num_sms, num_sms)
+        return result, (kernels.launch_blocks(num_sms), kernels.launch_blocks(num_sms, zero_copy_dispatch=True))
 
     return with_env({"MOE_EP_FIT_BLOCKS": "1" if fit else "0"}, run)
 

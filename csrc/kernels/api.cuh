@@ -86,6 +86,7 @@ struct Ctx {
     uint64_t* wait_ns;        // null, or [blocks][kWaitSlots]: where the time goes, added up per call
     bool stream_combine;      // combine through per-channel rings instead of windows (up to 32 ranks)
     bool zero_copy_bases;     // notify also finds where this rank's rows start at every peer
+    bool full_first;          // launches try 1024-thread blocks first, not 512 at one an SM (intranode.cu)
     cudaStream_t stream;
 };
 
@@ -121,9 +122,10 @@ void check_blocks_fit(const Ctx& ctx);
 // The blocks a data kernel runs on for an SM budget of `budget` (which check_blocks_fit accepted) when
 // up to `ranks_on_device` ranks of the group share a GPU: the count, at most the budget, whose blocks
 // hold the most threads in the shape that fits them (with 8 ranks on one H200 a budget of 24 fits only
-// in 256-thread blocks, 16 blocks of 512 threads hold a third more). Every rank of the group must pass
-// the same values: the streaming combine's channels follow the count. `budget` when one rank has a GPU.
-int fitted_blocks(int budget, int ranks_on_device);
+// in 256-thread blocks, 16 blocks of 512 threads hold a third more), trying the shapes in the order
+// that Ctx::full_first picks. Every rank of the group must pass the same values: the streaming
+// combine's channels follow the count. `budget` when one rank has a GPU.
+int fitted_blocks(int budget, int ranks_on_device, bool full_first);
 void dispatch(const Ctx& ctx, const DispatchArgs& args);
 
 struct CombineArgs {

@@ -11,8 +11,6 @@
 // of an earlier call never satisfies a wait of a later one, and every wait has a deadline: a peer
 // that never arrives is reported to the host record and all blocks return; nothing traps.
 #include <cub/block/block_scan.cuh>
-#include <cstdlib>
-#include <string>
 #include <cuda_bf16.h>
 
 #include "api.cuh"
@@ -28,7 +26,7 @@ namespace {
 // ranks on one GPU two consecutive kernels of different ranks can be alive together (one rank in
 // combine while another finishes its dispatch): 2 * ranks * blocks must fit. Each kernel is built in
 // four shapes and a launch takes the first whose blocks fit (launch_resident), in the order
-// shape_order() gives:
+// shape_order(ctx.full_first) gives:
 //  - Solo: 512 threads, one block per SM, so 128 registers per thread: no spills, and twice the
 //    loads in flight per lane. The kernels are bound by memory latency (every warp waits on its own
 //    loads; the wait profile shows little waiting on peers), so loads in flight are what moves bytes.
@@ -37,8 +35,9 @@ namespace {
 //    256-thread ones at 2 and 4 ranks, and deadlocked until the deadline with 8 ranks of 20 blocks
 //    (2 per SM: 264 fit) before the shape was chosen by residency.
 //  - Full: 1024 threads, one block per SM (64 registers, the code of Wide): the threads of two Wide
-//    blocks on one SM, so fewer blocks, which is what residency rations when ranks share a GPU (4 ranks
-//    at a budget of 24: 16 Full blocks hold 16,384 threads where 24 Wide ones hold 12,288).
+//    blocks in one, so fewer blocks, which is what residency rations when ranks share a GPU (4 ranks at
+//    a budget of 24: 16 Full blocks hold 16,384 threads where 24 Wide ones hold 12,288). Tried first,
+//    instead of Solo, by the kernels that gained from it where ranks share a GPU (Ctx::full_first).
 template <int kThreadsPerBlock, int kBlocksPerSm>
 struct Shape {
     static constexpr int kThreads = kThreadsPerBlock;
@@ -808,18 +807,14 @@ struct Shapes {
     const void* kernel[kNumShapes];  // Solo, Wide, Narrow, Full
 };
 constexpr int kShapeThreads[kNumShapes] = {Solo::kThreads, Wide::kThreads, Narrow::kThreads, Full::kThreads};
-// The shapes a launch tries, first to last: Solo, Wide, Narrow; with MOE_EP_FULL_BLOCKS=1 Full, Wide,
-// Narrow (Full fits wherever Solo does). Read once per process; every rank of a group has the same
-// environment, so all choose alike.
+// The shapes a launch tries, first to last (indices into Shapes): Solo, Wide, Narrow, or Full, Wide,
+// Narrow (Full fits wherever Solo does, so one of the two is enough).
 struct ShapeOrder {
     int shape[3];
 };
-const ShapeOrder& shape_order() {
-    static const ShapeOrder order = [] {
-        const char* full = std::getenv("MOE_EP_FULL_BLOCKS");
-        return full != nullptr && std::string(full) == "1" ? ShapeOrder{{3, 1, 2}} : ShapeOrder{{0, 1, 2}};
-    }();
-    return order;
+const ShapeOrder& shape_order(bool full_first) {
+    static constexpr ShapeOrder solo_first{{0, 1, 2}}, full_first_order{{3, 1, 2}};
+    return full_first ? full_first_order : solo_first;
 }
 // How many blocks of `kernel` the GPU holds at once. Occupancy does not change during a run: asked
 // once per kernel (a handful of kernels per process).
@@ -843,7 +838,7 @@ void launch_resident(const Ctx& ctx, const Shapes& shapes, const char* what, Lau
     const int sharing = ctx.ranks_on_device > 1 ? 2 * ctx.ranks_on_device : 1;
     const int64_t needed = static_cast<int64_t>(sharing) * ctx.num_blocks;
     int capacity = 0;
-    for (const int i : shape_order().shape) {
+    for (const int i : shape_order(ctx.full_first).shape) {
         capacity = cached_resident_blocks(shapes.kernel[i], kShapeThreads[i]);
         if (needed <= capacity) {
             launch(i);
@@ -1137,11 +1132,12 @@ void check_blocks_fit(const Ctx& ctx) {
     launch_resident(ctx, shapes_of<DispatchKernel>(), "check_blocks_fit", [](int) {});
 }
 
-int fitted_blocks(int budget, int ranks_on_device) {
-    if (ranks_on_device <= 1) return budget;  // one block an SM (Solo) up to the SM count: nothing to gain
+int fitted_blocks(int budget, int ranks_on_device, bool full_first) {
+    if (ranks_on_device <= 1) return budget;  // one block an SM up to the SM count: nothing to gain
     // The answer depends only on the arguments (occupancy does not change during a run): kept per thread.
     static thread_local int last_budget = -1, last_ranks = -1, last_blocks = 0;
-    if (budget == last_budget && ranks_on_device == last_ranks) return last_blocks;
+    static thread_local bool last_full_first = false;
+    if (budget == last_budget && ranks_on_device == last_ranks && full_first == last_full_first) return last_blocks;
     // Every shape's rate follows the loads its threads keep in flight; counted as threads, so that a tie
     // keeps the budget (the largest count is tried first and only a strict gain moves off it).
     const Shapes shapes = shapes_of<DispatchKernel>();
@@ -1151,7 +1147,7 @@ int fitted_blocks(int budget, int ranks_on_device) {
     // Even counts only, as budgets are (Config): the streaming combine pairs a receiving and a sending
     // block per channel.
     for (int b = budget; b >= 2; b -= 2) {
-        for (const int i : shape_order().shape) {
+        for (const int i : shape_order(full_first).shape) {
             if (sharing * b > cached_resident_blocks(shapes.kernel[i], kShapeThreads[i])) continue;
             if (static_cast<int64_t>(b) * kShapeThreads[i] > most) {
                 most = static_cast<int64_t>(b) * kShapeThreads[i];
@@ -1160,7 +1156,7 @@ int fitted_blocks(int budget, int ranks_on_device) {
             break;
         }
     }
-    last_budget = budget, last_ranks = ranks_on_device, last_blocks = blocks;
+    last_budget = budget, last_ranks = ranks_on_device, last_full_first = full_first, last_blocks = blocks;
     return blocks;
 }
 
