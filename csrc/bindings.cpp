@@ -206,14 +206,14 @@ intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
 }
 
 // The context of a data kernel (dispatch, combine) where ranks share a GPU: the SM budget fitted to
-// them, and every kernel but the zero-copy dispatch launched in 1024-thread blocks where they fit
-// (measured at 2 and 4 ranks on one H200: the combines +11-39%, the two-pass dispatch level to +13%,
-// the zero-copy dispatch -7-9% at 4 ranks, so it keeps Solo first). With a GPU to each rank, or
-// MOE_EP_FIT_BLOCKS=0, the budget and the shapes' usual order.
-intranode::Ctx data_ctx(const IntranodeCtx& c, int64_t num_blocks, bool zero_copy_dispatch = false) {
+// them, and the combines launched in 1024-thread blocks where they fit (measured at 2 and 4 ranks on
+// one H200, twentieth session: every combine +11-39% in two calls; the dispatches level or slower,
+// so they keep the 512-thread shapes). With a GPU to each rank, or MOE_EP_FIT_BLOCKS=0, the budget
+// and the 512-thread shapes.
+intranode::Ctx data_ctx(const IntranodeCtx& c, int64_t num_blocks, bool combine) {
     intranode::Ctx ctx = make_ctx(c, num_blocks);
     if (c.fit_ranks_on_device > 0) {
-        ctx.full_first = c.fit_ranks_on_device > 1 && !zero_copy_dispatch;
+        ctx.full_first = c.fit_ranks_on_device > 1 && combine;
         ctx.num_blocks = intranode::fitted_blocks(ctx.num_blocks, c.fit_ranks_on_device, ctx.full_first);
     }
     return ctx;
@@ -283,7 +283,7 @@ void intranode_dispatch(const IntranodeCtx& c, int64_t num_blocks, const torch::
     a.recv_x = recv_x.data_ptr();
     a.recv_scales = optional_ptr<void>(recv_scales);
     a.num_recv_rows = static_cast<int>(recv_x.size(0));
-    intranode::dispatch(data_ctx(c, num_blocks), a);
+    intranode::dispatch(data_ctx(c, num_blocks, /*combine=*/false), a);
 }
 
 // Zero-copy dispatch: the rows go straight into the receivers' zero-copy areas (areas: device int64
@@ -306,7 +306,7 @@ void intranode_zero_copy_dispatch(const IntranodeCtx& c, int64_t num_blocks, con
     a.num_recv_rows = static_cast<int>(num_recv_rows);
     const intranode::ZeroCopyDispatchArgs z{reinterpret_cast<uint8_t* const*>(areas), slot_offset, capacity_rows,
                                             offsets[0], offsets[1], offsets[2], offsets[3], offsets[4]};
-    intranode::zero_copy_dispatch(data_ctx(c, num_blocks, /*zero_copy_dispatch=*/true), a, z);
+    intranode::zero_copy_dispatch(data_ctx(c, num_blocks, /*combine=*/false), a, z);
 }
 
 // A fresh zero-copy dispatch whose row count the host does not know yet, from one Python call: its
@@ -397,7 +397,7 @@ void intranode_combine(const IntranodeCtx& c, int64_t num_blocks, const torch::T
                        const torch::Tensor& out, const std::optional<torch::Tensor>& out_weights) {
     const c10::cuda::CUDAGuard guard(x.device());
     check_rows(x, "x");
-    intranode::combine(data_ctx(c, num_blocks),
+    intranode::combine(data_ctx(c, num_blocks, /*combine=*/true),
                        combine_args(x, topk_weights, recv_src_idx, recv_info, send_pos, bias0, bias1, out, out_weights));
 }
 
@@ -413,19 +413,19 @@ void intranode_zero_copy_combine(const IntranodeCtx& c, int64_t num_blocks, cons
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.stride(0) * x.element_size() == pitch,
                 "x: expected the view of get_next_combine_buffer (rows ", pitch, " bytes apart)");
     const intranode::ZeroCopyArgs z{reinterpret_cast<uint8_t* const*>(areas), slot_offset, pitch, capacity_rows};
-    intranode::zero_copy_combine(data_ctx(c, num_blocks),
+    intranode::zero_copy_combine(data_ctx(c, num_blocks, /*combine=*/true),
                                  combine_args(x, topk_weights, recv_src_idx, recv_info, send_pos, bias0, bias1, out,
                                               out_weights),
                                  z);
 }
 
 void intranode_check_blocks(const IntranodeCtx& c, int64_t num_blocks) { intranode::check_blocks_fit(make_ctx(c, num_blocks)); }
-int64_t intranode_launch_blocks(const IntranodeCtx& c, int64_t num_blocks, bool zero_copy_dispatch) {
-    return data_ctx(c, num_blocks, zero_copy_dispatch).num_blocks;
+int64_t intranode_launch_blocks(const IntranodeCtx& c, int64_t num_blocks, bool combine) {
+    return data_ctx(c, num_blocks, combine).num_blocks;
 }
 
 int64_t intranode_stream_ring_rows(const IntranodeCtx& c, int64_t num_blocks, int64_t x_bytes, int64_t num_topk) {
-    return intranode::stream_ring_rows(data_ctx(c, num_blocks), x_bytes, static_cast<int>(num_topk));
+    return intranode::stream_ring_rows(data_ctx(c, num_blocks, /*combine=*/true), x_bytes, static_cast<int>(num_topk));
 }
 
 // ------------------------------------------------------------------ low-latency kernels
@@ -605,8 +605,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("zero_copy_bases", &moe_ep::IntranodeCtx::zero_copy_bases)
         .def_readwrite("fit_ranks_on_device", &moe_ep::IntranodeCtx::fit_ranks_on_device);
     m.def("intranode_launch_blocks", &moe_ep::intranode_launch_blocks,
-          "blocks of a dispatch or combine kernel for an SM budget (fitted to the ranks sharing a GPU)",
-          py::arg("ctx"), py::arg("num_blocks"), py::arg("zero_copy_dispatch") = false);
+          "blocks of a dispatch (or with combine, a combine) kernel for an SM budget (fitted to the ranks sharing a GPU)",
+          py::arg("ctx"), py::arg("num_blocks"), py::arg("combine") = false);
     m.def("intranode_stream_ring_rows", &moe_ep::intranode_stream_ring_rows,
           "rows per ring of the streaming combine (0: the combine uses windows)");
     m.def("intranode_notify", &moe_ep::intranode_notify, "count exchange of an intranode dispatch");

@@ -74,8 +74,8 @@ def forced_combine_round(p: Problem, stream: bool, config: Config = None, **kwar
 
 def fitted_blocks_round(p: Problem, fit: bool, num_sms: int, **kwargs):
     """normal_round (and a zero-copy dispatch) at an SM budget of num_sms on a Buffer of its own, with
-    MOE_EP_FIT_BLOCKS forced to `fit`: (its results, the blocks its kernels ran on: the two-pass
-    calls', the zero-copy dispatch's)."""
+    MOE_EP_FIT_BLOCKS forced to `fit`: (its results, the blocks its kernels ran on: the dispatches',
+    the combines')."""
 
     def run():
         config = dataclasses.replace(Buffer.get_combine_config(p.num_ranks), num_sms=num_sms)
@@ -87,7 +87,7 @@ def fitted_blocks_round(p: Problem, fit: bool, num_sms: int, **kwargs):
         kernels = buffer._intranode
         if kernels is None:
             return result, (num_sms, num_sms)
-        return result, (kernels.launch_blocks(num_sms), kernels.launch_blocks(num_sms, zero_copy_dispatch=True))
+        return result, (kernels.launch_blocks(num_sms), kernels.launch_blocks(num_sms, combine=True))
 
     return with_env({"MOE_EP_FIT_BLOCKS": "1" if fit else "0"}, run)
 

@@ -81,7 +81,7 @@ def test_both_combines_give_the_same_bits(pools, gpu_pools, seed, num_ranks, hid
 @pytest.mark.parametrize("num_ranks,num_sms", [(8, 24), (6, 24), (4, 20), (2, 24)])
 def test_blocks_fitted_to_ranks_sharing_a_gpu(pools, gpu_pools, seed, num_ranks, num_sms):
     """Where ranks share a GPU the kernels may run on fewer blocks than the SM budget (the count whose
-    shape holds the most threads, 1024-thread blocks first except in the zero-copy dispatch): never more
+    shape holds the most threads, the combines' 1024-thread blocks first): never more
     than the budget, the same counts on every rank, and the portable backend's bits with and without
     fitting (streaming combine from 4 ranks up, windowed below, zero-copy dispatch too)."""
     p = Problem(seed, num_ranks, num_ranks * 8, 2048, 6, max_tokens=96)

@@ -167,12 +167,12 @@ class IntranodeBackend:
             self.ops.intranode_check_blocks(self.ctx, num_sms)
             self._fitting_sms.add(num_sms)
 
-    def launch_blocks(self, num_sms: int, zero_copy_dispatch: bool = False) -> int:
-        """The blocks a dispatch or combine kernel (or with zero_copy_dispatch, a zero-copy dispatch,
-        which tries the shapes in another order) runs on for an SM budget of num_sms: fewer where ranks
-        share a GPU and fewer blocks of a larger shape hold more threads; the same on every rank."""
+    def launch_blocks(self, num_sms: int, combine: bool = False) -> int:
+        """The blocks a dispatch (or with `combine`, a combine) kernel runs on for an SM budget of num_sms:
+        fewer where ranks share a GPU and fewer blocks of a larger shape hold more threads (the combines
+        try 1024-thread blocks first); the same on every rank."""
         self.check_num_sms(num_sms)
-        return self.ops.intranode_launch_blocks(self.ctx, num_sms, zero_copy_dispatch)
+        return self.ops.intranode_launch_blocks(self.ctx, num_sms, combine)
 
     def _start_call(self, kernel: str, num_sms: int) -> None:
         """What every dispatch and combine does first: report what an earlier kernel found, refuse an SM

@@ -157,7 +157,7 @@ def rank_bench(args):
                                     nvl_bytes=nvl, mode=mode, us=seconds * 1e6, rows=rows, bytes=rows * row_bytes,
                                     gbps=rows * row_bytes / seconds / 1e9, waits=waits,
                                     peer_memory=kernels.memory if kernels is not None else None,
-                                    blocks=kernels.launch_blocks(num_sms, mode.startswith("dispatch") and "zero_copy" in mode)
+                                    blocks=kernels.launch_blocks(num_sms, combine=mode.startswith("combine"))
                                     if kernels is not None else None))
         buffer.destroy()  # collective: no peer reads this rank's windows any more
     if args.nccl:  # the routing is the same for every buffer: the last one's layout serves
