@@ -817,11 +817,11 @@ const ShapeOrder& shape_order(bool full_first) {
     return full_first ? full_first_order : solo_first;
 }
 // How many blocks of `kernel` the GPU holds at once. Occupancy does not change during a run: asked
-// once per kernel (a handful of kernels per process).
+// once per kernel (a handful of kernels per process; 15 families in four shapes at most).
 int cached_resident_blocks(const void* kernel, int threads) {
-    static thread_local const void* kernels[32] = {};
-    static thread_local int blocks[32] = {};
-    for (int i = 0; i < 32; ++i) {
+    static thread_local const void* kernels[64] = {};
+    static thread_local int blocks[64] = {};
+    for (int i = 0; i < 64; ++i) {
         if (kernels[i] == kernel) return blocks[i];
         if (kernels[i] == nullptr) {
             kernels[i] = kernel;
@@ -1134,10 +1134,11 @@ void check_blocks_fit(const Ctx& ctx) {
 
 int fitted_blocks(int budget, int ranks_on_device, bool full_first) {
     if (ranks_on_device <= 1) return budget;  // one block an SM up to the SM count: nothing to gain
-    // The answer depends only on the arguments (occupancy does not change during a run): kept per thread.
-    static thread_local int last_budget = -1, last_ranks = -1, last_blocks = 0;
-    static thread_local bool last_full_first = false;
-    if (budget == last_budget && ranks_on_device == last_ranks && full_first == last_full_first) return last_blocks;
+    // The answer depends only on the arguments (occupancy does not change during a run): kept per thread,
+    // one entry per shape order, since dispatches and combines alternate.
+    static thread_local int last_budget[2] = {-1, -1}, last_ranks[2] = {-1, -1}, last_blocks[2] = {0, 0};
+    const int o = full_first ? 1 : 0;
+    if (budget == last_budget[o] && ranks_on_device == last_ranks[o]) return last_blocks[o];
     // Every shape's rate follows the loads its threads keep in flight; counted as threads, so that a tie
     // keeps the budget (the largest count is tried first and only a strict gain moves off it).
     const Shapes shapes = shapes_of<DispatchKernel>();
@@ -1156,7 +1157,7 @@ int fitted_blocks(int budget, int ranks_on_device, bool full_first) {
             break;
         }
     }
-    last_budget = budget, last_ranks = ranks_on_device, last_full_first = full_first, last_blocks = blocks;
+    last_budget[o] = budget, last_ranks[o] = ranks_on_device, last_blocks[o] = blocks;
     return blocks;
 }
 
