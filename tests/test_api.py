@@ -70,6 +70,17 @@ def test_the_combine_streams_from_four_ranks_unless_forced(monkeypatch):
         use_stream_combine(4)
 
 
+def test_block_fitting_is_on_unless_switched_off(monkeypatch):
+    from moe_ep.backends.intranode import fit_blocks
+    monkeypatch.delenv("MOE_EP_FIT_BLOCKS", raising=False)
+    assert fit_blocks()
+    monkeypatch.setenv("MOE_EP_FIT_BLOCKS", "0")
+    assert not fit_blocks()
+    monkeypatch.setenv("MOE_EP_FIT_BLOCKS", "off")
+    with pytest.raises(ValueError, match="MOE_EP_FIT_BLOCKS: expected 0 or 1"):
+        fit_blocks()
+
+
 def test_event_overlap_on_cpu_is_an_empty_event():
     event = Buffer.capture()
     assert isinstance(event, EventOverlap)
