@@ -831,20 +831,31 @@ int cached_resident_blocks(const void* kernel, int threads) {
     return resident_blocks(kernel, threads);
 }
 
-// Launches the first shape whose blocks, for every rank on this GPU (two kernels each when ranks
-// share it), are resident together; none: an error that names the limit. launch(shape index).
+// Kernels resident at once per block of one rank's kernel, with `ranks_on_device` ranks on its GPU:
+// two kernels of each when ranks share it.
+int64_t resident_share(int ranks_on_device) { return ranks_on_device > 1 ? 2LL * ranks_on_device : 1; }
+
+// The first shape, in the order full_first picks, whose `needed` blocks the GPU holds at once; -1 when
+// none does (*capacity: what the last shape tried holds).
+int first_fitting_shape(const Shapes& shapes, bool full_first, int64_t needed, int* capacity) {
+    for (const int i : shape_order(full_first).shape) {
+        *capacity = cached_resident_blocks(shapes.kernel[i], kShapeThreads[i]);
+        if (needed <= *capacity) return i;
+    }
+    return -1;
+}
+
+// Launches the first shape whose blocks, for every rank on this GPU, are resident together; none: an
+// error that names the limit. launch(shape index).
 template <typename Launch>
 void launch_resident(const Ctx& ctx, const Shapes& shapes, const char* what, Launch launch) {
-    const int sharing = ctx.ranks_on_device > 1 ? 2 * ctx.ranks_on_device : 1;
-    const int64_t needed = static_cast<int64_t>(sharing) * ctx.num_blocks;
+    const int64_t sharing = resident_share(ctx.ranks_on_device), needed = sharing * ctx.num_blocks;
     int capacity = 0;
-    for (const int i : shape_order(ctx.full_first).shape) {
-        capacity = cached_resident_blocks(shapes.kernel[i], kShapeThreads[i]);
-        if (needed <= capacity) {
-            launch(i);
-            MOE_EP_LAUNCH_CHECK(what);
-            return;
-        }
+    const int shape = first_fitting_shape(shapes, ctx.full_first, needed, &capacity);
+    if (shape >= 0) {
+        launch(shape);
+        MOE_EP_LAUNCH_CHECK(what);
+        return;
     }
     throw std::invalid_argument(
         "num_sms (Config): " + std::to_string(ctx.num_blocks) + " blocks per kernel with " +
@@ -1142,19 +1153,16 @@ int fitted_blocks(int budget, int ranks_on_device, bool full_first) {
     // Every shape's rate follows the loads its threads keep in flight; counted as threads, so that a tie
     // keeps the budget (the largest count is tried first and only a strict gain moves off it).
     const Shapes shapes = shapes_of<DispatchKernel>();
-    const int64_t sharing = 2LL * ranks_on_device;  // as in launch_resident
     int blocks = budget;
     int64_t most = 0;
     // Even counts only, as budgets are (Config): the streaming combine pairs a receiving and a sending
     // block per channel.
     for (int b = budget; b >= 2; b -= 2) {
-        for (const int i : shape_order(full_first).shape) {
-            if (sharing * b > cached_resident_blocks(shapes.kernel[i], kShapeThreads[i])) continue;
-            if (static_cast<int64_t>(b) * kShapeThreads[i] > most) {
-                most = static_cast<int64_t>(b) * kShapeThreads[i];
-                blocks = b;
-            }
-            break;
+        int capacity = 0;
+        const int shape = first_fitting_shape(shapes, full_first, resident_share(ranks_on_device) * b, &capacity);
+        if (shape >= 0 && static_cast<int64_t>(b) * kShapeThreads[shape] > most) {
+            most = static_cast<int64_t>(b) * kShapeThreads[shape];
+            blocks = b;
         }
     }
     last_budget[o] = budget, last_ranks[o] = ranks_on_device, last_blocks[o] = blocks;
