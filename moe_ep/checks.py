@@ -16,6 +16,15 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_BLOCK = 128
 
 
+def env_switch(name: str, default: str) -> bool:
+    """An on/off environment variable: "1" or "0" (`default` when unset); anything else is refused,
+    naming it."""
+    value = os.environ.get(name, default)
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def debug_checks_enabled() -> bool:
     """Value checks that would cost a host synchronisation run only when MOE_EP_DEBUG=1."""
     return os.environ.get("MOE_EP_DEBUG", "0") not in ("", "0", "false", "False")

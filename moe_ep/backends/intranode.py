@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ..config import (
     Config, ZeroCopyDispatchSlot, zero_copy_combine_slot, zero_copy_dispatch_bytes, zero_copy_dispatch_slot,
 )
+from ..checks import env_switch
 from ..events import EventOverlap
 from ..handles import DispatchHandle
 from ..sync import ArrivalGate
@@ -59,10 +60,7 @@ def fit_blocks() -> bool:
     """Whether the data kernels fit their block count (and the combines their block shape) to the ranks
     sharing a GPU (fitted_blocks in intranode.cu; MOE_EP_FIT_BLOCKS=0 takes the SM budget as the count
     and the 512-thread shapes, as before the twentieth session)."""
-    value = os.environ.get("MOE_EP_FIT_BLOCKS", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"MOE_EP_FIT_BLOCKS: expected 0 or 1, got {value!r}")
-    return value == "1"
+    return env_switch("MOE_EP_FIT_BLOCKS", "1")
 
 
 def use_stream_combine(num_ranks: int) -> bool:

@@ -15,7 +15,6 @@ the permute that follows each dispatch has read it long before.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -25,6 +24,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from ..buffer import Buffer
 from ..config import zero_copy_combine_bytes, zero_copy_dispatch_bytes
+from ..checks import env_switch
 from ..events import EventOverlap
 
 
@@ -56,11 +56,7 @@ def _async() -> dict:
 
 
 def _zero_copy_requested(direction: str) -> bool:
-    name = f"MOE_EP_ZERO_COPY_{direction.upper()}"
-    value = os.environ.get(name, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
-    return value == "1"
+    return env_switch(f"MOE_EP_ZERO_COPY_{direction.upper()}", "0")
 
 
 def _buffer_for(group, hidden_bytes: int, current: Optional[Buffer], zero_copy_bytes: int = 0,
