@@ -8,7 +8,9 @@
 #include <cstring>
 #include <optional>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "kernels/api.cuh"
@@ -316,6 +318,37 @@ void intranode_zero_copy_dispatch(const IntranodeCtx& c, int64_t num_blocks, con
 // previous_event), allocates the handle's state on the communication stream and the side outputs for
 // a full slot on the allocation stream, and launches the count exchange and the dispatch behind it.
 // -> (send_pos [N, R], recv_info, recv_src_idx [capacity], recv_topk_idx or None, recv_topk_weights or None)
+// The communication stream waits for the caller's stream (else the caller made it wait for its
+// previous_event).
+void order_after(const c10::cuda::CUDAStream& compute, const c10::cuda::CUDAStream& comm, int device) {
+    // One event per thread and device, made once: recorded and waited on at once, so reusing it is safe.
+    static thread_local std::unordered_map<int, cudaEvent_t> caller_done;
+    auto found = caller_done.find(device);
+    if (found == caller_done.end()) {
+        cudaEvent_t e;
+        C10_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+        found = caller_done.emplace(device, e).first;
+    }
+    C10_CUDA_CHECK(cudaEventRecord(found->second, compute.stream()));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(comm.stream(), found->second, 0));
+}
+
+c10::cuda::CUDAStream external_stream(int64_t stream, const torch::Tensor& on) {
+    return c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(stream), on.device().index());
+}
+
+// The count exchange of a fresh dispatch on the communication stream (current): (send_pos, recv_info).
+std::pair<torch::Tensor, torch::Tensor> launch_notify(const IntranodeCtx& c, const torch::Tensor& x,
+                                                      const torch::Tensor& is_token_in_rank,
+                                                      const torch::Tensor& num_tokens_per_expert, int64_t nonce,
+                                                      int64_t recv_info_ints) {
+    const auto ints = x.options().dtype(torch::kInt32);
+    torch::Tensor send_pos = torch::empty({x.size(0), c.num_ranks}, ints);
+    torch::Tensor recv_info = torch::empty({recv_info_ints}, ints);
+    intranode_notify(c, is_token_in_rank.contiguous(), num_tokens_per_expert.contiguous(), send_pos, recv_info, nonce);
+    return {send_pos, recv_info};
+}
+
 py::tuple intranode_zero_copy_dispatch_early(
     const IntranodeCtx& c, int64_t num_blocks, const torch::Tensor& x, const std::optional<torch::Tensor>& scales,
     const std::optional<torch::Tensor>& topk_idx, const std::optional<torch::Tensor>& topk_weights,
@@ -324,29 +357,13 @@ py::tuple intranode_zero_copy_dispatch_early(
     int64_t areas, int64_t slot_offset, int64_t capacity_rows, const std::vector<int64_t>& offsets) {
     const c10::cuda::CUDAGuard guard(x.device());
     const c10::cuda::CUDAStream compute = c10::cuda::getCurrentCUDAStream();
-    const c10::cuda::CUDAStream comm =
-        c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(comm_stream), x.device().index());
-    if (order_after_caller) {
-        // One event per thread and device, made once: recorded and waited on at once, so reusing it is safe.
-        static thread_local std::unordered_map<int, cudaEvent_t> caller_done;
-        auto found = caller_done.find(x.device().index());
-        if (found == caller_done.end()) {
-            cudaEvent_t e;
-            C10_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-            found = caller_done.emplace(x.device().index(), e).first;
-        }
-        C10_CUDA_CHECK(cudaEventRecord(found->second, compute.stream()));
-        C10_CUDA_CHECK(cudaStreamWaitEvent(comm.stream(), found->second, 0));
-    }
-    const auto ints = x.options().dtype(torch::kInt32);
+    const c10::cuda::CUDAStream comm = external_stream(comm_stream, x);
+    if (order_after_caller) order_after(compute, comm, x.device().index());
     torch::Tensor send_pos, recv_info, recv_src_idx;
     {
         const c10::cuda::CUDAStreamGuard on_comm(comm);
-        send_pos = torch::empty({x.size(0), c.num_ranks}, ints);
-        recv_info = torch::empty({recv_info_ints}, ints);
-        intranode_notify(c, is_token_in_rank.contiguous(), num_tokens_per_expert.contiguous(), send_pos, recv_info,
-                         nonce);
-        recv_src_idx = torch::empty({capacity_rows}, ints);
+        std::tie(send_pos, recv_info) = launch_notify(c, x, is_token_in_rank, num_tokens_per_expert, nonce, recv_info_ints);
+        recv_src_idx = torch::empty({capacity_rows}, x.options().dtype(torch::kInt32));
     }
     std::optional<torch::Tensor> recv_topk_idx, recv_topk_weights;
     if (topk_idx.has_value()) {
@@ -362,6 +379,63 @@ py::tuple intranode_zero_copy_dispatch_early(
     }
     const auto or_none = [](const std::optional<torch::Tensor>& t) { return t.has_value() ? py::cast(*t) : py::none(); };
     return py::make_tuple(send_pos, recv_info, recv_src_idx, or_none(recv_topk_idx), or_none(recv_topk_weights));
+}
+
+// A fresh ordinary dispatch without num_worst_tokens, from one Python call: the count exchange, the
+// host's wait for the counts (without the GIL), the outputs sized by them and the dispatch. What runs
+// between the counts' arrival and the dispatch's launch is on the 2-rank call's critical path, and
+// from Python each stream switch and allocation there costs microseconds more. Stream order and
+// allocation streams as intranode_zero_copy_dispatch_early; counts at host_info[host_counts]: R
+// received, R sent, then experts_per_rank per local expert.
+// -> None when the counts did not arrive within wait_s (the caller reports why), else (send_pos,
+//    recv_info, recv_src_idx, recv_x, recv_scales or None, recv_topk_idx or None, recv_topk_weights or
+//    None, recv_counts, send_counts, per_expert_counts)
+py::object intranode_dispatch_fresh(
+    const IntranodeCtx& c, int64_t num_blocks, const torch::Tensor& x, const std::optional<torch::Tensor>& scales,
+    const std::optional<torch::Tensor>& topk_idx, const std::optional<torch::Tensor>& topk_weights,
+    const torch::Tensor& is_token_in_rank, const torch::Tensor& num_tokens_per_expert, int64_t experts_per_rank,
+    int64_t nonce, int64_t recv_info_ints, int64_t comm_stream, bool order_after_caller, bool allocate_on_comm_stream,
+    int64_t host_done, int64_t host_counts, double wait_s) {
+    const c10::cuda::CUDAGuard guard(x.device());
+    const c10::cuda::CUDAStream compute = c10::cuda::getCurrentCUDAStream();
+    const c10::cuda::CUDAStream comm = external_stream(comm_stream, x);
+    if (order_after_caller) order_after(compute, comm, x.device().index());
+    torch::Tensor send_pos, recv_info;
+    {
+        const c10::cuda::CUDAStreamGuard on_comm(comm);
+        std::tie(send_pos, recv_info) = launch_notify(c, x, is_token_in_rank, num_tokens_per_expert, nonce, recv_info_ints);
+    }
+    if (!wait_host_value(c.host_info, host_done, nonce, wait_s)) return py::none();
+    const int* h = c.host_info.data_ptr<int>() + host_counts;
+    const int R = c.num_ranks;
+    const std::vector<int> recv_counts(h, h + R), send_counts(h + R, h + 2 * R),
+        per_expert(h + 2 * R, h + 2 * R + experts_per_rank);
+    int64_t rows = 0;
+    for (const int n : recv_counts) rows += n;
+    torch::Tensor recv_src_idx;
+    {
+        const c10::cuda::CUDAStreamGuard on_comm(comm);
+        recv_src_idx = torch::empty({rows}, x.options().dtype(torch::kInt32));
+    }
+    torch::Tensor recv_x;
+    std::optional<torch::Tensor> recv_scales, recv_topk_idx, recv_topk_weights;
+    {
+        const c10::cuda::CUDAStreamGuard on_alloc(allocate_on_comm_stream ? comm : compute);
+        recv_x = torch::empty({rows, x.size(1)}, x.options());
+        if (scales.has_value()) recv_scales = torch::empty({rows, scales->size(1)}, scales->options());
+        if (topk_idx.has_value()) {
+            recv_topk_idx = torch::empty({rows, topk_idx->size(1)}, x.options().dtype(torch::kInt64));
+            recv_topk_weights = torch::empty({rows, topk_idx->size(1)}, x.options().dtype(torch::kFloat32));
+        }
+    }
+    {
+        const c10::cuda::CUDAStreamGuard on_comm(comm);
+        intranode_dispatch(c, num_blocks, x, scales, topk_idx, topk_weights, experts_per_rank, send_pos, recv_info,
+                           recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx);
+    }
+    const auto or_none = [](const std::optional<torch::Tensor>& t) { return t.has_value() ? py::cast(*t) : py::none(); };
+    return py::make_tuple(send_pos, recv_info, recv_src_idx, recv_x, or_none(recv_scales), or_none(recv_topk_idx),
+                          or_none(recv_topk_weights), recv_counts, send_counts, per_expert);
 }
 
 // The arguments both combines share; x's rows are checked by the caller (the zero-copy view is strided).
@@ -619,6 +693,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("intranode_check_blocks", &moe_ep::intranode_check_blocks, "ValueError unless the blocks fit the GPU");
     py::class_<moe_ep::LowLatencyCtx>(m, "LowLatencyCtx")
         .def(py::init<int64_t, int, int, int, torch::Tensor, double, int, int, int>());
+    m.def("intranode_dispatch_fresh", &moe_ep::intranode_dispatch_fresh,
+          "a fresh ordinary dispatch in one call: count exchange, the wait for the counts, outputs, dispatch");
     m.def("intranode_zero_copy_dispatch_early", &moe_ep::intranode_zero_copy_dispatch_early,
           "a fresh zero-copy dispatch in one call: stream order, allocations, count exchange and dispatch launched");
     m.def("ll_dispatch_send", &moe_ep::ll_dispatch_send, "low-latency dispatch: send");

@@ -289,9 +289,17 @@ class IntranodeBackend:
         slot_index = self._dispatch_next
         # A zero-copy dispatch without num_worst_tokens starts before the host learns how many rows
         # arrive (the kernel reads the count on the device): its side outputs are allocated for a full
-        # slot and cut to the count afterwards, and the host's wait overlaps the kernel.
-        early = slot is not None and not cached and not worst
-        if early:
+        # slot and cut to the count afterwards, and the host's wait overlaps the kernel. An ordinary one
+        # needs the count for its outputs: from the count exchange to the dispatch's launch in one call.
+        fresh = not cached and not worst
+        early = fresh and slot is not None
+        if fresh and slot is None:
+            compute, state, recv_x, recv_scales, recv_idx, recv_weights, counts = self._dispatch_fresh(
+                x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, local, config,
+                previous_event, allocate_on_comm_stream)
+            recv_counts, send_counts, per_expert = counts
+            overflow = 0
+        elif early:
             compute, state, recv_idx, recv_weights = self._launch_zero_copy_early(
                 x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, local, slot, slot_index,
                 config, previous_event, allocate_on_comm_stream)
@@ -389,6 +397,28 @@ class IntranodeBackend:
                                       state.send_pos, state.recv_info, self._nonce)
         return state
 
+    def _dispatch_fresh(self, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
+                        local: int, config: Config, previous_event: Optional[EventOverlap],
+                        allocate_on_comm_stream: bool):
+        """A fresh ordinary dispatch without num_worst_tokens in one call into the extension (the 2-rank
+        call is bound by its host path): the stream order, the count exchange, the wait for the counts,
+        the outputs and the dispatch. -> (the caller's stream, state, recv_x, recv_scales, recv_idx,
+        recv_weights, (recv_counts, send_counts, per_expert_counts))"""
+        order_after_caller = previous_event is None or previous_event.event is None
+        if not order_after_caller:
+            self.comm_stream.wait_event(previous_event.event)
+        self._nonce += 1
+        done = self.ops.intranode_dispatch_fresh(
+            self.ctx, config.num_sms, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, local,
+            self._nonce, self.recv_info_ints, self.comm_stream.cuda_stream, order_after_caller, allocate_on_comm_stream,
+            HOST_DONE, HOST_COUNTS, self.timeout_s + _HOST_GRACE_S,
+        )
+        if done is None:
+            self._count_exchange_timed_out()
+        send_pos, recv_info, recv_src_idx, recv_x, recv_scales, recv_idx, recv_weights, *counts = done
+        state = IntranodeDispatchState(send_pos, recv_info, recv_src_idx)
+        return torch.cuda.current_stream(), state, recv_x, recv_scales, recv_idx, recv_weights, counts
+
     def _launch_zero_copy_early(self, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
                                 local: int, slot: ZeroCopyDispatchSlot, slot_index: int, config: Config,
                                 previous_event: Optional[EventOverlap], allocate_on_comm_stream: bool):
@@ -410,11 +440,7 @@ class IntranodeBackend:
     def _wait_counts(self, local: int):
         """The count exchange's result, read from host-mapped memory once the notify kernel is done."""
         if not self.ops.wait_host_value(self.host_info, HOST_DONE, self._nonce, self.timeout_s + _HOST_GRACE_S):
-            self.check_errors()
-            raise TimeoutError(
-                f"moe_ep: the dispatch count exchange did not finish within {self.timeout_s + _HOST_GRACE_S:g} s "
-                f"on rank {self.rank} (an earlier kernel on the communication stream may be stuck)"
-            )
+            self._count_exchange_timed_out()
         h, r = self._host, self.num_ranks
         # Slices of the ctypes array: one C-level copy each (indexing per element cost ~13 us a call
         # with 128 local experts).
@@ -422,6 +448,14 @@ class IntranodeBackend:
         send_counts = h[HOST_COUNTS + r: HOST_COUNTS + 2 * r]
         per_expert = h[HOST_COUNTS + 2 * r: HOST_COUNTS + 2 * r + local]
         return send_counts, recv_counts, per_expert
+
+    def _count_exchange_timed_out(self):
+        """Raises what the kernels reported (a missing peer, named), else a TimeoutError of the host's wait."""
+        self.check_errors()
+        raise TimeoutError(
+            f"moe_ep: the dispatch count exchange did not finish within {self.timeout_s + _HOST_GRACE_S:g} s "
+            f"on rank {self.rank} (an earlier kernel on the communication stream may be stuck)"
+        )
 
     # ---------------------------------------------------------------- zero-copy dispatch
     def _zero_copy_dispatch_view(self, slot: ZeroCopyDispatchSlot, index: int, offset: int, rows: int,
