@@ -207,15 +207,15 @@ intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
     return ctx;
 }
 
-// The context of a data kernel (dispatch, combine) where ranks share a GPU: the SM budget fitted to
-// them, and the combines launched in 1024-thread blocks where they fit (measured at 2 and 4 ranks on
-// one H200, twentieth session: every combine +11-39% in two calls; the dispatches level or slower,
-// so they keep the 512-thread shapes). With a GPU to each rank, or MOE_EP_FIT_BLOCKS=0, the budget
-// and the 512-thread shapes.
+// The context of a data kernel (dispatch, combine): where ranks share a GPU the SM budget fitted to
+// them; and the combines launched in 1024-thread blocks where they fit (2 and 4 ranks on one H200,
+// twentieth session: every combine +11-39% in two calls; 2 ranks on two H200s, twenty-first: +30-47%;
+// the dispatches were level or slower, so they keep the 512-thread shapes). With MOE_EP_FIT_BLOCKS=0,
+// the budget and the 512-thread shapes.
 intranode::Ctx data_ctx(const IntranodeCtx& c, int64_t num_blocks, bool combine) {
     intranode::Ctx ctx = make_ctx(c, num_blocks);
     if (c.fit_ranks_on_device > 0) {
-        ctx.full_first = c.fit_ranks_on_device > 1 && combine;
+        ctx.full_first = combine;
         ctx.num_blocks = intranode::fitted_blocks(ctx.num_blocks, c.fit_ranks_on_device, ctx.full_first);
     }
     return ctx;

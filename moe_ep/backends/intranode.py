@@ -57,9 +57,9 @@ def zero_copy_dispatch_too_small(rank: int, rows: int, x: torch.Tensor, scales: 
 
 
 def fit_blocks() -> bool:
-    """Whether the data kernels fit their block count (and the combines their block shape) to the ranks
-    sharing a GPU (fitted_blocks in intranode.cu; MOE_EP_FIT_BLOCKS=0 takes the SM budget as the count
-    and the 512-thread shapes, as before the twentieth session)."""
+    """Whether the data kernels fit their block count to the ranks sharing a GPU and the combines try
+    1024-thread blocks first (fitted_blocks in intranode.cu; MOE_EP_FIT_BLOCKS=0 takes the SM budget as
+    the count and the 512-thread shapes, as before the twentieth session)."""
     return env_switch("MOE_EP_FIT_BLOCKS", "1")
 
 
