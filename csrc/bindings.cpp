@@ -311,13 +311,6 @@ void intranode_zero_copy_dispatch(const IntranodeCtx& c, int64_t num_blocks, con
     intranode::zero_copy_dispatch(data_ctx(c, num_blocks, /*combine=*/false), a, z);
 }
 
-// A fresh zero-copy dispatch whose row count the host does not know yet, from one Python call: its
-// host time is on the critical path at 2 ranks, and each torch call from Python (stream switches,
-// allocations, the stream ordering's event) costs microseconds more than here. Orders the
-// communication stream after the caller's (order_after_caller; else the caller made it wait for its
-// previous_event), allocates the handle's state on the communication stream and the side outputs for
-// a full slot on the allocation stream, and launches the count exchange and the dispatch behind it.
-// -> (send_pos [N, R], recv_info, recv_src_idx [capacity], recv_topk_idx or None, recv_topk_weights or None)
 // The communication stream waits for the caller's stream (else the caller made it wait for its
 // previous_event).
 void order_after(const c10::cuda::CUDAStream& compute, const c10::cuda::CUDAStream& comm, int device) {
@@ -349,6 +342,13 @@ std::pair<torch::Tensor, torch::Tensor> launch_notify(const IntranodeCtx& c, con
     return {send_pos, recv_info};
 }
 
+// A fresh zero-copy dispatch whose row count the host does not know yet, from one Python call: its
+// host time is on the critical path at 2 ranks, and each torch call from Python (stream switches,
+// allocations, the stream ordering's event) costs microseconds more than here. Orders the
+// communication stream after the caller's (order_after_caller; else the caller made it wait for its
+// previous_event), allocates the handle's state on the communication stream and the side outputs for
+// a full slot on the allocation stream, and launches the count exchange and the dispatch behind it.
+// -> (send_pos [N, R], recv_info, recv_src_idx [capacity], recv_topk_idx or None, recv_topk_weights or None)
 py::tuple intranode_zero_copy_dispatch_early(
     const IntranodeCtx& c, int64_t num_blocks, const torch::Tensor& x, const std::optional<torch::Tensor>& scales,
     const std::optional<torch::Tensor>& topk_idx, const std::optional<torch::Tensor>& topk_weights,
