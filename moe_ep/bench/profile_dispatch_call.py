@@ -4,7 +4,8 @@ The benchmark's wall time per call can exceed the kernels' device time (at 2 ran
 dispatch's blocks run ~1/3 of it): this says whether the host or the GPU is the bottleneck. Every
 launch the call makes (count exchange, dispatch kernel) and the host's wait for the counts is timed
 on the host clock, and device events around each launch give the kernels' durations and the gaps
-between them (a fresh ordinary dispatch makes all three in one call into the extension, timed as one). Medians over the timed calls, per rank.
+between them (a fresh dispatch makes all three in one call into the extension, timed as one). Medians
+over the timed calls, per rank.
 
     python -m moe_ep.bench.profile_dispatch_call --ranks 2 [--zero-copy] [--fp8] [--python-profile 15]
 
