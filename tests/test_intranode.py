@@ -40,7 +40,7 @@ def _both(pools, gpu_pools, num_ranks, fn, *args, **kwargs):
     dict(use_fp8=False, num_biases=0),
     dict(use_fp8=True, num_biases=2),
     dict(use_fp8=False, num_biases=1, expert_alignment=16),
-    dict(use_fp8=True, num_worst_tokens=512),
+    dict(use_fp8=True, num_worst_tokens=768),  # 8 ranks x 96 tokens: any load fits
     dict(use_fp8=False, with_topk=False),
     dict(use_fp8=False, stream_args=True, num_biases=2),
 ])
@@ -143,7 +143,7 @@ def test_buffers_mapped_through_cuda_ipc(pools, gpu_pools, seed, num_ranks, zero
     _compare(seed, on_gpu, pools(num_ranks).run(*args, zero_copy_dispatch=zero_copy_dispatch, use_fp8=True))
 
 
-@pytest.mark.parametrize("num_ranks,use_fp8,num_worst_tokens", [(2, True, 0), (4, False, 200), (8, False, 0)])
+@pytest.mark.parametrize("num_ranks,use_fp8,num_worst_tokens", [(2, True, 0), (4, False, 256), (8, False, 0)])
 def test_zero_copy_dispatch_slots_alternate(gpu_pools, seed, num_ranks, use_fp8, num_worst_tokens):
     """Three zero-copy dispatches (slots 0, 1, 0) of different rows: an ordinary dispatch's outputs
     each time, and each recv_x intact after the next zero-copy dispatch."""
