@@ -330,6 +330,18 @@ c10::cuda::CUDAStream external_stream(int64_t stream, const torch::Tensor& on) {
     return c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(stream), on.device().index());
 }
 
+py::object or_none(const std::optional<torch::Tensor>& t) { return t.has_value() ? py::cast(*t) : py::none(); }
+
+// A fresh dispatch's received top-k ids and weights for `rows` rows (none without top-k), on the
+// current stream.
+std::pair<std::optional<torch::Tensor>, std::optional<torch::Tensor>> recv_topk_outputs(
+    int64_t rows, const std::optional<torch::Tensor>& topk_idx, const torch::Tensor& x) {
+    if (!topk_idx.has_value()) return {};
+    const int64_t k = topk_idx->size(1);
+    return {torch::empty({rows, k}, x.options().dtype(torch::kInt64)),
+            torch::empty({rows, k}, x.options().dtype(torch::kFloat32))};
+}
+
 // The count exchange of a fresh dispatch on the communication stream (current): (send_pos, recv_info).
 std::pair<torch::Tensor, torch::Tensor> launch_notify(const IntranodeCtx& c, const torch::Tensor& x,
                                                       const torch::Tensor& is_token_in_rank,
@@ -366,10 +378,9 @@ py::tuple intranode_zero_copy_dispatch_early(
         recv_src_idx = torch::empty({capacity_rows}, x.options().dtype(torch::kInt32));
     }
     std::optional<torch::Tensor> recv_topk_idx, recv_topk_weights;
-    if (topk_idx.has_value()) {
+    {
         const c10::cuda::CUDAStreamGuard on_alloc(allocate_on_comm_stream ? comm : compute);
-        recv_topk_idx = torch::empty({capacity_rows, topk_idx->size(1)}, x.options().dtype(torch::kInt64));
-        recv_topk_weights = torch::empty({capacity_rows, topk_idx->size(1)}, x.options().dtype(torch::kFloat32));
+        std::tie(recv_topk_idx, recv_topk_weights) = recv_topk_outputs(capacity_rows, topk_idx, x);
     }
     {
         const c10::cuda::CUDAStreamGuard on_comm(comm);
@@ -377,7 +388,6 @@ py::tuple intranode_zero_copy_dispatch_early(
                                      recv_info, -1, recv_topk_idx, recv_topk_weights, recv_src_idx, areas, slot_offset,
                                      capacity_rows, offsets);
     }
-    const auto or_none = [](const std::optional<torch::Tensor>& t) { return t.has_value() ? py::cast(*t) : py::none(); };
     return py::make_tuple(send_pos, recv_info, recv_src_idx, or_none(recv_topk_idx), or_none(recv_topk_weights));
 }
 
@@ -423,17 +433,13 @@ py::object intranode_dispatch_fresh(
         const c10::cuda::CUDAStreamGuard on_alloc(allocate_on_comm_stream ? comm : compute);
         recv_x = torch::empty({rows, x.size(1)}, x.options());
         if (scales.has_value()) recv_scales = torch::empty({rows, scales->size(1)}, scales->options());
-        if (topk_idx.has_value()) {
-            recv_topk_idx = torch::empty({rows, topk_idx->size(1)}, x.options().dtype(torch::kInt64));
-            recv_topk_weights = torch::empty({rows, topk_idx->size(1)}, x.options().dtype(torch::kFloat32));
-        }
+        std::tie(recv_topk_idx, recv_topk_weights) = recv_topk_outputs(rows, topk_idx, x);
     }
     {
         const c10::cuda::CUDAStreamGuard on_comm(comm);
         intranode_dispatch(c, num_blocks, x, scales, topk_idx, topk_weights, experts_per_rank, send_pos, recv_info,
                            recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx);
     }
-    const auto or_none = [](const std::optional<torch::Tensor>& t) { return t.has_value() ? py::cast(*t) : py::none(); };
     return py::make_tuple(send_pos, recv_info, recv_src_idx, recv_x, or_none(recv_scales), or_none(recv_topk_idx),
                           or_none(recv_topk_weights), recv_counts, send_counts, per_expert);
 }
