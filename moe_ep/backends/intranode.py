@@ -397,6 +397,16 @@ class IntranodeBackend:
                                       state.send_pos, state.recv_info, self._nonce)
         return state
 
+    def _begin_fresh_call(self, previous_event: Optional[EventOverlap]) -> bool:
+        """What a fresh dispatch made in one extension call does first: the communication stream waits for
+        previous_event if one is given, and the count exchange takes the next nonce. -> whether the
+        extension must order the communication stream after the caller's stream instead."""
+        order_after_caller = previous_event is None or previous_event.event is None
+        if not order_after_caller:
+            self.comm_stream.wait_event(previous_event.event)
+        self._nonce += 1
+        return order_after_caller
+
     def _dispatch_fresh(self, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
                         local: int, config: Config, previous_event: Optional[EventOverlap],
                         allocate_on_comm_stream: bool):
@@ -404,10 +414,7 @@ class IntranodeBackend:
         call is bound by its host path): the stream order, the count exchange, the wait for the counts,
         the outputs and the dispatch. -> (the caller's stream, state, recv_x, recv_scales, recv_idx,
         recv_weights, (recv_counts, send_counts, per_expert_counts))"""
-        order_after_caller = previous_event is None or previous_event.event is None
-        if not order_after_caller:
-            self.comm_stream.wait_event(previous_event.event)
-        self._nonce += 1
+        order_after_caller = self._begin_fresh_call(previous_event)
         done = self.ops.intranode_dispatch_fresh(
             self.ctx, config.num_sms, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, local,
             self._nonce, self.recv_info_ints, self.comm_stream.cuda_stream, order_after_caller, allocate_on_comm_stream,
@@ -425,10 +432,7 @@ class IntranodeBackend:
         """A fresh zero-copy dispatch up to its launch in one call into the extension (the 2-rank call is
         bound by its host path): the stream order, the state, the side outputs for a full slot, the count
         exchange and the dispatch. -> (the caller's stream, state, recv_idx, recv_weights)."""
-        order_after_caller = previous_event is None or previous_event.event is None
-        if not order_after_caller:
-            self.comm_stream.wait_event(previous_event.event)
-        self._nonce += 1
+        order_after_caller = self._begin_fresh_call(previous_event)
         send_pos, recv_info, recv_src_idx, recv_idx, recv_weights = self.ops.intranode_zero_copy_dispatch_early(
             self.ctx, config.num_sms, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, local,
             self._nonce, self.recv_info_ints, self.comm_stream.cuda_stream, order_after_caller, allocate_on_comm_stream,
