@@ -4,10 +4,14 @@
 # with both dispatchers. Writes into ${OUT:-out}/; every figure goes to docs/PERFORMANCE.md afterwards.
 #   usage: bash scripts/multi_gpu_check.sh            (all GPUs of the host)
 #          RANKS=4 bash scripts/multi_gpu_check.sh    (dry run on fewer GPUs: ranks then share them)
+#          PARTS="tests bench" bash scripts/multi_gpu_check.sh   (some of: tests bench sweep low_latency
+#          megatron; all by default), so that the whole check fits two 600-s calls on a still-warm machine
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 GPUS=$(nvidia-smi -L | wc -l)
 RANKS=${RANKS:-$GPUS}
+PARTS=" ${PARTS:-tests bench sweep low_latency megatron} "
+part() { [[ $PARTS == *" $1 "* ]]; }
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 : > "$OUT/summary.txt"
 summary "multi_gpu_check $(date -u +%FT%TZ): $GPUS x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $RANKS ranks"
@@ -21,10 +25,10 @@ fi
 summary "build: ok in $(( $(date +%s) - t0 )) s"
 
 # The GPU tests first: here ranks spread over the GPUs (rank % GPUs), so the kernels' peers are on other
-# GPUs (NVLink) for the first time. MOE_EP_SKIP_TESTS=1 skips them.
-if [[ ${MOE_EP_SKIP_TESTS:-0} != 1 ]]; then
+# GPUs (NVLink). MOE_EP_SKIP_TESTS=1 skips them; TESTS_S (420): their time limit.
+if part tests && [[ ${MOE_EP_SKIP_TESTS:-0} != 1 ]]; then
   t0=$(date +%s)
-  MOE_EP_TIMEOUT_S=${MOE_EP_TIMEOUT_S:-20} timeout 420 $PY -m pytest -q --maxfail=${MAXFAIL:-5} -rf \
+  MOE_EP_TIMEOUT_S=${MOE_EP_TIMEOUT_S:-20} timeout "${TESTS_S:-420}" $PY -m pytest -q --maxfail=${MAXFAIL:-5} -rf \
     tests/test_intranode.py tests/test_low_latency_kernels.py > "$OUT/gpu_tests.log" 2>&1
   summary "gpu tests over $GPUS GPUs: $(tail -1 "$OUT/gpu_tests.log") in $(( $(date +%s) - t0 )) s"
 fi
@@ -32,11 +36,11 @@ fi
 # The intranode kernels at the issue's shape; NCCL's all-to-all only where each rank has its own GPU.
 NCCL_FLAG=""
 [[ $RANKS -le $GPUS ]] && NCCL_FLAG=--nccl
-timeout 240 $PY -m moe_ep.bench.intranode --ranks "$RANKS" --sms 24 $NCCL_FLAG --json "$OUT/bench.jsonl" 2>&1 \
+part bench && timeout 240 $PY -m moe_ep.bench.intranode --ranks "$RANKS" --sms 24 $NCCL_FLAG --json "$OUT/bench.jsonl" 2>&1 \
   | tee -a "$OUT/summary.txt"
-timeout 240 $PY -m moe_ep.bench.intranode --ranks "$RANKS" --sms 8 16 32 48 --json "$OUT/sweep.jsonl" 2>&1 \
+part sweep && timeout 240 $PY -m moe_ep.bench.intranode --ranks "$RANKS" --sms 8 16 32 48 --json "$OUT/sweep.jsonl" 2>&1 \
   | tee -a "$OUT/summary.txt"
-timeout 200 $PY -m moe_ep.bench.low_latency --ranks "$RANKS" --json "$OUT/bench.jsonl" 2>&1 \
+part low_latency && timeout 200 $PY -m moe_ep.bench.low_latency --ranks "$RANKS" --json "$OUT/bench.jsonl" 2>&1 \
   | tee -a "$OUT/summary.txt"
 
 # megatron-core at EP=$RANKS, both dispatchers, same seeds (a carried .whl/megatron_core-*.whl is used).
@@ -44,7 +48,9 @@ if ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --target /tmp/mcore .whl/megatron_core-*.whl \
     && export PYTHONPATH=/tmp/mcore${PYTHONPATH:+:$PYTHONPATH}
 fi
-if $PY -c "import megatron.core" 2>/dev/null; then
+if ! part megatron; then
+  :
+elif $PY -c "import megatron.core" 2>/dev/null; then
   for config in ${CONFIGS:-configs/mixtral_8x7b_like.yaml}; do
     name=$(basename "$config" .yaml)
     timeout 400 $PY examples/compare_dispatchers.py --config "$config" --nproc "$RANKS" --steps "${STEPS:-20}" \
