@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <optional>
@@ -474,11 +475,12 @@ void intranode_combine(const IntranodeCtx& c, int64_t num_blocks, const torch::T
                        const std::optional<torch::Tensor>& topk_weights, const torch::Tensor& recv_src_idx,
                        const torch::Tensor& recv_info, const torch::Tensor& send_pos,
                        const std::optional<torch::Tensor>& bias0, const std::optional<torch::Tensor>& bias1,
-                       const torch::Tensor& out, const std::optional<torch::Tensor>& out_weights) {
+                       const torch::Tensor& out, const std::optional<torch::Tensor>& out_weights, int64_t send_chunk) {
     const c10::cuda::CUDAGuard guard(x.device());
     check_rows(x, "x");
-    intranode::combine(data_ctx(c, num_blocks, /*combine=*/true),
-                       combine_args(x, topk_weights, recv_src_idx, recv_info, send_pos, bias0, bias1, out, out_weights));
+    intranode::CombineArgs a = combine_args(x, topk_weights, recv_src_idx, recv_info, send_pos, bias0, bias1, out, out_weights);
+    a.send_chunk = static_cast<int>(std::min<int64_t>(std::max<int64_t>(send_chunk, 0), 1 << 24));
+    intranode::combine(data_ctx(c, num_blocks, /*combine=*/true), a);
 }
 
 // x: the view Buffer.get_next_combine_buffer handed out, whose rows lie in this rank's zero-copy area

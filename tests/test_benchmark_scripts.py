@@ -30,6 +30,15 @@ def test_intranode_benchmark_sweeps(tmp_path):
     assert "best chunk at 2 ranks, 8 SMs, dispatch_fp8" in out
 
 
+def test_intranode_benchmark_sweeps_the_send_chunk(tmp_path):
+    """--send-tokens: a row per value, kept below the recv tokens (64 -> 31 with 32-token windows)."""
+    out = _run("moe_ep.bench.intranode", *TINY, "--tokens", "64", "--modes", "combine", "--recv-tokens", "32",
+               "--send-tokens", "4", "64", "--json", str(tmp_path / "b.jsonl"))
+    lines = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    assert sorted((r["recv_tokens"], r["send_tokens"]) for r in lines) == [(32, 4), (32, 31)]
+    assert "num_max_nvl_chunked_send_tokens=" in out
+
+
 def test_an_sm_budget_the_kernels_refuse_is_skipped_not_fatal():
     from types import SimpleNamespace
     from moe_ep.bench.intranode import unfit_sm_budget

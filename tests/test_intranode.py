@@ -78,6 +78,18 @@ def test_both_combines_give_the_same_bits(pools, gpu_pools, seed, num_ranks, hid
     _compare(seed, [result for result, _ in on_gpu], pools(num_ranks).run(rank_fns.normal_round, p, **kwargs))
 
 
+@pytest.mark.parametrize("num_ranks,send_tokens", [(4, 1), (4, 255), (8, 3), (5, 2)])
+def test_stream_combine_send_chunk(pools, gpu_pools, seed, num_ranks, send_tokens):
+    """The streaming combine's sending rounds capped at Config's num_max_nvl_chunked_send_tokens rows per
+    owner (1: a release per row; 255: more than a channel has here, as uncapped): the same bits."""
+    config = Config(24, send_tokens, 256, 6, 128)
+    p = Problem(seed, num_ranks, num_ranks * 8, 2048, 6, max_tokens=96)
+    on_gpu = gpu_pools(num_ranks).run(rank_fns.forced_combine_round, p, True, config=config, num_biases=1)
+    assert all(rows > 0 for _, rows in on_gpu), "the streaming combine did not run"
+    _compare(seed, [result for result, _ in on_gpu],
+             pools(num_ranks).run(rank_fns.normal_round, p, config=config, num_biases=1))
+
+
 @pytest.mark.parametrize("num_ranks,num_sms", [(8, 24), (6, 24), (4, 20), (2, 24)])
 def test_blocks_fitted_to_ranks_sharing_a_gpu(pools, gpu_pools, seed, num_ranks, num_sms):
     """Where ranks share a GPU the kernels may run on fewer blocks than the SM budget (the count whose

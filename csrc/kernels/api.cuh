@@ -142,6 +142,10 @@ struct CombineArgs {
     const void* bias1;
     void* out;                    // [N, hidden]
     float* out_weights;           // [N, K] or null
+    // The streaming combine: rows per owner a sending round writes before it releases them (Config's
+    // num_max_nvl_chunked_send_tokens), so the owner sums a round's rows while the next is written;
+    // 0: as many as the owner's ring has room for.
+    int send_chunk;
 };
 void combine(const Ctx& ctx, const CombineArgs& args);
 // Zero-copy combine: every rank's rows (args.x) already lie in its zero-copy area, slot `slot_offset`,

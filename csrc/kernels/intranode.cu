@@ -620,7 +620,9 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
 // contiguous ranges; per (channel, sending rank) the owner's buffer holds a ring of `ring_rows` slots.
 // A sending block serves one channel: in rounds, its warps write every owner's next rows of the
 // channel, in token order, into the owner's ring, as far as each owner's consumed count allows (never
-// waiting on one owner while another has room). A receiving block takes its channel's tokens in
+// waiting on one owner while another has room) and at most a send chunk per owner, since a round's
+// rows are released only when the round ends: a ring that takes a whole channel would otherwise be
+// written in full before its owner sums any of it. A receiving block takes its channel's tokens in
 // batches of one token per warp, in order: a token's row from rank r is the next unread slot of ring
 // r, because r sends in token order, and is summed in rank order as in the windowed combine (the same
 // bits). Senders wait only on receivers and receivers only on senders; a batch never needs more rows
@@ -680,6 +682,7 @@ __device__ bool stream_send(const Env& e, const StreamCall& call, int c) {
             if (sent[j] < count[j]) {
                 const int consumed = counted_rows(load_acquire(e.own(stream_index(kConsumedBy, R, c, s))), e.seq, count[j]);
                 if (consumed >= 0) room[j] = min(count[j], consumed + call.ring_rows);
+                if (a.send_chunk > 0) room[j] = min(room[j], sent[j] + a.send_chunk);
             }
         }
         __syncthreads();

@@ -527,7 +527,7 @@ class IntranodeBackend:
             args = (self.ctx, config.num_sms, x, topk_weights, state.recv_src_idx, state.recv_info, state.send_pos,
                     biases[0], biases[1], out, out_weights)
             if zero_copy_slot is None:
-                self.ops.intranode_combine(*args)
+                self.ops.intranode_combine(*args, config.num_max_nvl_chunked_send_tokens)
             else:
                 slot_bytes, pitch, capacity = zero_copy_combine_slot(self.zero_copy_bytes, x.shape[1] * x.element_size())
                 self.ops.intranode_zero_copy_combine(

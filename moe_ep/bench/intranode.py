@@ -11,6 +11,8 @@ process's plain device copy of the same number of bytes, measured in the same ru
     python -m moe_ep.bench.intranode --ranks 2 4 8 --sms 24
     python -m moe_ep.bench.intranode --ranks 4 --sms 8 16 24 32 48     # SM sweep
     python -m moe_ep.bench.intranode --ranks 4 --recv-tokens 64 128 256 512   # window (buffer) sweep
+    python -m moe_ep.bench.intranode --ranks 4 8 --modes combine --recv-tokens 1024 --send-tokens 8 32 128
+        # the streaming combine's send chunk (rows per owner a sending round writes)
     python -m moe_ep.bench.intranode --ranks 8 --profile-waits   # where the kernels' time goes
     python -m moe_ep.bench.intranode --ranks 8 --nccl     # one rank per GPU: also NCCL's all-to-all
     python -m moe_ep.bench.intranode --ranks 4 8 --modes combine   # only some of the modes
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import time
@@ -66,13 +69,19 @@ def wait_shares(profile: dict, mode: str, calls: int) -> dict:
     return shares
 
 
-def variant(config: Config, num_sms: int, recv_tokens: int = 0) -> Config:
+def variant(config: Config, num_sms: int, recv_tokens: int = 0, send_tokens: int = 0) -> Config:
     """`config` with another SM budget and, if given, another num_max_nvl_chunked_recv_tokens (which
-    sizes the buffer through the size hint, and with it the kernels' windows)."""
+    sizes the buffer through the size hint, and with it the kernels' windows) and send tokens (the
+    streaming combine's rows per owner and sending round), the latter kept below the former."""
     recv_tokens = recv_tokens or config.num_max_nvl_chunked_recv_tokens
-    send_tokens = min(config.num_max_nvl_chunked_send_tokens, recv_tokens - 1)
+    send_tokens = min(send_tokens or config.num_max_nvl_chunked_send_tokens, recv_tokens - 1)
     return Config(num_sms, send_tokens, recv_tokens, config.num_max_rdma_chunked_send_tokens,
                   config.num_max_rdma_chunked_recv_tokens)
+
+
+def chunk_of(row: dict) -> tuple:
+    """A result's chunk: (recv tokens, send tokens), the window or ring and the streaming combine's send round."""
+    return row.get("recv_tokens", 0), row.get("send_tokens", 0)
 
 
 def unfit_sm_budget(buffer: Buffer, num_sms: int) -> str:
@@ -138,7 +147,7 @@ def rank_bench(args):
             route = dict(handle=handle) if mode.endswith("_cached") else layout
             return buffer.dispatch(rows_in, config=config, zero_copy="_zero_copy" in mode, **route)
 
-        for i, num_sms in enumerate(args.sms):
+        for (i, num_sms), send_tokens in itertools.product(enumerate(args.sms), args.send_tokens or [0]):
             refused = unfit_sm_budget(buffer, num_sms)
             if refused:  # the same on every rank of this GPU: all skip it
                 results.append(dict(rank=rank, sms=num_sms, mode=SKIPPED, reason=refused))
@@ -149,12 +158,12 @@ def rank_bench(args):
                 kernels = buffer._intranode  # None on the portable backend
                 if kernels is not None:
                     kernels.reset_wait_profile()
-                seconds = wall_seconds_per_call(functools.partial(call, mode, configs[mode][i]), args.warmup, args.iters)
+                config = variant(configs[mode][i], num_sms, 0, send_tokens)
+                seconds = wall_seconds_per_call(functools.partial(call, mode, config), args.warmup, args.iters)
                 waits = wait_shares(kernels.wait_profile(), mode, args.warmup + args.iters) if kernels is not None else {}
                 row_bytes = args.hidden * (1 + 4 / 128) if mode.startswith("dispatch_fp8") else args.hidden * 2
-                config = configs[mode][i]
                 results.append(dict(rank=rank, sms=num_sms, recv_tokens=config.num_max_nvl_chunked_recv_tokens,
-                                    nvl_bytes=nvl, mode=mode, us=seconds * 1e6, rows=rows, bytes=rows * row_bytes,
+                                    send_tokens=config.num_max_nvl_chunked_send_tokens, nvl_bytes=nvl, mode=mode, us=seconds * 1e6, rows=rows, bytes=rows * row_bytes,
                                     gbps=rows * row_bytes / seconds / 1e9, waits=waits,
                                     peer_memory=kernels.memory if kernels is not None else None,
                                     blocks=kernels.launch_blocks(num_sms, combine=mode.startswith("combine"))
@@ -216,6 +225,9 @@ def main():
     parser.add_argument("--recv-tokens", type=int, nargs="+", default=[],
                         help="num_max_nvl_chunked_recv_tokens values to sweep (the buffer, hence window, size); "
                              "default: the tuned config's")
+    parser.add_argument("--send-tokens", type=int, nargs="+", default=[],
+                        help="num_max_nvl_chunked_send_tokens values to sweep (rows per owner in a sending round of "
+                             "the streaming combine; kept below the recv tokens); default: the tuned config's")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--nccl", action="store_true", help="also time NCCL all_to_all_single (one rank per GPU)")
@@ -226,7 +238,7 @@ def main():
     args = parser.parse_args()
     if args.nccl and (args.cpu or any(n > torch.cuda.device_count() for n in args.ranks)):
         parser.error("--nccl needs one rank per GPU (NCCL refuses two ranks on one GPU)")
-    print(f"{'ranks':>5} {'sms':>4} {'chunk':>6} {'mode':>20} {'us/call':>9} {'GB/s per rank (min/mean)':>25} "
+    print(f"{'ranks':>5} {'sms':>4} {'chunk':>9} {'mode':>20} {'us/call':>9} {'GB/s per rank (min/mean)':>25} "
           f"{'aggregate GB/s':>15} {'of copy':>8}")
     for num_ranks in args.ranks:
         with RankPool(num_ranks, use_cuda=not args.cpu) as pool:
@@ -237,12 +249,11 @@ def main():
             print(f"{num_ranks:>5} {num_sms:>4}  skipped: {reason}")
         flat = [r for r in flat if r["mode"] != SKIPPED]
         best = {}
-        for key in sorted({(r["sms"], r.get("recv_tokens", 0)) for r in flat}):
-            num_sms, recv_tokens = key
+        for num_sms, chunk in sorted({(r["sms"], chunk_of(r)) for r in flat}):
+            recv_tokens, send_tokens = chunk
             modes = tuple(m for m in ALL_MODES if m in args.modes) + ((NCCL_MODE,) if args.nccl and num_sms == args.sms[0] else ())
             for mode in modes:
-                rows = [r for r in flat if r["sms"] == num_sms and r.get("recv_tokens", 0) == recv_tokens
-                        and r["mode"] == mode]
+                rows = [r for r in flat if r["sms"] == num_sms and chunk_of(r) == chunk and r["mode"] == mode]
                 if not rows:
                     continue
                 aggregate_bytes = sum(r["bytes"] for r in rows)
@@ -250,30 +261,32 @@ def main():
                 copy = copy_gbps(int(aggregate_bytes), device="cpu" if args.cpu else "cuda")
                 mean = aggregate / len(rows)
                 if mode != NCCL_MODE and mean > best.get((num_sms, mode), (0, 0))[0]:
-                    best[(num_sms, mode)] = (mean, recv_tokens)
+                    best[(num_sms, mode)] = (mean, chunk)
                 waits = {}
                 for r in rows:
                     for what, share in r.get("waits", {}).items():
                         waits[what] = waits.get(what, 0.0) + share / len(rows)
                 waited = ", ".join(f"{what} {share:.0f}" if what == "block us" else f"{what} {share:.0%}"
                                    for what, share in waits.items())
-                print(f"{num_ranks:>5} {num_sms:>4} {recv_tokens or '-':>6} {mode:>20} {max(r['us'] for r in rows):>9.0f} "
+                shown = f"{recv_tokens}/{send_tokens}" if recv_tokens else "-"
+                print(f"{num_ranks:>5} {num_sms:>4} {shown:>9} {mode:>20} {max(r['us'] for r in rows):>9.0f} "
                       f"{min(r['gbps'] for r in rows):>12.0f} / {mean:<10.0f} {aggregate:>15.0f} "
                       f"{aggregate / copy:>7.0%}" + (f"  profile: {waited}" if waited else ""))
                 if args.json:
                     with open(args.json, "a") as f:
                         f.write(json.dumps(dict(bench="intranode", ranks=num_ranks, sms=num_sms,
-                                                recv_tokens=recv_tokens, nvl_bytes=rows[0].get("nvl_bytes"),
+                                                recv_tokens=recv_tokens, send_tokens=send_tokens,
+                                                nvl_bytes=rows[0].get("nvl_bytes"),
                                                 mode=mode, tokens=args.tokens, hidden=args.hidden, topk=args.topk,
                                                 experts=args.experts, per_rank_gbps=[r["gbps"] for r in rows],
                                                 us=[r["us"] for r in rows], aggregate_gbps=aggregate,
                                                 copy_gbps=copy, waits=waits, peer_memory=rows[0].get("peer_memory"),
                                                 blocks=rows[0].get("blocks"),
                                                 stream_combine=os.environ.get("MOE_EP_STREAM_COMBINE", "auto"))) + "\n")
-        if len(args.recv_tokens) > 1:
-            for (num_sms, mode), (gbps, recv_tokens) in sorted(best.items()):
+        if len(args.recv_tokens) > 1 or len(args.send_tokens) > 1:
+            for (num_sms, mode), (gbps, (recv_tokens, send_tokens)) in sorted(best.items()):
                 print(f"  best chunk at {num_ranks} ranks, {num_sms} SMs, {mode}: num_max_nvl_chunked_recv_tokens="
-                      f"{recv_tokens} ({gbps:.0f} GB/s per rank)")
+                      f"{recv_tokens}, num_max_nvl_chunked_send_tokens={send_tokens} ({gbps:.0f} GB/s per rank)")
 
 if __name__ == "__main__":
     main()
