@@ -250,16 +250,17 @@ def low_latency_rdma_size_hint(
 # Defaults per rank count: (num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens). The
 # receive chunk sizes the buffer through the size hint, hence the kernels' windows. These were the
 # fastest of 64/256/1024 at 24 SMs on an H200 (combine: at 16 and 32 SMs too; dispatch: 256 is within
-# 3% of the best at every rank count and SM budget; 2026-11-29, bench_intranode --recv-tokens,
-# docs/PERFORMANCE.md), but the dispatch at 2 ranks: 1024 beat 256 by 4-7% there on 2026-11-30 (level
-# at 4 and 8 ranks), at no cost in memory, since the combine's 1024 sizes the buffer anyway.
+# 3% of the best at every rank count and SM budget); 2026-11-29, bench_intranode --recv-tokens,
+# docs/PERFORMANCE.md. The kernels' windows follow the buffer's bytes, and a buffer sized for both
+# configs (deep_ep's idiom) takes the larger receive chunk: at 2 ranks the combine's 1024 gives the
+# dispatch 1024-token windows too (4-7% faster than 256 on 2026-11-30).
 # The dispatch's send chunk does not steer its kernels (deep_ep's meaning, kept valid). The combine's
 # is the streaming combine's sending round (rows per owner written before they are released; it
 # streams from 4 ranks): the fastest of 2-48 at 4 and 8 ranks, 24 SMs, on one H200 and, at 4 ranks, on
 # four (2026-11-30, bench_intranode --send-tokens); the generic 16 is within 5% of the best at both.
 # Any rank count not listed gets the generic entry.
 _DISPATCH_CONFIGS = {
-    2: (24, 1024),
+    2: (24, 256),
     4: (6, 256),
     8: (6, 256),
 }

@@ -43,7 +43,7 @@ def test_missing_rank_in_low_latency_combine(pools):
 def test_ranks_in_different_calls_are_reported(pools):
     results = pools(2).run(rank_fns.mismatched_calls)
     for rank, (exc_type, message) in enumerate(results):
-        assert exc_type == "RuntimeError"
+        assert exc_type == "RuntimeError", message
         assert "ranks disagree on the call" in message
 
 
