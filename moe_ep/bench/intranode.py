@@ -163,7 +163,8 @@ def rank_bench(args):
                 waits = wait_shares(kernels.wait_profile(), mode, args.warmup + args.iters) if kernels is not None else {}
                 row_bytes = args.hidden * (1 + 4 / 128) if mode.startswith("dispatch_fp8") else args.hidden * 2
                 results.append(dict(rank=rank, sms=num_sms, recv_tokens=config.num_max_nvl_chunked_recv_tokens,
-                                    send_tokens=config.num_max_nvl_chunked_send_tokens, nvl_bytes=nvl, mode=mode, us=seconds * 1e6, rows=rows, bytes=rows * row_bytes,
+                                    send_tokens=config.num_max_nvl_chunked_send_tokens, nvl_bytes=nvl, mode=mode,
+                                    us=seconds * 1e6, rows=rows, bytes=rows * row_bytes,
                                     gbps=rows * row_bytes / seconds / 1e9, waits=waits,
                                     peer_memory=kernels.memory if kernels is not None else None,
                                     blocks=kernels.launch_blocks(num_sms, combine=mode.startswith("combine"))
