@@ -32,6 +32,8 @@ def run(dispatcher: str, args, log_path: str) -> list:
         cmd += ["--steps", str(args.steps)]
     if dispatcher == "deepep" and args.zero_copy:
         cmd += ["--zero-copy", args.zero_copy]
+    if args.profile:
+        cmd += ["--profile", os.path.join(args.profile, f"profile_{dispatcher}.txt")]
     # megatron-core warns at length about optional packages it falls back from; keep the table readable.
     env = dict(os.environ)
     env.setdefault("PYTHONWARNINGS", "ignore")
@@ -78,6 +80,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the summary here")
     parser.add_argument("--zero-copy", choices=["none", "dispatch", "combine", "both"],
                         help="moe_ep's one-pass intranode calls for the deepep run (train_moe.py --zero-copy)")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="write each run's operator table of three steps here (train_moe.py --profile)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         logs = {d: run(d, args, os.path.join(tmp, f"{d}.jsonl")) for d in DISPATCHERS}
@@ -97,6 +101,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(rows=rows, max_loss_diff=max_diff), f, indent=1)
+    if args.profile:
+        print(f"profiles: {', '.join(os.path.join(args.profile, f'profile_{d}.txt') for d in DISPATCHERS)}")
     return 0
 
 

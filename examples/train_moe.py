@@ -8,7 +8,9 @@ share a GPU, under MPS via `python -m moe_ep.launch`):
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-endpoint host0:29500 examples/train_moe.py --config configs/mixtral_8x7b_like.yaml
 
-Writes one JSON line per step (loss, step time, tokens/s) to --json-log.
+Writes one JSON line per step (loss, step time, tokens/s) to --json-log; --profile FILE writes where rank
+0's time went in three steps after the first three (torch.profiler's operator table, moe_ep's dispatcher
+phases among them as `moe_ep.*` ranges).
 """
 from __future__ import annotations
 
@@ -35,7 +37,66 @@ def parse_args(argv=None):
     parser.add_argument("--zero-copy", choices=["none", "dispatch", "combine", "both"],
                         help="moe_ep: which intranode calls are one-pass ones (default: none)")
     parser.add_argument("--json-log", help="JSON lines, one per step (rank 0)")
+    parser.add_argument("--profile", help="rank 0's operator table of three profiled steps, written here")
     return parser.parse_args(argv)
+
+
+PROFILED_STEPS = 3
+
+
+PHASES = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "combine_preprocess", "token_combine",
+          "combine_postprocess")
+
+
+def label_alltoall_phases() -> None:
+    """Megatron's alltoall dispatcher's six phases as `alltoall.*` ranges in a profile, next to moe_ep's
+    own `moe_ep.*` ones (its backward runs inside autograd's collectives: no ranges there)."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from moe_ep.megatron.dispatcher import phase_range
+    for name in PHASES:
+        setattr(MoEAlltoAllTokenDispatcher, name, phase_range(name, "alltoall")(getattr(MoEAlltoAllTokenDispatcher, name)))
+
+
+def phase_summary(table, first: int, last: int) -> str:
+    """The dispatchers' phase ranges of a profile: calls, host time in and under them."""
+    phases = sorted((e for e in table if e.key.startswith(("moe_ep.", "alltoall."))), key=lambda e: -e.cpu_time_total)
+    lines = [f"# steps {first}-{last}, rank 0: the dispatcher's phases (host time, ms, own code and what it calls)"]
+    lines += [f"{e.key:<32} {e.count:>6} calls {e.cpu_time_total / 1e3:>10.2f} ms" for e in phases]
+    return "\n".join(lines) + "\n\n"
+
+
+class StepProfiler:
+    """torch.profiler over PROFILED_STEPS steps after the warm-up (rank 0 only), its operator table
+    written to `path`: by device time where a GPU runs, and by host time."""
+
+    def __init__(self, path, steps: int, use_cuda: bool):
+        self.path, self.use_cuda = path, use_cuda
+        self.first = min(3, max(0, steps - PROFILED_STEPS))
+        self.profiler = None
+
+    def before_step(self, step: int) -> None:
+        if self.path and step == self.first:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.use_cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.start()
+
+    def after_step(self, step: int, last: bool) -> None:
+        if self.profiler is None or not (step == self.first + PROFILED_STEPS - 1 or last):
+            return
+        self.profiler.stop()
+        table = self.profiler.key_averages()
+        sections = [("host time", "cpu_time_total")]
+        if self.use_cuda:
+            sections.insert(0, ("device time", "self_cuda_time_total"))
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with open(self.path, "w") as f:
+            f.write(phase_summary(table, self.first, step))
+            for title, key in sections:
+                f.write(f"# steps {self.first}-{step}, rank 0, sorted by {title}\n")
+                f.write(table.table(sort_by=key, row_limit=40) + "\n\n")
+        self.profiler = None
 
 
 def init_distributed(use_cuda: bool) -> None:
@@ -106,6 +167,8 @@ def train(args) -> list:
         os.environ["MOE_EP_RANKS_PER_NODE"] = str(args.ranks_per_node)
     if args.zero_copy:
         moe_ep.megatron.set_zero_copy(args.zero_copy)
+    if args.profile:
+        label_alltoall_phases()
     rank = dist.get_rank()
     torch.manual_seed(train_cfg["seed"])
     model = build_model(model_cfg, data_cfg, use_cuda, train_cfg["seed"])
@@ -120,7 +183,9 @@ def train(args) -> list:
         except ImportError:
             pass
     log = []
+    profiler = StepProfiler(args.profile if rank == 0 else None, steps, use_cuda)
     for step in range(steps):
+        profiler.before_step(step)
         if use_cuda:
             torch.cuda.synchronize()
         dist.barrier()
@@ -139,6 +204,7 @@ def train(args) -> list:
         record = dict(step=step, loss=mean_loss.item() / dist.get_world_size(), step_time_s=elapsed,
                       tokens_per_s=tokens_per_step / elapsed)
         log.append(record)
+        profiler.after_step(step, last=step == steps - 1)
         if progress is not None:
             progress.set_postfix(loss=f"{record['loss']:.4f}")
             progress.update()

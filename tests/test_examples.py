@@ -66,3 +66,20 @@ def test_two_node_torchrun_matches_one_node(tmp_path):
     a, b = _losses(single), _losses(multi)
     assert len(a) == len(b) == 4
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
+
+
+def test_profiled_runs_name_both_dispatchers_phases(tmp_path):
+    """compare_dispatchers.py --profile: each run's operator table of three steps on rank 0, with the
+    dispatcher's phases among its rows (moe_ep's forward and backward, megatron alltoall's forward),
+    so a slower step shows which phase costs it."""
+    subprocess.run([sys.executable, os.path.join(ROOT, "examples", "compare_dispatchers.py"), "--nproc", "2",
+                    "--steps", "4", "--config", TINY, "--profile", str(tmp_path), "--plot", str(tmp_path / "plot.png")],
+                   check=True, env=ENV, cwd=ROOT, timeout=600)
+    phases = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "combine_preprocess", "token_combine",
+              "combine_postprocess")
+    for dispatcher, prefix, extra in (("deepep", "moe_ep", ("dispatch_backward", "combine_backward")),
+                                      ("alltoall", "alltoall", ())):
+        text = (tmp_path / f"profile_{dispatcher}.txt").read_text()
+        assert "steps 1-3, rank 0: the dispatcher's phases" in text and "sorted by host time" in text
+        for phase in phases + extra:
+            assert f"{prefix}.{phase} " in text, (dispatcher, phase)

@@ -15,6 +15,7 @@ the permute that follows each dispatch has read it long before.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -47,6 +48,22 @@ class _CommState:
         if self.pending is not None:
             self.pending.current_stream_wait()
             self.pending = None
+
+
+def phase_range(name: str, prefix: str = "moe_ep"):
+    """Names a method's time `<prefix>.<name>` in profiler traces (torch.profiler, and nsys with
+    --pytorch=autograd-nvtx), so a step's profile shows where a dispatcher's time goes
+    (examples/train_moe.py --profile also labels megatron's alltoall dispatcher with it)."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def traced(*args, **kwargs):
+            with torch.profiler.record_function(f"{prefix}.{name}"):
+                return method(*args, **kwargs)
+
+        return traced
+
+    return wrap
 
 
 def _async() -> dict:
@@ -108,6 +125,7 @@ class _Dispatch(torch.autograd.Function):
         return recv_x, recv_w
 
     @staticmethod
+    @phase_range("dispatch_backward")
     def backward(ctx, grad_recv_x, grad_recv_w):
         state = ctx.state
         # Entries of other ranks' experts were constants (0) in the forward: no gradient flows there.
@@ -153,6 +171,7 @@ class _Combine(torch.autograd.Function):
         return combined
 
     @staticmethod
+    @phase_range("combine_backward")
     def backward(ctx, grad):
         recv_grad = ctx.buffer.dispatch(grad.contiguous(), handle=ctx.handle, zero_copy=ctx.zero_copy_dispatch)[0]
         return recv_grad, None
@@ -182,6 +201,7 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         )
 
     # ---------------------------------------------------------------- dispatch
+    @phase_range("dispatch_preprocess")
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         self.hidden_shape = hidden_states.shape
         hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
@@ -208,6 +228,7 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         self._probs_dtype = probs.dtype
         return hidden_states, token_probs.float()
 
+    @phase_range("token_dispatch")
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         hidden_bytes = hidden_states.shape[1] * max(hidden_states.element_size(), 2)
         # Two slots of every row this rank could receive: each token once from every rank of the group.
@@ -223,6 +244,7 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
                                          zero_copy_dispatch)
         return _Dispatch.apply(hidden_states, probs, self._topk_idx, self.num_experts, self._state)
 
+    @phase_range("dispatch_postprocess")
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         state = self._state
         state.wait()
@@ -264,6 +286,7 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         return routing_map, expert_probs
 
     # ---------------------------------------------------------------- combine
+    @phase_range("combine_preprocess")
     def combine_preprocess(self, hidden_states: torch.Tensor):
         state = self._state
         state.zero_copy_rows = self._zero_copy and hidden_states.dtype in (torch.bfloat16, torch.float32)
@@ -277,9 +300,11 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
             routing_map=self.local_routing_map,
         )
 
+    @phase_range("token_combine")
     def token_combine(self, hidden_states: torch.Tensor):
         return _Combine.apply(hidden_states, self._state)
 
+    @phase_range("combine_postprocess")
     def combine_postprocess(self, hidden_states: torch.Tensor):
         self._state.wait()
         return hidden_states.view(self.hidden_shape)
