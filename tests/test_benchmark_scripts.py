@@ -31,11 +31,13 @@ def test_intranode_benchmark_sweeps(tmp_path):
 
 
 def test_intranode_benchmark_sweeps_the_send_chunk(tmp_path):
-    """--send-tokens: a row per value, kept below the recv tokens (64 -> 31 with 32-token windows)."""
-    out = _run("moe_ep.bench.intranode", *TINY, "--tokens", "64", "--modes", "combine", "--recv-tokens", "32",
-               "--send-tokens", "4", "64", "--json", str(tmp_path / "b.jsonl"))
+    """--send-tokens: a row per value, kept below the recv tokens (64 -> 31 with 32-token windows), for the
+    plain combine only (the other modes do not read it: they run once)."""
+    out = _run("moe_ep.bench.intranode", *TINY, "--tokens", "64", "--modes", "combine", "dispatch_bf16",
+               "--recv-tokens", "32", "--send-tokens", "4", "64", "--json", str(tmp_path / "b.jsonl"))
     lines = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
-    assert sorted((r["recv_tokens"], r["send_tokens"]) for r in lines) == [(32, 4), (32, 31)]
+    assert sorted((r["mode"], r["recv_tokens"], r["send_tokens"]) for r in lines) == [
+        ("combine", 32, 4), ("combine", 32, 31), ("dispatch_bf16", 32, 4)]
     assert "num_max_nvl_chunked_send_tokens=" in out
 
 

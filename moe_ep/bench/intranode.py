@@ -155,6 +155,8 @@ def rank_bench(args):
             for mode in RUN_ORDER:
                 if mode not in args.modes:
                     continue
+                if mode != "combine" and send_tokens != (args.send_tokens or [0])[0]:
+                    continue  # only the plain combine streams: the other modes ran with the first send chunk
                 kernels = buffer._intranode  # None on the portable backend
                 if kernels is not None:
                     kernels.reset_wait_profile()
