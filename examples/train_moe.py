@@ -89,7 +89,7 @@ class StepProfiler:
         table = self.profiler.key_averages()
         sections = [("host time", "cpu_time_total")]
         if self.use_cuda:
-            sections.insert(0, ("device time", "self_cuda_time_total"))
+            sections.insert(0, ("device time", "self_device_time_total"))
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         with open(self.path, "w") as f:
             f.write(phase_summary(table, self.first, step))
