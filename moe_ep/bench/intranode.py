@@ -147,7 +147,8 @@ def rank_bench(args):
             route = dict(handle=handle) if mode.endswith("_cached") else layout
             return buffer.dispatch(rows_in, config=config, zero_copy="_zero_copy" in mode, **route)
 
-        for (i, num_sms), send_tokens in itertools.product(enumerate(args.sms), args.send_tokens or [0]):
+        send_values = args.send_tokens or [0]  # 0: each config's own send chunk
+        for (i, num_sms), send_tokens in itertools.product(enumerate(args.sms), send_values):
             refused = unfit_sm_budget(buffer, num_sms)
             if refused:  # the same on every rank of this GPU: all skip it
                 results.append(dict(rank=rank, sms=num_sms, mode=SKIPPED, reason=refused))
@@ -155,7 +156,7 @@ def rank_bench(args):
             for mode in RUN_ORDER:
                 if mode not in args.modes:
                     continue
-                if mode != "combine" and send_tokens != (args.send_tokens or [0])[0]:
+                if mode != "combine" and send_tokens != send_values[0]:
                     continue  # only the plain combine streams: the other modes ran with the first send chunk
                 kernels = buffer._intranode  # None on the portable backend
                 if kernels is not None:
