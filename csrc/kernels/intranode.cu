@@ -454,6 +454,20 @@ struct CombineCall {
     const int* base;  // first received row of each source rank (R + 1)
 };
 
+// Token t's row that this rank itself received (its own token, for a local expert): the combines read
+// it in place in x instead of passing it through this rank's window or ring (a copy and a read back
+// saved: half the rows at 2 ranks, a quarter at 4). Row base[me] + send_pos[t][me], as at any
+// receiver of this rank's rows. Valid where send_pos[t][me] >= 0, which `sent` says.
+struct OwnRow {
+    const CombineArgs& a;
+    const int* base;  // first received row of each source rank
+    int64_t x_bytes, t;
+    int me, R;
+    __device__ int64_t index() const { return base[me] + a.send_pos[t * R + me]; }
+    __device__ const uint8_t* row() const { return static_cast<const uint8_t*>(a.x) + index() * x_bytes; }
+    __device__ const float* weights() const { return a.topk_weights + index() * a.num_topk; }
+};
+
 // Push: every row this rank holds for a token of window w goes to its owner's slot (token, this rank).
 // The rows of all owners form one list (owners from the next rank on) spread over all warps of the
 // kernel; the last block to finish raises every owner's pushed flag.
@@ -465,8 +479,9 @@ __device__ bool push_window(const Env& e, const CombineCall& call, const Warps& 
     // Entry i of the list is received row lo[j] + i - starts[j] for owner (me + 1 + j) % R, where
     // starts[j] <= i < starts[j + 1].
     __shared__ int lo[kMaxRanks], starts[kMaxRanks + 1];
+    // This rank's own rows stay where they are (the reduce reads them from x): owner me, the last, gets none.
     for (int j = threadIdx.x; j < R; j += blockDim.x)
-        starts[j + 1] = owner_rows(a, call.base, (me + 1 + j) % R, first, first + call.window_tokens, lo[j]);
+        starts[j + 1] = j == R - 1 ? (lo[j] = 0) : owner_rows(a, call.base, (me + 1 + j) % R, first, first + call.window_tokens, lo[j]);
     __syncthreads();
     if (threadIdx.x == 0) {
         starts[0] = 0;
@@ -493,10 +508,11 @@ __device__ bool push_window(const Env& e, const CombineCall& call, const Warps& 
 // `sent`, ascending, in float32 (the portable backend's order, so the same bits); row_of(r) is where
 // rank r's row is (warp-uniform calls). kChunks vectors per lane and up to S::kCombineBatch ranks
 // each: their loads are all in flight together, then summed per vector in rank order. With
-// `weights_offset` >= 0 also out_weights[t] = the sum of the ranks' weights there.
-template <typename T, typename V, typename S, typename RowOf>
+// `with_weights` (and out_weights given) also out_weights[t] = the sum of the ranks' top-k weights,
+// rank r's at weights_of(r) (warp-uniform calls too).
+template <typename T, typename V, typename S, typename RowOf, typename WeightsOf>
 __device__ void sum_token(const CombineArgs& a, int64_t t, int64_t chunks, int64_t begin, int64_t end, uint64_t sent,
-                          RowOf row_of, int64_t weights_offset, int lane) {
+                          RowOf row_of, WeightsOf weights_of, bool with_weights, int lane) {
     constexpr int kElems = sizeof(V) / sizeof(T);
     // Every lane makes the same trips, also past the row's end: row_of may shuffle (the streaming
     // combine's does), and a shuffle that a finished lane never joins waits forever, deadline or not.
@@ -538,14 +554,14 @@ __device__ void sum_token(const CombineArgs& a, int64_t t, int64_t chunks, int64
         for (int c = 0; c < kChunks; ++c)
             if (chunk0 + c * 32 < end) static_cast<V*>(a.out)[t * chunks + chunk0 + c * 32] = pack<T, V>(acc[c]);
     }
-    if (a.out_weights != nullptr && weights_offset >= 0) {
+    if (a.out_weights != nullptr && with_weights) {
         const int K = a.num_topk;
-        for (int k0 = 0; k0 < K; k0 += 32) {  // every lane walks the ranks: row_of may shuffle
+        for (int k0 = 0; k0 < K; k0 += 32) {  // every lane walks the ranks: weights_of may shuffle
             const int k = k0 + lane;
             float acc = 0.f;
             for (uint64_t rest = sent; rest != 0; rest &= rest - 1) {
-                const uint8_t* row = row_of(__ffsll(static_cast<long long>(rest)) - 1);
-                if (k < K) acc += __ldcg(reinterpret_cast<const float*>(row + weights_offset) + k);
+                const float* weights = weights_of(__ffsll(static_cast<long long>(rest)) - 1);
+                if (k < K) acc += __ldcg(weights + k);
             }
             if (k < K) a.out_weights[t * K + k] = acc;
         }
@@ -578,8 +594,12 @@ __device__ bool reduce_window(const Env& e, const CombineCall& call, const Warps
         const uint8_t* slots = window + static_cast<int64_t>(i) * R * call.slot_bytes;
         const int64_t begin = static_cast<int64_t>(steps) * part / parts * 32 * kChunks;
         const int64_t end = min(chunks, static_cast<int64_t>(steps) * (part + 1) / parts * 32 * kChunks);
-        sum_token<T, V, S>(a, t, chunks, begin, end, sent, [&](int r) { return slots + r * call.slot_bytes; },
-                           part == 0 ? call.weights_offset : -1, lane);
+        const OwnRow own{a, call.base, call.x_bytes, t, me, R};
+        sum_token<T, V, S>(
+            a, t, chunks, begin, end, sent,
+            [&](int r) { return r == me ? own.row() : slots + r * call.slot_bytes; },
+            [&](int r) { return r == me ? own.weights() : reinterpret_cast<const float*>(slots + r * call.slot_bytes + call.weights_offset); },
+            part == 0, lane);
     }
     __syncthreads();
     if (threadIdx.x == 0 && arrive_last(e.own(kReduceCount + parity), warps.blocks))
@@ -669,7 +689,8 @@ __device__ bool stream_send(const Env& e, const StreamCall& call, int c) {
         const int j = threadIdx.x, s = (me + 1 + j) % R;
         int first, last;
         channel_tokens(call.src_tokens[s], c, call.channels, first, last);
-        count[j] = owner_rows(a, call.base, s, first, last, lo[j]);
+        // This rank's own rows stay in x (the receiver reads them there): its own ring gets none.
+        count[j] = s == me ? (lo[j] = 0) : owner_rows(a, call.base, s, first, last, lo[j]);
         sent[j] = 0;
     }
     const uint8_t* x = static_cast<const uint8_t*>(a.x);
@@ -765,15 +786,22 @@ __device__ bool stream_receive(const Env& e, const StreamCall& call, int c) {
                 if (p >= 0) k = p - ring_first[lane];
             }
             bool ready = true;
-            if (k >= 0)
+            if (k >= 0 && lane != me)  // this rank's own row is read in place, never sent
                 ready = wait_flag(e, e.own(stream_index(kProducedFrom, R, c, lane)), tag(e.seq, k + 1), kErrRingRows, lane, c);
             if (!__all_sync(kFullMask, ready)) {
                 failed = true;
             } else {
                 const unsigned sent = __ballot_sync(kFullMask, k >= 0);
                 const int64_t offset = k >= 0 ? lane * ring_bytes + static_cast<int64_t>(k % call.ring_rows) * call.slot_bytes : 0;
-                sum_token<T, V, S>(a, t, chunks, 0, chunks, sent,
-                                   [&](int r) { return rings + __shfl_sync(kFullMask, offset, r); }, call.weights_offset, lane);
+                const OwnRow own{a, call.base, call.x_bytes, t, me, R};
+                sum_token<T, V, S>(
+                    a, t, chunks, 0, chunks, sent,
+                    [&](int r) { return r == me ? own.row() : rings + __shfl_sync(kFullMask, offset, r); },
+                    [&](int r) {
+                        return r == me ? own.weights()
+                                       : reinterpret_cast<const float*>(rings + __shfl_sync(kFullMask, offset, r) + call.weights_offset);
+                    },
+                    true, lane);
                 if (k >= 0) atomicMax(&consumed[lane], k + 1);
             }
         }
@@ -1093,9 +1121,11 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
                                   first_row_at[r] + a.send_pos[t * R + r] < z.capacity_rows;
                 sent |= static_cast<uint64_t>(__ballot_sync(kFullMask, here)) << r0;
             }
-            sum_token<T, V, S>(a, t, chunks, 0, chunks, sent, [&](int r) {
+            const auto row_of = [&](int r) {
                 return z.areas[r] + z.slot_offset + static_cast<int64_t>(first_row_at[r] + a.send_pos[t * R + r]) * z.pitch;
-            }, a.out_weights != nullptr ? weights_offset : -1, lane);
+            };
+            sum_token<T, V, S>(a, t, chunks, 0, chunks, sent, row_of,
+                               [&](int r) { return reinterpret_cast<const float*>(row_of(r) + weights_offset); }, true, lane);
         }
     }
     finish_kernel(e, e.own(kDoneCount));
