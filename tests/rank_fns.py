@@ -681,6 +681,26 @@ def zero_copy_dispatch_rounds(p: Problem, repeats: int, use_fp8: bool, num_worst
     return results
 
 
+def dispatches_via_zero_copy(p: Problem, use_fp8: bool, num_worst_tokens: int = 0):
+    """Run under MOE_EP_DISPATCH_VIA_ZERO_COPY=1: three ordinary dispatches of different rows (through
+    the zero-copy slots in turn), each next to a zero-copy dispatch of the same: per dispatch (its
+    outputs, the zero-copy one's, whether its recv_x still held its rows after all six)."""
+    inp = my_inputs(p)
+    buffer = normal_buffer(p.hidden, num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p))
+    args = dict(dispatch_args(buffer, inp, p), num_worst_tokens=num_worst_tokens)
+    results, kept = [], []
+    for i in range(3):
+        x = inp["x"] * (i + 1)
+        x = fp8.per_token_cast_to_fp8(x) if use_fp8 else x
+        plain = buffer.dispatch(x, **args)
+        recv = plain[0][0] if use_fp8 else plain[0]
+        kept.append((recv, recv.clone()))
+        results.append([cpu(plain[:4]), cpu(buffer.dispatch(x, zero_copy=True, **args)[:4])])
+    for result, (recv, copy) in zip(results, kept):
+        result.append(torch.equal(recv.view(torch.uint8), copy.view(torch.uint8)))
+    return results
+
+
 def zero_copy_dispatch_overflow(p: Problem, capacity_rows: int):
     """A zero-copy dispatch area of `capacity_rows` rows per slot: (what the zero-copy dispatch did,
     rows an ordinary dispatch then received, what a num_worst_tokens zero-copy dispatch past the

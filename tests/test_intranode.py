@@ -164,6 +164,19 @@ def test_zero_copy_dispatch_slots_alternate(gpu_pools, seed, num_ranks, use_fp8,
                                                               num_worst_tokens), seed)
 
 
+@pytest.mark.parametrize("num_ranks,use_fp8,num_worst_tokens", [(2, True, 0), (4, False, 256), (8, True, 0)])
+def test_ordinary_dispatches_via_zero_copy_own_their_outputs(gpu_pools, seed, num_ranks, use_fp8, num_worst_tokens):
+    """MOE_EP_DISPATCH_VIA_ZERO_COPY=1: an ordinary dispatch runs as a zero-copy one and copies its rows
+    out: a zero-copy dispatch's outputs, in tensors of its own (intact after five more dispatches)."""
+    p = Problem(seed, num_ranks, num_ranks * 4, 1024, 4, max_tokens=64)
+    per_rank = gpu_pools(num_ranks).run(rank_fns.with_env, {"MOE_EP_DISPATCH_VIA_ZERO_COPY": "1"},
+                                        rank_fns.dispatches_via_zero_copy, p, use_fp8, num_worst_tokens)
+    for rank, results in enumerate(per_rank):
+        for i, (plain, zero_copy, intact) in enumerate(results):
+            assert _same(plain, zero_copy), f"seed {seed} rank {rank}, dispatch {i}"
+            assert intact, f"seed {seed} rank {rank}, dispatch {i}: its recv_x changed with later dispatches"
+
+
 def test_zero_copy_dispatch_too_small_is_refused_and_the_buffer_goes_on(gpu_pools, seed):
     """A slot too small for a rank's rows: that rank gets the ValueError after a kernel that kept every
     rank in step (the next dispatch works); num_worst_tokens past the slot and a Buffer without the
