@@ -79,8 +79,9 @@ def dispatch_via_zero_copy() -> bool:
     zero-copy dispatch area and copy recv_x (and its scales) out into tensors of their own. Why: across
     GPUs the zero-copy dispatch's senders store over NVLink (378 GB/s per rank on four H200s, NCCL's
     rate) where the ordinary one's receivers load (283), and the copy-out is a pass over local memory.
-    Measured through this switch on two H200s: bf16 2 ranks 307 -> 380 GB/s per rank, fp8 level; on one
-    GPU both move the same bytes. Off by default: it needs the area, which few Buffers have.
+    Measured through this switch on two H200s: bf16 2 ranks 304-311 -> 380-382 GB/s per rank, fp8
+    level; on one GPU both move the same bytes. Off by default: it needs the area, which few Buffers
+    have.
     The area must hold every such dispatch's rows (else the zero-copy dispatch's ValueError), and these
     dispatches take its slots in turn with the zero-copy ones."""
     return env_switch("MOE_EP_DISPATCH_VIA_ZERO_COPY", "0")
