@@ -48,15 +48,15 @@ if ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --target /tmp/mcore .whl/megatron_core-*.whl \
     && export PYTHONPATH=/tmp/mcore${PYTHONPATH:+:$PYTHONPATH}
 fi
-if ! part megatron; then
-  :
-elif $PY -c "import megatron.core" 2>/dev/null; then
-  for config in ${CONFIGS:-configs/mixtral_8x7b_like.yaml}; do
-    name=$(basename "$config" .yaml)
-    timeout 400 $PY examples/compare_dispatchers.py --config "$config" --nproc "$RANKS" --steps "${STEPS:-20}" \
-      --warmup 5 --plot "$OUT/compare_$name.png" --json "$OUT/compare_$name.json" 2>&1 \
-      | grep -v "step/s" | tail -8 | tee -a "$OUT/summary.txt"
-  done
-else
-  summary "megatron-core not importable: carry .whl/megatron_core-*.whl (see README)"
+if part megatron; then
+  if $PY -c "import megatron.core" 2>/dev/null; then
+    for config in ${CONFIGS:-configs/mixtral_8x7b_like.yaml}; do
+      name=$(basename "$config" .yaml)
+      timeout 400 $PY examples/compare_dispatchers.py --config "$config" --nproc "$RANKS" --steps "${STEPS:-20}" \
+        --warmup 5 --plot "$OUT/compare_$name.png" --json "$OUT/compare_$name.json" 2>&1 \
+        | grep -v "step/s" | tail -8 | tee -a "$OUT/summary.txt"
+    done
+  else
+    summary "megatron-core not importable: carry .whl/megatron_core-*.whl (see README)"
+  fi
 fi
