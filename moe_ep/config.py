@@ -8,7 +8,7 @@ portable backend runs unchanged on the kernels.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import List, Tuple
 
 from .checks import check_int
 
@@ -107,10 +107,12 @@ INTRANODE_MAX_EXPERTS = 16384
 _INTRANODE_FIXED_SIGNALS = 13
 _INTRANODE_SIGNAL_ARRAYS = 6
 _INTRANODE_STREAM_SIGNALS = 2 * 32  # the streaming combine's two [channel][rank] ring counters
+_INTRANODE_LAYOUT_FIELDS = 7  # a zero-copy dispatch's receiving layout, per rank
 
 
 def intranode_header_bytes(num_ranks: int) -> int:
-    signals = (_INTRANODE_FIXED_SIGNALS + (_INTRANODE_SIGNAL_ARRAYS + _INTRANODE_STREAM_SIGNALS) * num_ranks) * 8
+    signals = (_INTRANODE_FIXED_SIGNALS + (_INTRANODE_SIGNAL_ARRAYS + _INTRANODE_STREAM_SIGNALS
+                                           + _INTRANODE_LAYOUT_FIELDS) * num_ranks) * 8
     return _align(signals + 4 * (2 * num_ranks + INTRANODE_MAX_EXPERTS), INTRANODE_HEADER_ALIGN)
 
 
@@ -165,16 +167,28 @@ def _zero_copy_slot_bytes(area_bytes: int) -> int:
     return area_bytes // 2 // INTRANODE_SLOT_ALIGN * INTRANODE_SLOT_ALIGN
 
 
+def _zero_copy_dispatch_parts(capacity: int, x_bytes: int, scale_bytes: int, num_topk: int) -> List[int]:
+    """Offsets of the five parts of `capacity` rows (x, scales, top-k ids, top-k weights, source
+    tokens), then the end of the last."""
+    offsets = [0]
+    for part_row_bytes in (x_bytes, scale_bytes, 8 * num_topk, 4 * num_topk, 4):
+        offsets.append(_align(offsets[-1] + capacity * part_row_bytes, INTRANODE_SLOT_ALIGN))
+    return offsets
+
+
 def zero_copy_dispatch_slot(area_bytes: int, x_bytes: int, scale_bytes: int, num_topk: int) -> ZeroCopyDispatchSlot:
     """The slot layout of a zero-copy dispatch area of `area_bytes` for rows of these sizes."""
     a = INTRANODE_SLOT_ALIGN
     slot_bytes = _zero_copy_slot_bytes(area_bytes)
     # Each of the five parts may lose up to a - 1 bytes to alignment.
     capacity = max(0, (slot_bytes - 5 * a) // _zero_copy_dispatch_row_bytes(x_bytes, scale_bytes, num_topk))
-    offsets = [0]
-    for part_row_bytes in (x_bytes, scale_bytes, 8 * num_topk, 4 * num_topk):
-        offsets.append(_align(offsets[-1] + capacity * part_row_bytes, a))
-    return ZeroCopyDispatchSlot(slot_bytes, capacity, *offsets)
+    return ZeroCopyDispatchSlot(slot_bytes, capacity, *_zero_copy_dispatch_parts(capacity, x_bytes, scale_bytes, num_topk)[:5])
+
+
+def zero_copy_dispatch_region(rows: int, x_bytes: int, scale_bytes: int, num_topk: int) -> ZeroCopyDispatchSlot:
+    """The layout of exactly `rows` received rows (a region of a dispatch arena): slot_bytes is its size."""
+    parts = _zero_copy_dispatch_parts(rows, x_bytes, scale_bytes, num_topk)
+    return ZeroCopyDispatchSlot(parts[5], rows, *parts[:5])
 
 
 def zero_copy_pitch(row_bytes: int) -> int:

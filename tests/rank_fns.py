@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep import Buffer, Config, fp8
-from moe_ep.config import zero_copy_combine_bytes, zero_copy_dispatch_bytes
+from moe_ep.config import zero_copy_combine_bytes, zero_copy_dispatch_bytes, zero_copy_dispatch_region
 
 from .problems import Problem, bias_for, expert_output, make_inputs
 
@@ -699,6 +699,74 @@ def dispatches_via_zero_copy(p: Problem, use_fp8: bool, num_worst_tokens: int = 
     for result, (recv, copy) in zip(results, kept):
         result.append(torch.equal(recv.view(torch.uint8), copy.view(torch.uint8)))
     return results
+
+
+def dispatches_into_arena(p: Problem, use_fp8: bool, num_worst_tokens: int = 0):
+    """Run under MOE_EP_DISPATCH_ARENA=1: three ordinary and three zero-copy dispatches of different rows
+    into the arena, and a cached one, each next to the same dispatch on a Buffer without the area (the
+    two-pass kernels): (per dispatch: its outputs, the bare Buffer's, whether its recv_x still held its
+    rows after all of them; whether the arena was whole again once every output was dropped)."""
+    inp = my_inputs(p)
+    buffer = normal_buffer(p.hidden, num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p, 2 * dist.get_world_size() * p.max_tokens))
+    bare = normal_buffer(p.hidden)
+    args = dict(dispatch_args(buffer, inp, p), num_worst_tokens=num_worst_tokens)
+    results, kept = [], []
+    handle = bare_handle = None
+    for i in range(6):
+        x = inp["x"] * (i + 1)
+        x = fp8.per_token_cast_to_fp8(x) if use_fp8 else x
+        out = buffer.dispatch(x, zero_copy=i >= 3, **args)
+        reference = bare.dispatch(x, **args)
+        handle, bare_handle = handle or out[4], bare_handle or reference[4]
+        recv = out[0][0] if use_fp8 else out[0]
+        kept.append((recv, recv.clone()))
+        results.append([cpu(out[:4]), cpu(reference[:4])])
+    x = fp8.per_token_cast_to_fp8(inp["x"]) if use_fp8 else inp["x"]
+    results.append([cpu(buffer.dispatch(x, handle=handle)[:1]), cpu(bare.dispatch(x, handle=bare_handle)[:1])])
+    kept.append((None, None))
+    for result, (recv, copy) in zip(results, kept):
+        result.append(recv is None or torch.equal(recv.view(torch.uint8), copy.view(torch.uint8)))
+    arena = buffer._intranode.arena
+    del kept, recv, out, handle
+    torch.cuda.synchronize()
+    return results, arena.free_bytes == arena.size and arena.used_regions == 0
+
+
+def arena_without_room(p: Problem):
+    """A dispatch arena with room for one dispatch and a half of the largest rank's rows: (rows a first
+    dispatch received, what a second made while the first's recv_x lived, whether a third after it was
+    dropped equals the bare Buffer's)."""
+    inp = my_inputs(p)
+    bare = normal_buffer(p.hidden)
+    args = dispatch_args(bare, inp, p)
+    rows = torch.tensor([bare.dispatch(inp["x"], **args)[0].shape[0]])
+    dist.all_reduce(rows, op=dist.ReduceOp.MAX)
+    region = zero_copy_dispatch_region(int(rows), p.hidden * 2, 0, p.num_topk).slot_bytes
+    buffer = normal_buffer(p.hidden, num_zero_copy_dispatch_bytes=region * 3 // 2)
+    first = buffer.dispatch(inp["x"], **args)[0]
+    try:
+        buffer.dispatch(inp["x"] * 2, **args)
+        second = "ok"
+    except ValueError as exc:
+        second = str(exc)
+    received = first.shape[0]
+    del first
+    third = buffer.dispatch(inp["x"] * 3, **args)[0]
+    return received, second, torch.equal(third.cpu(), bare.dispatch(inp["x"] * 3, **args)[0].cpu())
+
+
+def arena_tensor_outlives_its_buffer(p: Problem) -> bool:
+    """Under MOE_EP_DISPATCH_ARENA=1: whether a recv_x kept past its Buffer's destroy() still holds the
+    two-pass dispatch's rows (the area is released when the last such tensor dies)."""
+    inp = my_inputs(p)
+    bare = normal_buffer(p.hidden)
+    buffer = normal_buffer(p.hidden, num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p), explicitly_destroy=True)
+    args = dispatch_args(bare, inp, p)
+    recv = buffer.dispatch(inp["x"], **args)[0]
+    torch.cuda.synchronize()
+    buffer.destroy()
+    expected = bare.dispatch(inp["x"], **args)[0]
+    return torch.equal(recv.cpu(), expected.cpu())
 
 
 def zero_copy_dispatch_overflow(p: Problem, capacity_rows: int):

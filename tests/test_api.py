@@ -70,15 +70,18 @@ def test_the_combine_streams_from_four_ranks_unless_forced(monkeypatch):
         use_stream_combine(4)
 
 
-def test_dispatch_via_zero_copy_is_off_unless_switched_on(monkeypatch):
-    from moe_ep.backends.intranode import dispatch_via_zero_copy
-    monkeypatch.delenv("MOE_EP_DISPATCH_VIA_ZERO_COPY", raising=False)
-    assert not dispatch_via_zero_copy()
-    monkeypatch.setenv("MOE_EP_DISPATCH_VIA_ZERO_COPY", "1")
-    assert dispatch_via_zero_copy()
-    monkeypatch.setenv("MOE_EP_DISPATCH_VIA_ZERO_COPY", "yes")
-    with pytest.raises(ValueError, match="MOE_EP_DISPATCH_VIA_ZERO_COPY: expected 0 or 1"):
-        dispatch_via_zero_copy()
+@pytest.mark.parametrize("variable,switch", [("MOE_EP_DISPATCH_VIA_ZERO_COPY", "dispatch_via_zero_copy"),
+                                             ("MOE_EP_DISPATCH_ARENA", "dispatch_arena")])
+def test_dispatch_paths_are_off_unless_switched_on(monkeypatch, variable, switch):
+    from moe_ep.backends import intranode
+    is_on = getattr(intranode, switch)
+    monkeypatch.delenv(variable, raising=False)
+    assert not is_on()
+    monkeypatch.setenv(variable, "1")
+    assert is_on()
+    monkeypatch.setenv(variable, "yes")
+    with pytest.raises(ValueError, match=f"{variable}: expected 0 or 1"):
+        is_on()
 
 
 def test_block_fitting_is_on_unless_switched_off(monkeypatch):

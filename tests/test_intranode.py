@@ -177,6 +177,43 @@ def test_ordinary_dispatches_via_zero_copy_own_their_outputs(gpu_pools, seed, nu
             assert intact, f"seed {seed} rank {rank}, dispatch {i}: its recv_x changed with later dispatches"
 
 
+@pytest.mark.parametrize("num_ranks,use_fp8,num_worst_tokens", [(2, True, 0), (4, False, 256), (8, False, 0), (3, True, 0)])
+def test_dispatches_into_the_arena_equal_the_two_pass_ones(gpu_pools, seed, num_ranks, use_fp8, num_worst_tokens):
+    """MOE_EP_DISPATCH_ARENA=1: ordinary, zero-copy and cached dispatches store their rows once, into
+    regions that recv_x owns: the two-pass dispatch's bits, intact after six more dispatches, and every
+    region back in the arena once the outputs are gone."""
+    p = Problem(seed, num_ranks, num_ranks * 4, 1024, 4, max_tokens=64)
+    per_rank = gpu_pools(num_ranks).run(rank_fns.with_env, {"MOE_EP_DISPATCH_ARENA": "1"},
+                                        rank_fns.dispatches_into_arena, p, use_fp8, num_worst_tokens)
+    for rank, (results, whole) in enumerate(per_rank):
+        for i, (into_arena, two_pass, intact) in enumerate(results):
+            assert _same(into_arena, two_pass), f"seed {seed} rank {rank}, dispatch {i}"
+            assert intact, f"seed {seed} rank {rank}, dispatch {i}: its recv_x changed with later dispatches"
+        assert whole, f"seed {seed} rank {rank}: regions not returned to the arena"
+
+
+def test_a_full_arena_is_refused_and_the_buffer_goes_on(gpu_pools, seed):
+    """No room in the arena while an earlier recv_x lives: that rank's ValueError names the switch, the
+    ranks stay in step, and once the recv_x is dropped the next dispatch is right."""
+    p = Problem(seed, 3, 12, 256, 3, max_tokens=32)
+    outcomes = gpu_pools(3).run(rank_fns.with_env, {"MOE_EP_DISPATCH_ARENA": "1"}, rank_fns.arena_without_room, p)
+    refused = 0
+    for rank, (received, second, third_right) in enumerate(outcomes):
+        assert third_right, f"seed {seed} rank {rank}: the dispatch after the refusal differs"
+        if second != "ok":
+            refused += 1
+            assert "MOE_EP_DISPATCH_ARENA" in second and "live recv_x" in second, second
+    assert refused >= 1, f"seed {seed}: no rank ran out of room ({outcomes})"
+
+
+def test_a_recv_x_from_the_arena_outlives_its_buffer(gpu_pools, seed):
+    """destroy() with an arena's recv_x alive: the tensor keeps its memory (and its rows) until it dies."""
+    p = Problem(seed, 2, 8, 512, 2, max_tokens=32)
+    outcomes = gpu_pools(2).run(rank_fns.with_env, {"MOE_EP_DISPATCH_ARENA": "1"},
+                                rank_fns.arena_tensor_outlives_its_buffer, p)
+    assert all(outcomes), f"seed {seed}: {outcomes}"
+
+
 def test_zero_copy_dispatch_too_small_is_refused_and_the_buffer_goes_on(gpu_pools, seed):
     """A slot too small for a rank's rows: that rank gets the ValueError after a kernel that kept every
     rank in step (the next dispatch works); num_worst_tokens past the slot and a Buffer without the

@@ -5,7 +5,7 @@ import pytest
 from moe_ep import Buffer, Config
 from moe_ep.config import (
     IntranodeLayout, LowLatencyLayout, intranode_header_bytes, zero_copy_combine_bytes, zero_copy_combine_slot,
-    zero_copy_dispatch_bytes, zero_copy_dispatch_slot,
+    zero_copy_dispatch_bytes, zero_copy_dispatch_region, zero_copy_dispatch_slot,
 )
 
 
@@ -71,3 +71,17 @@ def test_zero_copy_combine_slots_hold_what_their_size_says():
         slot_bytes, pitch, capacity = zero_copy_combine_slot(area, row_bytes)
         assert pitch % 16 == 0 and pitch >= row_bytes + 4 * 32
         assert capacity >= rows and 2 * slot_bytes <= area
+
+
+@pytest.mark.parametrize("rows,x_bytes,scale_bytes,num_topk", [(0, 14336, 0, 8), (1, 7168, 224, 8), (777, 264, 8, 3)])
+def test_an_arena_region_is_a_slot_of_exactly_its_rows(rows, x_bytes, scale_bytes, num_topk):
+    """A dispatch arena's region: the parts of a slot of the same capacity, and its size their end."""
+    region = zero_copy_dispatch_region(rows, x_bytes, scale_bytes, num_topk)
+    assert region.capacity == rows
+    assert region.slot_bytes >= rows * (x_bytes + scale_bytes + 12 * num_topk + 4)
+    assert all(offset % 16 == 0 for offset in region.offsets + [region.slot_bytes])
+    assert region.src_offset + 4 * rows <= region.slot_bytes
+    if rows:
+        slot = zero_copy_dispatch_slot(zero_copy_dispatch_bytes(rows, x_bytes, scale_bytes, num_topk), x_bytes,
+                                       scale_bytes, num_topk)
+        assert slot.capacity == rows and slot.offsets == region.offsets

@@ -165,9 +165,11 @@ void zero_copy_combine(const Ctx& ctx, const CombineArgs& args, const ZeroCopyAr
 // the ids, weights and source tokens into args' tensors. Needs a notify run with Ctx::zero_copy_bases.
 struct ZeroCopyDispatchArgs {
     uint8_t* const* areas;   // device array [R]: every rank's zero-copy dispatch area as mapped here
-    int64_t slot_offset;     // bytes from an area's start to this call's slot (the same on every rank)
-    int64_t capacity_rows;   // rows a slot holds (the same on every rank)
-    int64_t x_offset, scale_offset, idx_offset, weight_offset, src_offset;  // from the slot's start
+    // This rank's receiving layout, which the kernel hands to every sender (ZeroCopyLayoutField): one
+    // of the area's two slots (the same on every rank), or this rank's region of a dispatch arena.
+    int64_t slot_offset;     // bytes from this rank's area's start to the slot or region
+    int64_t capacity_rows;   // rows it holds
+    int64_t x_offset, scale_offset, idx_offset, weight_offset, src_offset;  // from its start
 };
 void zero_copy_dispatch(const Ctx& ctx, const DispatchArgs& args, const ZeroCopyDispatchArgs& z);
 // Rows per ring of the streaming combine for rows of x_bytes (ctx.stream_combine); 0: it is off, or

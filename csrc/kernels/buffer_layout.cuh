@@ -59,8 +59,26 @@ __host__ __device__ constexpr int64_t stream_index(StreamArray array, int num_ra
     return kFixedSignals + kNumArraySlots * static_cast<int64_t>(num_ranks) +
            (static_cast<int64_t>(array) * kStreamChannels + channel) * num_ranks + rank;
 }
+// A zero-copy dispatch's receiving layout, which every receiver stores at every sender when the call
+// starts ([from rank][field], int64 each): where in the receiver's area this call's rows and their
+// parts go, and how many rows fit. With the area's two alternating slots every rank's is the same;
+// with a dispatch arena each receiver has a region of its own.
+enum ZeroCopyLayoutField : int {
+    kLayoutSlot = 0,  // bytes from the area's start to the slot or region
+    kLayoutCapacity,  // rows it holds
+    kLayoutX,         // the five parts, in bytes from the slot's start
+    kLayoutScale,
+    kLayoutIdx,
+    kLayoutWeight,
+    kLayoutSrc,
+    kLayoutFields,
+};
+__host__ __device__ constexpr int64_t layout_index(int num_ranks, int rank, int field) {
+    return kFixedSignals + (kNumArraySlots + kNumStreamArrays * kStreamChannels) * static_cast<int64_t>(num_ranks) +
+           static_cast<int64_t>(rank) * kLayoutFields + field;
+}
 __host__ __device__ constexpr int64_t signal_bytes(int num_ranks) {
-    return (kFixedSignals + (kNumArraySlots + kNumStreamArrays * kStreamChannels) * static_cast<int64_t>(num_ranks)) * 8;
+    return (kFixedSignals + (kNumArraySlots + kNumStreamArrays * kStreamChannels + kLayoutFields) * static_cast<int64_t>(num_ranks)) * 8;
 }
 // Row of source rank s in the counts area: [num_tokens, tokens for this rank, per local expert counts].
 __host__ __device__ constexpr int counts_row_ints(int num_ranks, int num_experts) {

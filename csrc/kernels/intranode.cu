@@ -972,9 +972,10 @@ __device__ __forceinline__ void warp_copy_to_all(uint8_t* dst, unsigned to, cons
 // One pass: every rank stores its tokens' rows, scales, local top-k and source index straight into
 // the receivers' slots at their final rows (the receiver's rows from source s start at s's
 // first_row_at, in token order: the portable order). Three steps:
-//  1. announce the call to every peer and wait for every peer's announcement: a peer's slot is free
-//     once it started this call (it last used the slot two zero-copy dispatches ago, and its caller
-//     finished with those outputs before making this call);
+//  1. announce the call to every peer, with this rank's receiving layout (z: where its rows go in
+//     its area), and wait for every peer's announcement: a peer's slot is free once it started this
+//     call (it last used the slot two zero-copy dispatches ago, and its caller finished with those
+//     outputs before making this call; an arena region is free when the host hands it out);
 //  2. store; the last block announces to every peer that this rank's rows are in place;
 //  3. wait for every peer's rows, then copy ids, weights and source tokens out of this rank's slot
 //     into the outputs (recv_x and the scales are the slot itself) and fill num_worst_tokens padding.
@@ -993,9 +994,27 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     const int scale_vectors = static_cast<int>(a.scale_bytes / 16);
     const bool scales_with_row = kWide && a.scale_bytes > 0 && scale_vectors <= 32;
     bool ok = load_volatile(e.own(kAbort)) == 0;
-    if (ok && blockIdx.x == 0)
-        for (int r = threadIdx.x; r < R; r += blockDim.x) raise_flag(e.peer_array(r, kZeroCopyReadyFrom, me), tag(e.seq, 0));
+    if (ok && blockIdx.x == 0) {
+        for (int r = threadIdx.x; r < R; r += blockDim.x) {
+            int64_t* layout = reinterpret_cast<int64_t*>(e.signals(r) + layout_index(R, me, 0));
+            const int64_t mine[kLayoutFields] = {z.slot_offset, z.capacity_rows, z.x_offset, z.scale_offset,
+                                                 z.idx_offset, z.weight_offset, z.src_offset};
+            for (int f = 0; f < kLayoutFields; ++f) layout[f] = mine[f];
+            raise_flag(e.peer_array(r, kZeroCopyReadyFrom, me), tag(e.seq, 0));  // fences the layout first
+        }
+    }
     ok = ok && block_wait(e, kZeroCopyReadyFrom, 0, R, tag(e.seq, 0), kErrNotify, 0);
+    // Every receiver's layout, as it stored it here before its announcement.
+    __shared__ int64_t to_slot[kMaxRanks], to_capacity[kMaxRanks], to_x[kMaxRanks], to_scale[kMaxRanks];
+    __shared__ int64_t to_idx[kMaxRanks], to_weight[kMaxRanks], to_src[kMaxRanks];
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        const int64_t* layout = reinterpret_cast<const int64_t*>(e.own(layout_index(R, r, 0)));
+        to_slot[r] = __ldcg(layout + kLayoutSlot), to_capacity[r] = __ldcg(layout + kLayoutCapacity);
+        to_x[r] = __ldcg(layout + kLayoutX), to_scale[r] = __ldcg(layout + kLayoutScale);
+        to_idx[r] = __ldcg(layout + kLayoutIdx), to_weight[r] = __ldcg(layout + kLayoutWeight);
+        to_src[r] = __ldcg(layout + kLayoutSrc);
+    }
+    __syncthreads();
     // Wait profile phases: "stage" = the announcement, "pull" = the stores, "reduce" = the copy out.
     uint64_t since = end_phase(e, kPhaseStage, e.start);
     if (ok) {
@@ -1008,20 +1027,20 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
             }
             for (int r0 = 0; r0 < R; r0 += 32) {
                 const int r = r0 + lane;
-                // A row past the slot's capacity is dropped; its receiver reports the overflow.
+                // A row past the receiver's capacity is dropped; the receiver reports the overflow.
                 int64_t row = -1;
                 if (r < R) {
                     const int p = __ldg(a.send_pos + t * R + r);
-                    if (p >= 0 && first_row_at[r] + p < z.capacity_rows) row = first_row_at[r] + p;
+                    if (p >= 0 && first_row_at[r] + p < to_capacity[r]) row = first_row_at[r] + p;
                 }
                 const unsigned to = __ballot_sync(kFullMask, row >= 0);
                 if (to == 0) continue;
-                uint8_t* slot = row >= 0 ? z.areas[r] + z.slot_offset : nullptr;
-                uint8_t* scale_dst = row >= 0 ? slot + z.scale_offset + row * a.scale_bytes : nullptr;
+                uint8_t* slot = row >= 0 ? z.areas[r] + to_slot[r] : nullptr;
+                uint8_t* scale_dst = row >= 0 ? slot + to_scale[r] + row * a.scale_bytes : nullptr;
                 const uint8_t* scale_src = static_cast<const uint8_t*>(a.scales) + t * a.scale_bytes;
                 int4 scale{};
                 if (scales_with_row && lane < scale_vectors) scale = __ldg(reinterpret_cast<const int4*>(scale_src) + lane);
-                warp_copy_to_all<kWide, kDepth>(row >= 0 ? slot + z.x_offset + row * a.x_bytes : nullptr, to,
+                warp_copy_to_all<kWide, kDepth>(row >= 0 ? slot + to_x[r] + row * a.x_bytes : nullptr, to,
                                                 static_cast<const uint8_t*>(a.x) + t * a.x_bytes, a.x_bytes, lane);
                 if (scales_with_row) {
                     for (unsigned rest = to; rest != 0; rest &= rest - 1) {
@@ -1034,14 +1053,14 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
                 for (unsigned rest = to; rest != 0; rest &= rest - 1) {
                     const int j = __ffs(rest) - 1, dest = r0 + j;
                     const int64_t at = __shfl_sync(kFullMask, row, j);
-                    uint8_t* dest_slot = z.areas[dest] + z.slot_offset;
+                    uint8_t* dest_slot = z.areas[dest] + to_slot[dest];
                     if (a.topk_idx != nullptr && lane < K) {
                         const int64_t local = expert - static_cast<int64_t>(dest) * a.experts_per_rank;
                         const bool here = expert >= 0 && local >= 0 && local < a.experts_per_rank;
-                        reinterpret_cast<int64_t*>(dest_slot + z.idx_offset)[at * K + lane] = here ? local : -1;
-                        reinterpret_cast<float*>(dest_slot + z.weight_offset)[at * K + lane] = here ? weight : 0.f;
+                        reinterpret_cast<int64_t*>(dest_slot + to_idx[dest])[at * K + lane] = here ? local : -1;
+                        reinterpret_cast<float*>(dest_slot + to_weight[dest])[at * K + lane] = here ? weight : 0.f;
                     }
-                    if (lane == 0) reinterpret_cast<int*>(dest_slot + z.src_offset)[at] = static_cast<int>(t);
+                    if (lane == 0) reinterpret_cast<int*>(dest_slot + to_src[dest])[at] = static_cast<int>(t);
                 }
             }
         }

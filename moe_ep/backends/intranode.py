@@ -14,8 +14,10 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..arena import Arena, Region
 from ..config import (
-    Config, ZeroCopyDispatchSlot, zero_copy_combine_slot, zero_copy_dispatch_bytes, zero_copy_dispatch_slot,
+    INTRANODE_SLOT_ALIGN, Config, ZeroCopyDispatchSlot, zero_copy_combine_slot, zero_copy_dispatch_bytes,
+    zero_copy_dispatch_region, zero_copy_dispatch_slot,
 )
 from ..checks import env_switch
 from ..events import EventOverlap
@@ -87,6 +89,17 @@ def dispatch_via_zero_copy() -> bool:
     return env_switch("MOE_EP_DISPATCH_VIA_ZERO_COPY", "0")
 
 
+def dispatch_arena() -> bool:
+    """MOE_EP_DISPATCH_ARENA=1: the zero-copy dispatch area becomes an arena, and every dispatch of the
+    Buffer (ordinary or zero-copy) takes a region of it for its received rows, into which the senders
+    store them once; recv_x and the scales are tensors over the region that return it when the last of
+    them dies. Why: one pass over memory instead of two, with recv_x owning its memory like any tensor
+    (the two slots' views are valid only until the second zero-copy dispatch after). Off by default
+    until measured (scripts/candidates/). The area must hold every live dispatch's rows: a dispatch
+    that finds no room raises ValueError (its rows are dropped; the Buffer stays usable)."""
+    return env_switch("MOE_EP_DISPATCH_ARENA", "0")
+
+
 @dataclass
 class IntranodeDispatchState:
     """Device-side layout a kernel dispatch leaves for its combine and cached dispatches."""
@@ -129,7 +142,10 @@ class IntranodeBackend:
         self._dispatch_slot_bytes = {}  # (slot, slot bytes): that slot as a uint8 tensor
         if zero_copy_dispatch_bytes > 0:
             self.zero_copy_dispatch = self._zero_copy_area(group, gate, zero_copy_dispatch_bytes, "dispatch")
-        self.via_zero_copy = self.zero_copy_dispatch is not None and dispatch_via_zero_copy()
+        self.arena: Optional[Arena] = None
+        if self.zero_copy_dispatch is not None and dispatch_arena():
+            self.arena = Arena(zero_copy_dispatch_bytes, INTRANODE_SLOT_ALIGN)
+        self.via_zero_copy = self.zero_copy_dispatch is not None and self.arena is None and dispatch_via_zero_copy()
         self.comm_stream = comm_stream
         # The stream orderings every call makes, on two events kept for it: Stream.wait_stream creates and
         # destroys an event each time (two more CUDA API calls per ordering on the call's host path).
@@ -155,8 +171,14 @@ class IntranodeBackend:
     def close(self) -> None:
         self.peers.close()
         for area in (self.zero_copy, self.zero_copy_dispatch):
-            if area is not None:
-                area.close()
+            if area is None:
+                continue
+            if area is self.zero_copy_dispatch and self.arena is not None and self.arena.used_regions:
+                # recv_x tensors of the arena still live, and own their memory: the area goes when the
+                # last of them does (their regions hold it). The peers unmap theirs now.
+                dist.barrier(group=area.group)
+                continue
+            area.close()
 
     # ---------------------------------------------------------------- errors the kernels reported
     def check_errors(self) -> None:
@@ -277,13 +299,20 @@ class IntranodeBackend:
         zero_copy: bool = False,
     ):
         """zero_copy: the senders store the rows into this rank's zero-copy dispatch area, and recv_x (and
-        the scales) are views of its next slot."""
+        the scales) are views of its next slot. With a dispatch arena (MOE_EP_DISPATCH_ARENA=1) every
+        dispatch stores them into a region of it that recv_x owns."""
         self._start_call("dispatch", config.num_sms)
+        capturing = torch.cuda.is_current_stream_capturing()
+        # A graph would replay into the region it was captured with, long after recv_x returned it.
+        into_arena = self.arena is not None and not capturing
+        if zero_copy and self.arena is not None and capturing:
+            raise RuntimeError("dispatch: zero_copy=True cannot be captured in a CUDA graph while the Buffer's "
+                               "zero-copy dispatch area is an arena (MOE_EP_DISPATCH_ARENA=1)")
         copy_out = not zero_copy and self.via_zero_copy
-        zero_copy = zero_copy or copy_out
+        zero_copy = (zero_copy or copy_out) and not into_arena
         cached = handle is not None
         worst = handle.num_worst_tokens if cached else num_worst_tokens
-        if torch.cuda.is_current_stream_capturing() and not worst:
+        if capturing and not worst:
             raise RuntimeError(
                 "dispatch: capturing it in a CUDA graph needs num_worst_tokens > 0 (a dispatch without it "
                 "waits on the host for the received token counts)"
@@ -292,9 +321,9 @@ class IntranodeBackend:
         scales = aligned(x_parts[1]) if len(x_parts) == 2 else None
         if not cached and topk_idx is not None:
             topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
-        slot = None
+        num_topk = topk_idx.shape[1] if not cached and topk_idx is not None else 0
+        slot = region = None
         if zero_copy:
-            num_topk = topk_idx.shape[1] if not cached and topk_idx is not None else 0
             slot = zero_copy_dispatch_layout(self.zero_copy_dispatch_bytes, x, scales, num_topk)
             if worst > slot.capacity:  # before the count exchange: every rank finds the same
                 raise ValueError(zero_copy_dispatch_too_small(self.rank, worst, x, scales, num_topk,
@@ -310,11 +339,12 @@ class IntranodeBackend:
         fresh = not cached and not worst
         early = fresh and slot is not None
         if fresh and slot is None:
+            placed = [] if into_arena else None  # the arena's region, once the counts are known
             compute, state, recv_x, recv_scales, recv_idx, recv_weights, counts = self._dispatch_fresh(
                 x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, local, config,
-                previous_event, allocate_on_comm_stream)
+                previous_event, allocate_on_comm_stream, placed, num_topk)
             recv_counts, send_counts, per_expert = counts
-            overflow = 0
+            overflow = sum(recv_counts) if into_arena and placed[0] is None else 0
         elif early:
             compute, state, recv_idx, recv_weights = self._launch_zero_copy_early(
                 x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, local, slot, slot_index,
@@ -338,6 +368,8 @@ class IntranodeBackend:
                 else:
                     send_counts, recv_counts, per_expert = self._wait_counts(local)
                     rows = sum(recv_counts)
+            if into_arena:
+                slot, region = self._arena_region(rows, x, scales, num_topk)
             # Rows the outputs are allocated for. More rows than a zero-copy slot holds: the kernel still
             # runs (the peers' kernels wait for this rank's) and drops the rows past it; a ValueError follows.
             bound = min(rows, slot.capacity) if slot is not None else rows
@@ -362,13 +394,19 @@ class IntranodeBackend:
                         recv_scales, recv_idx, recv_weights, state.recv_src_idx,
                     )
                 else:
+                    # This rank's receiving layout: a slot (the same on every rank) or its own region.
+                    start = slot_index * slot.slot_bytes if not into_arena else region.start if region else 0
                     self.ops.intranode_zero_copy_dispatch(
                         self.ctx, config.num_sms, x, scales, *ids, local, state.send_pos, state.recv_info, bound,
                         recv_idx, recv_weights, state.recv_src_idx, self.zero_copy_dispatch.pointers.data_ptr(),
-                        slot_index * slot.slot_bytes, slot.capacity, slot.offsets,
+                        start, slot.capacity, slot.offsets,
                     )
-                    self._dispatch_next ^= 1
-        if slot is not None:
+                    if not into_arena:
+                        self._dispatch_next ^= 1
+        if into_arena and slot is not None:  # (a fresh one has its outputs from _dispatch_fresh)
+            recv_x = self._region_tensor(region, slot.x_offset, bound, x)
+            recv_scales = None if scales is None else self._region_tensor(region, slot.scale_offset, bound, scales)
+        elif slot is not None:
             recv_x = self._zero_copy_dispatch_view(slot, slot_index, slot.x_offset, bound, x)
             recv_scales = None if scales is None else self._zero_copy_dispatch_view(slot, slot_index, slot.scale_offset,
                                                                                     bound, scales)
@@ -384,11 +422,13 @@ class IntranodeBackend:
         event = self._leave(
             compute, async_finish, allocate_on_comm_stream,
             [x, scales, topk_idx, topk_weights, is_token_in_rank],
-            (recv if slot is None or copy_out else []) + [recv_idx, recv_weights],
+            (recv if (slot is None and not into_arena) or copy_out else []) + [recv_idx, recv_weights],
         )
         if overflow:
             self.comm_stream.synchronize()
             self._host[HOST_OVERFLOW] = 0  # reported here, not as a num_worst_tokens overflow
+            if into_arena:
+                raise ValueError(self._arena_full(overflow, x, scales, num_topk))
             raise ValueError(zero_copy_dispatch_too_small(self.rank, overflow, x, scales, num_topk,
                                                           self.zero_copy_dispatch_bytes))
         if cached:
@@ -432,16 +472,28 @@ class IntranodeBackend:
 
     def _dispatch_fresh(self, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
                         local: int, config: Config, previous_event: Optional[EventOverlap],
-                        allocate_on_comm_stream: bool):
+                        allocate_on_comm_stream: bool, placed: Optional[list] = None, num_topk: int = 0):
         """A fresh ordinary dispatch without num_worst_tokens in one call into the extension (the 2-rank
         call is bound by its host path): the stream order, the count exchange, the wait for the counts,
-        the outputs and the dispatch. -> (the caller's stream, state, recv_x, recv_scales, recv_idx,
-        recv_weights, (recv_counts, send_counts, per_expert_counts))"""
+        the outputs and the dispatch. With `placed` (a list), the rows go to a region of the dispatch
+        arena taken once the counts are known (the zero-copy kernel), and the region (None: no room) is
+        appended to it. -> (the caller's stream, state, recv_x, recv_scales, recv_idx, recv_weights,
+        (recv_counts, send_counts, per_expert_counts))"""
         order_after_caller = self._begin_fresh_call(previous_event)
+        arena_args = {}
+        if placed is not None:
+            def place_rows(rows: int):
+                layout, region = self._arena_region(rows, x, scales, num_topk)
+                placed.append(region)
+                recv = [None if part is None else self._region_tensor(region, offset, layout.capacity, part)
+                        for part, offset in ((x, layout.x_offset), (scales, layout.scale_offset))]
+                return region.start if region else 0, layout.capacity, layout.offsets, *recv
+
+            arena_args = dict(place_rows=place_rows, zero_copy_areas=self.zero_copy_dispatch.pointers.data_ptr())
         done = self.ops.intranode_dispatch_fresh(
             self.ctx, config.num_sms, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, local,
             self._nonce, self.recv_info_ints, self.comm_stream.cuda_stream, order_after_caller, allocate_on_comm_stream,
-            HOST_DONE, HOST_COUNTS, self.timeout_s + _HOST_GRACE_S,
+            HOST_DONE, HOST_COUNTS, self.timeout_s + _HOST_GRACE_S, **arena_args,
         )
         if done is None:
             self._count_exchange_timed_out()
@@ -482,6 +534,36 @@ class IntranodeBackend:
         raise TimeoutError(
             f"moe_ep: the dispatch count exchange did not finish within {self.timeout_s + _HOST_GRACE_S:g} s "
             f"on rank {self.rank} (an earlier kernel on the communication stream may be stuck)"
+        )
+
+    # ---------------------------------------------------------------- dispatch arena
+    def _arena_region(self, rows: int, x: torch.Tensor, scales: Optional[torch.Tensor], num_topk: int):
+        """(layout, region) for `rows` received rows; with no room in the arena, a layout of no rows and
+        no region: the kernel still runs (the peers' kernels wait for this rank's) and drops the rows."""
+        layout = zero_copy_dispatch_region(rows, row_bytes(x), row_bytes(scales), num_topk)
+        start = self.arena.alloc(layout.slot_bytes)
+        if start is None:
+            return zero_copy_dispatch_region(0, row_bytes(x), row_bytes(scales), num_topk), None
+        return layout, Region(self.arena, start, layout.slot_bytes, self.zero_copy_dispatch.addresses[self.rank],
+                              self.zero_copy_dispatch.device, keep=self.zero_copy_dispatch)
+
+    @staticmethod
+    def _region_tensor(region: Optional[Region], offset: int, rows: int, like: torch.Tensor) -> torch.Tensor:
+        if region is None:  # no room: no rows (a ValueError follows)
+            return torch.empty((0, like.shape[1]), dtype=like.dtype, device=like.device)
+        return region.tensor(offset, rows, like.shape[1], like.dtype)
+
+    def _arena_full(self, rows: int, x: torch.Tensor, scales: Optional[torch.Tensor], num_topk: int) -> str:
+        needed = zero_copy_dispatch_region(rows, row_bytes(x), row_bytes(scales), num_topk).slot_bytes
+        if needed > self.arena.size:
+            why = f"more than the whole arena ({self.arena.size} bytes)"
+        else:
+            why = (f"{self.arena.free_bytes} of its {self.arena.size} are free, the rest held by "
+                   f"{self.arena.used_regions} live recv_x tensors of earlier dispatches (drop them sooner)")
+        return (
+            f"num_zero_copy_dispatch_bytes: rank {self.rank} receives {rows} rows, which need {needed} bytes of "
+            f"the dispatch arena (MOE_EP_DISPATCH_ARENA=1): {why}. Or create the Buffer with a larger area "
+            "(config.zero_copy_dispatch_bytes sizes it)."
         )
 
     # ---------------------------------------------------------------- zero-copy dispatch

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from moe_ep import Buffer, Config, fp8
 from moe_ep.config import zero_copy_combine_bytes, zero_copy_dispatch_bytes
 from moe_ep.launch import RankPool
-from moe_ep.backends.intranode import dispatch_via_zero_copy
+from moe_ep.backends.intranode import dispatch_arena, dispatch_via_zero_copy
 
 from .timing import wall_seconds_per_call
 
@@ -115,9 +115,11 @@ def rank_bench(args):
     zero_copy_bytes = zero_copy_combine_bytes(args.tokens * num_ranks, args.hidden * 2) \
         if "combine_zero_copy" in args.modes else 0
     # dispatch_*_zero_copy: every row this rank could receive, as bf16 (fp8 rows and scales are smaller).
-    # (MOE_EP_DISPATCH_VIA_ZERO_COPY=1: the ordinary dispatches go through the same area.)
+    # (MOE_EP_DISPATCH_VIA_ZERO_COPY=1, MOE_EP_DISPATCH_ARENA=1: the ordinary dispatches use the area too.)
+    uses_area = dispatch_via_zero_copy() or dispatch_arena() or \
+        any(m.startswith("dispatch") and "zero_copy" in m for m in args.modes)
     zero_copy_dispatch = zero_copy_dispatch_bytes(args.tokens * num_ranks, args.hidden * 2, 0, args.topk) \
-        if dispatch_via_zero_copy() or any(m.startswith("dispatch") and "zero_copy" in m for m in args.modes) else 0
+        if uses_area else 0
     results = []
     for recv_tokens in args.recv_tokens or [0]:
         configs = {m: [variant(defaults[m], s, recv_tokens) for s in args.sms] for m in ALL_MODES}

@@ -241,7 +241,7 @@ def stubbed_python_layer(args) -> None:
     backend.zero_copy_dispatch_bytes, backend._dispatch_next, backend._dispatch_slot_bytes = area, 0, {}
     backend.zero_copy_dispatch = types.SimpleNamespace(addresses=[slots.data_ptr()] * ranks, device="cpu",
                                                        pointers=torch.zeros(ranks, dtype=torch.int64))
-    backend.via_zero_copy = False
+    backend.via_zero_copy, backend.arena = False, None
     intranode.device_view = lambda address, num_bytes, device: slots[:num_bytes]
     local = args.experts // ranks
     in_rank = torch.ones(args.tokens, ranks, dtype=torch.bool)

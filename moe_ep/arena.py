@@ -1,0 +1,106 @@
+"""Regions of a mapped area handed out as tensors that own them.
+
+The one-pass dispatch stores rows straight into the receiver's mapped memory. To give an ordinary
+dispatch that speed, recv_x has to live there and still behave like any tensor: its region comes back
+to the area when the last tensor over it dies, not when some later call reuses it. `Arena` keeps the
+free list; `Region.tensor` makes the tensors (through `__cuda_array_interface__`, or the buffer
+protocol for host memory: either way torch holds the object that describes the memory, and with it
+the region, until the storage dies).
+"""
+from __future__ import annotations
+
+import bisect
+import ctypes
+import threading
+from typing import List, Optional, Tuple
+
+import torch
+
+
+class Arena:
+    """First-fit allocation of byte ranges of [0, size), each a multiple of `align` and starting at one.
+    Thread-safe: a region is returned by whichever thread drops its last tensor."""
+
+    def __init__(self, size: int, align: int):
+        if align <= 0 or size < 0:
+            raise ValueError(f"Arena: size must be >= 0 and align > 0, got {size}, {align}")
+        self.size = size // align * align
+        self.align = align
+        self._lock = threading.Lock()
+        self._free: List[Tuple[int, int]] = [(0, self.size)] if self.size else []  # (start, length), sorted
+        self._used = {}  # start -> length
+
+    def alloc(self, nbytes: int) -> Optional[int]:
+        """The start of a free range of at least nbytes (rounded up to align), or None if none is left."""
+        length = max(self.align, -(-nbytes // self.align) * self.align)
+        with self._lock:
+            for i, (start, free) in enumerate(self._free):
+                if free >= length:
+                    if free == length:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (start + length, free - length)
+                    self._used[start] = length
+                    return start
+        return None
+
+    def free(self, start: int) -> None:
+        with self._lock:
+            length = self._used.pop(start)  # a KeyError here is a double free: a bug, not bad input
+            i = bisect.bisect_left(self._free, (start, 0))
+            # Merge with the neighbours it touches, so that large regions stay available.
+            if i < len(self._free) and start + length == self._free[i][0]:
+                length += self._free.pop(i)[1]
+            if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == start:
+                start, length = self._free[i - 1][0], self._free[i - 1][1] + length
+                del self._free[i - 1]
+                i -= 1
+            self._free.insert(i, (start, length))
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(length for _, length in self._free)
+
+    @property
+    def used_regions(self) -> int:
+        with self._lock:
+            return len(self._used)
+
+
+class Region:
+    """`nbytes` of an arena at `start`, which lies at device address `base + start` here. Returned to the
+    arena when this object dies: the tensors from `tensor` keep it alive. `keep`: what must outlive the
+    region (the mapping of the memory: it is released when nothing holds it)."""
+
+    def __init__(self, arena: Arena, start: int, nbytes: int, base: int, device: torch.device, keep=None):
+        self.arena, self.start, self.nbytes, self.address, self.device = arena, start, nbytes, base + start, device
+        self.keep = keep
+
+    def tensor(self, offset: int, rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, columns] of dtype at `offset` bytes into the region."""
+        element = torch.empty((), dtype=dtype).element_size()
+        nbytes = rows * columns * element
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"Region.tensor: bytes [{offset}, {offset + nbytes}) lie outside the region's {self.nbytes}")
+        if nbytes == 0:
+            return torch.empty((rows, columns), dtype=dtype, device=self.device)
+        if self.device.type == "cpu":  # host memory (tests, stubbed runs): the buffer protocol holds the region
+            host_bytes = (ctypes.c_uint8 * nbytes).from_address(self.address + offset)
+            host_bytes.region = self
+            raw = torch.frombuffer(host_bytes, dtype=torch.uint8)
+        else:
+            raw = torch.as_tensor(_RegionBytes(self, self.address + offset, nbytes), device=self.device)
+        return raw.view(dtype).view(rows, columns)
+
+    def __del__(self):
+        self.arena.free(self.start)
+
+
+class _RegionBytes:
+    """uint8 bytes of a region for torch.as_tensor; torch holds this object, and with it the region,
+    until the tensor's storage dies."""
+
+    def __init__(self, region: Region, address: int, nbytes: int):
+        self.region = region
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False), "version": 2}

@@ -1,0 +1,101 @@
+"""The dispatch arena's allocator and its regions' lifetime (moe_ep/arena.py); the tensors over a
+region need a GPU (tests/test_intranode.py)."""
+import random
+import threading
+
+import pytest
+import torch
+
+from moe_ep.arena import Arena, Region
+
+
+def test_regions_are_aligned_first_fit_and_coalesce_when_freed():
+    arena = Arena(1000, 16)
+    assert arena.size == 992 and arena.free_bytes == 992
+    a, b, c = arena.alloc(100), arena.alloc(1), arena.alloc(200)
+    assert (a, b, c) == (0, 112, 128)  # 100 -> 112 bytes, 1 -> 16
+    assert arena.alloc(992) is None  # not enough left in one piece
+    arena.free(b)
+    assert arena.alloc(16) == 112  # the first hole that fits
+    arena.free(112)
+    arena.free(a)
+    arena.free(c)
+    assert arena.free_bytes == 992 and arena.used_regions == 0
+    assert arena.alloc(992) == 0  # the three ranges merged back into one
+
+
+def test_a_double_free_is_a_key_error():
+    arena = Arena(64, 16)
+    start = arena.alloc(16)
+    arena.free(start)
+    with pytest.raises(KeyError):
+        arena.free(start)
+
+
+def test_random_alloc_and_free_never_overlap(seed):
+    rng = random.Random(seed)
+    arena = Arena(1 << 16, 16)
+    live = {}
+    for _ in range(3000):
+        if live and rng.random() < 0.5:
+            start = rng.choice(list(live))
+            del live[start]
+            arena.free(start)
+        else:
+            n = rng.randint(0, 3000)
+            start = arena.alloc(n)
+            if start is None:
+                assert arena.free_bytes < (1 << 16)
+                continue
+            length = max(16, -(-n // 16) * 16)
+            assert start % 16 == 0 and start + length <= arena.size
+            assert all(start + length <= s or s + l <= start for s, l in live.items())
+            live[start] = length
+        assert arena.free_bytes + sum(live.values()) == arena.size
+    for start in list(live):
+        arena.free(start)
+    assert arena.alloc(arena.size) == 0
+
+
+def test_threads_may_free_what_others_allocated():
+    arena = Arena(1 << 20, 16)
+    starts = [arena.alloc(256) for _ in range(2000)]
+
+    def free(part):
+        for start in part:
+            arena.free(start)
+
+    threads = [threading.Thread(target=free, args=(starts[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert arena.free_bytes == arena.size and arena.used_regions == 0
+
+
+def test_a_region_returns_to_its_arena_when_it_dies():
+    arena = Arena(4096, 16)
+    region = Region(arena, arena.alloc(1000), 1000, base=1 << 40, device=torch.device("cpu"))
+    assert region.address == (1 << 40) and arena.used_regions == 1
+    with pytest.raises(ValueError, match="outside the region"):
+        region.tensor(992, 1, 16, torch.uint8)
+    del region
+    assert arena.used_regions == 0 and arena.free_bytes == 4096
+
+
+def test_tensors_over_a_region_keep_it_until_the_last_view_dies():
+    backing = torch.zeros(4096, dtype=torch.uint8)
+    arena = Arena(backing.numel(), 16)
+    region = Region(arena, arena.alloc(1024), 1024, base=backing.data_ptr(), device=torch.device("cpu"))
+    rows = region.tensor(0, 4, 64, torch.bfloat16)  # 512 bytes
+    scales = region.tensor(512, 4, 8, torch.float32)
+    rows.fill_(1.5)
+    assert backing[region.start: region.start + 512].view(torch.bfloat16).eq(1.5).all()
+    del region
+    part = rows[1:3]
+    del rows
+    assert arena.used_regions == 1  # the scales and a view of the rows still hold it
+    del scales
+    assert arena.used_regions == 1
+    del part
+    assert arena.used_regions == 0 and arena.free_bytes == arena.size
