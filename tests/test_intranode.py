@@ -63,13 +63,15 @@ def test_odd_rank_counts_and_row_sizes(pools, gpu_pools, seed, num_ranks, hidden
 @pytest.mark.parametrize("num_ranks,hidden,dtype,small_buffer,num_biases", [
     (2, 7168, torch.bfloat16, False, 2), (4, 2048, torch.bfloat16, False, 0), (8, 7168, torch.bfloat16, False, 1),
     (3, 132, torch.bfloat16, True, 2), (4, 256, torch.float32, True, 1), (5, 512, torch.bfloat16, True, 0),
+    (8, 512, torch.bfloat16, True, 1),
 ])
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "windowed"])
 def test_both_combines_give_the_same_bits(pools, gpu_pools, seed, num_ranks, hidden, dtype, small_buffer, num_biases,
                                           stream):
     """Either combine, whatever the rank count picks by default (MOE_EP_STREAM_COMBINE forces it): the
     same bits, with rings or windows of a few rows in a small buffer (batches of fewer tokens than
-    warps), odd rank counts, 8-byte rows and float32 rows."""
+    warps; from 8 ranks the streaming receive goes per warp, its releases a row or two apart), odd
+    rank counts, 8-byte rows and float32 rows."""
     config = Config(4, 2, 4, 2, 4) if small_buffer else None
     p = Problem(seed, num_ranks, num_ranks * 8, hidden, 6, max_tokens=96)
     kwargs = dict(num_biases=num_biases, config=config, dtype=dtype)
@@ -285,19 +287,21 @@ def test_a_peer_missing_at_the_first_dispatch_is_named(gpu_pools):
     assert kind == "TimeoutError" and "rank(s) 1 did not arrive" in message, message
 
 
-@pytest.mark.parametrize("phase,waited_for,stream", [
-    ("dispatch", "its token counts", "0"), ("combine", "combine rows", "0"), ("combine", "combine rows", "1"),
+@pytest.mark.parametrize("phase,waited_for,stream,num_ranks", [
+    ("dispatch", "its token counts", "0", 3), ("combine", "combine rows", "0", 3), ("combine", "combine rows", "1", 3),
+    ("combine", "combine rows", "1", 8),
 ])
-def test_a_peer_missing_in_a_kernel_is_named(gpu_pools, phase, waited_for, stream):
+def test_a_peer_missing_in_a_kernel_is_named(gpu_pools, phase, waited_for, stream, num_ranks):
     """The kernels' waits have a deadline: they report the rank they waited for and return; no hang
-    (either combine: stream = MOE_EP_STREAM_COMBINE)."""
+    (either combine: stream = MOE_EP_STREAM_COMBINE; at 8 ranks the streaming receive goes per warp)."""
     env = dict(SHORT_TIMEOUT, MOE_EP_STREAM_COMBINE=stream)
-    results = gpu_pools(3).run(rank_fns.with_env, env, rank_fns.skip_after_warmup, 2, phase)
-    assert results[2] == "skipped"
-    for rank, outcome in enumerate(results[:2]):
-        assert isinstance(outcome, tuple), f"rank {rank}: {outcome} without rank 2"
+    missing = num_ranks - 1
+    results = gpu_pools(num_ranks).run(rank_fns.with_env, env, rank_fns.skip_after_warmup, missing, phase)
+    assert results[missing] == "skipped"
+    for rank, outcome in enumerate(results[:missing]):
+        assert isinstance(outcome, tuple), f"rank {rank}: {outcome} without rank {missing}"
         kind, message = outcome
-        assert kind == "TimeoutError" and "rank 2 did not arrive" in message and waited_for in message, message
+        assert kind == "TimeoutError" and f"rank {missing} did not arrive" in message and waited_for in message, message
 
 
 def test_an_sm_budget_that_cannot_be_resident_is_refused(gpu_pools):

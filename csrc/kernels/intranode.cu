@@ -746,13 +746,129 @@ __device__ bool stream_send(const Env& e, const StreamCall& call, int c) {
     }
 }
 
+// A receiving block's view of its channel: where each sender's rows of the channel start in its ring,
+// and how many of them it has read.
+struct StreamChannel {
+    int c, first, last;       // channel, its tokens [first, last)
+    const int* ring_first;    // per sender: send_pos of the channel's first token it got
+    int* consumed;            // per sender: its ring rows read so far
+    const uint8_t* rings;     // this rank's rings of the channel, one per sender
+    int64_t ring_bytes;
+};
+
+// One token of the channel, by one warp: waits for its rows in the rings and sums them (a rank's own
+// row read in place in x). -> false where a wait gave up (reported).
+template <typename T, typename V, typename S>
+__device__ bool receive_token(const Env& e, const StreamCall& call, const StreamChannel& ch, int64_t t, int lane) {
+    const CombineArgs& a = call.a;
+    const int R = e.num_ranks, me = e.rank;
+    int k = -1;  // lane r: ring index of this token's row from rank r
+    if (lane < R) {
+        const int p = a.send_pos[t * R + lane];
+        if (p >= 0) k = p - ch.ring_first[lane];
+    }
+    bool ready = true;
+    if (k >= 0 && lane != me)  // this rank's own row is read in place, never sent
+        ready = wait_flag(e, e.own(stream_index(kProducedFrom, R, ch.c, lane)), tag(e.seq, k + 1), kErrRingRows, lane, ch.c);
+    if (!__all_sync(kFullMask, ready)) return false;
+    const unsigned sent = __ballot_sync(kFullMask, k >= 0);
+    const int64_t offset = k >= 0 ? lane * ch.ring_bytes + static_cast<int64_t>(k % call.ring_rows) * call.slot_bytes : 0;
+    const OwnRow own{a, call.base, call.x_bytes, t, me, R};
+    sum_token<T, V, S>(
+        a, t, call.x_bytes / sizeof(V), 0, call.x_bytes / sizeof(V), sent,
+        [&](int r) { return r == me ? own.row() : ch.rings + __shfl_sync(kFullMask, offset, r); },
+        [&](int r) {
+            return r == me ? own.weights()
+                           : reinterpret_cast<const float*>(ch.rings + __shfl_sync(kFullMask, offset, r) + call.weights_offset);
+        },
+        true, lane);
+    if (k >= 0) atomicMax(&ch.consumed[lane], k + 1);
+    return true;
+}
+
+// Ranks from which a channel is received per warp rather than in batches. Measured (twenty-third
+// session, one H200, 24 SMs): per warp -2% at 4 ranks, +6% at 8; the batch barrier costs more the more
+// senders a token's rows wait on.
+constexpr int kPerWarpReceiveMinRanks = 8;
+constexpr int kLookahead = 4;  // tokens a receiving warp looks at for a ring's next row (per warp)
+
+// The channel's tokens, a token a warp at a time, in one of two ways (one loop: sum_token is inlined
+// once, which keeps the 64-register shapes' spills where they were).
+// In batches (below kPerWarpReceiveMinRanks ranks): a block barrier after each batch of min(warps, ring
+// rows) tokens, then one release per sender.
+// Per warp: each warp goes on without waiting for the others. next_token[w] says that warp w summed
+// all its tokens below it, so every token below the smallest entry ("below") is summed, and a ring's
+// rows of those tokens are read. After each token a warp tells the senders what below allows: for
+// ring r, the index of r's first row at or past below, when one lies within kLookahead tokens (else
+// nothing now), or all of r's rows once none is left in the channel; only steps of `publish_step` rows
+// or the end are told (a system-scope fence each). No wait closes a cycle: the slowest warp's token is
+// below itself, so its rows are what was found at distance 0, at most publish_step <= ring_rows past
+// what the senders were told, and they always fit the rings.
+template <typename T, typename V, typename S>
+__device__ bool receive_channel(const Env& e, const StreamCall& call, const StreamChannel& ch) {
+    const CombineArgs& a = call.a;
+    const int R = e.num_ranks, me = e.rank, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    constexpr int W = S::kWarps;
+    const int first = ch.first, last = ch.last;
+    const bool per_warp = R >= kPerWarpReceiveMinRanks;
+    __shared__ int next_token[W];
+    __shared__ int published[kMaxStreamRanks];  // per sender: rows last told
+    if (threadIdx.x < W) next_token[threadIdx.x] = min(first + static_cast<int>(threadIdx.x), last);
+    if (threadIdx.x < R) published[threadIdx.x] = 0;
+    __syncthreads();
+    const int publish_step = max(1, min(W, call.ring_rows / 2));
+    const int step = per_warp ? W : min(W, call.ring_rows);  // a batch needs at most that many rows of a ring
+    for (int b0 = first; b0 < last; b0 += step) {
+        const int64_t t = b0 + warp;
+        const bool mine = warp < step && t < last;
+        const bool failed = mine && !receive_token<T, V, S>(e, call, ch, t, lane);
+        if (!per_warp) {
+            // The batch's rows are read (their slots may be refilled), and every thread learns of a failed wait.
+            if (__syncthreads_or(failed)) return false;
+            if (threadIdx.x < R)
+                raise_flag(e.signals(threadIdx.x) + stream_index(kConsumedBy, R, ch.c, me), tag(e.seq, ch.consumed[threadIdx.x]));
+            continue;
+        }
+        if (failed) return false;  // reported; the other warps' waits give up too
+        if (!mine) continue;
+        // This warp's rows are read; then the fence orders its progress against every other warp's (of
+        // two warps moving at once, at least one sees both).
+        __syncwarp();
+        if (lane == 0) {
+            __threadfence_block();
+            *reinterpret_cast<volatile int*>(&next_token[warp]) = static_cast<int>(min(t + W, static_cast<int64_t>(last)));
+            __threadfence_block();
+        }
+        __syncwarp();
+        int below = lane < W ? *reinterpret_cast<volatile int*>(&next_token[lane]) : last;
+        for (int w = lane + 32; w < W; w += 32) below = min(below, *reinterpret_cast<volatile int*>(&next_token[w]));
+        below = __reduce_min_sync(kFullMask, below);
+        if (lane < R) {
+            int rows = -1;  // ring `lane`'s rows of the tokens below `below` (-1: not known now)
+            int p[kLookahead];
+#pragma unroll
+            for (int i = 0; i < kLookahead; ++i)
+                p[i] = below + i < last ? a.send_pos[static_cast<int64_t>(below + i) * R + lane] : -1;
+#pragma unroll
+            for (int i = 0; i < kLookahead; ++i)
+                if (rows < 0 && p[i] >= 0) rows = p[i] - ch.ring_first[lane];
+            // None left in the channel: every row it sent, all read by now.
+            if (rows < 0 && below + kLookahead >= last) rows = *reinterpret_cast<volatile int*>(&ch.consumed[lane]);
+            const int told = *reinterpret_cast<volatile int*>(&published[lane]);
+            if (rows >= 0 && (rows >= told + publish_step || (below >= last && rows > told)) &&
+                atomicMax(&published[lane], rows) < rows)
+                raise_flag(e.signals(lane) + stream_index(kConsumedBy, R, ch.c, me), tag(e.seq, rows));
+        }
+    }
+    return true;
+}
+
 template <typename T, typename V, typename S>
 __device__ bool stream_receive(const Env& e, const StreamCall& call, int c) {
     const CombineArgs& a = call.a;
     const int R = e.num_ranks, me = e.rank, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int64_t chunks = call.x_bytes / sizeof(V);
-    __shared__ int ring_first[kMaxStreamRanks];  // per sender: send_pos of the channel's first token it got
-    __shared__ int consumed[kMaxStreamRanks];    // per sender: its ring rows read so far
+    __shared__ int ring_first[kMaxStreamRanks];
+    __shared__ int consumed[kMaxStreamRanks];
     // This call's rings are open: the previous call read them all before its kernel ended.
     if (threadIdx.x < R) {
         raise_flag(e.signals(threadIdx.x) + stream_index(kConsumedBy, R, c, me), tag(e.seq, 0));
@@ -773,44 +889,9 @@ __device__ bool stream_receive(const Env& e, const StreamCall& call, int c) {
         if (lane == 0) ring_first[r] = found;
     }
     __syncthreads();
-    const int batch = min(S::kWarps, call.ring_rows);  // rows of one ring a batch needs, at most
-    const uint8_t* rings = stream_ring(e, call, me, c, 0);
-    const int64_t ring_bytes = static_cast<int64_t>(call.ring_rows) * call.slot_bytes;
-    for (int b0 = first; b0 < last; b0 += batch) {
-        const int64_t t = b0 + warp;
-        bool failed = false;
-        if (warp < batch && t < last) {
-            int k = -1;  // lane r: ring index of this token's row from rank r
-            if (lane < R) {
-                const int p = a.send_pos[t * R + lane];
-                if (p >= 0) k = p - ring_first[lane];
-            }
-            bool ready = true;
-            if (k >= 0 && lane != me)  // this rank's own row is read in place, never sent
-                ready = wait_flag(e, e.own(stream_index(kProducedFrom, R, c, lane)), tag(e.seq, k + 1), kErrRingRows, lane, c);
-            if (!__all_sync(kFullMask, ready)) {
-                failed = true;
-            } else {
-                const unsigned sent = __ballot_sync(kFullMask, k >= 0);
-                const int64_t offset = k >= 0 ? lane * ring_bytes + static_cast<int64_t>(k % call.ring_rows) * call.slot_bytes : 0;
-                const OwnRow own{a, call.base, call.x_bytes, t, me, R};
-                sum_token<T, V, S>(
-                    a, t, chunks, 0, chunks, sent,
-                    [&](int r) { return r == me ? own.row() : rings + __shfl_sync(kFullMask, offset, r); },
-                    [&](int r) {
-                        return r == me ? own.weights()
-                                       : reinterpret_cast<const float*>(rings + __shfl_sync(kFullMask, offset, r) + call.weights_offset);
-                    },
-                    true, lane);
-                if (k >= 0) atomicMax(&consumed[lane], k + 1);
-            }
-        }
-        // The batch's rows are read (their slots may be refilled), and every thread learns of a failed wait.
-        if (__syncthreads_or(failed)) return false;
-        if (threadIdx.x < R)
-            raise_flag(e.signals(threadIdx.x) + stream_index(kConsumedBy, R, c, me), tag(e.seq, consumed[threadIdx.x]));
-    }
-    return true;
+    const StreamChannel ch{c, first, last, ring_first, consumed, stream_ring(e, call, me, c, 0),
+                           static_cast<int64_t>(call.ring_rows) * call.slot_bytes};
+    return receive_channel<T, V, S>(e, call, ch);
 }
 
 template <typename T, typename V, typename S>
