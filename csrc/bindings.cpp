@@ -300,7 +300,7 @@ void intranode_zero_copy_dispatch(const IntranodeCtx& c, int64_t num_blocks, con
                                   const std::optional<torch::Tensor>& recv_topk_idx,
                                   const std::optional<torch::Tensor>& recv_topk_weights,
                                   const torch::Tensor& recv_src_idx, int64_t areas, int64_t slot_offset,
-                                  int64_t capacity_rows, const std::vector<int64_t>& offsets) {
+                                  int64_t capacity_rows, const std::vector<int64_t>& offsets, int64_t region_bytes) {
     const c10::cuda::CUDAGuard guard(x.device());
     TORCH_CHECK(offsets.size() == 5, "offsets: expected x, scale, idx, weight and src offsets");
     TORCH_CHECK(num_recv_rows <= capacity_rows, "num_recv_rows: more than a zero-copy slot holds");
@@ -308,7 +308,7 @@ void intranode_zero_copy_dispatch(const IntranodeCtx& c, int64_t num_blocks, con
                                               recv_topk_idx, recv_topk_weights, recv_src_idx);
     a.num_recv_rows = static_cast<int>(num_recv_rows);
     const intranode::ZeroCopyDispatchArgs z{reinterpret_cast<uint8_t* const*>(areas), slot_offset, capacity_rows,
-                                            offsets[0], offsets[1], offsets[2], offsets[3], offsets[4]};
+                                            offsets[0], offsets[1], offsets[2], offsets[3], offsets[4], region_bytes};
     intranode::zero_copy_dispatch(data_ctx(c, num_blocks, /*combine=*/false), a, z);
 }
 
@@ -361,13 +361,16 @@ std::pair<torch::Tensor, torch::Tensor> launch_notify(const IntranodeCtx& c, con
 // communication stream after the caller's (order_after_caller; else the caller made it wait for its
 // previous_event), allocates the handle's state on the communication stream and the side outputs for
 // a full slot on the allocation stream, and launches the count exchange and the dispatch behind it.
+// region_bytes >= 0: into a dispatch arena's region of that size at slot_offset, which the kernel lays
+// out (capacity_rows: the most rows that could fit, which sizes the side outputs).
 // -> (send_pos [N, R], recv_info, recv_src_idx [capacity], recv_topk_idx or None, recv_topk_weights or None)
 py::tuple intranode_zero_copy_dispatch_early(
     const IntranodeCtx& c, int64_t num_blocks, const torch::Tensor& x, const std::optional<torch::Tensor>& scales,
     const std::optional<torch::Tensor>& topk_idx, const std::optional<torch::Tensor>& topk_weights,
     const torch::Tensor& is_token_in_rank, const torch::Tensor& num_tokens_per_expert, int64_t experts_per_rank,
     int64_t nonce, int64_t recv_info_ints, int64_t comm_stream, bool order_after_caller, bool allocate_on_comm_stream,
-    int64_t areas, int64_t slot_offset, int64_t capacity_rows, const std::vector<int64_t>& offsets) {
+    int64_t areas, int64_t slot_offset, int64_t capacity_rows, const std::vector<int64_t>& offsets,
+    int64_t region_bytes) {
     const c10::cuda::CUDAGuard guard(x.device());
     const c10::cuda::CUDAStream compute = c10::cuda::getCurrentCUDAStream();
     const c10::cuda::CUDAStream comm = external_stream(comm_stream, x);
@@ -387,7 +390,7 @@ py::tuple intranode_zero_copy_dispatch_early(
         const c10::cuda::CUDAStreamGuard on_comm(comm);
         intranode_zero_copy_dispatch(c, num_blocks, x, scales, topk_idx, topk_weights, experts_per_rank, send_pos,
                                      recv_info, -1, recv_topk_idx, recv_topk_weights, recv_src_idx, areas, slot_offset,
-                                     capacity_rows, offsets);
+                                     capacity_rows, offsets, region_bytes);
     }
     return py::make_tuple(send_pos, recv_info, recv_src_idx, or_none(recv_topk_idx), or_none(recv_topk_weights));
 }
@@ -406,8 +409,7 @@ py::object intranode_dispatch_fresh(
     const std::optional<torch::Tensor>& topk_idx, const std::optional<torch::Tensor>& topk_weights,
     const torch::Tensor& is_token_in_rank, const torch::Tensor& num_tokens_per_expert, int64_t experts_per_rank,
     int64_t nonce, int64_t recv_info_ints, int64_t comm_stream, bool order_after_caller, bool allocate_on_comm_stream,
-    int64_t host_done, int64_t host_counts, double wait_s, const std::optional<py::function>& place_rows,
-    int64_t zero_copy_areas) {
+    int64_t host_done, int64_t host_counts, double wait_s) {
     const c10::cuda::CUDAGuard guard(x.device());
     const c10::cuda::CUDAStream compute = c10::cuda::getCurrentCUDAStream();
     const c10::cuda::CUDAStream comm = external_stream(comm_stream, x);
@@ -424,43 +426,23 @@ py::object intranode_dispatch_fresh(
         per_expert(h + 2 * R, h + 2 * R + experts_per_rank);
     int64_t rows = 0;
     for (const int n : recv_counts) rows += n;
-    // With place_rows (a dispatch arena), the caller places this rank's rows: (offset, capacity, part
-    // offsets, recv_x, recv_scales) of a region of its zero-copy dispatch area, into which the senders
-    // store them (the zero-copy kernel); a capacity below rows (no room) drops the rest.
-    int64_t placed_offset = 0, capacity = rows;
-    std::vector<int64_t> offsets;
-    torch::Tensor recv_x;
-    std::optional<torch::Tensor> recv_scales, recv_topk_idx, recv_topk_weights;
-    if (place_rows.has_value()) {
-        const py::tuple placed = (*place_rows)(rows);
-        placed_offset = placed[0].cast<int64_t>();
-        capacity = std::min(rows, placed[1].cast<int64_t>());
-        offsets = placed[2].cast<std::vector<int64_t>>();
-        recv_x = placed[3].cast<torch::Tensor>();
-        if (!placed[4].is_none()) recv_scales = placed[4].cast<torch::Tensor>();
-    }
     torch::Tensor recv_src_idx;
     {
         const c10::cuda::CUDAStreamGuard on_comm(comm);
-        recv_src_idx = torch::empty({capacity}, x.options().dtype(torch::kInt32));
+        recv_src_idx = torch::empty({rows}, x.options().dtype(torch::kInt32));
     }
+    torch::Tensor recv_x;
+    std::optional<torch::Tensor> recv_scales, recv_topk_idx, recv_topk_weights;
     {
         const c10::cuda::CUDAStreamGuard on_alloc(allocate_on_comm_stream ? comm : compute);
-        if (!place_rows.has_value()) {
-            recv_x = torch::empty({rows, x.size(1)}, x.options());
-            if (scales.has_value()) recv_scales = torch::empty({rows, scales->size(1)}, scales->options());
-        }
-        std::tie(recv_topk_idx, recv_topk_weights) = recv_topk_outputs(capacity, topk_idx, x);
+        recv_x = torch::empty({rows, x.size(1)}, x.options());
+        if (scales.has_value()) recv_scales = torch::empty({rows, scales->size(1)}, scales->options());
+        std::tie(recv_topk_idx, recv_topk_weights) = recv_topk_outputs(rows, topk_idx, x);
     }
     {
         const c10::cuda::CUDAStreamGuard on_comm(comm);
-        if (place_rows.has_value())
-            intranode_zero_copy_dispatch(c, num_blocks, x, scales, topk_idx, topk_weights, experts_per_rank, send_pos,
-                                         recv_info, capacity, recv_topk_idx, recv_topk_weights, recv_src_idx,
-                                         zero_copy_areas, placed_offset, capacity, offsets);
-        else
-            intranode_dispatch(c, num_blocks, x, scales, topk_idx, topk_weights, experts_per_rank, send_pos, recv_info,
-                               recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx);
+        intranode_dispatch(c, num_blocks, x, scales, topk_idx, topk_weights, experts_per_rank, send_pos, recv_info,
+                           recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx);
     }
     return py::make_tuple(send_pos, recv_info, recv_src_idx, recv_x, or_none(recv_scales), or_none(recv_topk_idx),
                           or_none(recv_topk_weights), recv_counts, send_counts, per_expert);
@@ -723,13 +705,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     py::class_<moe_ep::LowLatencyCtx>(m, "LowLatencyCtx")
         .def(py::init<int64_t, int, int, int, torch::Tensor, double, int, int, int>());
     m.def("intranode_dispatch_fresh", &moe_ep::intranode_dispatch_fresh,
-          "a fresh ordinary dispatch in one call: count exchange, the wait for the counts, outputs, dispatch",
-          py::arg("ctx"), py::arg("num_blocks"), py::arg("x"), py::arg("scales"), py::arg("topk_idx"),
-          py::arg("topk_weights"), py::arg("is_token_in_rank"), py::arg("num_tokens_per_expert"),
-          py::arg("experts_per_rank"), py::arg("nonce"), py::arg("recv_info_ints"), py::arg("comm_stream"),
-          py::arg("order_after_caller"), py::arg("allocate_on_comm_stream"), py::arg("host_done"),
-          py::arg("host_counts"), py::arg("wait_s"), py::arg("place_rows") = py::none(),
-          py::arg("zero_copy_areas") = 0);
+          "a fresh ordinary dispatch in one call: count exchange, the wait for the counts, outputs, dispatch");
     m.def("intranode_zero_copy_dispatch_early", &moe_ep::intranode_zero_copy_dispatch_early,
           "a fresh zero-copy dispatch in one call: stream order, allocations, count exchange and dispatch launched");
     m.def("ll_dispatch_send", &moe_ep::ll_dispatch_send, "low-latency dispatch: send");

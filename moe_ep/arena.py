@@ -44,6 +44,31 @@ class Arena:
                     return start
         return None
 
+    def reserve_largest(self) -> Optional[Tuple[int, int]]:
+        """(start, length) of the largest free range, now used; None if nothing is free. For a call that
+        learns its size only after it starts: it gives back what it did not need with `shrink`."""
+        with self._lock:
+            if not self._free:
+                return None
+            i = max(range(len(self._free)), key=lambda j: self._free[j][1])
+            start, length = self._free.pop(i)
+            self._used[start] = length
+            return start, length
+
+    def shrink(self, start: int, nbytes: int) -> None:
+        """Keep the first nbytes (rounded up to align, at least align) of the used range at start and free
+        the rest."""
+        keep = max(self.align, -(-nbytes // self.align) * self.align)
+        with self._lock:
+            length = self._used[start]
+            if keep > length:
+                raise ValueError(f"Arena.shrink: {keep} bytes is more than the {length} used at {start}")
+            if keep == length:
+                return
+            self._used[start] = keep
+            self._used[start + keep] = length - keep
+        self.free(start + keep)  # merges the tail with the free range after it
+
     def free(self, start: int) -> None:
         with self._lock:
             length = self._used.pop(start)  # a KeyError here is a double free: a bug, not bad input

@@ -191,6 +191,12 @@ def zero_copy_dispatch_region(rows: int, x_bytes: int, scale_bytes: int, num_top
     return ZeroCopyDispatchSlot(parts[5], rows, *parts[:5])
 
 
+def zero_copy_dispatch_rows_within(nbytes: int, x_bytes: int, scale_bytes: int, num_topk: int) -> int:
+    """The most rows whose region (zero_copy_dispatch_region) could fit in nbytes: a bound, since the
+    parts' alignment may take a little more."""
+    return nbytes // _zero_copy_dispatch_row_bytes(x_bytes, scale_bytes, num_topk)
+
+
 def zero_copy_pitch(row_bytes: int) -> int:
     """Bytes per row of a zero-copy combine area: the row (16-byte aligned), then room for the largest
     top-k's weights, which the kernel puts there for the peers to read with the row."""

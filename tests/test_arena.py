@@ -57,6 +57,31 @@ def test_random_alloc_and_free_never_overlap(seed):
     assert arena.alloc(arena.size) == 0
 
 
+def test_a_call_reserves_the_largest_free_range_and_gives_back_the_tail():
+    arena = Arena(1024, 16)
+    a, b = arena.alloc(256), arena.alloc(128)
+    arena.free(a)  # free: [0, 256) and [384, 1024)
+    assert arena.reserve_largest() == (384, 640)
+    arena.shrink(384, 100)  # keeps 112 bytes, frees [496, 1024)
+    assert arena.free_bytes == 256 + 528 and arena.used_regions == 2
+    assert arena.alloc(528) == 496
+    with pytest.raises(ValueError, match="more than"):
+        arena.shrink(b, 129)
+    arena.shrink(b, 0)  # at least one align unit stays: [272, 384) is free now
+    assert arena.free_bytes == 256 + 112
+    for start in (b, 384, 496):
+        arena.free(start)
+    assert arena.reserve_largest() == (0, 1024) and arena.used_regions == 1
+
+
+def test_a_full_arena_reserves_nothing():
+    arena = Arena(32, 16)
+    assert arena.reserve_largest() == (0, 32)
+    assert arena.reserve_largest() is None
+    arena.shrink(0, 0)
+    assert arena.reserve_largest() == (16, 16)
+
+
 def test_threads_may_free_what_others_allocated():
     arena = Arena(1 << 20, 16)
     starts = [arena.alloc(256) for _ in range(2000)]

@@ -170,6 +170,11 @@ struct ZeroCopyDispatchArgs {
     int64_t slot_offset;     // bytes from this rank's area's start to the slot or region
     int64_t capacity_rows;   // rows it holds
     int64_t x_offset, scale_offset, idx_offset, weight_offset, src_offset;  // from its start
+    // >= 0: the region of a dispatch arena this many bytes long at slot_offset, which the kernel lays
+    // out itself for the rows the count exchange brings (dispatch_region; capacity_rows and the
+    // offsets are not read): the host launched it before it knew them. If they do not fit, none are
+    // kept (capacity 0) and the host reports it. -1: the layout above.
+    int64_t region_bytes;
 };
 void zero_copy_dispatch(const Ctx& ctx, const DispatchArgs& args, const ZeroCopyDispatchArgs& z);
 // Rows per ring of the streaming combine for rows of x_bytes (ctx.stream_combine); 0: it is off, or

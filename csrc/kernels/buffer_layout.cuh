@@ -77,6 +77,23 @@ __host__ __device__ constexpr int64_t layout_index(int num_ranks, int rank, int 
     return kFixedSignals + (kNumArraySlots + kNumStreamArrays * kStreamChannels) * static_cast<int64_t>(num_ranks) +
            static_cast<int64_t>(rank) * kLayoutFields + field;
 }
+// The layout of exactly `rows` received rows in a region of a dispatch arena: x, scales, top-k local
+// ids (int64), top-k weights (float) and source tokens (int32), each part 16-byte aligned, then the
+// end. config.py's zero_copy_dispatch_region is the same formula: the kernel lays a region out on the
+// device when the host launched it before it knew the rows, and the host lays it out once it knows them.
+struct DispatchRegion {
+    int64_t x, scale, idx, weight, src, bytes;
+};
+__host__ __device__ constexpr DispatchRegion dispatch_region(int64_t rows, int64_t x_bytes, int64_t scale_bytes,
+                                                             int num_topk) {
+    DispatchRegion d{};
+    d.scale = align_up(rows * x_bytes, kSlotAlign);
+    d.idx = align_up(d.scale + rows * scale_bytes, kSlotAlign);
+    d.weight = align_up(d.idx + rows * 8 * num_topk, kSlotAlign);
+    d.src = align_up(d.weight + rows * 4 * num_topk, kSlotAlign);
+    d.bytes = align_up(d.src + rows * 4, kSlotAlign);
+    return d;
+}
 __host__ __device__ constexpr int64_t signal_bytes(int num_ranks) {
     return (kFixedSignals + (kNumArraySlots + kNumStreamArrays * kStreamChannels + kLayoutFields) * static_cast<int64_t>(num_ranks)) * 8;
 }

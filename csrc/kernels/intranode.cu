@@ -1074,12 +1074,22 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     // that their latency hides behind it (a separate copy after the row cost a latency per token).
     const int scale_vectors = static_cast<int>(a.scale_bytes / 16);
     const bool scales_with_row = kWide && a.scale_bytes > 0 && scale_vectors <= 32;
+    // This rank's receiving layout: the host's, or an arena region's laid out here for the rows the
+    // count exchange announced (the same formula as the host's once it knows them).
+    ZeroCopyDispatchArgs receiving = z;
+    if (z.region_bytes >= 0) {
+        const int64_t rows = a.recv_info[1];
+        const DispatchRegion d = dispatch_region(rows, a.x_bytes, a.scale_bytes, K);
+        receiving.capacity_rows = d.bytes <= z.region_bytes ? rows : 0;
+        receiving.x_offset = d.x, receiving.scale_offset = d.scale, receiving.idx_offset = d.idx, receiving.weight_offset = d.weight;
+        receiving.src_offset = d.src;
+    }
     bool ok = load_volatile(e.own(kAbort)) == 0;
     if (ok && blockIdx.x == 0) {
         for (int r = threadIdx.x; r < R; r += blockDim.x) {
             int64_t* layout = reinterpret_cast<int64_t*>(e.signals(r) + layout_index(R, me, 0));
-            const int64_t mine[kLayoutFields] = {z.slot_offset, z.capacity_rows, z.x_offset, z.scale_offset,
-                                                 z.idx_offset, z.weight_offset, z.src_offset};
+            const int64_t mine[kLayoutFields] = {receiving.slot_offset, receiving.capacity_rows, receiving.x_offset, receiving.scale_offset,
+                                                 receiving.idx_offset, receiving.weight_offset, receiving.src_offset};
             for (int f = 0; f < kLayoutFields; ++f) layout[f] = mine[f];
             raise_flag(e.peer_array(r, kZeroCopyReadyFrom, me), tag(e.seq, 0));  // fences the layout first
         }
@@ -1155,21 +1165,21 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
         const int total = a.recv_info[1];
         // num_recv_rows < 0: the outputs are exactly the received rows (the host did not know the count
         // when it launched this kernel).
-        const int64_t rows_out = a.num_recv_rows < 0 ? min(static_cast<int64_t>(total), z.capacity_rows) : a.num_recv_rows;
-        const int64_t kept = min(static_cast<int64_t>(total), min(rows_out, z.capacity_rows));
+        const int64_t rows_out = a.num_recv_rows < 0 ? min(static_cast<int64_t>(total), receiving.capacity_rows) : a.num_recv_rows;
+        const int64_t kept = min(static_cast<int64_t>(total), min(rows_out, receiving.capacity_rows));
         if (blockIdx.x == 0 && threadIdx.x == 0 && total > kept) reinterpret_cast<volatile int*>(e.host)[kHostOverflow] = total;
-        const uint8_t* own = z.areas[me] + z.slot_offset;
+        const uint8_t* own = z.areas[me] + receiving.slot_offset;
         const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
         const int64_t threads = static_cast<int64_t>(gridDim.x) * blockDim.x;
         if (a.recv_topk_idx != nullptr) {
             for (int64_t i = thread; i < kept * K; i += threads) {
-                a.recv_topk_idx[i] = __ldcg(reinterpret_cast<const long long*>(own + z.idx_offset) + i);
-                a.recv_topk_weights[i] = __ldcg(reinterpret_cast<const float*>(own + z.weight_offset) + i);
+                a.recv_topk_idx[i] = __ldcg(reinterpret_cast<const long long*>(own + receiving.idx_offset) + i);
+                a.recv_topk_weights[i] = __ldcg(reinterpret_cast<const float*>(own + receiving.weight_offset) + i);
             }
         }
-        for (int64_t i = thread; i < kept; i += threads) a.recv_src_idx[i] = __ldcg(reinterpret_cast<const int*>(own + z.src_offset) + i);
-        uint8_t* own_slot = z.areas[me] + z.slot_offset;
-        pad_rows(a, own_slot + z.x_offset, own_slot + z.scale_offset, kept, rows_out, warps, lane);
+        for (int64_t i = thread; i < kept; i += threads) a.recv_src_idx[i] = __ldcg(reinterpret_cast<const int*>(own + receiving.src_offset) + i);
+        uint8_t* own_slot = z.areas[me] + receiving.slot_offset;
+        pad_rows(a, own_slot + receiving.x_offset, own_slot + receiving.scale_offset, kept, rows_out, warps, lane);
     }
     end_phase(e, kPhaseReduce, since);
     finish_kernel(e, e.own(kDoneCount));

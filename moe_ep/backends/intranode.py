@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ..arena import Arena, Region
 from ..config import (
     INTRANODE_SLOT_ALIGN, Config, ZeroCopyDispatchSlot, zero_copy_combine_slot, zero_copy_dispatch_bytes,
-    zero_copy_dispatch_region, zero_copy_dispatch_slot,
+    zero_copy_dispatch_region, zero_copy_dispatch_rows_within, zero_copy_dispatch_slot,
 )
 from ..checks import env_switch
 from ..events import EventOverlap
@@ -334,23 +334,39 @@ class IntranodeBackend:
         slot_index = self._dispatch_next
         # A zero-copy dispatch without num_worst_tokens starts before the host learns how many rows
         # arrive (the kernel reads the count on the device): its side outputs are allocated for a full
-        # slot and cut to the count afterwards, and the host's wait overlaps the kernel. An ordinary one
-        # needs the count for its outputs: from the count exchange to the dispatch's launch in one call.
+        # slot and cut to the count afterwards, and the host's wait overlaps the kernel. Into an arena,
+        # the call takes the largest free range, the kernel lays the rows out at its start, and the host
+        # keeps what they need once it knows the count. An ordinary one needs the count for its
+        # outputs: from the count exchange to the dispatch's launch in one call.
         fresh = not cached and not worst
-        early = fresh and slot is not None
-        if fresh and slot is None:
-            placed = [] if into_arena else None  # the arena's region, once the counts are known
+        early = fresh and (slot is not None or into_arena)
+        if fresh and not early:
             compute, state, recv_x, recv_scales, recv_idx, recv_weights, counts = self._dispatch_fresh(
                 x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, local, config,
-                previous_event, allocate_on_comm_stream, placed, num_topk)
+                previous_event, allocate_on_comm_stream)
             recv_counts, send_counts, per_expert = counts
-            overflow = sum(recv_counts) if into_arena and placed[0] is None else 0
+            overflow = 0
         elif early:
-            compute, state, recv_idx, recv_weights = self._launch_zero_copy_early(
-                x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, local, slot, slot_index,
-                config, previous_event, allocate_on_comm_stream)
-            send_counts, recv_counts, per_expert = self._wait_counts(local)
+            if into_arena:
+                reserved = self.arena.reserve_largest()
+                start, length = reserved or (0, 0)
+                target = (start, zero_copy_dispatch_rows_within(length, row_bytes(x), row_bytes(scales), num_topk),
+                          [0] * 5, length)
+            else:
+                target = (slot_index * slot.slot_bytes, slot.capacity, slot.offsets, -1)
+                self._dispatch_next ^= 1
+            try:
+                compute, state, recv_idx, recv_weights = self._launch_zero_copy_early(
+                    x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, local, target, config,
+                    previous_event, allocate_on_comm_stream)
+                send_counts, recv_counts, per_expert = self._wait_counts(local)
+            except BaseException:
+                if into_arena and reserved is not None:  # else the arena's largest range stays taken
+                    self.arena.free(reserved[0])
+                raise
             rows = sum(recv_counts)
+            if into_arena:
+                slot, region = self._arena_keep(reserved, rows, x, scales, num_topk)
             overflow = rows if rows > slot.capacity else 0
             bound = min(rows, slot.capacity)
             state.recv_src_idx = state.recv_src_idx[:bound]
@@ -399,11 +415,11 @@ class IntranodeBackend:
                     self.ops.intranode_zero_copy_dispatch(
                         self.ctx, config.num_sms, x, scales, *ids, local, state.send_pos, state.recv_info, bound,
                         recv_idx, recv_weights, state.recv_src_idx, self.zero_copy_dispatch.pointers.data_ptr(),
-                        start, slot.capacity, slot.offsets,
+                        start, slot.capacity, slot.offsets, -1,
                     )
                     if not into_arena:
                         self._dispatch_next ^= 1
-        if into_arena and slot is not None:  # (a fresh one has its outputs from _dispatch_fresh)
+        if into_arena:
             recv_x = self._region_tensor(region, slot.x_offset, bound, x)
             recv_scales = None if scales is None else self._region_tensor(region, slot.scale_offset, bound, scales)
         elif slot is not None:
@@ -472,28 +488,16 @@ class IntranodeBackend:
 
     def _dispatch_fresh(self, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
                         local: int, config: Config, previous_event: Optional[EventOverlap],
-                        allocate_on_comm_stream: bool, placed: Optional[list] = None, num_topk: int = 0):
+                        allocate_on_comm_stream: bool):
         """A fresh ordinary dispatch without num_worst_tokens in one call into the extension (the 2-rank
         call is bound by its host path): the stream order, the count exchange, the wait for the counts,
-        the outputs and the dispatch. With `placed` (a list), the rows go to a region of the dispatch
-        arena taken once the counts are known (the zero-copy kernel), and the region (None: no room) is
-        appended to it. -> (the caller's stream, state, recv_x, recv_scales, recv_idx, recv_weights,
-        (recv_counts, send_counts, per_expert_counts))"""
+        the outputs and the dispatch. -> (the caller's stream, state, recv_x, recv_scales, recv_idx,
+        recv_weights, (recv_counts, send_counts, per_expert_counts))"""
         order_after_caller = self._begin_fresh_call(previous_event)
-        arena_args = {}
-        if placed is not None:
-            def place_rows(rows: int):
-                layout, region = self._arena_region(rows, x, scales, num_topk)
-                placed.append(region)
-                recv = [None if part is None else self._region_tensor(region, offset, layout.capacity, part)
-                        for part, offset in ((x, layout.x_offset), (scales, layout.scale_offset))]
-                return region.start if region else 0, layout.capacity, layout.offsets, *recv
-
-            arena_args = dict(place_rows=place_rows, zero_copy_areas=self.zero_copy_dispatch.pointers.data_ptr())
         done = self.ops.intranode_dispatch_fresh(
             self.ctx, config.num_sms, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, local,
             self._nonce, self.recv_info_ints, self.comm_stream.cuda_stream, order_after_caller, allocate_on_comm_stream,
-            HOST_DONE, HOST_COUNTS, self.timeout_s + _HOST_GRACE_S, **arena_args,
+            HOST_DONE, HOST_COUNTS, self.timeout_s + _HOST_GRACE_S,
         )
         if done is None:
             self._count_exchange_timed_out()
@@ -502,18 +506,19 @@ class IntranodeBackend:
         return torch.cuda.current_stream(), state, recv_x, recv_scales, recv_idx, recv_weights, counts
 
     def _launch_zero_copy_early(self, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
-                                local: int, slot: ZeroCopyDispatchSlot, slot_index: int, config: Config,
-                                previous_event: Optional[EventOverlap], allocate_on_comm_stream: bool):
+                                local: int, target: tuple, config: Config, previous_event: Optional[EventOverlap],
+                                allocate_on_comm_stream: bool):
         """A fresh zero-copy dispatch up to its launch in one call into the extension (the 2-rank call is
-        bound by its host path): the stream order, the state, the side outputs for a full slot, the count
-        exchange and the dispatch. -> (the caller's stream, state, recv_idx, recv_weights)."""
+        bound by its host path): the stream order, the state, the side outputs for the most rows the
+        target holds, the count exchange and the dispatch. target: (offset in the area, capacity rows,
+        part offsets, region bytes), a slot's (region bytes -1) or an arena range's that the kernel lays
+        out. -> (the caller's stream, state, recv_idx, recv_weights)."""
         order_after_caller = self._begin_fresh_call(previous_event)
         send_pos, recv_info, recv_src_idx, recv_idx, recv_weights = self.ops.intranode_zero_copy_dispatch_early(
             self.ctx, config.num_sms, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, local,
             self._nonce, self.recv_info_ints, self.comm_stream.cuda_stream, order_after_caller, allocate_on_comm_stream,
-            self.zero_copy_dispatch.pointers.data_ptr(), slot_index * slot.slot_bytes, slot.capacity, slot.offsets,
+            self.zero_copy_dispatch.pointers.data_ptr(), *target,
         )
-        self._dispatch_next ^= 1
         return torch.cuda.current_stream(), IntranodeDispatchState(send_pos, recv_info, recv_src_idx), recv_idx, recv_weights
 
     def _wait_counts(self, local: int):
@@ -544,8 +549,23 @@ class IntranodeBackend:
         start = self.arena.alloc(layout.slot_bytes)
         if start is None:
             return zero_copy_dispatch_region(0, row_bytes(x), row_bytes(scales), num_topk), None
-        return layout, Region(self.arena, start, layout.slot_bytes, self.zero_copy_dispatch.addresses[self.rank],
-                              self.zero_copy_dispatch.device, keep=self.zero_copy_dispatch)
+        return layout, self._region(start, layout.slot_bytes)
+
+    def _arena_keep(self, reserved, rows: int, x: torch.Tensor, scales: Optional[torch.Tensor], num_topk: int):
+        """(layout, region) of `rows` at the start of the range a call reserved (None: the arena had no
+        free byte), whose rest goes back; if they do not fit (the kernel, with the same formula, kept
+        none), a layout of no rows and no region."""
+        layout = zero_copy_dispatch_region(rows, row_bytes(x), row_bytes(scales), num_topk)
+        if reserved is None or layout.slot_bytes > reserved[1]:
+            if reserved is not None:
+                self.arena.free(reserved[0])
+            return zero_copy_dispatch_region(0, row_bytes(x), row_bytes(scales), num_topk), None
+        self.arena.shrink(reserved[0], layout.slot_bytes)
+        return layout, self._region(reserved[0], layout.slot_bytes)
+
+    def _region(self, start: int, nbytes: int) -> Region:
+        return Region(self.arena, start, nbytes, self.zero_copy_dispatch.addresses[self.rank],
+                      self.zero_copy_dispatch.device, keep=self.zero_copy_dispatch)
 
     @staticmethod
     def _region_tensor(region: Optional[Region], offset: int, rows: int, like: torch.Tensor) -> torch.Tensor:

@@ -162,7 +162,7 @@ class _NoLaunches:
 
     def intranode_zero_copy_dispatch_early(self, ctx, num_sms, x, scales, topk_idx, topk_weights, in_rank, per_expert,
                                            local, nonce, recv_info_ints, *rest):
-        capacity, num_topk = rest[-2], topk_idx.shape[1]
+        capacity, num_topk = rest[-3], topk_idx.shape[1]
         ints = dict(dtype=torch.int32)
         return (torch.empty(x.shape[0], in_rank.shape[1], **ints), torch.empty(recv_info_ints, **ints),
                 torch.empty(capacity, **ints), torch.empty(capacity, num_topk, dtype=torch.int64),
