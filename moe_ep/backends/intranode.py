@@ -95,7 +95,7 @@ def dispatch_arena() -> bool:
     store them once; recv_x and the scales are tensors over the region that return it when the last of
     them dies. Why: one pass over memory instead of two, with recv_x owning its memory like any tensor
     (the two slots' views are valid only until the second zero-copy dispatch after). Off by default
-    until measured (scripts/candidates/). The area must hold every live dispatch's rows: a dispatch
+    (docs/DESIGN.md, step 4, says why). The area must hold every live dispatch's rows: a dispatch
     that finds no room raises ValueError (its rows are dropped; the Buffer stays usable)."""
     return env_switch("MOE_EP_DISPATCH_ARENA", "0")
 
