@@ -124,3 +124,67 @@ def test_tensors_over_a_region_keep_it_until_the_last_view_dies():
     assert arena.used_regions == 1
     del part
     assert arena.used_regions == 0 and arena.free_bytes == arena.size
+
+
+# The backend's arena path on CPU: the extension's launches stubbed (moe_ep.bench.profile_dispatch_call),
+# so what is checked is the host's side: the range a fresh dispatch reserves, what it keeps, what it
+# gives back, and recv_x's place. Every token of 3 ranks comes here: 48 rows of bf16 [.., 64].
+_RANKS, _TOKENS, _HIDDEN, _TOPK = 3, 16, 64, 2
+
+
+@pytest.fixture
+def stubbed(monkeypatch):
+    from moe_ep.bench.profile_dispatch_call import stub_backend
+    from moe_ep.config import INTRANODE_SLOT_ALIGN
+
+    x = torch.randn(_TOKENS, _HIDDEN).to(torch.bfloat16)
+    topk_idx = torch.rand(_TOKENS, 6).topk(_TOPK, dim=1).indices
+    backend, call = stub_backend(_RANKS, x, topk_idx, torch.rand(_TOKENS, _TOPK), 6, monkeypatch.setattr)
+    backend.arena = Arena(backend.zero_copy_dispatch_bytes, INTRANODE_SLOT_ALIGN)
+    launched = []
+    early = backend.ops.intranode_zero_copy_dispatch_early
+    monkeypatch.setattr(backend.ops, "intranode_zero_copy_dispatch_early",
+                        lambda *args: launched.append(args[-4:]) or early(*args))
+    return backend, (lambda: call([x], False)[0][0]), launched
+
+
+def _region_bytes(rows: int) -> int:
+    from moe_ep.config import zero_copy_dispatch_region
+
+    return zero_copy_dispatch_region(rows, 2 * _HIDDEN, 0, _TOPK).slot_bytes
+
+
+def test_a_fresh_dispatch_reserves_the_largest_range_and_keeps_what_its_rows_need(stubbed):
+    backend, dispatch, launched = stubbed
+    arena, base, rows = backend.arena, backend.zero_copy_dispatch.addresses[0], _RANKS * _TOKENS
+    first = dispatch()
+    start, capacity, _, region_bytes = launched[0]
+    assert (start, region_bytes) == (0, arena.size)  # the whole arena was free: the kernel may use it all
+    assert capacity >= rows
+    assert first.shape == (rows, _HIDDEN) and first.data_ptr() == base
+    assert arena.used_regions == 1 and arena.free_bytes == arena.size - _region_bytes(rows)
+    second = dispatch()  # lands right after the first, which lives on
+    assert launched[1][0] == _region_bytes(rows) and launched[1][3] == arena.size - _region_bytes(rows)
+    assert second.data_ptr() == base + _region_bytes(rows)
+    second.fill_(1.0)
+    del first, second
+    assert arena.used_regions == 0 and arena.free_bytes == arena.size
+
+
+def test_no_room_raises_names_the_switch_and_gives_the_range_back(stubbed):
+    backend, dispatch, _ = stubbed
+    kept = [dispatch(), dispatch()]  # the area holds two dispatches' rows
+    free = backend.arena.free_bytes
+    with pytest.raises(ValueError, match="MOE_EP_DISPATCH_ARENA=1.*2 live recv_x"):
+        dispatch()
+    assert backend.arena.free_bytes == free and backend.arena.used_regions == 2
+    kept.pop()
+    assert dispatch().shape[0] == _RANKS * _TOKENS  # room again once a recv_x died
+
+
+def test_a_count_exchange_that_times_out_gives_the_range_back(stubbed, monkeypatch):
+    backend, dispatch, _ = stubbed
+    monkeypatch.setattr(backend.ops, "wait_host_value", lambda *args: False)
+    with pytest.raises(TimeoutError, match="count exchange"):
+        dispatch()
+    assert backend.arena.used_regions == 0 and backend.arena.free_bytes == backend.arena.size

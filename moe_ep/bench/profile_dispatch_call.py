@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from moe_ep import Buffer, fp8
-from moe_ep.config import Config, zero_copy_dispatch_bytes
+from moe_ep.arena import Arena
+from moe_ep.config import INTRANODE_SLOT_ALIGN, Config, zero_copy_dispatch_bytes
 from moe_ep.handles import DispatchHandle
 from moe_ep.launch import RankPool, free_port
 
@@ -188,14 +189,22 @@ class _NoStream:
     def wait_event(self, event):
         pass
 
+    def synchronize(self):
+        pass
+
 
 class _NoEvent:
     def record(self, stream=None):
         pass
 
 
-def stubbed_python_layer(args) -> None:
-    """Host time of the Python around a dispatch, with nothing launched (CPU tensors)."""
+def stub_backend(ranks: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, experts: int,
+                 setattr_=setattr):
+    """An IntranodeBackend on CPU tensors whose launches and torch.cuda stream calls do nothing (they are
+    replaced through setattr_: pytest's monkeypatch.setattr undoes it), with `ranks` ranks' counts in its
+    host memory (every token of x to every rank) and a zero-copy dispatch area in host memory for two
+    such dispatches (no arena: set backend.arena). -> (backend, call(x_parts, zero_copy) -> what the
+    backend's dispatch returns)"""
     import contextlib
     import ctypes
     import types
@@ -203,6 +212,43 @@ def stubbed_python_layer(args) -> None:
     from moe_ep.backends import intranode
     from moe_ep.backends.peers import HOST_COUNTS
 
+    tokens, topk = x.shape[0], topk_idx.shape[1]
+    setattr_(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    setattr_(torch.cuda, "current_stream", lambda *a: _NoStream())
+    setattr_(torch.cuda, "is_current_stream_capturing", lambda: False)
+    backend = intranode.IntranodeBackend.__new__(intranode.IntranodeBackend)
+    host_info = torch.zeros(HOST_COUNTS + 2 * ranks + experts + 64, dtype=torch.int32)
+    backend.host_info = host_info  # read as the real one is: a ctypes view of pinned memory
+    backend._host = (ctypes.c_int32 * host_info.numel()).from_address(host_info.data_ptr())
+    backend.ops = _NoLaunches()
+    backend.rank, backend.num_ranks, backend.recv_info_ints, backend.timeout_s = 0, ranks, 64, 20.0
+    backend.ctx, backend.comm_stream = types.SimpleNamespace(wait_ns=0), _NoStream()
+    backend._compute_ready, backend._comm_done = _NoEvent(), _NoEvent()
+    backend._nonce, backend._fitting_sms, backend._wait_rows = 0, set(), None
+    backend.peers = types.SimpleNamespace(timeout_error=lambda: None)
+    backend._host[HOST_COUNTS: HOST_COUNTS + ranks] = [tokens] * ranks
+    area = zero_copy_dispatch_bytes(tokens * ranks, x.shape[1] * x.element_size(), 0, topk)
+    slots = torch.empty(area, dtype=torch.uint8)
+    backend.zero_copy_dispatch_bytes, backend._dispatch_next, backend._dispatch_slot_bytes = area, 0, {}
+    backend.zero_copy_dispatch = types.SimpleNamespace(addresses=[slots.data_ptr()] * ranks, device=torch.device("cpu"),
+                                                       pointers=torch.zeros(ranks, dtype=torch.int64), slots=slots)
+    backend.via_zero_copy, backend.arena = False, None
+    setattr_(intranode, "device_view", lambda address, num_bytes, device: slots[:num_bytes])
+    local = experts // ranks
+    in_rank = torch.ones(tokens, ranks, dtype=torch.bool)
+    per_expert = torch.full((experts,), tokens // local, dtype=torch.int32)
+    config = Config(24, 6, 256, 6, 128)
+
+    def call(x_parts, zero_copy):
+        return backend.dispatch(x_parts, topk_idx, topk_weights, in_rank, per_expert, 1, 0, None,
+                                lambda **fields: DispatchHandle(buffer_serial=0, **fields), config, None, False, False,
+                                zero_copy)
+
+    return backend, call
+
+
+def stubbed_python_layer(args) -> None:
+    """Host time of the Python around a dispatch, with nothing launched (CPU tensors)."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     ranks = args.ranks[0]
     x = torch.randn(args.tokens, args.hidden).to(torch.bfloat16)
@@ -222,43 +268,16 @@ def stubbed_python_layer(args) -> None:
                                                   topk_weights=topk_weights), iters=2000, warmup=100)
 
     # The kernel backend's dispatch, `ranks` ranks' worth of counts, torch.cuda's stream calls stubbed.
-    torch.cuda.stream = lambda stream: contextlib.nullcontext()
-    torch.cuda.current_stream = lambda *a: _NoStream()
-    torch.cuda.is_current_stream_capturing = lambda: False
-    backend = intranode.IntranodeBackend.__new__(intranode.IntranodeBackend)
-    host_info = torch.zeros(HOST_COUNTS + 2 * ranks + args.experts + 64, dtype=torch.int32)
-    backend.host_info = host_info  # read as the real one is: a ctypes view of pinned memory
-    backend._host = (ctypes.c_int32 * host_info.numel()).from_address(host_info.data_ptr())
-    backend.ops = _NoLaunches()
-    backend.rank, backend.num_ranks, backend.recv_info_ints, backend.timeout_s = 0, ranks, 64, 20.0
-    backend.ctx, backend.comm_stream = types.SimpleNamespace(wait_ns=0), _NoStream()
-    backend._compute_ready, backend._comm_done = _NoEvent(), _NoEvent()
-    backend._nonce, backend._fitting_sms, backend._wait_rows = 0, set(), None
-    backend.peers = types.SimpleNamespace(timeout_error=lambda: None)
-    backend._host[HOST_COUNTS: HOST_COUNTS + ranks] = [args.tokens] * ranks
-    area = zero_copy_dispatch_bytes(args.tokens * ranks, args.hidden * 2, 0, args.topk)
-    slots = torch.empty(area, dtype=torch.uint8)
-    backend.zero_copy_dispatch_bytes, backend._dispatch_next, backend._dispatch_slot_bytes = area, 0, {}
-    backend.zero_copy_dispatch = types.SimpleNamespace(addresses=[slots.data_ptr()] * ranks, device="cpu",
-                                                       pointers=torch.zeros(ranks, dtype=torch.int64))
-    backend.via_zero_copy, backend.arena = False, None
-    intranode.device_view = lambda address, num_bytes, device: slots[:num_bytes]
-    local = args.experts // ranks
-    in_rank = torch.ones(args.tokens, ranks, dtype=torch.bool)
-    per_expert = torch.full((args.experts,), args.tokens // local, dtype=torch.int32)
-    config = Config(24, 6, 256, 6, 128)
-
-    def backend_call(zero_copy):
-        return backend.dispatch([x], topk_idx, topk_weights, in_rank, per_expert, 1, 0, None,
-                                lambda **fields: DispatchHandle(buffer_serial=0, **fields), config, None, False, False,
-                                zero_copy)
-
+    backend, backend_call = stub_backend(ranks, x, topk_idx, topk_weights, args.experts)
     print(f"intranode dispatch, Python layer only (launches and stream calls stubbed), {ranks} ranks' counts, "
           f"{args.experts} experts: median us per call")
     print(f"  {'Buffer.dispatch checks':<40} {checks:8.1f}")
     for zero_copy in (False, True):
-        us = host_call_us(lambda: backend_call(zero_copy), iters=2000, warmup=100)
+        us = host_call_us(lambda: backend_call([x], zero_copy), iters=2000, warmup=100)
         print(f"  {'backend dispatch' + (', zero-copy' if zero_copy else ''):<40} {us:8.1f}")
+    backend.arena = Arena(backend.zero_copy_dispatch_bytes, INTRANODE_SLOT_ALIGN)  # MOE_EP_DISPATCH_ARENA=1
+    us = host_call_us(lambda: backend_call([x], False), iters=2000, warmup=100)
+    print(f"  {'backend dispatch, into the arena':<40} {us:8.1f}")
     dist.destroy_process_group()
 
 
