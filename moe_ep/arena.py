@@ -10,6 +10,7 @@ the region, until the storage dies).
 from __future__ import annotations
 
 import bisect
+import collections
 import ctypes
 import threading
 from typing import List, Optional, Tuple
@@ -19,7 +20,9 @@ import torch
 
 class Arena:
     """First-fit allocation of byte ranges of [0, size), each a multiple of `align` and starting at one.
-    Thread-safe: a region is returned by whichever thread drops its last tensor."""
+    Thread-safe: a region is returned by whichever thread drops its last tensor, and at any moment the
+    garbage collector frees it (`release` only queues the range, so that a collection that runs while
+    this thread holds the lock cannot wait on it)."""
 
     def __init__(self, size: int, align: int):
         if align <= 0 or size < 0:
@@ -29,11 +32,21 @@ class Arena:
         self._lock = threading.Lock()
         self._free: List[Tuple[int, int]] = [(0, self.size)] if self.size else []  # (start, length), sorted
         self._used = {}  # start -> length
+        self._released = collections.deque()  # starts given back by `release`, not yet merged
+
+    def release(self, start: int) -> None:
+        """Give back the range at start later (at the arena's next use): safe where the lock may be held."""
+        self._released.append(start)
+
+    def _merge_released(self) -> None:  # with the lock held
+        while self._released:
+            self._free_range(self._released.popleft())
 
     def alloc(self, nbytes: int) -> Optional[int]:
         """The start of a free range of at least nbytes (rounded up to align), or None if none is left."""
         length = max(self.align, -(-nbytes // self.align) * self.align)
         with self._lock:
+            self._merge_released()
             for i, (start, free) in enumerate(self._free):
                 if free >= length:
                     if free == length:
@@ -48,6 +61,7 @@ class Arena:
         """(start, length) of the largest free range, now used; None if nothing is free. For a call that
         learns its size only after it starts: it gives back what it did not need with `shrink`."""
         with self._lock:
+            self._merge_released()
             if not self._free:
                 return None
             i = max(range(len(self._free)), key=lambda j: self._free[j][1])
@@ -67,29 +81,35 @@ class Arena:
                 return
             self._used[start] = keep
             self._used[start + keep] = length - keep
-        self.free(start + keep)  # merges the tail with the free range after it
+            self._free_range(start + keep)  # merges the tail with the free range after it
 
     def free(self, start: int) -> None:
         with self._lock:
-            length = self._used.pop(start)  # a KeyError here is a double free: a bug, not bad input
-            i = bisect.bisect_left(self._free, (start, 0))
-            # Merge with the neighbours it touches, so that large regions stay available.
-            if i < len(self._free) and start + length == self._free[i][0]:
-                length += self._free.pop(i)[1]
-            if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == start:
-                start, length = self._free[i - 1][0], self._free[i - 1][1] + length
-                del self._free[i - 1]
-                i -= 1
-            self._free.insert(i, (start, length))
+            self._merge_released()
+            self._free_range(start)
+
+    def _free_range(self, start: int) -> None:  # with the lock held
+        length = self._used.pop(start)  # a KeyError here is a double free: a bug, not bad input
+        i = bisect.bisect_left(self._free, (start, 0))
+        # Merge with the neighbours it touches, so that large regions stay available.
+        if i < len(self._free) and start + length == self._free[i][0]:
+            length += self._free.pop(i)[1]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == start:
+            start, length = self._free[i - 1][0], self._free[i - 1][1] + length
+            del self._free[i - 1]
+            i -= 1
+        self._free.insert(i, (start, length))
 
     @property
     def free_bytes(self) -> int:
         with self._lock:
+            self._merge_released()
             return sum(length for _, length in self._free)
 
     @property
     def used_regions(self) -> int:
         with self._lock:
+            self._merge_released()
             return len(self._used)
 
 
@@ -119,7 +139,7 @@ class Region:
         return raw.view(dtype).view(rows, columns)
 
     def __del__(self):
-        self.arena.free(self.start)
+        self.arena.release(self.start)
 
 
 class _RegionBytes:

@@ -108,6 +108,19 @@ def test_a_region_returns_to_its_arena_when_it_dies():
     assert arena.used_regions == 0 and arena.free_bytes == 4096
 
 
+def test_a_region_dying_while_the_arena_is_locked_does_not_wait_for_it():
+    """The garbage collector may free a region (one in a reference cycle, say) in the middle of an
+    arena call on the same thread: its return is queued, and merged at the arena's next use."""
+    arena = Arena(4096, 16)
+    holder = [Region(arena, arena.alloc(100), 100, base=0, device=torch.device("cpu"))]
+    with arena._lock:  # as inside alloc, when a collection runs
+        dropped = threading.Thread(target=holder.clear)
+        dropped.start()
+        dropped.join(timeout=10)
+        assert not dropped.is_alive(), "a region's return waited on the arena's lock"
+    assert arena.used_regions == 0 and arena.free_bytes == 4096
+
+
 def test_tensors_over_a_region_keep_it_until_the_last_view_dies():
     backing = torch.zeros(4096, dtype=torch.uint8)
     arena = Arena(backing.numel(), 16)

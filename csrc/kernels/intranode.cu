@@ -1053,8 +1053,9 @@ __device__ __forceinline__ void warp_copy_to_all(uint8_t* dst, unsigned to, cons
 // One pass: every rank stores its tokens' rows, scales, local top-k and source index straight into
 // the receivers' slots at their final rows (the receiver's rows from source s start at s's
 // first_row_at, in token order: the portable order). Three steps:
-//  1. announce the call to every peer, with this rank's receiving layout (z: where its rows go in
-//     its area), and wait for every peer's announcement: a peer's slot is free once it started this
+//  1. announce the call to every peer, with this rank's receiving layout (where its rows go in its
+//     area: the host's slot, or an arena region the kernel lays out for the rows the count exchange
+//     brings), and wait for every peer's announcement: a peer's slot is free once it started this
 //     call (it last used the slot two zero-copy dispatches ago, and its caller finished with those
 //     outputs before making this call; an arena region is free when the host hands it out);
 //  2. store; the last block announces to every peer that this rank's rows are in place;
@@ -1081,15 +1082,16 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
         const int64_t rows = a.recv_info[1];
         const DispatchRegion d = dispatch_region(rows, a.x_bytes, a.scale_bytes, K);
         receiving.capacity_rows = d.bytes <= z.region_bytes ? rows : 0;
-        receiving.x_offset = d.x, receiving.scale_offset = d.scale, receiving.idx_offset = d.idx, receiving.weight_offset = d.weight;
-        receiving.src_offset = d.src;
+        receiving.x_offset = d.x, receiving.scale_offset = d.scale, receiving.idx_offset = d.idx;
+        receiving.weight_offset = d.weight, receiving.src_offset = d.src;
     }
     bool ok = load_volatile(e.own(kAbort)) == 0;
     if (ok && blockIdx.x == 0) {
         for (int r = threadIdx.x; r < R; r += blockDim.x) {
             int64_t* layout = reinterpret_cast<int64_t*>(e.signals(r) + layout_index(R, me, 0));
-            const int64_t mine[kLayoutFields] = {receiving.slot_offset, receiving.capacity_rows, receiving.x_offset, receiving.scale_offset,
-                                                 receiving.idx_offset, receiving.weight_offset, receiving.src_offset};
+            const int64_t mine[kLayoutFields] = {receiving.slot_offset, receiving.capacity_rows, receiving.x_offset,
+                                                 receiving.scale_offset, receiving.idx_offset, receiving.weight_offset,
+                                                 receiving.src_offset};
             for (int f = 0; f < kLayoutFields; ++f) layout[f] = mine[f];
             raise_flag(e.peer_array(r, kZeroCopyReadyFrom, me), tag(e.seq, 0));  // fences the layout first
         }
@@ -1165,7 +1167,8 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
         const int total = a.recv_info[1];
         // num_recv_rows < 0: the outputs are exactly the received rows (the host did not know the count
         // when it launched this kernel).
-        const int64_t rows_out = a.num_recv_rows < 0 ? min(static_cast<int64_t>(total), receiving.capacity_rows) : a.num_recv_rows;
+        const int64_t rows_out =
+            a.num_recv_rows < 0 ? min(static_cast<int64_t>(total), receiving.capacity_rows) : a.num_recv_rows;
         const int64_t kept = min(static_cast<int64_t>(total), min(rows_out, receiving.capacity_rows));
         if (blockIdx.x == 0 && threadIdx.x == 0 && total > kept) reinterpret_cast<volatile int*>(e.host)[kHostOverflow] = total;
         const uint8_t* own = z.areas[me] + receiving.slot_offset;
@@ -1177,7 +1180,8 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
                 a.recv_topk_weights[i] = __ldcg(reinterpret_cast<const float*>(own + receiving.weight_offset) + i);
             }
         }
-        for (int64_t i = thread; i < kept; i += threads) a.recv_src_idx[i] = __ldcg(reinterpret_cast<const int*>(own + receiving.src_offset) + i);
+        for (int64_t i = thread; i < kept; i += threads)
+            a.recv_src_idx[i] = __ldcg(reinterpret_cast<const int*>(own + receiving.src_offset) + i);
         uint8_t* own_slot = z.areas[me] + receiving.slot_offset;
         pad_rows(a, own_slot + receiving.x_offset, own_slot + receiving.scale_offset, kept, rows_out, warps, lane);
     }
