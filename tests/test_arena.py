@@ -158,6 +158,7 @@ def stubbed(monkeypatch):
     early = backend.ops.intranode_zero_copy_dispatch_early
     monkeypatch.setattr(backend.ops, "intranode_zero_copy_dispatch_early",
                         lambda *args: launched.append(args[-4:]) or early(*args))
+    backend.call = call  # the other ways into the arena
     return backend, (lambda: call([x], False)[0][0]), launched
 
 
@@ -201,3 +202,26 @@ def test_a_count_exchange_that_times_out_gives_the_range_back(stubbed, monkeypat
     with pytest.raises(TimeoutError, match="count exchange"):
         dispatch()
     assert backend.arena.used_regions == 0 and backend.arena.free_bytes == backend.arena.size
+
+
+def test_scales_zero_copy_and_num_worst_tokens_dispatches_take_regions_too(stubbed):
+    from moe_ep.config import zero_copy_dispatch_region
+
+    backend, _, launched = stubbed
+    arena, base, rows = backend.arena, backend.zero_copy_dispatch.addresses[0], _RANKS * _TOKENS
+    x = torch.randn(_TOKENS, _HIDDEN).to(torch.float8_e4m3fn)
+    scales = torch.rand(_TOKENS, _HIDDEN // 32)  # 8 bytes of scales a row
+    (recv_x, recv_scales), *_ = backend.call([x, scales], False)
+    layout = zero_copy_dispatch_region(rows, _HIDDEN, 8, _TOPK)
+    assert recv_x.dtype == x.dtype and recv_x.shape == (rows, _HIDDEN) and recv_x.data_ptr() == base
+    assert recv_scales.shape == (rows, 2) and recv_scales.data_ptr() == base + layout.scale_offset
+    del recv_x
+    assert arena.used_regions == 1  # the scales hold the region
+    del recv_scales
+    zero_copy = backend.call([x, scales], True)[0][0]  # zero_copy=True: the arena as well, no slot
+    assert zero_copy.data_ptr() == base and len(launched) == 2 and backend._dispatch_next == 0
+    worst = backend.call([x, scales], False, num_worst_tokens=rows + 5)[0][0]  # rows known: no reservation
+    assert len(launched) == 2 and worst.shape[0] == rows + 5
+    assert worst.data_ptr() == base + zero_copy_dispatch_region(rows, _HIDDEN, 8, _TOPK).slot_bytes
+    del zero_copy, worst
+    assert arena.used_regions == 0 and arena.free_bytes == arena.size
