@@ -17,6 +17,7 @@ import torch.distributed as dist
 from . import _native
 from .backends.intranode import (
     IntranodeBackend, IntranodeDispatchState, zero_copy_dispatch_layout, zero_copy_dispatch_too_small,
+    dispatch_arena as env_dispatch_arena,
 )
 from .backends.low_latency import LowLatencyBackend, LowLatencyKernelState
 from .backends.peers import peer_memory
@@ -48,6 +49,10 @@ class Buffer:
     and checked for type only. `comm` (an mpi4py communicator in deep_ep) is accepted but unused: moe_ep
     bootstraps through `group`. (ext) `ranks_per_node`: ranks that share a host's NVLink domain;
     default: env MOE_EP_RANKS_PER_NODE, else the group's ranks on this host, found by host names.
+    (ext) `num_zero_copy_combine_bytes`, `num_zero_copy_dispatch_bytes`: the mapped areas of the
+    one-pass calls (README, "One-pass calls"). (ext) `dispatch_arena`: every dispatch of the kernels
+    stores its rows once into a region of the zero-copy dispatch area that recv_x owns (needs that
+    area; default: env MOE_EP_DISPATCH_ARENA, else off).
     """
 
     num_sms = 20
@@ -69,6 +74,7 @@ class Buffer:
         ranks_per_node: Optional[int] = None,
         num_zero_copy_combine_bytes: int = 0,
         num_zero_copy_dispatch_bytes: int = 0,
+        dispatch_arena: Optional[bool] = None,
     ):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(
@@ -84,6 +90,13 @@ class Buffer:
         check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
         check_int("num_zero_copy_combine_bytes", num_zero_copy_combine_bytes, minimum=0)
         check_int("num_zero_copy_dispatch_bytes", num_zero_copy_dispatch_bytes, minimum=0)
+        if dispatch_arena is not None and not isinstance(dispatch_arena, bool):
+            raise TypeError(f"dispatch_arena: expected a bool or None, got {type(dispatch_arena).__name__}")
+        if dispatch_arena is None:
+            dispatch_arena = num_zero_copy_dispatch_bytes > 0 and env_dispatch_arena()
+        elif dispatch_arena and num_zero_copy_dispatch_bytes == 0:
+            raise ValueError("dispatch_arena: the arena is the zero-copy dispatch area; pass num_zero_copy_dispatch_bytes "
+                             "as well (config.zero_copy_dispatch_bytes sizes it)")
         for name, flag in (
             ("low_latency_mode", low_latency_mode),
             ("explicitly_destroy", explicitly_destroy),
@@ -101,6 +114,7 @@ class Buffer:
         self.num_rdma_bytes = num_rdma_bytes
         self.num_zero_copy_combine_bytes = num_zero_copy_combine_bytes
         self.num_zero_copy_dispatch_bytes = num_zero_copy_dispatch_bytes
+        self.dispatch_arena = dispatch_arena
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.ranks_per_node = self._resolve_ranks_per_node(ranks_per_node)
@@ -585,7 +599,8 @@ class Buffer:
             return False
         if self._intranode is None:
             self._intranode = IntranodeBackend(self.group, self._gate, self.num_nvl_bytes, self.get_comm_stream(),
-                                               self.num_zero_copy_combine_bytes, self.num_zero_copy_dispatch_bytes)
+                                               self.num_zero_copy_combine_bytes, self.num_zero_copy_dispatch_bytes,
+                                               self.dispatch_arena)
         return True
 
     @staticmethod

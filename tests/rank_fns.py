@@ -838,3 +838,11 @@ def mapped_memory_kinds(p: Problem):
     low_latency_round(p, use_fp8=True, buffer=low)
     return (normal._intranode.memory if normal._intranode else None,
             low._low_latency.peers.memory if low._low_latency else None)
+
+
+def dispatch_arena_choices():
+    """Buffer.dispatch_arena for (no area, an area, an area with dispatch_arena=False, an area with
+    dispatch_arena=True), under whatever MOE_EP_DISPATCH_ARENA the caller set."""
+    area = dict(num_zero_copy_dispatch_bytes=1 << 20)
+    return tuple(Buffer(dist.group.WORLD, 1024, **kwargs).dispatch_arena
+                 for kwargs in ({}, area, dict(area, dispatch_arena=False), dict(area, dispatch_arena=True)))

@@ -84,6 +84,13 @@ def test_dispatch_paths_are_off_unless_switched_on(monkeypatch, variable, switch
         is_on()
 
 
+def test_the_dispatch_arena_follows_the_buffer_argument_then_the_environment(pools):
+    """dispatch_arena=None takes MOE_EP_DISPATCH_ARENA where the Buffer has the zero-copy dispatch area."""
+    for env, expected in (("0", (False, False, False, True)), ("1", (False, True, False, True))):
+        for choices in pools(2).run(rank_fns.with_env, {"MOE_EP_DISPATCH_ARENA": env}, rank_fns.dispatch_arena_choices):
+            assert choices == expected, f"MOE_EP_DISPATCH_ARENA={env}: {choices}"
+
+
 def test_block_fitting_is_on_unless_switched_off(monkeypatch):
     from moe_ep.backends.intranode import fit_blocks
     monkeypatch.delenv("MOE_EP_FIT_BLOCKS", raising=False)

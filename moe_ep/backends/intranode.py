@@ -90,8 +90,9 @@ def dispatch_via_zero_copy() -> bool:
 
 
 def dispatch_arena() -> bool:
-    """MOE_EP_DISPATCH_ARENA=1: the zero-copy dispatch area becomes an arena, and every dispatch of the
-    Buffer (ordinary or zero-copy) takes a region of it for its received rows, into which the senders
+    """MOE_EP_DISPATCH_ARENA=1 (the default of Buffer's dispatch_arena): the zero-copy dispatch area
+    becomes an arena, and every dispatch of the Buffer (ordinary or zero-copy) takes a region of it for
+    its received rows, into which the senders
     store them once; recv_x and the scales are tensors over the region that return it when the last of
     them dies. Why: one pass over memory instead of two, with recv_x owning its memory like any tensor
     (the two slots' views are valid only until the second zero-copy dispatch after). Off by default
@@ -111,7 +112,7 @@ class IntranodeDispatchState:
 
 class IntranodeBackend:
     def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_nvl_bytes: int, comm_stream: torch.cuda.Stream,
-                 zero_copy_bytes: int = 0, zero_copy_dispatch_bytes: int = 0):
+                 zero_copy_bytes: int = 0, zero_copy_dispatch_bytes: int = 0, arena: bool = False):
         self.peers = map_peer_buffers(group, gate, num_nvl_bytes, "dispatch", peer_memory())
         self.memory = self.peers.memory  # the zero-copy areas are mapped the same way
         self.ops = self.peers.ops
@@ -143,7 +144,7 @@ class IntranodeBackend:
         if zero_copy_dispatch_bytes > 0:
             self.zero_copy_dispatch = self._zero_copy_area(group, gate, zero_copy_dispatch_bytes, "dispatch")
         self.arena: Optional[Arena] = None
-        if self.zero_copy_dispatch is not None and dispatch_arena():
+        if self.zero_copy_dispatch is not None and arena:
             self.arena = Arena(zero_copy_dispatch_bytes, INTRANODE_SLOT_ALIGN)
         self.via_zero_copy = self.zero_copy_dispatch is not None and self.arena is None and dispatch_via_zero_copy()
         self.comm_stream = comm_stream
@@ -307,7 +308,7 @@ class IntranodeBackend:
         into_arena = self.arena is not None and not capturing
         if zero_copy and self.arena is not None and capturing:
             raise RuntimeError("dispatch: zero_copy=True cannot be captured in a CUDA graph while the Buffer's "
-                               "zero-copy dispatch area is an arena (MOE_EP_DISPATCH_ARENA=1)")
+                               "zero-copy dispatch area is an arena (dispatch_arena, MOE_EP_DISPATCH_ARENA=1)")
         copy_out = not zero_copy and self.via_zero_copy
         zero_copy = (zero_copy or copy_out) and not into_arena
         cached = handle is not None
@@ -582,8 +583,8 @@ class IntranodeBackend:
                    f"{self.arena.used_regions} live recv_x tensors of earlier dispatches (drop them sooner)")
         return (
             f"num_zero_copy_dispatch_bytes: rank {self.rank} receives {rows} rows, which need {needed} bytes of "
-            f"the dispatch arena (MOE_EP_DISPATCH_ARENA=1): {why}. Or create the Buffer with a larger area "
-            "(config.zero_copy_dispatch_bytes sizes it)."
+            f"the dispatch arena (Buffer's dispatch_arena, MOE_EP_DISPATCH_ARENA=1): {why}. Or create the Buffer "
+            "with a larger area (config.zero_copy_dispatch_bytes sizes it)."
         )
 
     # ---------------------------------------------------------------- zero-copy dispatch
