@@ -755,18 +755,21 @@ def arena_without_room(p: Problem):
     return received, second, torch.equal(third.cpu(), bare.dispatch(inp["x"] * 3, **args)[0].cpu())
 
 
-def arena_tensor_outlives_its_buffer(p: Problem) -> bool:
-    """Under MOE_EP_DISPATCH_ARENA=1: whether a recv_x kept past its Buffer's destroy() still holds the
-    two-pass dispatch's rows (the area is released when the last such tensor dies)."""
+def arena_tensor_outlives_its_buffer(p: Problem, **arena) -> bool:
+    """With the arena (MOE_EP_DISPATCH_ARENA=1, or `arena`: dispatch_arena=True): whether a recv_x kept
+    past its Buffer's destroy() still holds the two-pass dispatch's rows (the area is released when the
+    last such tensor dies), and whether the Buffer had the arena."""
     inp = my_inputs(p)
     bare = normal_buffer(p.hidden)
-    buffer = normal_buffer(p.hidden, num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p), explicitly_destroy=True)
+    buffer = normal_buffer(p.hidden, num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p), explicitly_destroy=True,
+                           **arena)
+    has_arena = buffer.dispatch_arena
     args = dispatch_args(bare, inp, p)
     recv = buffer.dispatch(inp["x"], **args)[0]
     torch.cuda.synchronize()
     buffer.destroy()
     expected = bare.dispatch(inp["x"], **args)[0]
-    return torch.equal(recv.cpu(), expected.cpu())
+    return has_arena and torch.equal(recv.cpu(), expected.cpu())
 
 
 def zero_copy_dispatch_overflow(p: Problem, capacity_rows: int):

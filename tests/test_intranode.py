@@ -208,11 +208,14 @@ def test_a_full_arena_is_refused_and_the_buffer_goes_on(gpu_pools, seed):
     assert refused >= 1, f"seed {seed}: no rank ran out of room ({outcomes})"
 
 
-def test_a_recv_x_from_the_arena_outlives_its_buffer(gpu_pools, seed):
-    """destroy() with an arena's recv_x alive: the tensor keeps its memory (and its rows) until it dies."""
+@pytest.mark.parametrize("by", ["environment", "argument"])
+def test_a_recv_x_from_the_arena_outlives_its_buffer(gpu_pools, seed, by):
+    """destroy() with an arena's recv_x alive: the tensor keeps its memory (and its rows) until it dies.
+    The arena from MOE_EP_DISPATCH_ARENA=1, or from Buffer(dispatch_arena=True) with the variable at 0."""
     p = Problem(seed, 2, 8, 512, 2, max_tokens=32)
-    outcomes = gpu_pools(2).run(rank_fns.with_env, {"MOE_EP_DISPATCH_ARENA": "1"},
-                                rank_fns.arena_tensor_outlives_its_buffer, p)
+    env, arena = ("1", {}) if by == "environment" else ("0", {"dispatch_arena": True})
+    outcomes = gpu_pools(2).run(rank_fns.with_env, {"MOE_EP_DISPATCH_ARENA": env},
+                                rank_fns.arena_tensor_outlives_its_buffer, p, **arena)
     assert all(outcomes), f"seed {seed}: {outcomes}"
 
 
