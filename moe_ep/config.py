@@ -140,10 +140,13 @@ class IntranodeLayout:
 
 @dataclass(frozen=True)
 class ZeroCopyDispatchSlot:
-    """One of the two slots of a zero-copy dispatch area (ZeroCopyDispatchArgs in csrc/kernels/api.cuh):
-    `capacity` rows of x, then as many of scales, of top-k local ids (int64), of top-k weights (float32)
-    and of source token indices (int32), each part 16-byte aligned. The kernels take these numbers from
-    here (no second copy of the formula); both backends check capacities with them."""
+    """One of the two slots of a zero-copy dispatch area, or a dispatch arena's region of exactly
+    `capacity` rows (ZeroCopyDispatchArgs in csrc/kernels/api.cuh): `capacity` rows of x, then as many
+    of scales, of top-k local ids (int64), of top-k weights (float32) and of source token indices
+    (int32), each part 16-byte aligned. The kernels take these numbers from here, except where an
+    early-launched dispatch lays its arena region out on the device (`dispatch_region` in
+    buffer_layout.cuh: the same formula as `_zero_copy_dispatch_parts`); both backends check
+    capacities with them."""
 
     slot_bytes: int
     capacity: int
