@@ -7,7 +7,7 @@ on the host clock, and device events around each launch give the kernels' durati
 between them (a fresh dispatch makes all three in one call into the extension, timed as one). Medians
 over the timed calls, per rank.
 
-    python -m moe_ep.bench.profile_dispatch_call --ranks 2 [--zero-copy] [--fp8] [--python-profile 15]
+    python -m moe_ep.bench.profile_dispatch_call --ranks 2 [--zero-copy] [--arena] [--fp8] [--python-profile 15]
 
 --python-profile N: after the timed calls, as many again under cProfile, and each rank's N functions
 (Python and C: torch's calls included) of the largest own time per call: where the host's time before
@@ -84,9 +84,11 @@ def rank_profile(args):
     topk_idx = torch.rand(args.tokens, args.experts, device="cuda").topk(args.topk, dim=1).indices
     topk_weights = torch.rand(args.tokens, args.topk, device="cuda")
     config = Buffer.get_dispatch_config(num_ranks)
-    extra = zero_copy_dispatch_bytes(args.tokens * num_ranks, args.hidden * 2, 0, args.topk) if args.zero_copy else 0
+    with_area = args.zero_copy or args.arena
+    extra = zero_copy_dispatch_bytes(args.tokens * num_ranks, args.hidden * 2, 0, args.topk) if with_area else 0
     buffer = Buffer(dist.group.WORLD, config.get_nvl_buffer_size_hint(args.hidden * 2, num_ranks),
-                    explicitly_destroy=True, num_zero_copy_dispatch_bytes=extra)
+                    explicitly_destroy=True, num_zero_copy_dispatch_bytes=extra,
+                    dispatch_arena=True if args.arena else None)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                   topk_idx=topk_idx, topk_weights=topk_weights)
@@ -291,6 +293,7 @@ def main():
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--fp8", action="store_true", help="fp8 rows with 1x128 scales (default bf16)")
     parser.add_argument("--zero-copy", action="store_true", help="dispatch(zero_copy=True)")
+    parser.add_argument("--arena", action="store_true", help="Buffer(dispatch_arena=True): recv_x in the arena")
     parser.add_argument("--python-profile", type=int, default=0, metavar="N",
                         help="also each rank's N functions of most own time per call, under cProfile")
     parser.add_argument("--stub-kernels", action="store_true",
@@ -305,7 +308,7 @@ def main():
         with RankPool(num_ranks, use_cuda=True) as pool:
             results = pool.run(rank_profile, args)
         per_rank = [timings for timings, _ in results]
-        kind = ("fp8" if args.fp8 else "bf16") + (" zero-copy" if args.zero_copy else "")
+        kind = ("fp8" if args.fp8 else "bf16") + (" zero-copy" if args.zero_copy else "") + (" arena" if args.arena else "")
         print(f"== {num_ranks} ranks, {kind} dispatch, {args.tokens} tokens, hidden {args.hidden}: median us per "
               f"call (rank 0 .. {num_ranks - 1})")
         for key in sorted(per_rank[0], key=lambda k: (not k.startswith("host: whole"), k)):
