@@ -310,7 +310,7 @@ def buffer_lifecycle():
     except RuntimeError as exc:
         after_destroy = str(exc)
     return dict(shared=bool((again == 7).all()), cleaned=cleaned, too_big=too_big, after_destroy=after_destroy,
-                comm_stream=buffer.get_comm_stream(), ranks_per_node=buffer.ranks_per_node)
+                comm_stream=type(buffer.get_comm_stream()).__name__, ranks_per_node=buffer.ranks_per_node)
 
 
 def layout_across_nodes(ranks_per_node: int):

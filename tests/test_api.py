@@ -117,7 +117,8 @@ def test_buffer_views_cleanup_and_destroy(pools):
         assert res["cleaned"], "clean_low_latency_buffer zeroes the staging buffer"
         assert "exceed the nvl buffer of 4096 bytes" in res["too_big"]
         assert "destroyed" in res["after_destroy"]
-        assert res["comm_stream"] is None or not torch.cuda.is_available()
+        # A stream object does not pickle (a GPU machine's CPU ranks get the current CUDA stream): its type.
+        assert res["comm_stream"] == ("Stream" if torch.cuda.is_available() else "NoneType")
         assert res["ranks_per_node"] == 2, "both ranks run on this host"
 
 
