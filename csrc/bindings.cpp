@@ -488,16 +488,22 @@ void intranode_combine(const IntranodeCtx& c, int64_t num_blocks, const torch::T
 
 // x: the view Buffer.get_next_combine_buffer handed out, whose rows lie in this rank's zero-copy area
 // (areas: device int64 [R], every rank's area as mapped here), slot at slot_offset, pitch bytes per row.
+// weights_offset >= 0: x lies in this rank's dispatch arena instead (areas: the dispatch areas), at
+// slot_offset, with room for its weights at weights_offset; capacity_rows < 0: no room was found.
 void intranode_zero_copy_combine(const IntranodeCtx& c, int64_t num_blocks, const torch::Tensor& x,
                                  const std::optional<torch::Tensor>& topk_weights, const torch::Tensor& recv_src_idx,
                                  const torch::Tensor& recv_info, const torch::Tensor& send_pos,
                                  const std::optional<torch::Tensor>& bias0, const std::optional<torch::Tensor>& bias1,
                                  const torch::Tensor& out, const std::optional<torch::Tensor>& out_weights,
-                                 int64_t areas, int64_t slot_offset, int64_t pitch, int64_t capacity_rows) {
+                                 int64_t areas, int64_t slot_offset, int64_t pitch, int64_t capacity_rows,
+                                 int64_t weights_offset) {
     const c10::cuda::CUDAGuard guard(x.device());
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.stride(0) * x.element_size() == pitch,
-                "x: expected the view of get_next_combine_buffer (rows ", pitch, " bytes apart)");
-    const intranode::ZeroCopyArgs z{reinterpret_cast<uint8_t* const*>(areas), slot_offset, pitch, capacity_rows};
+                "x: expected rows ", pitch, " bytes apart in mapped memory");
+    TORCH_CHECK(slot_offset % 16 == 0 && pitch % 16 == 0 && (weights_offset < 0 || weights_offset % 16 == 0),
+                "x: rows in mapped memory must start 16-byte aligned");
+    const intranode::ZeroCopyArgs z{reinterpret_cast<uint8_t* const*>(areas), slot_offset, pitch, capacity_rows,
+                                    weights_offset};
     intranode::zero_copy_combine(data_ctx(c, num_blocks, /*combine=*/true),
                                  combine_args(x, topk_weights, recv_src_idx, recv_info, send_pos, bias0, bias1, out,
                                               out_weights),

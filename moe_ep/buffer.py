@@ -592,6 +592,23 @@ class Buffer:
         self._combine_buffers[self._combine_next] = view
         return view
 
+    def empty_combine_input(self, handle: DispatchHandle, hidden: int,
+                            dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """(ext) An uninitialised [received rows, hidden] tensor for the expert outputs that combine(x=...)
+        of `handle` sends back. It owns its memory like any tensor; with the kernels and a dispatch arena
+        (dispatch_arena) that memory is a region of this rank's arena, so the combine reads its rows where
+        they lie (one pass; an x elsewhere is first copied into the arena). Otherwise a plain tensor."""
+        self._check_alive()
+        self._check_handle(handle, DispatchHandle, "dispatch")
+        check_int("hidden", hidden, minimum=1)
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"dtype: expected torch.bfloat16 or torch.float32, got {dtype}")
+        device = handle.is_token_in_rank.device
+        arena = self._intranode.arena if self._intranode is not None else None
+        if isinstance(handle.backend_state, IntranodeDispatchState) and arena is not None:
+            return self._intranode.arena_tensor(handle.num_recv_rows, hidden, dtype)
+        return torch.empty((handle.num_recv_rows, hidden), dtype=dtype, device=device)
+
     def _uses_kernels(self, x: torch.Tensor) -> bool:
         """Whether the kernels move x; the first time, maps the peers' buffers (every rank of the
         group makes the same call with tensors of the same kind, so this is collective)."""

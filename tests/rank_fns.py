@@ -116,15 +116,22 @@ def zero_copy_dispatch_area(p: Problem, rows: int = None) -> int:
 
 def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, num_worst_tokens: int = 0,
                  num_biases: int = 0, with_topk: bool = True, config: Config = None, buffer: Buffer = None,
-                 stream_args: bool = False, dtype: torch.dtype = torch.bfloat16, zero_copy_dispatch: bool = False):
+                 stream_args: bool = False, dtype: torch.dtype = torch.bfloat16, zero_copy_dispatch: bool = False,
+                 arena: bool = False, combine_x: str = "tensor"):
     """Layout, dispatch, cached dispatch, combine: everything a test compares, per rank. stream_args:
     the calls chain through previous_event/async_finish/allocate_on_comm_stream. zero_copy_dispatch:
-    both dispatches are zero-copy ones (so recv_x must outlive the cached dispatch's slot)."""
+    both dispatches are zero-copy ones (so recv_x must outlive the cached dispatch's slot). arena:
+    Buffer(dispatch_arena=True), with room for four calls' rows. combine_x: what combine's x is: a
+    tensor of its own ("tensor"), Buffer.empty_combine_input ("empty_combine_input"), or the cached
+    dispatch's recv_x, overwritten ("recv_x": bf16 rows only)."""
     rank = dist.get_rank()
     inp = my_inputs(p)
     inp["x"] = inp["x"].to(dtype)
     # normal_buffer sizes for 2-byte elements: float32 rows are twice as wide.
     area = dict(num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p)) if zero_copy_dispatch else {}
+    if arena:
+        rows = 4 * dist.get_world_size() * max(p.max_tokens, num_worst_tokens)
+        area = dict(num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p, rows), dispatch_arena=True)
     buffer = buffer if buffer is not None else normal_buffer(p.hidden * (2 if dtype == torch.float32 else 1), config,
                                                              **area)
     extra = dict(config=config) if config is not None else {}
@@ -145,6 +152,11 @@ def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, n
     cached[-1].current_stream_wait()
     recv_bf16 = fp8.per_token_cast_back(*recv_x) if use_fp8 else recv_x
     y = expert_output(recv_bf16, rank)
+    cached_x = cpu(cached[0])  # before combine_x="recv_x" writes over it
+    if combine_x == "empty_combine_input":
+        y = buffer.empty_combine_input(handle, y.shape[1], y.dtype).copy_(y)
+    elif combine_x == "recv_x":
+        y = cached[0].copy_(y)
     biases = [bias_for(p, rank, inp["x"].shape[0], i).to(device(), y.dtype) for i in range(num_biases)]
     bias = None if num_biases == 0 else (biases[0] if num_biases == 1 else tuple(biases))
     if stream_args:
@@ -155,7 +167,7 @@ def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, n
         torch.cuda.synchronize()
         buffer._intranode.check_errors()
     return cpu(dict(layout=(per_rank, per_rdma, per_expert, in_rank), recv_x=recv_x, recv_idx=recv_idx,
-                    recv_w=recv_w, counts=counts, cached=cached[0], cached_rest=cached[1:5], y=y,
+                    recv_w=recv_w, counts=counts, cached=cached_x, cached_rest=cached[1:5], y=y,
                     combined=combined, combined_w=combined_w, num_recv_rows=handle.num_recv_rows))
 
 
@@ -632,20 +644,38 @@ def zero_copy_round(p: Problem, num_biases: int, repeats: int, cached: bool = Fa
 
 
 def zero_copy_misuse():
-    """What get_next_combine_buffer and combine(zero_copy=True) refuse: (exception type, message) each."""
+    """What get_next_combine_buffer, empty_combine_input and combine(zero_copy=True) refuse: (exception
+    type, message) each."""
     p = Problem(5, dist.get_world_size(), dist.get_world_size() * 2, 128, 2, max_tokens=8)
     inp = my_inputs(p)
     buffer = normal_buffer(p.hidden)
     recv_x, _, _, _, handle, _ = buffer.dispatch(inp["x"], **dispatch_args(buffer, inp, p))
     outcomes = []
     for attempt in (lambda: buffer.combine(recv_x, handle, zero_copy=True),
-                    lambda: buffer.get_next_combine_buffer(handle, 0)):
+                    lambda: buffer.get_next_combine_buffer(handle, 0),
+                    lambda: buffer.empty_combine_input(handle, 0),
+                    lambda: buffer.empty_combine_input(handle, p.hidden, torch.float16),
+                    lambda: buffer.empty_combine_input(recv_x, p.hidden)):
         try:
             attempt()
             outcomes.append(("returned", ""))
         except Exception as exc:  # noqa: BLE001
             outcomes.append((type(exc).__name__, str(exc)))
     return outcomes
+
+
+def combine_of_empty_combine_input():
+    p = Problem(9, dist.get_world_size(), dist.get_world_size() * 2, 128, 2, max_tokens=8)
+    inp = my_inputs(p)
+    buffer = normal_buffer(p.hidden * 2)  # float32 rows
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(inp["x"], **dispatch_args(buffer, inp, p))
+    x = buffer.empty_combine_input(handle, p.hidden, torch.float32)
+    if x.shape != (recv_x.shape[0], p.hidden) or x.dtype != torch.float32:
+        return False
+    x.copy_(recv_x)
+    a, a_w, _ = buffer.combine(x, handle, topk_weights=recv_w)
+    b, b_w, _ = buffer.combine(recv_x.float(), handle, topk_weights=recv_w)
+    return torch.equal(a, b) and torch.equal(a_w, b_w)
 
 
 def zero_copy_without_area():

@@ -49,6 +49,22 @@ def test_intranode_equals_portable(pools, gpu_pools, seed, num_ranks, variant):
     _compare(seed, *_both(pools, gpu_pools, num_ranks, rank_fns.normal_round, p, **variant))
 
 
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+@pytest.mark.parametrize("variant", [
+    dict(combine_x="empty_combine_input", num_biases=1),
+    dict(combine_x="recv_x", stream_args=True),
+    dict(combine_x="tensor", use_fp8=True, num_biases=2),
+    dict(combine_x="empty_combine_input", num_worst_tokens=768, with_topk=False),
+    dict(combine_x="tensor", dtype=torch.float32, stream_args=True),
+])
+def test_combines_from_the_arena_equal_portable(pools, gpu_pools, seed, num_ranks, variant):
+    """With a dispatch arena every plain combine reads the rows from the ranks' arenas, wherever x lies
+    there (a tensor from empty_combine_input, a recv_x written over) or after copying it there."""
+    p = Problem(seed, num_ranks, num_ranks * 8, 512, 6, max_tokens=96)
+    on_gpu = gpu_pools(num_ranks).run(rank_fns.normal_round, p, arena=True, **variant)
+    _compare(seed, on_gpu, pools(num_ranks).run(rank_fns.normal_round, p, **variant))
+
+
 @pytest.mark.parametrize("num_ranks,hidden,dtype", [(3, 132, torch.bfloat16), (2, 256, torch.float32),
                                                     (5, 2052, torch.bfloat16), (4, 2052, torch.bfloat16),
                                                     (5, 2048, torch.bfloat16), (4, 120, torch.bfloat16)])

@@ -154,9 +154,20 @@ def test_zero_copy_combine_equals_the_ordinary_one(pools, seed, num_ranks, num_b
 
 def test_zero_copy_misuse_is_refused(pools):
     for outcomes in pools(2).run(rank_fns.zero_copy_misuse):
-        (kind, message), (kind2, message2) = outcomes
+        (kind, message), (kind2, message2), *combine_input = outcomes
         assert kind == "ValueError" and "x: with zero_copy=True" in message, message
         assert kind2 == "ValueError" and "hidden" in message2, message2
+        for (kind, message), (want_kind, names) in zip(combine_input, [("ValueError", "hidden"),
+                                                                        ("ValueError", "dtype"),
+                                                                        ("TypeError", "handle")]):
+            assert kind == want_kind and names in message, message
+
+
+def test_empty_combine_input_is_a_tensor_for_combine(pools):
+    """Without the kernels' arena, empty_combine_input is a plain [received rows, hidden] tensor, and a
+    combine of it is the combine of the same rows from any tensor."""
+    for same in pools(2).run(rank_fns.combine_of_empty_combine_input):
+        assert same
 
 
 @pytest.mark.parametrize("num_ranks,use_fp8,num_worst_tokens", [(2, False, 0), (3, True, 0), (3, False, 100)])

@@ -55,7 +55,8 @@ enum HostInfo : int {
     kHostMaxTokens = 7,     // notify: largest num_tokens over the ranks
     kHostErrorCall = 8,     // the failed wait: the call number it waited for (low 31 bits)
     kHostErrorSeen = 9,     // ... and the call number the peer's flag last announced (-1: none yet)
-    kHostCounts = 10,       // notify: [R] rows from each rank, [R] tokens to each rank, [E/R] per local expert
+    kHostCombineMissing = 10,  // a combine from the dispatch arena missed this rank's rows (rank + 1), else 0
+    kHostCounts = 11,       // notify: [R] rows from each rank, [R] tokens to each rank, [E/R] per local expert
 };
 enum ErrorKind : int {
     kErrNone = 0, kErrNotify, kErrStaged, kErrReleased, kErrOpen, kErrPushed,
@@ -151,11 +152,15 @@ void combine(const Ctx& ctx, const CombineArgs& args);
 // Zero-copy combine: every rank's rows (args.x) already lie in its zero-copy area, slot `slot_offset`,
 // one row per `pitch` bytes with its top-k weights behind the row; each rank sums its tokens' rows
 // where they lie (one pass). Needs a dispatch whose notify ran with Ctx::zero_copy_bases.
+// With weights_offset >= 0 instead, a combine from the dispatch arena: every rank's rows lie in its
+// dispatch area, where it says (its own slot_offset, pitch, capacity_rows), and their weights at
+// weights_offset (K floats a row); capacity_rows < 0: this rank had no room for them (none are read).
 struct ZeroCopyArgs {
-    uint8_t* const* areas;   // device array [R]: every rank's zero-copy area as mapped here
+    uint8_t* const* areas;   // device array [R]: every rank's zero-copy (or dispatch) area as mapped here
     int64_t slot_offset;     // bytes from an area's start to this call's slot (the same on every rank)
     int64_t pitch;           // bytes per row: the row, then its K float weights (16-byte aligned)
     int64_t capacity_rows;   // rows a slot holds (the same on every rank)
+    int64_t weights_offset;  // -1: weights behind each row
 };
 void zero_copy_combine(const Ctx& ctx, const CombineArgs& args, const ZeroCopyArgs& z);
 // Zero-copy dispatch: every rank writes its rows straight into the receivers' zero-copy areas, at

@@ -73,6 +73,15 @@ enum ZeroCopyLayoutField : int {
     kLayoutSrc,
     kLayoutFields,
 };
+// A zero-copy combine from the dispatch arena publishes where its rows are in the same slots (the
+// dispatch that wrote them last read them before its rows were in place, which the combine waits for).
+enum CombineLayoutField : int {
+    kCombineRows = 0,      // bytes from the area's start to row 0
+    kCombineCapacity = 1,  // rows there; < 0: the rank had no room for them
+    kCombinePitch = 2,     // bytes from row to row
+    kCombineWeights = 3,   // bytes from the area's start to the rows' top-k weights (K floats a row)
+};
+static_assert(static_cast<int>(kCombineWeights) < static_cast<int>(kLayoutFields), "a combine's layout fits a dispatch's slots");
 __host__ __device__ constexpr int64_t layout_index(int num_ranks, int rank, int field) {
     return kFixedSignals + (kNumArraySlots + kNumStreamArrays * kStreamChannels) * static_cast<int64_t>(num_ranks) +
            static_cast<int64_t>(rank) * kLayoutFields + field;

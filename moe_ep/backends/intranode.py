@@ -24,7 +24,7 @@ from ..events import EventOverlap
 from ..handles import DispatchHandle
 from ..sync import ArrivalGate
 from .peers import (
-    HOST_COUNTS, HOST_DONE, HOST_OVERFLOW, PHASE_NAMES, WAIT_NAMES, MappedBuffers, aligned, device_view,
+    HOST_COMBINE_MISSING, HOST_COUNTS, HOST_DONE, HOST_OVERFLOW, PHASE_NAMES, WAIT_NAMES, MappedBuffers, aligned, device_view,
     map_peer_buffers, peer_memory,
 )
 
@@ -142,7 +142,10 @@ class IntranodeBackend:
         self._dispatch_next = 0
         self._dispatch_slot_bytes = {}  # (slot, slot bytes): that slot as a uint8 tensor
         if zero_copy_dispatch_bytes > 0:
-            self.zero_copy_dispatch = self._zero_copy_area(group, gate, zero_copy_dispatch_bytes, "dispatch")
+            # The arena's switch too: with it every plain combine reads its rows from the arenas, and all
+            # ranks of a call must run the same kernel.
+            self.zero_copy_dispatch = self._zero_copy_area(group, gate, zero_copy_dispatch_bytes, "dispatch",
+                                                           arena=arena)
         self.arena: Optional[Arena] = None
         if self.zero_copy_dispatch is not None and arena:
             self.arena = Arena(zero_copy_dispatch_bytes, INTRANODE_SLOT_ALIGN)
@@ -159,13 +162,17 @@ class IntranodeBackend:
         self._wait_rows = {} if os.environ.get("MOE_EP_PROFILE_WAITS") == "1" else None
         self._wait_slots = layout["wait_slots"]
 
-    def _zero_copy_area(self, group, gate, size: int, kind: str) -> MappedBuffers:
+    def _zero_copy_area(self, group, gate, size: int, kind: str, arena: bool = False) -> MappedBuffers:
         """A mapped area for zero-copy calls. Every rank's slots must hold the same rows, since the
         kernels bound peers' rows by their own capacity."""
-        sizes = [None] * self.num_ranks
-        dist.all_gather_object(sizes, size, group=group)
-        if len(set(sizes)) != 1:
-            raise ValueError(f"num_zero_copy_{kind}_bytes: expected the same value on every rank, got {sizes}")
+        settings = [None] * self.num_ranks
+        dist.all_gather_object(settings, (size, arena), group=group)
+        if len({size for size, _ in settings}) != 1:
+            raise ValueError(f"num_zero_copy_{kind}_bytes: expected the same value on every rank, "
+                             f"got {[size for size, _ in settings]}")
+        if len({arena for _, arena in settings}) != 1:
+            raise ValueError("dispatch_arena (MOE_EP_DISPATCH_ARENA): expected the same on every rank, got "
+                             f"{[arena for _, arena in settings]}")
         self.ctx.zero_copy_bases = True  # notify finds where this rank's rows start at every peer
         return map_peer_buffers(group, gate, size, f"zero-copy {kind} area", self.memory)
 
@@ -186,6 +193,13 @@ class IntranodeBackend:
         """Raises what an earlier kernel reported: a peer that did not arrive (the Buffer is then out of
         step and unusable), or a num_worst_tokens dispatch that received more rows than it had."""
         h = self._host
+        if h[HOST_COMBINE_MISSING]:
+            missing, h[HOST_COMBINE_MISSING] = h[HOST_COMBINE_MISSING] - 1, 0
+            raise ValueError(
+                f"num_zero_copy_dispatch_bytes: rank {missing} had no room in its dispatch arena for the rows of "
+                "an earlier combine, which therefore left them out of this rank's output (rank "
+                f"{missing} raised at that call)."
+            )
         if h[HOST_OVERFLOW]:
             received, h[HOST_OVERFLOW] = h[HOST_OVERFLOW], 0
             raise ValueError(
@@ -624,6 +638,62 @@ class IntranodeBackend:
             self._zero_copy_views[key] = base.view(dtype).as_strided((num_rows, hidden), (pitch // element, 1))
         return self._zero_copy_views[key]
 
+    # ---------------------------------------------------------------- combine from the dispatch arena
+    def combines_from_arena(self, x: torch.Tensor) -> bool:
+        """Whether a plain combine of x reads the rows from the ranks' dispatch arenas (one pass): with an
+        arena, for rows of whole 16-byte vectors (the same on every rank: same hidden, same dtype), and not
+        in a CUDA graph (whose replays would reuse regions the call gave back), as the dispatch."""
+        return self.arena is not None and row_bytes(x) % 16 == 0 and not torch.cuda.is_current_stream_capturing()
+
+    def arena_tensor(self, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, hidden] of dtype in this rank's dispatch arena, owning its region like recv_x."""
+        nbytes = rows * hidden * torch.empty((), dtype=dtype).element_size()
+        start = self.arena.alloc(nbytes)
+        if start is None:
+            raise ValueError(self._arena_no_room(f"a combine input of {rows} rows", nbytes))
+        return self._region(start, nbytes).tensor(0, rows, hidden, dtype)
+
+    def _arena_combine_rows(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor]):
+        """(x, (bytes from this rank's dispatch area to x's rows, their pitch, their count or -1 if there
+        was no room, bytes to room for the weights), tensors to keep until the kernel is done). x outside
+        the arena is copied into a region first (a pass over its bytes: empty_combine_input spares it)."""
+        rows, base = x.shape[0], self.zero_copy_dispatch.addresses[self.rank]
+        pitch = x.stride(0) * x.element_size() if x.dim() == 2 and x.stride(1) == 1 else -1
+        at = x.data_ptr() - base
+        inside = pitch >= row_bytes(x) and pitch % 16 == 0 and at % 16 == 0 and \
+            0 <= at and at + max(rows - 1, 0) * pitch + row_bytes(x) <= self.arena.size
+        kept = []
+        if rows == 0:
+            return x, (0, row_bytes(x), 0, 0), kept
+        if not inside:
+            start = self.arena.alloc(rows * row_bytes(x))
+            if start is None:
+                return x.contiguous(), (0, row_bytes(x), -1, 0), kept
+            copy = self._region(start, rows * row_bytes(x)).tensor(0, rows, x.shape[1], x.dtype)
+            copy.copy_(x)
+            x, at, pitch = copy, start, row_bytes(x)
+            kept.append(copy)
+        weights_at = 0
+        if topk_weights is not None:
+            nbytes = topk_weights.numel() * 4
+            weights_at = self.arena.alloc(nbytes)
+            if weights_at is None:
+                return x, (0, pitch, -1, 0), kept
+            kept.append(self._region(weights_at, nbytes).tensor(0, rows, topk_weights.shape[1], torch.float32))
+        return x, (at, pitch, rows, weights_at), kept
+
+    def _arena_combine_full(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> str:
+        needed = x.shape[0] * (row_bytes(x) + row_bytes(topk_weights))
+        return (self._arena_no_room(f"a combine of {x.shape[0]} rows (x, not in the arena, copied there, and "
+                                    "the weights)", needed)
+                + " Its rows were left out of every rank's output of this combine (the others raise at their "
+                "next call). Write x into Buffer.empty_combine_input to spare the copy.")
+
+    def _arena_no_room(self, what: str, needed: int) -> str:
+        return (f"num_zero_copy_dispatch_bytes: rank {self.rank}'s dispatch arena has no room for {what}, "
+                f"{needed} bytes: {self.arena.free_bytes} of its {self.arena.size} are free, the rest held by "
+                f"{self.arena.used_regions} live tensors over it (recv_x, combine inputs).")
+
     # ---------------------------------------------------------------- combine
     def combine(
         self,
@@ -637,10 +707,13 @@ class IntranodeBackend:
         allocate_on_comm_stream: bool,
         zero_copy_slot: Optional[int] = None,
     ):
-        """zero_copy_slot: None, or the slot of zero_copy_view that x is (its rows stay where they lie)."""
+        """zero_copy_slot: None, or the slot of zero_copy_view that x is (its rows stay where they lie).
+        With a dispatch arena, a combine of rows of whole 16-byte vectors reads them from the arenas
+        (combines_from_arena)."""
         self._start_call("combine", config.num_sms)
         state: IntranodeDispatchState = handle.backend_state
-        x = aligned(x) if zero_copy_slot is None else x
+        from_arena = zero_copy_slot is None and self.combines_from_arena(x)
+        x = aligned(x) if zero_copy_slot is None and not from_arena else x
         topk_weights = None if topk_weights is None else topk_weights.contiguous()
         biases = [aligned(b) for b in biases] + [None] * (2 - len(biases))
         compute = self._enter(previous_event)
@@ -652,14 +725,25 @@ class IntranodeBackend:
         with torch.cuda.stream(self.comm_stream):
             args = (self.ctx, config.num_sms, x, topk_weights, state.recv_src_idx, state.recv_info, state.send_pos,
                     biases[0], biases[1], out, out_weights)
-            if zero_copy_slot is None:
+            if from_arena:
+                x, where, kept = self._arena_combine_rows(x, topk_weights)
+                args = (self.ctx, config.num_sms, x) + args[3:]
+                self.ops.intranode_zero_copy_combine(*args, self.zero_copy_dispatch.pointers.data_ptr(), *where)
+            elif zero_copy_slot is None:
                 self.ops.intranode_combine(*args, config.num_max_nvl_chunked_send_tokens)
             else:
                 slot_bytes, pitch, capacity = zero_copy_combine_slot(self.zero_copy_bytes, x.shape[1] * x.element_size())
                 self.ops.intranode_zero_copy_combine(
-                    *args, self.zero_copy.pointers.data_ptr(), zero_copy_slot * slot_bytes, pitch, capacity
+                    *args, self.zero_copy.pointers.data_ptr(), zero_copy_slot * slot_bytes, pitch, capacity, -1
                 )
-        # The zero-copy view is not the caching allocator's memory (no record_stream): the Buffer keeps it.
+        # The zero-copy view is not the caching allocator's memory (record_stream skips it): the Buffer
+        # keeps it. Arena tensors neither: an async call's event holds them (their regions go back to the
+        # arena after the kernel, which ends once every peer has read them); otherwise the current stream
+        # waits for the kernel before anything can reuse them.
         inputs = [x, topk_weights, *biases] if zero_copy_slot is None else [topk_weights, *biases]
+        if from_arena:
+            inputs += kept
         event = self._leave(compute, async_finish, allocate_on_comm_stream, inputs, [out, out_weights])
+        if from_arena and where[2] < 0:
+            raise ValueError(self._arena_combine_full(x, topk_weights))
         return out, out_weights, event

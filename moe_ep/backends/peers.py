@@ -27,12 +27,12 @@ from .descriptors import DescriptorsUnavailable, exchange_descriptors
 
 # host_info slots (csrc/kernels/api.cuh, intranode::HostInfo)
 HOST_DONE, HOST_ERROR, HOST_ERROR_KIND, HOST_ERROR_PEER, HOST_ERROR_WINDOW, HOST_OVERFLOW = range(6)
-HOST_TOTAL, HOST_MAX_TOKENS, HOST_ERROR_CALL, HOST_ERROR_SEEN, HOST_COUNTS = 6, 7, 8, 9, 10
+HOST_TOTAL, HOST_MAX_TOKENS, HOST_ERROR_CALL, HOST_ERROR_SEEN, HOST_COMBINE_MISSING, HOST_COUNTS = 6, 7, 8, 9, 10, 11
 # What a failed wait was waiting for, by intranode::ErrorKind.
 WAITED_FOR = {
     1: "its token counts (dispatch)",
     2: "its tokens of dispatch window {window}",
-    3: "it to finish reading this rank's dispatch window {window}",
+    3: "it to finish reading this rank's dispatch window {window} (or its rows of a combine from the dispatch arena)",
     4: "it to accept combine rows of window {window}",
     5: "its combine rows of window {window}",
     6: "its tokens for expert {window} (low_latency_dispatch)",

@@ -18,6 +18,8 @@ process's plain device copy of the same number of bytes, measured in the same ru
     python -m moe_ep.bench.intranode --ranks 4 8 --modes combine   # only some of the modes
     python -m moe_ep.bench.intranode --ranks 2 --modes dispatch_fp8_zero_copy dispatch_fp8_zero_copy_cached
         # *_cached: from the first call's handle, no count exchange and no host wait (DeepEP's tests' way)
+    MOE_EP_DISPATCH_ARENA=1 python -m moe_ep.bench.intranode --ranks 2 4 8 --modes combine combine_arena_input
+        # the plain combine from the dispatch arena: of x elsewhere (copied in) and of x in empty_combine_input
 
 The buffer is sized by the size hint of the largest SM budget given (the kernels size their windows
 from the buffer, not from num_sms), once per --recv-tokens value.
@@ -50,9 +52,11 @@ MODES = ("dispatch_fp8", "dispatch_bf16", "dispatch_fp8_zero_copy", "dispatch_bf
 # On request only: dispatches from the first call's handle (no count exchange, no host wait: the
 # kernels' own rate, and how DeepEP's tests time their dispatch).
 CACHED_MODES = tuple(f"{m}_cached" for m in MODES if m.startswith("dispatch"))
-ALL_MODES = MODES + CACHED_MODES
+# Also on request: the plain combine of rows the caller wrote into Buffer.empty_combine_input (with a
+# dispatch arena, MOE_EP_DISPATCH_ARENA=1, they lie in it and the combine reads them there).
+ALL_MODES = MODES + CACHED_MODES + ("combine_arena_input",)
 # The order the modes run in: every dispatch, then the combines.
-RUN_ORDER = tuple(m for m in ALL_MODES if m.startswith("dispatch")) + tuple(m for m in MODES if m.startswith("combine"))
+RUN_ORDER = tuple(m for m in ALL_MODES if m.startswith("dispatch")) + tuple(m for m in ALL_MODES if m.startswith("combine"))
 NCCL_MODE = "nccl_all_to_all_bf16"
 SKIPPED = "skipped"  # a result row that says an SM budget was refused, and why
 
@@ -120,6 +124,8 @@ def rank_bench(args):
         any(m.startswith("dispatch") and "zero_copy" in m for m in args.modes)
     zero_copy_dispatch = zero_copy_dispatch_bytes(args.tokens * num_ranks, args.hidden * 2, 0, args.topk) \
         if uses_area else 0
+    if dispatch_arena():  # the first recv_x, a call's outputs, a combine's input and its copy all live there
+        zero_copy_dispatch *= 2
     results = []
     for recv_tokens in args.recv_tokens or [0]:
         configs = {m: [variant(defaults[m], s, recv_tokens) for s in args.sms] for m in ALL_MODES}
@@ -133,6 +139,8 @@ def rank_bench(args):
         recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, config=configs["dispatch_bf16"][smallest], **layout)
         rows = recv_x.shape[0]
         y = recv_x.clone()
+        if "combine_arena_input" in args.modes:
+            y_in_arena = buffer.empty_combine_input(handle, args.hidden).copy_(y)
         if zero_copy_bytes:  # both slots hold the rows before the timing: the calls only combine
             for _ in range(2):
                 view = buffer.get_next_combine_buffer(handle, args.hidden)
@@ -142,8 +150,8 @@ def rank_bench(args):
 
         def call(mode: str, config: Config):
             """One call of `mode`; its name says what it is (fp8 or bf16 rows, zero-copy, from the handle)."""
-            if mode == "combine":
-                return buffer.combine(y, handle, topk_weights=recv_w, config=config)
+            if mode in ("combine", "combine_arena_input"):
+                return buffer.combine(y if mode == "combine" else y_in_arena, handle, topk_weights=recv_w, config=config)
             if mode == "combine_zero_copy":
                 view = buffer.get_next_combine_buffer(handle, args.hidden)
                 return buffer.combine(view, handle, topk_weights=recv_w, config=config, zero_copy=True)
