@@ -1250,8 +1250,8 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
             from_rows[r] = __ldcg(layout + kCombineRows), from_capacity[r] = __ldcg(layout + kCombineCapacity);
             from_pitch[r] = __ldcg(layout + kCombinePitch), from_weights[r] = __ldcg(layout + kCombineWeights);
             // A rank that had no room for its rows published a negative capacity: its rows count as not
-            // sent here, and the host reports it at this rank's next call.
-            if (ok && blockIdx.x == 0 && from_capacity[r] < 0)
+            // sent here, and the host reports it at this rank's next call (that rank raised at once).
+            if (ok && blockIdx.x == 0 && from_capacity[r] < 0 && r != me)
                 reinterpret_cast<volatile int*>(e.host)[kHostCombineMissing] = r + 1;
         } else {
             from_rows[r] = z.slot_offset, from_capacity[r] = z.capacity_rows, from_pitch[r] = z.pitch;
