@@ -785,6 +785,34 @@ def arena_without_room(p: Problem):
     return received, second, torch.equal(third.cpu(), bare.dispatch(inp["x"] * 3, **args)[0].cpu())
 
 
+def arena_combine_without_room(p: Problem):
+    """A combine from the arena while rank 0's arena is full: (what combine A, with rank 0's arena full,
+    and B, after rank 0 freed it, made: "ok" or the ValueError's message; whether C, after both, equals
+    the combine before any of them; the rows this rank received)."""
+    inp = my_inputs(p)
+    buffer = normal_buffer(p.hidden, num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p), dispatch_arena=True)
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(inp["x"], **dispatch_args(buffer, inp, p))
+    y = expert_output(recv_x, dist.get_rank())  # a tensor of its own: each combine copies it into the arena
+    want = cpu(buffer.combine(y, handle, topk_weights=recv_w)[:2])
+    filler = []
+    while dist.get_rank() == 0 and y.shape[0] > 0:
+        try:
+            filler.append(buffer.empty_combine_input(handle, p.hidden))
+        except ValueError:
+            break
+    outcomes = []
+    for _ in range(2):
+        try:
+            buffer.combine(y, handle, topk_weights=recv_w)
+            outcomes.append("ok")
+        except ValueError as exc:
+            outcomes.append(str(exc))
+        filler.clear()
+        torch.cuda.synchronize()  # the kernel has flagged the missing rows by now
+    got = cpu(buffer.combine(y, handle, topk_weights=recv_w)[:2])
+    return outcomes, all(torch.equal(a, b) for a, b in zip(got, want)), y.shape[0]
+
+
 def arena_tensor_outlives_its_buffer(p: Problem, **arena) -> bool:
     """With the arena (MOE_EP_DISPATCH_ARENA=1, or `arena`: dispatch_arena=True): whether a recv_x kept
     past its Buffer's destroy() still holds the two-pass dispatch's rows (the area is released when the

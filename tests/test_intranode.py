@@ -224,6 +224,23 @@ def test_a_full_arena_is_refused_and_the_buffer_goes_on(gpu_pools, seed):
     assert refused >= 1, f"seed {seed}: no rank ran out of room ({outcomes})"
 
 
+def test_a_combine_without_room_in_the_arena_is_reported_everywhere(gpu_pools, seed):
+    """Rank 0's arena full for the copy of its combine rows: it raises at once, every other rank at that
+    combine or the next (their outputs lacked its rows), the ranks stay in step, and a combine after
+    rank 0 made room is right."""
+    p = Problem(seed, 3, 12, 256, 3, max_tokens=32)
+    results = gpu_pools(3).run(rank_fns.arena_combine_without_room, p)
+    if results[0][2] == 0:
+        pytest.skip(f"seed {seed}: rank 0 received no rows, so it needs no room")
+    for rank, (outcomes, right_after, _) in enumerate(results):
+        assert right_after, f"seed {seed} rank {rank}: the combine after the refusal differs"
+        raised = [o for o in outcomes if o != "ok"]
+        if rank == 0:
+            assert outcomes[1] == "ok" and "rank 0's dispatch arena has no room" in outcomes[0], outcomes
+        else:
+            assert len(raised) == 1 and "rank 0 had no room" in raised[0], outcomes
+
+
 @pytest.mark.parametrize("by", ["environment", "argument"])
 def test_a_recv_x_from_the_arena_outlives_its_buffer(gpu_pools, seed, by):
     """destroy() with an arena's recv_x alive: the tensor keeps its memory (and its rows) until it dies.

@@ -193,13 +193,6 @@ class IntranodeBackend:
         """Raises what an earlier kernel reported: a peer that did not arrive (the Buffer is then out of
         step and unusable), or a num_worst_tokens dispatch that received more rows than it had."""
         h = self._host
-        if h[HOST_COMBINE_MISSING]:
-            missing, h[HOST_COMBINE_MISSING] = h[HOST_COMBINE_MISSING] - 1, 0
-            raise ValueError(
-                f"num_zero_copy_dispatch_bytes: rank {missing} had no room in its dispatch arena for the rows of "
-                "an earlier combine, which therefore left them out of this rank's output (rank "
-                f"{missing} raised at that call)."
-            )
         if h[HOST_OVERFLOW]:
             received, h[HOST_OVERFLOW] = h[HOST_OVERFLOW], 0
             raise ValueError(
@@ -746,4 +739,18 @@ class IntranodeBackend:
         event = self._leave(compute, async_finish, allocate_on_comm_stream, inputs, [out, out_weights])
         if from_arena and where[2] < 0:
             raise ValueError(self._arena_combine_full(x, topk_weights))
+        self._report_missing_rows()
         return out, out_weights, event
+
+    def _report_missing_rows(self) -> None:
+        """ValueError if a combine from the arena (this one, if its kernel already ran, or an earlier one)
+        lacked a peer's rows, which that peer had no room for. Raised once this call's kernel is queued,
+        so that every rank ran the same kernels: the Buffer stays in step."""
+        h = self._host
+        if h[HOST_COMBINE_MISSING]:
+            missing, h[HOST_COMBINE_MISSING] = h[HOST_COMBINE_MISSING] - 1, 0
+            raise ValueError(
+                f"num_zero_copy_dispatch_bytes: rank {missing} had no room in its dispatch arena for its rows of a "
+                f"combine (this one or an earlier one), whose output on rank {self.rank} left them out (rank "
+                f"{missing} raised at that call)."
+            )
