@@ -152,7 +152,7 @@ def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, n
     cached[-1].current_stream_wait()
     recv_bf16 = fp8.per_token_cast_back(*recv_x) if use_fp8 else recv_x
     y = expert_output(recv_bf16, rank)
-    cached_x = cpu(cached[0])  # before combine_x="recv_x" writes over it
+    cached_x = cpu(cached[0]).clone()  # before combine_x="recv_x" writes over it (cpu() keeps CPU tensors)
     if combine_x == "empty_combine_input":
         y = buffer.empty_combine_input(handle, y.shape[1], y.dtype).copy_(y)
     elif combine_x == "recv_x":

@@ -25,12 +25,14 @@ def test_deepep_dispatcher_matches_dense_layer_and_alltoall(pools, seed, num_ran
 
 
 @pytest.mark.parametrize("env", [{"MOE_EP_ZERO_COPY_COMBINE": "1"}, {"MOE_EP_ZERO_COPY_DISPATCH": "1"},
-                                 {"MOE_EP_ZERO_COPY_COMBINE": "1", "MOE_EP_ZERO_COPY_DISPATCH": "1"}],
-                         ids=["combine", "dispatch", "both"])
+                                 {"MOE_EP_ZERO_COPY_COMBINE": "1", "MOE_EP_ZERO_COPY_DISPATCH": "1"},
+                                 {"MOE_EP_DISPATCH_ARENA": "1"}],
+                         ids=["combine", "dispatch", "both", "arena"])
 def test_zero_copy_in_the_dispatcher_changes_nothing(pools, seed, env):
     """MOE_EP_ZERO_COPY_COMBINE=1: the unpermute writes into the Buffer's zero-copy combine rows;
-    MOE_EP_ZERO_COPY_DISPATCH=1: the dispatches (the backward's too) are zero-copy ones. The forward
-    and the gradients stay those of the ordinary path."""
+    MOE_EP_ZERO_COPY_DISPATCH=1: the dispatches (the backward's too) are zero-copy ones;
+    MOE_EP_DISPATCH_ARENA=1: the unpermute writes into Buffer.empty_combine_input. The forward and the
+    gradients stay those of the ordinary path."""
     args = (seed % 10000, 4, 2, 32)
     ours = pools(2).run(rank_fns.with_env, env, megatron_fns.moe_forward_backward, *args, "deepep", 24)
     plain = pools(2).run(megatron_fns.moe_forward_backward, *args, "deepep", 24)
@@ -39,15 +41,16 @@ def test_zero_copy_in_the_dispatcher_changes_nothing(pools, seed, env):
             assert torch.equal(a[key], b[key]), f"rank {rank} {key}"
 
 
-@pytest.mark.parametrize("zero_copy", ["none", "both"])
+@pytest.mark.parametrize("zero_copy", ["none", "both", "arena"])
 def test_deepep_dispatcher_on_cuda_ranks_runs_on_the_kernels(gpu_pools, seed, zero_copy):
     """CUDA ranks sharing the GPU (the intranode kernels move the tokens), with and without the one-pass
-    calls: the forward and gradients of the dense layer."""
+    calls (zero-copy, or the dispatch arena): the forward and gradients of the dense layer."""
     from moe_ep import _native
     if not _native.has_kernels():
         pytest.skip(str(_native.unavailable_reason()))
     env = {"MOE_EP_ZERO_COPY_DISPATCH": "1" if zero_copy == "both" else "0",
-           "MOE_EP_ZERO_COPY_COMBINE": "1" if zero_copy == "both" else "0"}
+           "MOE_EP_ZERO_COPY_COMBINE": "1" if zero_copy == "both" else "0",
+           "MOE_EP_DISPATCH_ARENA": "1" if zero_copy == "arena" else "0"}
     results = gpu_pools(4).run(rank_fns.with_env, env, megatron_fns.moe_forward_backward, seed % 10000, 8, 2, 64,
                                "deepep", 24, cuda=True)
     for rank, res in enumerate(results):

@@ -10,7 +10,10 @@ cached dispatch. MOE_EP_ZERO_COPY_COMBINE=1: the local unpermute writes straight
 zero-copy combine rows, which the token owners then sum where they lie (one pass less).
 MOE_EP_ZERO_COPY_DISPATCH=1: dispatches (also the backward's cached ones) store the rows straight into
 the receivers' zero-copy dispatch areas; recv_x lives there until the second dispatch after it, and
-the permute that follows each dispatch has read it long before.
+the permute that follows each dispatch has read it long before. MOE_EP_DISPATCH_ARENA=1: the Buffer's
+zero-copy dispatch area becomes an arena (sized for four calls' rows): every dispatch stores its rows
+once into a region recv_x owns, and the local unpermute writes into Buffer.empty_combine_input, a
+region the combine reads where it lies (both one pass, both ordinary tensors).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from ..buffer import Buffer
 from ..config import zero_copy_combine_bytes, zero_copy_dispatch_bytes
+from ..backends.intranode import dispatch_arena
 from ..checks import env_switch
 from ..events import EventOverlap
 
@@ -147,7 +151,8 @@ class _Into:
 
 class _UnpermuteInto(torch.autograd.Function):
     """megatron's unpermute without probs (each received token's rows of the local experts summed back
-    into its row), written into `into` (the zero-copy combine rows) instead of a new tensor."""
+    into its row), written into `into` (the zero-copy combine rows, or a tensor from the arena) instead
+    of a new tensor."""
 
     @staticmethod
     def forward(ctx, permuted, sorted_indices, into: _Into):
@@ -241,9 +246,11 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         if self._zero_copy:
             zero_copy_bytes = zero_copy_combine_bytes(rows, hidden_states.shape[1] * hidden_states.element_size())
         zero_copy_dispatch = 0
-        if self._state.zero_copy_dispatch:  # the same rows, their top-k and, for any fp8 rows, scales
+        if self._state.zero_copy_dispatch or dispatch_arena():  # the rows, their top-k, any fp8 rows' scales
             zero_copy_dispatch = zero_copy_dispatch_bytes(rows, hidden_bytes, hidden_states.shape[1] // 128 * 4,
                                                           self.router_topk)
+            if dispatch_arena():  # a dispatch's recv_x, the combine's input, the backward's two
+                zero_copy_dispatch *= 2
         self._state.buffer = _buffer_for(self.group, hidden_bytes, self._state.buffer, zero_copy_bytes,
                                          zero_copy_dispatch)
         return _Dispatch.apply(hidden_states, probs, self._topk_idx, self.num_experts, self._state)
@@ -293,9 +300,14 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
     @phase_range("combine_preprocess")
     def combine_preprocess(self, hidden_states: torch.Tensor):
         state = self._state
-        state.zero_copy_rows = self._zero_copy and hidden_states.dtype in (torch.bfloat16, torch.float32)
+        into_buffer = hidden_states.dtype in (torch.bfloat16, torch.float32)
+        state.zero_copy_rows = self._zero_copy and into_buffer
+        rows = None
         if state.zero_copy_rows:
             rows = state.buffer.get_next_combine_buffer(state.handle, hidden_states.shape[-1], hidden_states.dtype)
+        elif into_buffer and state.buffer.dispatch_arena:  # an ordinary combine's x, in the arena
+            rows = state.buffer.empty_combine_input(state.handle, hidden_states.shape[-1], hidden_states.dtype)
+        if rows is not None:
             return _UnpermuteInto.apply(hidden_states, self.reversed_mapping, _Into(rows))
         return unpermute(
             hidden_states,
