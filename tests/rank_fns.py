@@ -152,10 +152,11 @@ def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, n
     cached[-1].current_stream_wait()
     recv_bf16 = fp8.per_token_cast_back(*recv_x) if use_fp8 else recv_x
     y = expert_output(recv_bf16, rank)
-    cached_x = cpu(cached[0]).clone()  # before combine_x="recv_x" writes over it (cpu() keeps CPU tensors)
+    cached_x = cpu(cached[0])
     if combine_x == "empty_combine_input":
         y = buffer.empty_combine_input(handle, y.shape[1], y.dtype).copy_(y)
-    elif combine_x == "recv_x":
+    elif combine_x == "recv_x":  # bf16 rows; cpu() hands CPU tensors back as they are: keep their rows
+        cached_x = cached_x.clone()
         y = cached[0].copy_(y)
     biases = [bias_for(p, rank, inp["x"].shape[0], i).to(device(), y.dtype) for i in range(num_biases)]
     bias = None if num_biases == 0 else (biases[0] if num_biases == 1 else tuple(biases))
