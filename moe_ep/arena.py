@@ -124,7 +124,7 @@ class Region:
 
     def tensor(self, offset: int, rows: int, columns: int, dtype: torch.dtype) -> torch.Tensor:
         """[rows, columns] of dtype at `offset` bytes into the region."""
-        element = torch.empty((), dtype=dtype).element_size()
+        element = dtype.itemsize
         nbytes = rows * columns * element
         if offset < 0 or offset + nbytes > self.nbytes:
             raise ValueError(f"Region.tensor: bytes [{offset}, {offset + nbytes}) lie outside the region's {self.nbytes}")

@@ -252,7 +252,9 @@ class Buffer:
         self._check_alive()
         num_bytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
         check_int("offset", offset, minimum=0)
-        element = torch.empty((), dtype=dtype).element_size()
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype: expected a torch.dtype, got {type(dtype).__name__}")
+        element = dtype.itemsize
         count = (num_bytes - offset) // element if size is None else int(torch.Size(size).numel())
         if offset + count * element > num_bytes:
             raise ValueError(

@@ -614,7 +614,7 @@ class IntranodeBackend:
                 "get_next_combine_buffer: this Buffer has no zero-copy combine area; pass "
                 "num_zero_copy_combine_bytes (the same on every rank) when creating it"
             )
-        element = torch.empty((), dtype=dtype).element_size()
+        element = dtype.itemsize
         slot_bytes, pitch, capacity = zero_copy_combine_slot(self.zero_copy_bytes, hidden * element)
         if num_rows > capacity:
             raise ValueError(
@@ -640,7 +640,7 @@ class IntranodeBackend:
 
     def arena_tensor(self, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
         """[rows, hidden] of dtype in this rank's dispatch arena, owning its region like recv_x."""
-        nbytes = rows * hidden * torch.empty((), dtype=dtype).element_size()
+        nbytes = rows * hidden * dtype.itemsize
         start = self.arena.alloc(nbytes)
         if start is None:
             raise ValueError(self._arena_no_room(f"a combine input of {rows} rows", nbytes))

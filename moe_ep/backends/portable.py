@@ -63,7 +63,7 @@ def unpack_rows(rows: torch.Tensor, specs: Sequence[Tuple[torch.dtype, int]]) ->
     """Inverse of pack_rows: specs lists (dtype, columns) of each part in order."""
     parts, offset = [], 0
     for dtype, cols in specs:
-        nbytes = cols * torch.empty((), dtype=dtype).element_size()
+        nbytes = cols * dtype.itemsize
         # A copy, not .contiguous(): a one-row slice is "contiguous" at an offset a wider dtype rejects.
         part = rows[:, offset : offset + nbytes].clone(memory_format=torch.contiguous_format)
         parts.append(part.view(dtype).reshape(rows.shape[0], cols))
