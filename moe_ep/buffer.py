@@ -537,7 +537,8 @@ class Buffer:
         zero_copy: bool = False,
     ):
         """-> (combined_x [N, H], combined_topk_weights or None, event). zero_copy=True: x is the tensor
-        get_next_combine_buffer returned, holding the rows; with the kernels they are read where they lie."""
+        get_next_combine_buffer returned, holding the rows; with the kernels they are read where they lie.
+        With the kernels and a dispatch arena, an x in it (empty_combine_input) is read where it lies too."""
         self._check_alive()
         self._check_handle(handle, DispatchHandle, "dispatch")
         check_tensor("x", x, dtypes=HIDDEN_DTYPES, shape=(handle.num_recv_rows, None))

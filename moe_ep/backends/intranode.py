@@ -677,10 +677,10 @@ class IntranodeBackend:
 
     def _arena_combine_full(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> str:
         needed = x.shape[0] * (row_bytes(x) + row_bytes(topk_weights))
-        return (self._arena_no_room(f"a combine of {x.shape[0]} rows (x, not in the arena, copied there, and "
-                                    "the weights)", needed)
-                + " Its rows were left out of every rank's output of this combine (the others raise at their "
-                "next call). Write x into Buffer.empty_combine_input to spare the copy.")
+        return (self._arena_no_room(f"a combine of {x.shape[0]} rows (x's copy, where x lies outside the arena, "
+                                    "and the weights)", needed)
+                + " Its rows were left out of every rank's output of this combine (the others raise at the end "
+                "of this combine or their next). Write x into Buffer.empty_combine_input to spare the copy.")
 
     def _arena_no_room(self, what: str, needed: int) -> str:
         return (f"num_zero_copy_dispatch_bytes: rank {self.rank}'s dispatch arena has no room for {what}, "
