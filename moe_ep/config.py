@@ -100,7 +100,8 @@ class NormalLayout:
 
 
 # ---------------------------------------------------------------------------- intranode buffer layout
-# Mirrors csrc/kernels/buffer_layout.cuh (tests/test_intranode.py checks both agree on a GPU).
+# Mirrors csrc/kernels/buffer_layout.cuh (tests/test_layout_formulas.py compiles the header for the host
+# and compares; tests/test_intranode.py checks the extension's numbers on a GPU).
 INTRANODE_HEADER_ALIGN = 4096
 INTRANODE_SLOT_ALIGN = 16
 INTRANODE_MAX_EXPERTS = 16384

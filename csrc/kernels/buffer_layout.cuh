@@ -1,5 +1,6 @@
 // Byte layout of a rank's intranode (CUDA IPC) buffer. moe_ep/config.py (IntranodeLayout) mirrors
-// these formulas one to one; tests/test_intranode.py checks on a GPU that both give the same numbers.
+// these formulas one to one; tests/test_layout_formulas.py compiles this header for the host and
+// compares (no CUDA in it: keep it so), and tests/test_intranode.py checks the extension on a GPU.
 //
 //   [ signals: uint64 slots | counts: int32 rows, one per source rank ]  header, 4 KB aligned
 //   [ window half 0 | window half 1 ]                                      the rest, split in two

@@ -1,0 +1,69 @@
+"""The byte layouts moe_ep/config.py mirrors from csrc/kernels/buffer_layout.cuh, compared with the
+header itself compiled for the host (its functions are constexpr and free of CUDA): a formula changed
+on one side only fails here on any machine with a C++ compiler, not only end to end on a GPU."""
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from moe_ep.config import intranode_header_bytes, IntranodeLayout, zero_copy_dispatch_region
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMPILER = shutil.which("g++") or shutil.which("c++")
+
+REGION_CASES = [(0, 14336, 0, 8), (1, 7168, 224, 8), (4096, 7168, 224, 8), (37, 264, 0, 3), (513, 4104, 128, 0),
+                (32768, 14336, 0, 16)]
+HEADER_CASES = [(2, 1 << 26), (5, 3 << 20), (8, 1 << 30), (64, 1 << 20)]
+
+PROGRAM = r"""
+#define __host__
+#define __device__
+#include <cstdio>
+#include "buffer_layout.cuh"
+using namespace moe_ep::intranode;
+int main() {
+    const long long regions[][4] = {%(regions)s};
+    for (const auto& c : regions) {
+        const DispatchRegion d = dispatch_region(c[0], c[1], c[2], static_cast<int>(c[3]));
+        std::printf("{\"region\": [%%lld, %%lld, %%lld, %%lld, %%lld, %%lld]}\n", (long long)d.x, (long long)d.scale,
+                    (long long)d.idx, (long long)d.weight, (long long)d.src, (long long)d.bytes);
+    }
+    const long long headers[][2] = {%(headers)s};
+    for (const auto& c : headers)
+        std::printf("{\"header\": [%%lld, %%lld]}\n", (long long)header_bytes(static_cast<int>(c[0])),
+                    (long long)half_bytes(c[1], static_cast<int>(c[0])));
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def from_the_header(tmp_path_factory):
+    if COMPILER is None:
+        pytest.skip("no C++ compiler")
+    folder = tmp_path_factory.mktemp("layout")
+    source, binary = folder / "layout.cpp", folder / "layout"
+    source.write_text(PROGRAM % dict(regions=", ".join("{%d, %d, %d, %d}" % c for c in REGION_CASES),
+                                     headers=", ".join("{%d, %d}" % c for c in HEADER_CASES)))
+    subprocess.run([COMPILER, "-std=c++17", "-I", os.path.join(ROOT, "csrc", "kernels"), str(source), "-o", str(binary)],
+                   check=True)
+    lines = [json.loads(line) for line in subprocess.run([str(binary)], check=True, capture_output=True,
+                                                         text=True).stdout.splitlines()]
+    return [line["region"] for line in lines if "region" in line], [line["header"] for line in lines if "header" in line]
+
+
+@pytest.mark.parametrize("case", range(len(REGION_CASES)))
+def test_an_arena_region_is_laid_out_alike(from_the_header, case):
+    """The early arena dispatch lays its region out on the device, the host once it knows the rows."""
+    rows, x_bytes, scale_bytes, num_topk = REGION_CASES[case]
+    host = zero_copy_dispatch_region(rows, x_bytes, scale_bytes, num_topk)
+    assert from_the_header[0][case] == [*host.offsets, host.slot_bytes], REGION_CASES[case]
+
+
+@pytest.mark.parametrize("case", range(len(HEADER_CASES)))
+def test_the_intranode_header_and_halves_agree(from_the_header, case):
+    num_ranks, num_nvl_bytes = HEADER_CASES[case]
+    layout = IntranodeLayout(num_ranks, num_nvl_bytes, 14336, 0, 8)
+    assert from_the_header[1][case] == [intranode_header_bytes(num_ranks), layout.half_bytes], HEADER_CASES[case]
