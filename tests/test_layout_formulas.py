@@ -1,4 +1,5 @@
-"""The byte layouts moe_ep/config.py mirrors from csrc/kernels/buffer_layout.cuh, compared with the
+"""The byte layouts moe_ep/config.py mirrors from csrc/kernels/buffer_layout.cuh (intranode and
+low-latency), compared with the
 header itself compiled for the host (its functions are constexpr and free of CUDA): a formula changed
 on one side only fails here on any machine with a C++ compiler, not only end to end on a GPU."""
 import json
@@ -8,7 +9,7 @@ import subprocess
 
 import pytest
 
-from moe_ep.config import intranode_header_bytes, IntranodeLayout, zero_copy_dispatch_region
+from moe_ep.config import intranode_header_bytes, IntranodeLayout, LowLatencyLayout, zero_copy_dispatch_region
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPILER = shutil.which("g++") or shutil.which("c++")
@@ -16,6 +17,8 @@ COMPILER = shutil.which("g++") or shutil.which("c++")
 REGION_CASES = [(0, 14336, 0, 8), (1, 7168, 224, 8), (4096, 7168, 224, 8), (37, 264, 0, 3), (513, 4104, 128, 0),
                 (32768, 14336, 0, 16)]
 HEADER_CASES = [(2, 1 << 26), (5, 3 << 20), (8, 1 << 30), (64, 1 << 20)]
+# (max tokens a rank, hidden, ranks, experts)
+LOW_LATENCY_CASES = [(128, 7168, 8, 256), (128, 7168, 8, 288), (1, 128, 2, 2), (1024, 4096, 16, 64), (37, 2560, 3, 9)]
 
 PROGRAM = r"""
 #define __host__
@@ -24,6 +27,14 @@ PROGRAM = r"""
 #include "buffer_layout.cuh"
 using namespace moe_ep::intranode;
 int main() {
+    const long long low_latency[][4] = {%(low_latency)s};
+    for (const auto& c : low_latency) {
+        const moe_ep::low_latency::Regions r = moe_ep::low_latency::regions(c[0], c[1], c[2], c[3]);
+        std::printf("{\"low_latency\": [%%lld, %%lld, %%lld, %%lld, %%lld, %%lld, %%lld, %%lld]}\n",
+                    (long long)r.dispatch_message, (long long)r.combine_message, (long long)r.zero_copy_offset,
+                    (long long)r.outbox_offset, (long long)r.send, (long long)r.recv, (long long)r.signal,
+                    (long long)r.total);
+    }
     const long long regions[][4] = {%(regions)s};
     for (const auto& c : regions) {
         const DispatchRegion d = dispatch_region(c[0], c[1], c[2], static_cast<int>(c[3]));
@@ -46,12 +57,13 @@ def from_the_header(tmp_path_factory):
     folder = tmp_path_factory.mktemp("layout")
     source, binary = folder / "layout.cpp", folder / "layout"
     source.write_text(PROGRAM % dict(regions=", ".join("{%d, %d, %d, %d}" % c for c in REGION_CASES),
-                                     headers=", ".join("{%d, %d}" % c for c in HEADER_CASES)))
+                                     headers=", ".join("{%d, %d}" % c for c in HEADER_CASES),
+                                     low_latency=", ".join("{%d, %d, %d, %d}" % c for c in LOW_LATENCY_CASES)))
     subprocess.run([COMPILER, "-std=c++17", "-I", os.path.join(ROOT, "csrc", "kernels"), str(source), "-o", str(binary)],
                    check=True)
     lines = [json.loads(line) for line in subprocess.run([str(binary)], check=True, capture_output=True,
                                                          text=True).stdout.splitlines()]
-    return [line["region"] for line in lines if "region" in line], [line["header"] for line in lines if "header" in line]
+    return tuple([line[key] for line in lines if key in line] for key in ("region", "header", "low_latency"))
 
 
 @pytest.mark.parametrize("case", range(len(REGION_CASES)))
@@ -67,3 +79,11 @@ def test_the_intranode_header_and_halves_agree(from_the_header, case):
     num_ranks, num_nvl_bytes = HEADER_CASES[case]
     layout = IntranodeLayout(num_ranks, num_nvl_bytes, 14336, 0, 8)
     assert from_the_header[1][case] == [intranode_header_bytes(num_ranks), layout.half_bytes], HEADER_CASES[case]
+
+
+@pytest.mark.parametrize("case", range(len(LOW_LATENCY_CASES)))
+def test_the_low_latency_buffer_is_laid_out_alike(from_the_header, case):
+    l = LowLatencyLayout(*LOW_LATENCY_CASES[case])
+    assert from_the_header[2][case] == [l.dispatch_message_bytes, l.combine_message_bytes, l.zero_copy_offset,
+                                        l.outbox_offset, l.send_bytes, l.recv_bytes, l.signal_bytes,
+                                        l.total_bytes], LOW_LATENCY_CASES[case]
