@@ -1,7 +1,7 @@
 """The byte layouts moe_ep/config.py mirrors from csrc/kernels/buffer_layout.cuh (intranode and
-low-latency), compared with the
-header itself compiled for the host (its functions are constexpr and free of CUDA): a formula changed
-on one side only fails here on any machine with a C++ compiler, not only end to end on a GPU."""
+low-latency), compared with the header itself compiled for the host (its functions are constexpr and
+free of CUDA): a formula changed on one side only fails here on any machine with a C++ compiler, not
+only end to end on a GPU."""
 import json
 import os
 import shutil
