@@ -198,10 +198,32 @@ def test_no_room_raises_names_the_switch_and_gives_the_range_back(stubbed):
 
 def test_a_count_exchange_that_times_out_gives_the_range_back(stubbed, monkeypatch):
     backend, dispatch, _ = stubbed
+    backend.timeout_s = 0.05
     monkeypatch.setattr(backend.ops, "wait_host_value", lambda *args: False)
-    with pytest.raises(TimeoutError, match="count exchange"):
+    with pytest.raises(TimeoutError, match="count exchange.*no kernel of this Buffer reported a missing peer"):
         dispatch()
     assert backend.arena.used_regions == 0 and backend.arena.free_bytes == backend.arena.size
+
+
+def test_a_count_exchange_stuck_behind_a_kernel_names_the_peer_that_kernel_reports(stubbed, monkeypatch):
+    """The host's wait ends first, an earlier kernel's own deadline later: the host waits for its report
+    and raises the peer it names rather than a TimeoutError without one."""
+    import threading
+
+    from moe_ep.backends.peers import HOST_ERROR
+
+    backend, dispatch, _ = stubbed
+    backend.timeout_s = 5.0
+    monkeypatch.setattr(backend.ops, "wait_host_value", lambda *args: False)
+    backend.peers.timeout_error = lambda: TimeoutError("rank 2 did not arrive") if backend._host[HOST_ERROR] else None
+    late_report = threading.Timer(0.1, lambda: backend._host.__setitem__(HOST_ERROR, 1))
+    late_report.start()
+    try:
+        with pytest.raises(TimeoutError, match="rank 2 did not arrive"):
+            dispatch()
+    finally:
+        late_report.cancel()
+        backend._host[HOST_ERROR] = 0
 
 
 def test_scales_zero_copy_and_num_worst_tokens_dispatches_take_regions_too(stubbed):

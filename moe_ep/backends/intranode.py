@@ -8,6 +8,7 @@ call gets here. Kernels run on a dedicated communication stream with deep_ep's e
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -24,7 +25,7 @@ from ..events import EventOverlap
 from ..handles import DispatchHandle
 from ..sync import ArrivalGate
 from .peers import (
-    HOST_COMBINE_MISSING, HOST_COUNTS, HOST_DONE, HOST_OVERFLOW, PHASE_NAMES, WAIT_NAMES, MappedBuffers, aligned, device_view,
+    HOST_COMBINE_MISSING, HOST_COUNTS, HOST_DONE, HOST_ERROR, HOST_OVERFLOW, PHASE_NAMES, WAIT_NAMES, MappedBuffers, aligned, device_view,
     map_peer_buffers, peer_memory,
 )
 
@@ -542,11 +543,18 @@ class IntranodeBackend:
         return send_counts, recv_counts, per_expert
 
     def _count_exchange_timed_out(self):
-        """Raises what the kernels reported (a missing peer, named), else a TimeoutError of the host's wait."""
+        """Raises what the kernels reported (a missing peer, named), else a TimeoutError of the host's wait.
+        An earlier kernel on the communication stream that still waits for a peer reports it at its own
+        deadline, which can come after the host's (its wait may have begun later): the host gives it that
+        long before it raises without a name."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self._host[HOST_ERROR] and time.monotonic() < deadline:
+            time.sleep(0.01)
         self.check_errors()
         raise TimeoutError(
             f"moe_ep: the dispatch count exchange did not finish within {self.timeout_s + _HOST_GRACE_S:g} s "
-            f"on rank {self.rank} (an earlier kernel on the communication stream may be stuck)"
+            f"on rank {self.rank}, and no kernel of this Buffer reported a missing peer in {self.timeout_s:g} s "
+            "more: the communication stream did not reach it (a kernel or an event it waits for never ended)"
         )
 
     # ---------------------------------------------------------------- dispatch arena
