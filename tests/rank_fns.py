@@ -117,13 +117,14 @@ def zero_copy_dispatch_area(p: Problem, rows: int = None) -> int:
 def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, num_worst_tokens: int = 0,
                  num_biases: int = 0, with_topk: bool = True, config: Config = None, buffer: Buffer = None,
                  stream_args: bool = False, dtype: torch.dtype = torch.bfloat16, zero_copy_dispatch: bool = False,
-                 arena: bool = False, combine_x: str = "tensor"):
+                 arena: bool = False, combine_x: str = "tensor", busy: bool = False):
     """Layout, dispatch, cached dispatch, combine: everything a test compares, per rank. stream_args:
     the calls chain through previous_event/async_finish/allocate_on_comm_stream. zero_copy_dispatch:
     both dispatches are zero-copy ones (so recv_x must outlive the cached dispatch's slot). arena:
     Buffer(dispatch_arena=True), with room for four calls' rows. combine_x: what combine's x is: a
     tensor of its own ("tensor"), Buffer.empty_combine_input ("empty_combine_input"), or the cached
-    dispatch's recv_x, overwritten ("recv_x": bf16 rows only)."""
+    dispatch's recv_x, overwritten ("recv_x": bf16 rows only). busy: matmuls on the current stream
+    while each call's kernels run (with stream_args: as a training step overlaps them)."""
     rank = dist.get_rank()
     inp = my_inputs(p)
     inp["x"] = inp["x"].to(dtype)
@@ -145,10 +146,14 @@ def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, n
     recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
         expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens, **topk, **extra, **dispatch_extra)
+    if busy:
+        _keep_gpu_busy()
     event.current_stream_wait()
     if stream_args:
         extra["previous_event"] = Buffer.capture()
     cached = buffer.dispatch(x, handle=handle, **extra, **dispatch_extra)
+    if busy:
+        _keep_gpu_busy()
     cached[-1].current_stream_wait()
     recv_bf16 = fp8.per_token_cast_back(*recv_x) if use_fp8 else recv_x
     y = expert_output(recv_bf16, rank)
@@ -163,6 +168,8 @@ def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, n
     if stream_args:
         extra["previous_event"] = Buffer.capture()
     combined, combined_w, event = buffer.combine(y, handle, topk_weights=recv_w, bias=bias, **extra)
+    if busy:
+        _keep_gpu_busy()
     event.current_stream_wait()
     if buffer._intranode is not None:  # a kernel that gave up reports it at the next call: ask now
         torch.cuda.synchronize()

@@ -65,6 +65,18 @@ def test_combines_from_the_arena_equal_portable(pools, gpu_pools, seed, num_rank
     _compare(seed, on_gpu, pools(num_ranks).run(rank_fns.normal_round, p, **variant))
 
 
+@pytest.mark.parametrize("num_ranks", [4, 8])
+@pytest.mark.parametrize("arena", [False, True])
+def test_calls_beside_compute_kernels_equal_portable(pools, gpu_pools, seed, num_ranks, arena):
+    """Every call async, with matmuls on the current stream while its kernels run (ranks sharing the GPU
+    run theirs too): what a training step does. The ranks' kernels wait on each other while other
+    kernels hold SMs (a megatron run at EP=4 on one H200 timed out so, twenty-fifth session)."""
+    p = Problem(seed, num_ranks, num_ranks * 8, 1024, 6, max_tokens=512)
+    variant = dict(stream_args=True, busy=True, num_biases=1)
+    on_gpu = gpu_pools(num_ranks).run(rank_fns.normal_round, p, arena=arena, **variant)
+    _compare(seed, on_gpu, pools(num_ranks).run(rank_fns.normal_round, p, **variant))
+
+
 @pytest.mark.parametrize("num_ranks,hidden,dtype", [(3, 132, torch.bfloat16), (2, 256, torch.float32),
                                                     (5, 2052, torch.bfloat16), (4, 2052, torch.bfloat16),
                                                     (5, 2048, torch.bfloat16), (4, 120, torch.bfloat16)])
