@@ -564,7 +564,7 @@ class IntranodeBackend:
         layout = zero_copy_dispatch_region(rows, row_bytes(x), row_bytes(scales), num_topk)
         start = self.arena.alloc(layout.slot_bytes)
         if start is None:
-            return zero_copy_dispatch_region(0, row_bytes(x), row_bytes(scales), num_topk), None
+            return self._no_rows(x, scales, num_topk)
         return layout, self._region(start, layout.slot_bytes)
 
     def _arena_keep(self, reserved, rows: int, x: torch.Tensor, scales: Optional[torch.Tensor], num_topk: int):
@@ -575,9 +575,14 @@ class IntranodeBackend:
         if reserved is None or layout.slot_bytes > reserved[1]:
             if reserved is not None:
                 self.arena.free(reserved[0])
-            return zero_copy_dispatch_region(0, row_bytes(x), row_bytes(scales), num_topk), None
+            return self._no_rows(x, scales, num_topk)
         self.arena.shrink(reserved[0], layout.slot_bytes)
         return layout, self._region(reserved[0], layout.slot_bytes)
+
+    @staticmethod
+    def _no_rows(x: torch.Tensor, scales: Optional[torch.Tensor], num_topk: int):
+        """(layout, region) of a dispatch that found no room: a layout of no rows, no region."""
+        return zero_copy_dispatch_region(0, row_bytes(x), row_bytes(scales), num_topk), None
 
     def _region(self, start: int, nbytes: int) -> Region:
         return Region(self.arena, start, nbytes, self.zero_copy_dispatch.addresses[self.rank],
