@@ -26,9 +26,9 @@ import torch
 from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization, pad_routing_map, permute, unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+from ..backends.intranode import dispatch_arena
 from ..buffer import Buffer
 from ..config import zero_copy_combine_bytes, zero_copy_dispatch_bytes
-from ..backends.intranode import dispatch_arena
 from ..checks import env_switch
 from ..events import EventOverlap
 
