@@ -1,5 +1,6 @@
-"""The dispatch arena's allocator and its regions' lifetime (moe_ep/arena.py); the tensors over a
-region need a GPU (tests/test_intranode.py)."""
+"""The dispatch arena's allocator and its regions' lifetime (moe_ep/arena.py), and the intranode
+backend's host side of the dispatches into it and the combines from it (launches stubbed); the kernels
+over it run on a GPU (tests/test_intranode.py)."""
 import random
 import threading
 
@@ -247,3 +248,82 @@ def test_scales_zero_copy_and_num_worst_tokens_dispatches_take_regions_too(stubb
     assert worst.data_ptr() == base + zero_copy_dispatch_region(rows, _HIDDEN, 8, _TOPK).slot_bytes
     del zero_copy, worst
     assert arena.used_regions == 0 and arena.free_bytes == arena.size
+
+
+# The combine from the arena, host side (the launch stubbed): where the rows are said to lie, the copy
+# of an x elsewhere, a rank without room, and a peer without room reported after the launch.
+@pytest.fixture
+def combining(stubbed, monkeypatch):
+    from moe_ep.config import Config
+
+    backend, _, _ = stubbed
+    x = torch.randn(_TOKENS, _HIDDEN).to(torch.bfloat16)
+    (recv_x,), _, recv_weights, _, handle, _ = backend.call([x], False)
+    launched = []
+    monkeypatch.setattr(backend.ops, "intranode_zero_copy_combine", lambda *args: launched.append(args))
+    config = Config(24, 6, 256, 6, 128)
+
+    def combine(rows):
+        return backend.combine(rows, handle, recv_weights, [], config, None, False, False)
+
+    return backend, combine, launched, recv_x.shape[0]
+
+
+def _where(launch):
+    """(x given to the kernel, bytes from the area's start to its rows, pitch, rows or -1, weights' bytes)"""
+    return (launch[2], *launch[-4:])
+
+
+def test_a_combine_input_in_the_arena_is_read_where_it_lies(combining):
+    backend, combine, launched, rows = combining
+    arena, base = backend.arena, backend.zero_copy_dispatch.addresses[0]
+    x = backend.arena_tensor(rows, _HIDDEN, torch.bfloat16)
+    used, free = arena.used_regions, arena.free_bytes
+    combine(x)
+    given, at, pitch, count, weights_at = _where(launched[-1])
+    assert given is x and (at, pitch, count) == (x.data_ptr() - base, 2 * _HIDDEN, rows)
+    assert not (at <= weights_at < at + rows * pitch)  # the weights' room is a region of its own
+    assert (arena.used_regions, arena.free_bytes) == (used, free)  # which went back after the call
+
+
+def test_an_x_elsewhere_is_copied_into_the_arena_first(combining):
+    backend, combine, launched, rows = combining
+    arena, base = backend.arena, backend.zero_copy_dispatch.addresses[0]
+    free = arena.free_bytes
+    y = torch.randn(rows, _HIDDEN).to(torch.bfloat16)
+    combine(y)
+    given, at, pitch, count, _ = _where(launched[-1])
+    assert given is not y and torch.equal(given, y) and given.data_ptr() == base + at
+    assert (pitch, count) == (2 * _HIDDEN, rows)
+    del given
+    launched.clear()
+    assert arena.free_bytes == free
+
+
+def test_no_room_for_the_copy_raises_after_the_launch_and_gives_everything_back(combining):
+    backend, combine, launched, rows = combining
+    arena = backend.arena
+    filler = []
+    while True:
+        try:
+            filler.append(backend.arena_tensor(rows, _HIDDEN, torch.bfloat16))
+        except ValueError as exc:
+            assert "rank 0's dispatch arena has no room for a combine input" in str(exc)
+            break
+    free = arena.free_bytes
+    with pytest.raises(ValueError, match="no room for a combine of .* left out of every rank's output"):
+        combine(torch.randn(rows, _HIDDEN).to(torch.bfloat16))
+    assert _where(launched[-1])[3] == -1  # the kernel ran all the same: the peers wait for it
+    launched.clear()
+    assert arena.free_bytes == free
+
+
+def test_a_peer_without_room_is_reported_after_this_combine_is_launched(combining):
+    from moe_ep.backends.peers import HOST_COMBINE_MISSING
+
+    backend, combine, launched, rows = combining
+    backend._host[HOST_COMBINE_MISSING] = 3  # rank 2, as the kernel writes it
+    with pytest.raises(ValueError, match="rank 2 had no room in its dispatch arena"):
+        combine(backend.arena_tensor(rows, _HIDDEN, torch.bfloat16))
+    assert len(launched) == 1 and backend._host[HOST_COMBINE_MISSING] == 0
+    combine(backend.arena_tensor(rows, _HIDDEN, torch.bfloat16))  # reported once
