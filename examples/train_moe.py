@@ -34,7 +34,7 @@ def parse_args(argv=None):
                         help="overrides model.moe_token_dispatcher_type")
     parser.add_argument("--steps", type=int, help="overrides train.steps")
     parser.add_argument("--ranks-per-node", type=int, help="moe_ep: ranks sharing a node (default: by host name)")
-    parser.add_argument("--zero-copy", choices=["none", "dispatch", "combine", "both"],
+    parser.add_argument("--zero-copy", choices=["none", "dispatch", "combine", "both", "arena"],
                         help="moe_ep: which intranode calls are one-pass ones (default: none)")
     parser.add_argument("--json-log", help="JSON lines, one per step (rank 0)")
     parser.add_argument("--profile", help="rank 0's operator table of three profiled steps, written here")

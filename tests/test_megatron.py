@@ -138,16 +138,18 @@ def test_megatron_lm_arguments_accept_deepep():
         Buffer.set_num_sms(before)
 
 
-def test_megatron_lm_zero_copy_option_sets_both_switches(monkeypatch):
+def test_megatron_lm_zero_copy_option_sets_the_switches(monkeypatch):
     import argparse
 
     from moe_ep.megatron import add_arguments, apply_arguments
     parser = add_arguments(argparse.ArgumentParser())
-    for choice, dispatch, combine in (("dispatch", "1", "0"), ("both", "1", "1"), ("combine", "0", "1"),
-                                      ("none", "0", "0")):
-        monkeypatch.delenv("MOE_EP_ZERO_COPY_DISPATCH", raising=False)
-        monkeypatch.delenv("MOE_EP_ZERO_COPY_COMBINE", raising=False)
+    for choice, dispatch, combine, arena in (("dispatch", "1", "0", "0"), ("both", "1", "1", "0"),
+                                             ("combine", "0", "1", "0"), ("none", "0", "0", "0"),
+                                             ("arena", "0", "0", "1")):
+        for name in ("MOE_EP_ZERO_COPY_DISPATCH", "MOE_EP_ZERO_COPY_COMBINE", "MOE_EP_DISPATCH_ARENA"):
+            monkeypatch.delenv(name, raising=False)
         apply_arguments(parser.parse_args(["--moe-ep-zero-copy", choice]))
-        assert (os.environ["MOE_EP_ZERO_COPY_DISPATCH"], os.environ["MOE_EP_ZERO_COPY_COMBINE"]) == (dispatch, combine)
+        assert (os.environ["MOE_EP_ZERO_COPY_DISPATCH"], os.environ["MOE_EP_ZERO_COPY_COMBINE"],
+                os.environ["MOE_EP_DISPATCH_ARENA"]) == (dispatch, combine, arena), choice
     with pytest.raises(SystemExit):
         parser.parse_args(["--moe-ep-zero-copy", "sometimes"])

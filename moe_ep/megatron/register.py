@@ -8,7 +8,7 @@ import os
 
 DISPATCHER_TYPE = "deepep"
 # Which intranode calls of the dispatcher are one-pass ones (--moe-ep-zero-copy, set_zero_copy).
-ZERO_COPY_CHOICES = ("none", "dispatch", "combine", "both")
+ZERO_COPY_CHOICES = ("none", "dispatch", "combine", "both", "arena")
 # The cheapest built-in dispatcher to construct (no streams, no buffers); replaced right after.
 _PLACEHOLDER_TYPE = "allgather"
 
@@ -64,7 +64,8 @@ def add_arguments(parser):
         default=None,
         help="one-pass intranode calls: the dispatches store rows straight into the receivers' zero-copy "
         "areas, the combines read the expert outputs where they lie (MOE_EP_ZERO_COPY_DISPATCH / _COMBINE; "
-        "each costs a mapped area of two slots of every row a rank can receive)",
+        "each costs a mapped area of two slots of every row a rank can receive); arena: both one pass into "
+        "and from a dispatch arena whose outputs are ordinary tensors (MOE_EP_DISPATCH_ARENA; four calls' rows)",
     )
     group.add_argument(
         "--moe-ep-timeout-s",
@@ -90,8 +91,10 @@ def apply_arguments(args) -> None:
 
 def set_zero_copy(which: str) -> None:
     """Which calls of the dispatchers made from now on are one-pass (zero-copy) ones: none, dispatch,
-    combine or both (sets MOE_EP_ZERO_COPY_DISPATCH and MOE_EP_ZERO_COPY_COMBINE)."""
+    combine or both (sets MOE_EP_ZERO_COPY_DISPATCH and MOE_EP_ZERO_COPY_COMBINE), or arena: both calls
+    one pass through a dispatch arena, their outputs ordinary tensors (MOE_EP_DISPATCH_ARENA)."""
     if which not in ZERO_COPY_CHOICES:
         raise ValueError(f"zero copy: expected one of {ZERO_COPY_CHOICES}, got {which!r}")
     os.environ["MOE_EP_ZERO_COPY_DISPATCH"] = "1" if which in ("dispatch", "both") else "0"
     os.environ["MOE_EP_ZERO_COPY_COMBINE"] = "1" if which in ("combine", "both") else "0"
+    os.environ["MOE_EP_DISPATCH_ARENA"] = "1" if which == "arena" else "0"
