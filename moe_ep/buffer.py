@@ -579,11 +579,7 @@ class Buffer:
         num_zero_copy_combine_bytes, the same on every rank), rows a fixed pitch apart, where the ranks
         that own the tokens read them. Two alternate between zero-copy combines: write one after the
         combine before the last has finished (after its event, with async_finish)."""
-        self._check_alive()
-        self._check_handle(handle, DispatchHandle, "dispatch")
-        check_int("hidden", hidden, minimum=1)
-        if dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"dtype: expected torch.bfloat16 or torch.float32, got {dtype}")
+        self._check_combine_rows(handle, hidden, dtype)
         if isinstance(handle.backend_state, IntranodeDispatchState):
             view = self._intranode.zero_copy_view(handle.num_recv_rows, hidden, dtype, self._combine_next)
         else:
@@ -601,16 +597,20 @@ class Buffer:
         of `handle` sends back. It owns its memory like any tensor; with the kernels and a dispatch arena
         (dispatch_arena) that memory is a region of this rank's arena, so the combine reads its rows where
         they lie (one pass; an x elsewhere is first copied into the arena). Otherwise a plain tensor."""
+        self._check_combine_rows(handle, hidden, dtype)
+        arena = self._intranode.arena if self._intranode is not None else None
+        if isinstance(handle.backend_state, IntranodeDispatchState) and arena is not None:
+            return self._intranode.arena_tensor(handle.num_recv_rows, hidden, dtype)
+        return torch.empty((handle.num_recv_rows, hidden), dtype=dtype, device=handle.is_token_in_rank.device)
+
+    def _check_combine_rows(self, handle: DispatchHandle, hidden: int, dtype: torch.dtype) -> None:
+        """The arguments of the tensors a combine of `handle` reads (get_next_combine_buffer,
+        empty_combine_input)."""
         self._check_alive()
         self._check_handle(handle, DispatchHandle, "dispatch")
         check_int("hidden", hidden, minimum=1)
         if dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"dtype: expected torch.bfloat16 or torch.float32, got {dtype}")
-        device = handle.is_token_in_rank.device
-        arena = self._intranode.arena if self._intranode is not None else None
-        if isinstance(handle.backend_state, IntranodeDispatchState) and arena is not None:
-            return self._intranode.arena_tensor(handle.num_recv_rows, hidden, dtype)
-        return torch.empty((handle.num_recv_rows, hidden), dtype=dtype, device=device)
 
     def _uses_kernels(self, x: torch.Tensor) -> bool:
         """Whether the kernels move x; the first time, maps the peers' buffers (every rank of the

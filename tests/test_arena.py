@@ -3,6 +3,7 @@ backend's host side of the dispatches into it and the combines from it (launches
 over it run on a GPU (tests/test_intranode.py)."""
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -209,13 +210,18 @@ def test_a_count_exchange_that_times_out_gives_the_range_back(stubbed, monkeypat
 def test_a_count_exchange_stuck_behind_a_kernel_names_the_peer_that_kernel_reports(stubbed, monkeypatch):
     """The host's wait ends first, an earlier kernel's own deadline later: the host waits for its report
     and raises the peer it names rather than a TimeoutError without one."""
-    import threading
-
     from moe_ep.backends.peers import HOST_ERROR
 
     backend, dispatch, _ = stubbed
     backend.timeout_s = 5.0
-    monkeypatch.setattr(backend.ops, "wait_host_value", lambda *args: False)
+
+    def wait_host_value(host_info, index, value, timeout_s):  # the counts never come; a report does
+        deadline = time.monotonic() + timeout_s
+        while index == HOST_ERROR and backend._host[index] != value and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return index == HOST_ERROR and backend._host[index] == value
+
+    monkeypatch.setattr(backend.ops, "wait_host_value", wait_host_value)
     backend.peers.timeout_error = lambda: TimeoutError("rank 2 did not arrive") if backend._host[HOST_ERROR] else None
     late_report = threading.Timer(0.1, lambda: backend._host.__setitem__(HOST_ERROR, 1))
     late_report.start()

@@ -8,7 +8,6 @@ call gets here. Kernels run on a dedicated communication stream with deep_ep's e
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -547,9 +546,7 @@ class IntranodeBackend:
         An earlier kernel on the communication stream that still waits for a peer reports it at its own
         deadline, which can come after the host's (its wait may have begun later): the host gives it that
         long before it raises without a name."""
-        deadline = time.monotonic() + self.timeout_s
-        while not self._host[HOST_ERROR] and time.monotonic() < deadline:
-            time.sleep(0.01)
+        self.ops.wait_host_value(self.host_info, HOST_ERROR, 1, self.timeout_s)
         self.check_errors()
         raise TimeoutError(
             f"moe_ep: the dispatch count exchange did not finish within {self.timeout_s + _HOST_GRACE_S:g} s "
@@ -653,11 +650,15 @@ class IntranodeBackend:
 
     def arena_tensor(self, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
         """[rows, hidden] of dtype in this rank's dispatch arena, owning its region like recv_x."""
-        nbytes = rows * hidden * dtype.itemsize
+        tensor = self._arena_tensor_or_none(rows, hidden, dtype)
+        if tensor is None:
+            raise ValueError(self._arena_no_room(f"a combine input of {rows} rows", rows * hidden * dtype.itemsize))
+        return tensor
+
+    def _arena_tensor_or_none(self, rows: int, columns: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        nbytes = rows * columns * dtype.itemsize
         start = self.arena.alloc(nbytes)
-        if start is None:
-            raise ValueError(self._arena_no_room(f"a combine input of {rows} rows", nbytes))
-        return self._region(start, nbytes).tensor(0, rows, hidden, dtype)
+        return None if start is None else self._region(start, nbytes).tensor(0, rows, columns, dtype)
 
     def _arena_combine_rows(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor]):
         """(x, (bytes from this rank's dispatch area to x's rows, their pitch, their count or -1 if there
@@ -672,20 +673,19 @@ class IntranodeBackend:
         if rows == 0:
             return x, (0, row_bytes(x), 0, 0), kept
         if not inside:
-            start = self.arena.alloc(rows * row_bytes(x))
-            if start is None:
+            copy = self._arena_tensor_or_none(rows, x.shape[1], x.dtype)
+            if copy is None:
                 return x.contiguous(), (0, row_bytes(x), -1, 0), kept
-            copy = self._region(start, rows * row_bytes(x)).tensor(0, rows, x.shape[1], x.dtype)
             copy.copy_(x)
-            x, at, pitch = copy, start, row_bytes(x)
+            x, at, pitch = copy, copy.data_ptr() - base, row_bytes(x)
             kept.append(copy)
         weights_at = 0
         if topk_weights is not None:
-            nbytes = topk_weights.numel() * 4
-            weights_at = self.arena.alloc(nbytes)
-            if weights_at is None:
+            weights = self._arena_tensor_or_none(rows, topk_weights.shape[1], torch.float32)
+            if weights is None:
                 return x, (0, pitch, -1, 0), kept
-            kept.append(self._region(weights_at, nbytes).tensor(0, rows, topk_weights.shape[1], torch.float32))
+            weights_at = weights.data_ptr() - base
+            kept.append(weights)
         return x, (at, pitch, rows, weights_at), kept
 
     def _arena_combine_full(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> str:
@@ -729,11 +729,11 @@ class IntranodeBackend:
             if topk_weights is not None:
                 out_weights = torch.empty((handle.num_tokens, topk_weights.shape[1]), dtype=torch.float32, device=x.device)
         with torch.cuda.stream(self.comm_stream):
+            if from_arena:  # x itself, or its copy into the arena (on this stream)
+                x, where, kept = self._arena_combine_rows(x, topk_weights)
             args = (self.ctx, config.num_sms, x, topk_weights, state.recv_src_idx, state.recv_info, state.send_pos,
                     biases[0], biases[1], out, out_weights)
             if from_arena:
-                x, where, kept = self._arena_combine_rows(x, topk_weights)
-                args = (self.ctx, config.num_sms, x) + args[3:]
                 self.ops.intranode_zero_copy_combine(*args, self.zero_copy_dispatch.pointers.data_ptr(), *where)
             elif zero_copy_slot is None:
                 self.ops.intranode_combine(*args, config.num_max_nvl_chunked_send_tokens)
