@@ -199,11 +199,17 @@ def test_no_room_raises_names_the_switch_and_gives_the_range_back(stubbed):
 
 
 def test_a_count_exchange_that_times_out_gives_the_range_back(stubbed, monkeypatch):
+    from moe_ep.backends.peers import HOST_KERNEL_FINISHED, HOST_KERNEL_STARTED
+
     backend, dispatch, _ = stubbed
     backend.timeout_s = 0.05
     monkeypatch.setattr(backend.ops, "wait_host_value", lambda *args: False)
-    with pytest.raises(TimeoutError, match="count exchange.*no kernel of this Buffer reported a missing peer"):
+    # The progress marks as the kernels write them: (KernelId << 24) | call number.
+    backend._host[HOST_KERNEL_STARTED], backend._host[HOST_KERNEL_FINISHED] = 2 << 24 | 17, 6 << 24 | 16
+    with pytest.raises(TimeoutError, match="count exchange.*no kernel of this Buffer reported a missing peer") as raised:
         dispatch()
+    assert "last kernel to start: the dispatch of call 17; last to finish: the zero-copy combine of call 16" in \
+        str(raised.value)
     assert backend.arena.used_regions == 0 and backend.arena.free_bytes == backend.arena.size
 
 

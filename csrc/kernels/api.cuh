@@ -56,7 +56,15 @@ enum HostInfo : int {
     kHostErrorCall = 8,     // the failed wait: the call number it waited for (low 31 bits)
     kHostErrorSeen = 9,     // ... and the call number the peer's flag last announced (-1: none yet)
     kHostCombineMissing = 10,  // a combine from the dispatch arena missed this rank's rows (rank + 1), else 0
-    kHostCounts = 11,       // notify: [R] rows from each rank, [R] tokens to each rank, [E/R] per local expert
+    // (KernelId << 24 | call number's low 24 bits) of this rank's last intranode kernel to start (its
+    // block 0) and to finish (its last block): where the stream stands when a host wait runs out.
+    kHostKernelStarted = 11,
+    kHostKernelFinished = 12,
+    kHostCounts = 13,       // notify: [R] rows from each rank, [R] tokens to each rank, [E/R] per local expert
+};
+enum KernelId : int {
+    kKernelNotify = 1, kKernelDispatch, kKernelCombine, kKernelStreamCombine, kKernelZeroCopyDispatch,
+    kKernelZeroCopyCombine,
 };
 enum ErrorKind : int {
     kErrNone = 0, kErrNotify, kErrStaged, kErrReleased, kErrOpen, kErrPushed,

@@ -79,6 +79,10 @@ struct Env {
     int* host;
     uint64_t seq, deadline, start;
     uint64_t* wait_ns;  // this block's wait profile row, or null
+    int kernel;         // KernelId
+
+    // kHostKernelStarted / kHostKernelFinished's value for this kernel.
+    __device__ int progress_mark() const { return kernel << 24 | static_cast<int>(seq & 0xffffff); }
 
     __device__ uint64_t* signals(int r) const { return reinterpret_cast<uint64_t*>(buffers[r]); }
     __device__ uint64_t* own(int64_t index) const { return signals(rank) + index; }
@@ -88,8 +92,9 @@ struct Env {
     __device__ uint8_t* window(int r, int parity) const { return buffers[r] + header + parity * half; }
 };
 
-__device__ Env make_env(const Ctx& c) {
+__device__ Env make_env(const Ctx& c, KernelId kernel) {
     Env e;
+    e.kernel = kernel;
     e.buffers = c.buffers;
     e.rank = c.rank;
     e.num_ranks = c.num_ranks;
@@ -100,6 +105,7 @@ __device__ Env make_env(const Ctx& c) {
     e.start = now_ns();
     e.deadline = e.start + c.timeout_ns;
     e.wait_ns = c.wait_ns == nullptr ? nullptr : c.wait_ns + static_cast<int64_t>(blockIdx.x) * kWaitSlots;
+    if (blockIdx.x == 0 && threadIdx.x == 0) reinterpret_cast<volatile int*>(e.host)[kHostKernelStarted] = e.progress_mark();
     return e;
 }
 
@@ -133,12 +139,17 @@ __device__ uint64_t end_phase(const Env& e, int phase, uint64_t since) {
     return now;
 }
 
-// The last block of a kernel advances the sequence number the next kernel's tags use.
+// Thread 0 of a kernel's last block: the host record says it finished, and the sequence number the
+// next kernel's tags use advances.
+__device__ void end_of_kernel(const Env& e) {
+    reinterpret_cast<volatile int*>(e.host)[kHostKernelFinished] = e.progress_mark();
+    atomicAdd(reinterpret_cast<unsigned long long*>(e.own(kSeq)), 1ull);
+}
+
 __device__ void finish_kernel(const Env& e, uint64_t* done_counter) {
     __syncthreads();
     if (threadIdx.x == 0 && e.wait_ns != nullptr) e.wait_ns[kWaitSlots - 1] += now_ns() - e.start;
-    if (threadIdx.x == 0 && arrive_last(done_counter, gridDim.x))
-        atomicAdd(reinterpret_cast<unsigned long long*>(e.own(kSeq)), 1ull);
+    if (threadIdx.x == 0 && arrive_last(done_counter, gridDim.x)) end_of_kernel(e);
 }
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
@@ -161,7 +172,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Ctx c, const boo
     using Scan = cub::BlockScan<int, kNotifyThreads>;
     __shared__ typename Scan::TempStorage scan_storage;
     __shared__ int carry;
-    const Env e = make_env(c);
+    const Env e = make_env(c, kKernelNotify);
     const int R = e.num_ranks, d = blockIdx.x, local = num_experts / R, row_ints = counts_row_ints(R, num_experts);
     if (threadIdx.x == 0) carry = 0;
     __syncthreads();
@@ -202,7 +213,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Ctx c, const boo
     __syncthreads();
     if (!last) return;
     if (load_volatile(e.own(kAbort)) != 0) {
-        if (threadIdx.x == 0) atomicAdd(reinterpret_cast<unsigned long long*>(e.own(kSeq)), 1ull);
+        if (threadIdx.x == 0) end_of_kernel(e);
         return;
     }
     const int* counts = reinterpret_cast<const int*>(e.buffers[e.rank] + signal_bytes(R));
@@ -247,7 +258,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Ctx c, const boo
     if (threadIdx.x == 0) {
         __threadfence_system();
         reinterpret_cast<volatile int*>(e.host)[kHostDone] = nonce;
-        atomicAdd(reinterpret_cast<unsigned long long*>(e.own(kSeq)), 1ull);
+        end_of_kernel(e);
     }
 }
 
@@ -383,7 +394,7 @@ __device__ void pad_rows(const DispatchArgs& a, uint8_t* x_rows, uint8_t* scale_
 template <typename S>
 __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     dispatch_kernel(Ctx c, DispatchArgs a, DispatchSlot slot, int window_tokens) {
-    const Env e = make_env(c);
+    const Env e = make_env(c, kKernelDispatch);
     const int R = e.num_ranks, lane = threadIdx.x % 32;
     const int max_tokens = a.recv_info[0], total = a.recv_info[1];
     const int num_windows = max(1, ceil_div(max_tokens, window_tokens));
@@ -612,7 +623,7 @@ __device__ bool reduce_window(const Env& e, const CombineCall& call, const Warps
 template <typename T, typename V, typename S>
 __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     combine_kernel(Ctx c, CombineArgs a, int64_t slot_bytes, int window_tokens) {
-    const Env e = make_env(c);
+    const Env e = make_env(c, kKernelCombine);
     const int64_t x_bytes = static_cast<int64_t>(a.hidden) * sizeof(T);
     const CombineCall call{a, slot_bytes, x_bytes, align_up(x_bytes, kSlotAlign), window_tokens, a.recv_info + 2};
     const int max_tokens = a.recv_info[0];
@@ -897,7 +908,7 @@ __device__ bool stream_receive(const Env& e, const StreamCall& call, int c) {
 template <typename T, typename V, typename S>
 __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     stream_combine_kernel(Ctx c, CombineArgs a, int64_t slot_bytes, int ring_rows, int channels) {
-    const Env e = make_env(c);
+    const Env e = make_env(c, kKernelStreamCombine);
     const int64_t x_bytes = static_cast<int64_t>(a.hidden) * sizeof(T);
     const StreamCall call{a, slot_bytes, x_bytes, align_up(x_bytes, kSlotAlign), ring_rows, channels,
                           a.recv_info + 2, a.recv_info + 3 + e.num_ranks};
@@ -1064,7 +1075,7 @@ __device__ __forceinline__ void warp_copy_to_all(uint8_t* dst, unsigned to, cons
 template <typename S, bool kWide>
 __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     zero_copy_dispatch_kernel(Ctx c, DispatchArgs a, ZeroCopyDispatchArgs z) {
-    const Env e = make_env(c);
+    const Env e = make_env(c, kKernelZeroCopyDispatch);
     const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
     const Warps warps = grid_warps<S::kWarps>();
     const int* first_row_at = a.recv_info + 3 + 2 * R;
@@ -1213,7 +1224,7 @@ struct ZeroCopyDispatchKernels {
 template <typename T, typename V, typename S>
 __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     zero_copy_combine_kernel(Ctx c, CombineArgs a, ZeroCopyArgs z) {
-    const Env e = make_env(c);
+    const Env e = make_env(c, kKernelZeroCopyCombine);
     const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
     const Warps warps = grid_warps<S::kWarps>();
     const int64_t x_bytes = static_cast<int64_t>(a.hidden) * sizeof(T), behind_row = align_up(x_bytes, kSlotAlign);

@@ -25,7 +25,7 @@ from ..handles import DispatchHandle
 from ..sync import ArrivalGate
 from .peers import (
     HOST_COMBINE_MISSING, HOST_COUNTS, HOST_DONE, HOST_ERROR, HOST_OVERFLOW, PHASE_NAMES, WAIT_NAMES, MappedBuffers, aligned, device_view,
-    map_peer_buffers, peer_memory,
+    kernel_progress, map_peer_buffers, peer_memory,
 )
 
 # Host-side grace on top of the kernels' own deadline before the host gives up on a count exchange.
@@ -548,10 +548,13 @@ class IntranodeBackend:
         long before it raises without a name."""
         self.ops.wait_host_value(self.host_info, HOST_ERROR, 1, self.timeout_s)
         self.check_errors()
+        stream = "idle (its work all done)" if self.comm_stream.query() else "still busy"
         raise TimeoutError(
             f"moe_ep: the dispatch count exchange did not finish within {self.timeout_s + _HOST_GRACE_S:g} s "
             f"on rank {self.rank}, and no kernel of this Buffer reported a missing peer in {self.timeout_s:g} s "
-            "more: the communication stream did not reach it (a kernel or an event it waits for never ended)"
+            "more: the communication stream did not reach it (a kernel or an event it waits for never ended). "
+            f"Rank {self.rank}: {kernel_progress(self._host)}; count exchange {self._nonce} awaited, "
+            f"{self._host[HOST_DONE]} the last finished; communication stream {stream}"
         )
 
     # ---------------------------------------------------------------- dispatch arena

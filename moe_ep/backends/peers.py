@@ -27,7 +27,11 @@ from .descriptors import DescriptorsUnavailable, exchange_descriptors
 
 # host_info slots (csrc/kernels/api.cuh, intranode::HostInfo)
 HOST_DONE, HOST_ERROR, HOST_ERROR_KIND, HOST_ERROR_PEER, HOST_ERROR_WINDOW, HOST_OVERFLOW = range(6)
-HOST_TOTAL, HOST_MAX_TOKENS, HOST_ERROR_CALL, HOST_ERROR_SEEN, HOST_COMBINE_MISSING, HOST_COUNTS = 6, 7, 8, 9, 10, 11
+HOST_TOTAL, HOST_MAX_TOKENS, HOST_ERROR_CALL, HOST_ERROR_SEEN, HOST_COMBINE_MISSING = 6, 7, 8, 9, 10
+HOST_KERNEL_STARTED, HOST_KERNEL_FINISHED, HOST_COUNTS = 11, 12, 13
+# intranode::KernelId, as the progress marks name them.
+KERNEL_NAMES = {1: "notify (count exchange)", 2: "dispatch", 3: "combine", 4: "streaming combine",
+                5: "zero-copy dispatch", 6: "zero-copy combine"}
 # What a failed wait was waiting for, by intranode::ErrorKind.
 WAITED_FOR = {
     1: "its token counts (dispatch)",
@@ -75,6 +79,17 @@ def _release(steps: List[Callable[[], None]]) -> None:
             step()
     except RuntimeError:  # at interpreter exit the CUDA context may already be gone, and with it the memory
         pass
+
+
+
+def kernel_progress(host) -> str:
+    """Which of a rank's intranode kernels started and finished last, from its host record's progress
+    marks: where its communication stream stands when a host wait ran out with no kernel's report."""
+    def mark(value: int) -> str:
+        if value == 0:
+            return "none"
+        return f"the {KERNEL_NAMES.get(value >> 24, f'kernel {value >> 24}')} of call {value & 0xFFFFFF}"
+    return f"last kernel to start: {mark(host[HOST_KERNEL_STARTED])}; last to finish: {mark(host[HOST_KERNEL_FINISHED])}"
 
 
 class MappedBuffers:

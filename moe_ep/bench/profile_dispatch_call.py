@@ -201,6 +201,9 @@ class _NoStream:
     def synchronize(self):
         pass
 
+    def query(self):
+        return True
+
 
 class _NoEvent:
     def record(self, stream=None):

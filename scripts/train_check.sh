@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# megatron training with moe_ep's dispatcher on a GPU machine, several ranks per GPU: one short run per
+# variant, each line of TRAIN_VARIANTS being "name [VAR=value ...]" (the environment of that run), e.g.
+#   TRAIN_VARIANTS=$'two_pass MOE_EP_DISPATCH_ARENA=0\narena MOE_EP_DISPATCH_ARENA=1' bash scripts/train_check.sh
+# Prints each run's errors (one line per distinct message) and its last steps; logs in $OUT/<name>.log.
+# A carried .whl/megatron_core-*.whl is installed first (README). TRAIN_NPROC (4), TRAIN_STEPS (12),
+# TRAIN_CONFIG (configs/single_gpu_small.yaml), TRAIN_TIMEOUT_S (150), MOE_EP_TIMEOUT_S (10).
+set -uo pipefail
+source "$(dirname "$0")/gpu_env.sh"
+if ! $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
+  echo "BUILD FAILED"; tail -30 "$OUT/build.log"; exit 1
+fi
+if ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --target /tmp/mcore .whl/megatron_core-*.whl 2>/dev/null
+  export PYTHONPATH=/tmp/mcore${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONWARNINGS=ignore MOE_EP_TIMEOUT_S=${MOE_EP_TIMEOUT_S:-10}
+steps=${TRAIN_STEPS:-12}
+while read -r name vars; do
+  [[ -z $name ]] && continue
+  echo "== $name: ${vars:-(no variables)}"
+  # shellcheck disable=SC2086  # vars: a list of assignments
+  env $vars timeout "${TRAIN_TIMEOUT_S:-150}" $PY -m moe_ep.launch --nproc "${TRAIN_NPROC:-4}" examples/train_moe.py \
+    --config "${TRAIN_CONFIG:-configs/single_gpu_small.yaml}" --dispatcher deepep --steps "$steps" \
+    > "$OUT/$name.log" 2>&1
+  echo "rc=$?"
+  grep -h "Error:" "$OUT/$name.log" | sort | uniq -c | cut -c1-1200
+  tr '\r' '\n' < "$OUT/$name.log" | grep -o "[0-9]*/$steps \[[^]]*\]" | tail -1
+done <<< "${TRAIN_VARIANTS:-two_pass MOE_EP_DISPATCH_ARENA=0}"
