@@ -179,6 +179,36 @@ def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, n
                     combined=combined, combined_w=combined_w, num_recv_rows=handle.num_recv_rows))
 
 
+def buffers_made_while_calls_run(p: Problem, num_buffers: int = 3, arena: bool = False):
+    """A Buffer per layer, each made (collectively) while the previous one's async combine may still
+    run, matmuls beside every call: how megatron's dispatcher used Buffers through the twenty-fifth
+    session. -> each Buffer's (recv_x, combined), per rank."""
+    rank = dist.get_rank()
+    inp = my_inputs(p)
+    area = {}
+    if arena:
+        rows = 4 * dist.get_world_size() * p.max_tokens
+        area = dict(num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p, rows), dispatch_arena=True)
+    buffers, outputs = [], []
+    for _ in range(num_buffers):
+        buffers.append(normal_buffer(p.hidden, **area))
+        buffer = buffers[-1]
+        extra = dict(previous_event=Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
+        recv_x, _, recv_w, _, handle, event = buffer.dispatch(inp["x"], **dispatch_args(buffer, inp, p), **extra)
+        _keep_gpu_busy()
+        event.current_stream_wait()
+        extra["previous_event"] = Buffer.capture()
+        combined, _, event = buffer.combine(expert_output(recv_x, rank), handle, topk_weights=recv_w, **extra)
+        _keep_gpu_busy()
+        event.current_stream_wait()
+        outputs.append((recv_x, combined))  # read at the end: the next Buffer is made while this runs
+    if device().type == "cuda":
+        torch.cuda.synchronize()
+        for buffer in buffers:
+            buffer._intranode.check_errors()
+    return cpu(outputs)
+
+
 def _keep_gpu_busy():
     """Matmuls between a send and its hook: they run while the data is in flight (CUDA ranks only)."""
     if device().type == "cuda":

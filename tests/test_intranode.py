@@ -77,6 +77,19 @@ def test_calls_beside_compute_kernels_equal_portable(pools, gpu_pools, seed, num
     _compare(seed, on_gpu, pools(num_ranks).run(rank_fns.normal_round, p, **variant))
 
 
+@pytest.mark.parametrize("num_ranks", [4, 8])
+@pytest.mark.parametrize("arena", [False, True])
+def test_buffers_made_while_another_buffers_calls_run(pools, gpu_pools, seed, num_ranks, arena):
+    """Several Buffers over one group, each made while the previous one's async calls may still run,
+    with matmuls beside them (megatron's dispatcher made one per layer so: its training at EP=4 on one
+    H200 timed out, twenty-fifth and twenty-sixth sessions)."""
+    p = Problem(seed, num_ranks, num_ranks * 8, 1024, 6, max_tokens=256)
+    on_gpu, on_cpu = _both(pools, gpu_pools, num_ranks, rank_fns.buffers_made_while_calls_run, p, arena=arena)
+    for rank, (g, c) in enumerate(zip(on_gpu, on_cpu)):
+        for layer, (got, expected) in enumerate(zip(g, c)):
+            assert _same(got, expected), f"seed {seed} rank {rank}: Buffer {layer}'s recv_x/combined differ"
+
+
 @pytest.mark.parametrize("num_ranks,hidden,dtype", [(3, 132, torch.bfloat16), (2, 256, torch.float32),
                                                     (5, 2052, torch.bfloat16), (4, 2052, torch.bfloat16),
                                                     (5, 2048, torch.bfloat16), (4, 120, torch.bfloat16)])

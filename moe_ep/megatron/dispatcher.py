@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization, pad_routing_map, permute, unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
@@ -84,10 +85,17 @@ def _zero_copy_requested(direction: str) -> bool:
     return env_switch(f"MOE_EP_ZERO_COPY_{direction.upper()}", "0")
 
 
-def _buffer_for(group, hidden_bytes: int, current: Optional[Buffer], zero_copy_bytes: int = 0,
-                zero_copy_dispatch: int = 0) -> Buffer:
-    """A Buffer of the group large enough for rows of hidden_bytes, a zero-copy combine area of
-    zero_copy_bytes and a zero-copy dispatch area of zero_copy_dispatch (reused while it is)."""
+# One Buffer per process group, shared by every MoE layer's dispatcher (DeepEP's megatron integration
+# shares one too): one communication stream orders all layers' calls, and the peers' memory is mapped
+# once instead of once a layer.
+_buffers: Dict[dist.ProcessGroup, Buffer] = {}
+
+
+def _buffer_for(group, hidden_bytes: int, zero_copy_bytes: int = 0, zero_copy_dispatch: int = 0) -> Buffer:
+    """The group's shared Buffer, replaced (collectively: every rank asks for the same sizes) by a larger
+    one when it lacks room for rows of hidden_bytes, a zero-copy combine area of zero_copy_bytes or a
+    zero-copy dispatch area of zero_copy_dispatch, or by one with the dispatch arena switched as
+    MOE_EP_DISPATCH_ARENA now says."""
     size = group.size()
     nvl = max(
         Buffer.get_dispatch_config(size).get_nvl_buffer_size_hint(hidden_bytes, size),
@@ -97,17 +105,23 @@ def _buffer_for(group, hidden_bytes: int, current: Optional[Buffer], zero_copy_b
         Buffer.get_dispatch_config(size).get_rdma_buffer_size_hint(hidden_bytes, size),
         Buffer.get_combine_config(size).get_rdma_buffer_size_hint(hidden_bytes, size),
     )
+    current = _buffers.get(group)
     if (
         current is not None
-        and current.group is group
+        and current.dispatch_arena == (zero_copy_dispatch > 0 and dispatch_arena())
         and current.num_nvl_bytes >= nvl
         and current.num_rdma_bytes >= rdma
         and current.num_zero_copy_combine_bytes >= zero_copy_bytes
         and current.num_zero_copy_dispatch_bytes >= zero_copy_dispatch
     ):
         return current
-    return Buffer(group, nvl, rdma, num_zero_copy_combine_bytes=zero_copy_bytes,
-                  num_zero_copy_dispatch_bytes=zero_copy_dispatch)
+    if current is not None:  # a dispatcher's handles keep it alive while their calls need it
+        nvl, rdma = max(nvl, current.num_nvl_bytes), max(rdma, current.num_rdma_bytes)
+        zero_copy_bytes = max(zero_copy_bytes, current.num_zero_copy_combine_bytes)
+        zero_copy_dispatch = max(zero_copy_dispatch, current.num_zero_copy_dispatch_bytes)
+    _buffers[group] = Buffer(group, nvl, rdma, num_zero_copy_combine_bytes=zero_copy_bytes,
+                             num_zero_copy_dispatch_bytes=zero_copy_dispatch)
+    return _buffers[group]
 
 
 class _Dispatch(torch.autograd.Function):
@@ -251,8 +265,7 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
                                                           self.router_topk)
             if dispatch_arena():  # a dispatch's recv_x, the combine's input, the backward's two
                 zero_copy_dispatch *= 2
-        self._state.buffer = _buffer_for(self.group, hidden_bytes, self._state.buffer, zero_copy_bytes,
-                                         zero_copy_dispatch)
+        self._state.buffer = _buffer_for(self.group, hidden_bytes, zero_copy_bytes, zero_copy_dispatch)
         return _Dispatch.apply(hidden_states, probs, self._topk_idx, self.num_experts, self._state)
 
     @phase_range("dispatch_postprocess")
