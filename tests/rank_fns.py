@@ -193,12 +193,16 @@ def buffers_made_while_calls_run(p: Problem, num_buffers: int = 3, arena: bool =
     for _ in range(num_buffers):
         buffers.append(normal_buffer(p.hidden, **area))
         buffer = buffers[-1]
+        args = dispatch_args(buffer, inp, p)
+        # previous_event: the calls wait for it, so it is taken once their inputs are written.
         extra = dict(previous_event=Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
-        recv_x, _, recv_w, _, handle, event = buffer.dispatch(inp["x"], **dispatch_args(buffer, inp, p), **extra)
+        recv_x, _, recv_w, _, handle, event = buffer.dispatch(inp["x"], **args, **extra)
         _keep_gpu_busy()
         event.current_stream_wait()
+        y = expert_output(recv_x, rank)
         extra["previous_event"] = Buffer.capture()
-        combined, _, event = buffer.combine(expert_output(recv_x, rank), handle, topk_weights=recv_w, **extra)
+        combined, _, event = buffer.combine(y, handle, topk_weights=recv_w, **extra)
+        del y  # the combine keeps its input alive until its kernels are done (an arena combine copies it first)
         _keep_gpu_busy()
         event.current_stream_wait()
         outputs.append((recv_x, combined))  # read at the end: the next Buffer is made while this runs

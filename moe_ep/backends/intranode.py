@@ -731,6 +731,7 @@ class IntranodeBackend:
             out_weights = None
             if topk_weights is not None:
                 out_weights = torch.empty((handle.num_tokens, topk_weights.shape[1]), dtype=torch.float32, device=x.device)
+        given = x
         with torch.cuda.stream(self.comm_stream):
             if from_arena:  # x itself, or its copy into the arena (on this stream)
                 x, where, kept = self._arena_combine_rows(x, topk_weights)
@@ -750,8 +751,8 @@ class IntranodeBackend:
         # arena after the kernel, which ends once every peer has read them); otherwise the current stream
         # waits for the kernel before anything can reuse them.
         inputs = [x, topk_weights, *biases] if zero_copy_slot is None else [topk_weights, *biases]
-        if from_arena:
-            inputs += kept
+        if from_arena:  # and the caller's x, which the copy into the arena reads on this stream
+            inputs += kept + [given]
         event = self._leave(compute, async_finish, allocate_on_comm_stream, inputs, [out, out_weights])
         if from_arena and where[2] < 0:
             raise ValueError(self._arena_combine_full(x, topk_weights))
