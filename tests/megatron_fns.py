@@ -146,3 +146,21 @@ def group_limited_layout(seed: int, num_experts: int, topk: int, ranks_per_node:
     _, per_node, _, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
     nodes_per_token = in_rank.view(-1, world // ranks_per_node, ranks_per_node).any(-1).sum(-1)
     return int(nodes_per_token.max()), int(per_node.sum()), int(nodes_per_token.sum())
+
+
+def layers_share_a_buffer(seed: int, num_experts: int, topk: int, hidden: int, num_tokens: int) -> bool:
+    """Two MoE layers' dispatchers over one group dispatch and combine in turn: whether they used one Buffer."""
+    config, pg = _setup(num_experts, topk, hidden, "deepep")
+    layers = [_dispatcher(config, pg, num_experts) for _ in range(2)]
+    g = torch.Generator().manual_seed(seed * 31 + dist.get_rank())
+    buffers = []
+    for dispatcher in layers:
+        x = torch.randn(num_tokens, hidden, generator=g)
+        top_i = torch.rand(num_tokens, num_experts, generator=g).topk(topk, dim=-1).indices
+        routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter(1, top_i, True)
+        probs = torch.rand(num_tokens, num_experts, generator=g) * routing_map
+        h, p = dispatcher.token_dispatch(*dispatcher.dispatch_preprocess(x, routing_map, probs))
+        h, _, p = dispatcher.dispatch_postprocess(h, p)
+        dispatcher.combine_postprocess(dispatcher.token_combine(dispatcher.combine_preprocess(h * p.unsqueeze(1))))
+        buffers.append(dispatcher._state.buffer)
+    return buffers[0] is buffers[1]

@@ -24,6 +24,12 @@ def test_deepep_dispatcher_matches_dense_layer_and_alltoall(pools, seed, num_ran
         assert a["tokens_per_expert"] == b["tokens_per_expert"]
 
 
+def test_layers_share_one_buffer(pools, seed):
+    """Every MoE layer's dispatcher over a group uses one Buffer (one communication stream for all their
+    calls, peers' memory mapped once), as DeepEP's megatron integration does."""
+    assert all(pools(2).run(megatron_fns.layers_share_a_buffer, seed % 10000, 4, 2, 32, 24))
+
+
 @pytest.mark.parametrize("env", [{"MOE_EP_ZERO_COPY_COMBINE": "1"}, {"MOE_EP_ZERO_COPY_DISPATCH": "1"},
                                  {"MOE_EP_ZERO_COPY_COMBINE": "1", "MOE_EP_ZERO_COPY_DISPATCH": "1"},
                                  {"MOE_EP_DISPATCH_ARENA": "1"}],
