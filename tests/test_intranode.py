@@ -363,6 +363,8 @@ def test_a_peer_missing_in_a_kernel_is_named(gpu_pools, phase, waited_for, strea
         assert isinstance(outcome, tuple), f"rank {rank}: {outcome} without rank {missing}"
         kind, message = outcome
         assert kind == "TimeoutError" and f"rank {missing} did not arrive" in message and waited_for in message, message
+        # Its progress mark: the skipped call's kernel never started there.
+        assert "had not started this call's kernel" in message, message
 
 
 def test_an_sm_budget_that_cannot_be_resident_is_refused(gpu_pools):

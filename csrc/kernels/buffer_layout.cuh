@@ -33,7 +33,9 @@ enum Signal : int {
     kReduceCount = 7,  // [2] by window parity: blocks done reducing a combine window
     kPullCount = 9,    // [2] by window parity: blocks done pulling every rank's dispatch window
     kPushCount = 11,   // [2] by window parity: blocks done pushing a combine window to every owner
-    kFixedSignals = 13,
+    kStartedMark = 13,  // this rank's last intranode kernel to start: KernelId << 24 | its call number
+    kStartedAt = 14,    // ... and when (%globaltimer ns): a peer's timed-out wait reports both
+    kFixedSignals = 15,
 };
 // Per-rank arrays follow the fixed slots, in this order.
 enum SignalArray : int {

@@ -90,6 +90,10 @@ struct Env {
         return signals(r) + signal_index(array, num_ranks, slot);
     }
     __device__ uint8_t* window(int r, int parity) const { return buffers[r] + header + parity * half; }
+    // Where a wait for `peer` reports a failure, with that peer's progress mark.
+    __device__ peer::Failure failure(int peer) const {
+        return {own(kAbort), own(kErrorClaim), host, deadline, signals(peer) + kStartedMark};
+    }
 };
 
 __device__ Env make_env(const Ctx& c, KernelId kernel) {
@@ -105,13 +109,18 @@ __device__ Env make_env(const Ctx& c, KernelId kernel) {
     e.start = now_ns();
     e.deadline = e.start + c.timeout_ns;
     e.wait_ns = c.wait_ns == nullptr ? nullptr : c.wait_ns + static_cast<int64_t>(blockIdx.x) * kWaitSlots;
-    if (blockIdx.x == 0 && threadIdx.x == 0) reinterpret_cast<volatile int*>(e.host)[kHostKernelStarted] = e.progress_mark();
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        reinterpret_cast<volatile int*>(e.host)[kHostKernelStarted] = e.progress_mark();
+        volatile uint64_t* started = e.own(kStartedMark);
+        started[0] = static_cast<uint64_t>(e.progress_mark());
+        started[1] = e.start;
+    }
     return e;
 }
 
 // One thread waits; false after a timeout (reported) or when another block already failed.
 __device__ bool wait_flag(const Env& e, const uint64_t* flag, uint64_t target, int kind, int from_rank, int window) {
-    return peer::wait_flag({e.own(kAbort), e.own(kErrorClaim), e.host, e.deadline}, flag, target, kind, from_rank, window);
+    return peer::wait_flag(e.failure(from_rank), flag, target, kind, from_rank, window);
 }
 
 // The whole block waits for flags[peer] >= target for every peer in [first, last).
@@ -732,7 +741,7 @@ __device__ bool stream_send(const Env& e, const StreamCall& call, int c) {
                     state = kFailed;
                 } else if (now_ns() > e.deadline) {
                     const int s = (me + 1 + waiting_on) % R;
-                    peer::report_timeout({e.own(kAbort), e.own(kErrorClaim), e.host, e.deadline}, kErrRingRoom, s, c,
+                    peer::report_timeout(e.failure(s), kErrRingRoom, s, c,
                                          tag(e.seq, 0), load_volatile(e.own(stream_index(kConsumedBy, R, c, s))));
                     state = kFailed;
                 }

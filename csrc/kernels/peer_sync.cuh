@@ -55,6 +55,9 @@ struct Failure {
     uint64_t* claim;
     int* host;
     uint64_t deadline;
+    // The waited-for peer's progress mark and its start time (intranode: kStartedMark, kStartedAt in
+    // its signals), recorded with the failure; null where the kernels keep none (low-latency).
+    const uint64_t* peer_started = nullptr;
 };
 
 __device__ __forceinline__ void report_timeout(const Failure& f, int kind, int peer, int window, uint64_t target,
@@ -67,6 +70,13 @@ __device__ __forceinline__ void report_timeout(const Failure& f, int kind, int p
         // Call numbers tell a peer that is late (seen < wanted) from one that is out of step.
         host[intranode::kHostErrorCall] = static_cast<int>((target >> 24) & 0x7fffffff);
         host[intranode::kHostErrorSeen] = seen == 0 ? -1 : static_cast<int>((seen >> 24) & 0x7fffffff);
+        host[intranode::kHostErrorPeerStarted] = -1;  // no progress marks (low-latency kernels)
+        if (f.peer_started != nullptr) {
+            const uint64_t mark = load_volatile(f.peer_started), at = load_volatile(f.peer_started + 1), now = now_ns();
+            host[intranode::kHostErrorPeerStarted] = static_cast<int>(mark);
+            const uint64_t ms = at == 0 || at > now ? 0 : (now - at) / 1000000;
+            host[intranode::kHostErrorPeerStartedMs] = static_cast<int>(ms < 0x7fffffff ? ms : 0x7fffffff);
+        }
         __threadfence_system();
         host[intranode::kHostError] = 1;
     }

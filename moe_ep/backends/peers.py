@@ -28,7 +28,8 @@ from .descriptors import DescriptorsUnavailable, exchange_descriptors
 # host_info slots (csrc/kernels/api.cuh, intranode::HostInfo)
 HOST_DONE, HOST_ERROR, HOST_ERROR_KIND, HOST_ERROR_PEER, HOST_ERROR_WINDOW, HOST_OVERFLOW = range(6)
 HOST_TOTAL, HOST_MAX_TOKENS, HOST_ERROR_CALL, HOST_ERROR_SEEN, HOST_COMBINE_MISSING = 6, 7, 8, 9, 10
-HOST_KERNEL_STARTED, HOST_KERNEL_FINISHED, HOST_COUNTS = 11, 12, 13
+HOST_KERNEL_STARTED, HOST_KERNEL_FINISHED, HOST_ERROR_PEER_STARTED, HOST_ERROR_PEER_STARTED_MS = 11, 12, 13, 14
+HOST_COUNTS = 15
 # intranode::KernelId, as the progress marks name them.
 KERNEL_NAMES = {1: "notify (count exchange)", 2: "dispatch", 3: "combine", 4: "streaming combine",
                 5: "zero-copy dispatch", 6: "zero-copy combine"}
@@ -82,14 +83,35 @@ def _release(steps: List[Callable[[], None]]) -> None:
 
 
 
+def _kernel_mark(value: int) -> str:
+    """A progress mark (intranode::KernelId << 24 | call number) in words."""
+    if value == 0:
+        return "none"
+    return f"the {KERNEL_NAMES.get(value >> 24, f'kernel {value >> 24}')} of call {value & 0xFFFFFF}"
+
+
 def kernel_progress(host) -> str:
     """Which of a rank's intranode kernels started and finished last, from its host record's progress
     marks: where its communication stream stands when a host wait ran out with no kernel's report."""
-    def mark(value: int) -> str:
-        if value == 0:
-            return "none"
-        return f"the {KERNEL_NAMES.get(value >> 24, f'kernel {value >> 24}')} of call {value & 0xFFFFFF}"
-    return f"last kernel to start: {mark(host[HOST_KERNEL_STARTED])}; last to finish: {mark(host[HOST_KERNEL_FINISHED])}"
+    return (f"last kernel to start: {_kernel_mark(host[HOST_KERNEL_STARTED])}; "
+            f"last to finish: {_kernel_mark(host[HOST_KERNEL_FINISHED])}")
+
+
+def peer_progress(host) -> str:
+    """What a failed intranode wait found of the peer it waited for: its last kernel to start, and
+    whether that was the waited call's (then it was inside the kernel) or an earlier one's (then its
+    stream never reached this call: held up by its host, an event, or SMs other kernels held)."""
+    mark = host[HOST_ERROR_PEER_STARTED]
+    if mark < 0:  # the low-latency kernels keep no marks
+        return ""
+    if mark == 0:
+        return " It had started no kernel of this Buffer."
+    call = mark & 0xFFFFFF
+    where = ("it was inside this call's kernel" if call == host[HOST_ERROR_CALL] & 0xFFFFFF else
+             "it had not started this call's kernel: its stream was held up before it (its host, an event it "
+             "waited for, or no free SMs)")
+    return (f" Its last kernel to start was {_kernel_mark(mark)}, {host[HOST_ERROR_PEER_STARTED_MS] / 1000:.1f} s "
+            f"before the wait gave up: {where}.")
 
 
 class MappedBuffers:
@@ -130,8 +152,8 @@ class MappedBuffers:
         seen = "nothing yet" if h[HOST_ERROR_SEEN] < 0 else f"call {h[HOST_ERROR_SEEN]}"
         return TimeoutError(
             f"moe_ep: rank {h[HOST_ERROR_PEER]} did not arrive within {self.timeout_s:g} s: rank {self.rank} waited "
-            f"for {waited} (call {h[HOST_ERROR_CALL]}; its flag announced {seen}). Raise MOE_EP_TIMEOUT_S if the "
-            "peer is only slow; the Buffer's ranks are out of step now: create a new Buffer."
+            f"for {waited} (call {h[HOST_ERROR_CALL]}; its flag announced {seen}).{peer_progress(h)} Raise "
+            "MOE_EP_TIMEOUT_S if the peer is only slow; the Buffer's ranks are out of step now: create a new Buffer."
         )
 
     def close(self) -> None:

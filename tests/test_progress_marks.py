@@ -1,0 +1,44 @@
+"""The progress marks the intranode kernels leave in the host record (csrc/kernels/api.cuh) in words:
+where a rank's stream stood when a host wait ran out, and where a timed-out wait's peer was."""
+import types
+
+from moe_ep.backends.peers import (
+    HOST_ERROR, HOST_ERROR_CALL, HOST_ERROR_KIND, HOST_ERROR_PEER, HOST_ERROR_PEER_STARTED, HOST_ERROR_PEER_STARTED_MS,
+    HOST_ERROR_SEEN, HOST_KERNEL_FINISHED, HOST_KERNEL_STARTED, MappedBuffers, kernel_progress,
+)
+
+_DISPATCH, _NOTIFY, _COMBINE = 2, 1, 3  # intranode::KernelId
+
+
+def _failed_wait(call: int, peer_mark: int, peer_ms: int) -> str:
+    host = [0] * 32
+    host[HOST_ERROR], host[HOST_ERROR_KIND], host[HOST_ERROR_PEER] = 1, 5, 2  # combine rows from rank 2
+    host[HOST_ERROR_CALL], host[HOST_ERROR_SEEN] = call, call - 3
+    host[HOST_ERROR_PEER_STARTED], host[HOST_ERROR_PEER_STARTED_MS] = peer_mark, peer_ms
+    buffers = types.SimpleNamespace(host=host, timeout_s=10.0, rank=0)
+    return str(MappedBuffers.timeout_error(buffers))
+
+
+def test_a_peer_that_never_reached_the_call_is_told_from_one_inside_it():
+    behind = _failed_wait(288, _DISPATCH << 24 | 287, 10250)
+    assert "rank 2 did not arrive within 10 s" in behind and "(call 288; its flag announced call 285)" in behind
+    assert "Its last kernel to start was the dispatch of call 287, 10.2 s before the wait gave up: it had not " \
+           "started this call's kernel" in behind, behind
+    inside = _failed_wait(288, _COMBINE << 24 | 288, 9999)
+    assert "the combine of call 288, 10.0 s before the wait gave up: it was inside this call's kernel" in inside, inside
+    assert "It had started no kernel of this Buffer." in _failed_wait(2, 0, 0)
+    # Call numbers wrap at 24 bits in the mark, at 31 in the failed wait's record.
+    assert "inside this call's kernel" in _failed_wait((1 << 24) + 5, _COMBINE << 24 | 5, 0)
+
+
+def test_low_latency_failures_carry_no_peer_mark():
+    message = _failed_wait(7, -1, 0)
+    assert "did not arrive" in message and "last kernel" not in message
+
+
+def test_kernel_progress_names_the_last_kernels_started_and_finished():
+    host = [0] * 32
+    assert kernel_progress(host) == "last kernel to start: none; last to finish: none"
+    host[HOST_KERNEL_STARTED], host[HOST_KERNEL_FINISHED] = _DISPATCH << 24 | 17, _NOTIFY << 24 | 16
+    assert kernel_progress(host) == ("last kernel to start: the dispatch of call 17; "
+                                     "last to finish: the notify (count exchange) of call 16")
