@@ -3,8 +3,8 @@ where a rank's stream stood when a host wait ran out, and where a timed-out wait
 import types
 
 from moe_ep.backends.peers import (
-    HOST_ERROR, HOST_ERROR_CALL, HOST_ERROR_KIND, HOST_ERROR_PEER, HOST_ERROR_PEER_STARTED, HOST_ERROR_PEER_STARTED_MS,
-    HOST_ERROR_SEEN, HOST_KERNEL_FINISHED, HOST_KERNEL_STARTED, MappedBuffers, kernel_progress,
+    HOST_ERROR, HOST_ERROR_BLOCKS, HOST_ERROR_CALL, HOST_ERROR_KIND, HOST_ERROR_PEER, HOST_ERROR_PEER_BLOCKS,
+    HOST_ERROR_PEER_STARTED, HOST_ERROR_PEER_STARTED_MS, HOST_ERROR_SEEN, HOST_KERNEL_FINISHED, HOST_KERNEL_STARTED, MappedBuffers, kernel_progress,
 )
 
 _DISPATCH, _NOTIFY, _COMBINE = 2, 1, 3  # intranode::KernelId
@@ -15,6 +15,7 @@ def _failed_wait(call: int, peer_mark: int, peer_ms: int) -> str:
     host[HOST_ERROR], host[HOST_ERROR_KIND], host[HOST_ERROR_PEER] = 1, 5, 2  # combine rows from rank 2
     host[HOST_ERROR_CALL], host[HOST_ERROR_SEEN] = call, call - 3
     host[HOST_ERROR_PEER_STARTED], host[HOST_ERROR_PEER_STARTED_MS] = peer_mark, peer_ms
+    host[HOST_ERROR_PEER_BLOCKS], host[HOST_ERROR_BLOCKS] = 7, 16
     buffers = types.SimpleNamespace(host=host, timeout_s=10.0, rank=0)
     return str(MappedBuffers.timeout_error(buffers))
 
@@ -25,7 +26,8 @@ def test_a_peer_that_never_reached_the_call_is_told_from_one_inside_it():
     assert "Its last kernel to start was the dispatch of call 287, 10.2 s before the wait gave up: it had not " \
            "started this call's kernel" in behind, behind
     inside = _failed_wait(288, _COMBINE << 24 | 288, 9999)
-    assert "the combine of call 288, 10.0 s before the wait gave up: it was inside this call's kernel" in inside, inside
+    assert "the combine of call 288, 10.0 s before the wait gave up: it was inside this call's kernel, 7 of its " \
+           "16 blocks started" in inside, inside
     assert "It had started no kernel of this Buffer." in _failed_wait(2, 0, 0)
     # Call numbers wrap at 24 bits in the mark, at 31 in the failed wait's record.
     assert "inside this call's kernel" in _failed_wait((1 << 24) + 5, _COMBINE << 24 | 5, 0)

@@ -66,7 +66,9 @@ enum HostInfo : int {
     // kernel (its host, an event its stream waits for, or SMs), one in this call inside it.
     kHostErrorPeerStarted = 13,
     kHostErrorPeerStartedMs = 14,
-    kHostCounts = 15,       // notify: [R] rows from each rank, [R] tokens to each rank, [E/R] per local expert
+    kHostErrorPeerBlocks = 15,  // ... and how many blocks of its running kernel had started
+    kHostErrorBlocks = 16,      // the failed wait's kernel: its blocks (gridDim.x)
+    kHostCounts = 17,       // notify: [R] rows from each rank, [R] tokens to each rank, [E/R] per local expert
 };
 enum KernelId : int {
     kKernelNotify = 1, kKernelDispatch, kKernelCombine, kKernelStreamCombine, kKernelZeroCopyDispatch,

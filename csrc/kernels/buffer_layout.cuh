@@ -35,8 +35,12 @@ enum Signal : int {
     kPushCount = 11,   // [2] by window parity: blocks done pushing a combine window to every owner
     kStartedMark = 13,  // this rank's last intranode kernel to start: KernelId << 24 | its call number
     kStartedAt = 14,    // ... and when (%globaltimer ns): a peer's timed-out wait reports both
-    kFixedSignals = 15,
+    kBlocksStarted = 15,  // blocks of the running kernel started so far (0 between kernels): its
+                          // residency, when a wait for this rank times out
+    kFixedSignals = 16,
 };
+static_assert(kStartedAt == kStartedMark + 1 && kBlocksStarted == kStartedMark + 2,
+              "a failed wait reads a peer's progress as three consecutive slots (peer_sync.cuh, Failure)");
 // Per-rank arrays follow the fixed slots, in this order.
 enum SignalArray : int {
     kNotifyFrom = 0,   // [R] peer r's counts for this call are in the counts area

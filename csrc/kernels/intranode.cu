@@ -109,11 +109,14 @@ __device__ Env make_env(const Ctx& c, KernelId kernel) {
     e.start = now_ns();
     e.deadline = e.start + c.timeout_ns;
     e.wait_ns = c.wait_ns == nullptr ? nullptr : c.wait_ns + static_cast<int64_t>(blockIdx.x) * kWaitSlots;
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        reinterpret_cast<volatile int*>(e.host)[kHostKernelStarted] = e.progress_mark();
-        volatile uint64_t* started = e.own(kStartedMark);
-        started[0] = static_cast<uint64_t>(e.progress_mark());
-        started[1] = e.start;
+    if (threadIdx.x == 0) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(e.own(kBlocksStarted)), 1ull);
+        if (blockIdx.x == 0) {
+            reinterpret_cast<volatile int*>(e.host)[kHostKernelStarted] = e.progress_mark();
+            volatile uint64_t* started = e.own(kStartedMark);
+            started[0] = static_cast<uint64_t>(e.progress_mark());
+            started[1] = e.start;
+        }
     }
     return e;
 }
@@ -152,6 +155,7 @@ __device__ uint64_t end_phase(const Env& e, int phase, uint64_t since) {
 // next kernel's tags use advances.
 __device__ void end_of_kernel(const Env& e) {
     reinterpret_cast<volatile int*>(e.host)[kHostKernelFinished] = e.progress_mark();
+    atomicExch(reinterpret_cast<unsigned long long*>(e.own(kBlocksStarted)), 0ull);  // every block started
     atomicAdd(reinterpret_cast<unsigned long long*>(e.own(kSeq)), 1ull);
 }
 

@@ -55,8 +55,9 @@ struct Failure {
     uint64_t* claim;
     int* host;
     uint64_t deadline;
-    // The waited-for peer's progress mark and its start time (intranode: kStartedMark, kStartedAt in
-    // its signals), recorded with the failure; null where the kernels keep none (low-latency).
+    // The waited-for peer's progress mark, its start time and its blocks started (intranode:
+    // kStartedMark, kStartedAt, kBlocksStarted in its signals), recorded with the failure; null where
+    // the kernels keep none (low-latency).
     const uint64_t* peer_started = nullptr;
 };
 
@@ -76,6 +77,8 @@ __device__ __forceinline__ void report_timeout(const Failure& f, int kind, int p
             host[intranode::kHostErrorPeerStarted] = static_cast<int>(mark);
             const uint64_t ms = at == 0 || at > now ? 0 : (now - at) / 1000000;
             host[intranode::kHostErrorPeerStartedMs] = static_cast<int>(ms < 0x7fffffff ? ms : 0x7fffffff);
+            host[intranode::kHostErrorPeerBlocks] = static_cast<int>(load_volatile(f.peer_started + 2));
+            host[intranode::kHostErrorBlocks] = static_cast<int>(gridDim.x);
         }
         __threadfence_system();
         host[intranode::kHostError] = 1;

@@ -29,7 +29,7 @@ from .descriptors import DescriptorsUnavailable, exchange_descriptors
 HOST_DONE, HOST_ERROR, HOST_ERROR_KIND, HOST_ERROR_PEER, HOST_ERROR_WINDOW, HOST_OVERFLOW = range(6)
 HOST_TOTAL, HOST_MAX_TOKENS, HOST_ERROR_CALL, HOST_ERROR_SEEN, HOST_COMBINE_MISSING = 6, 7, 8, 9, 10
 HOST_KERNEL_STARTED, HOST_KERNEL_FINISHED, HOST_ERROR_PEER_STARTED, HOST_ERROR_PEER_STARTED_MS = 11, 12, 13, 14
-HOST_COUNTS = 15
+HOST_ERROR_PEER_BLOCKS, HOST_ERROR_BLOCKS, HOST_COUNTS = 15, 16, 17
 # intranode::KernelId, as the progress marks name them.
 KERNEL_NAMES = {1: "notify (count exchange)", 2: "dispatch", 3: "combine", 4: "streaming combine",
                 5: "zero-copy dispatch", 6: "zero-copy combine"}
@@ -107,9 +107,13 @@ def peer_progress(host) -> str:
     if mark == 0:
         return " It had started no kernel of this Buffer."
     call = mark & 0xFFFFFF
-    where = ("it was inside this call's kernel" if call == host[HOST_ERROR_CALL] & 0xFFFFFF else
-             "it had not started this call's kernel: its stream was held up before it (its host, an event it "
-             "waited for, or no free SMs)")
+    if call == host[HOST_ERROR_CALL] & 0xFFFFFF:
+        # Fewer blocks started than the kernel has: the rest found no SM free (other kernels held them).
+        where = (f"it was inside this call's kernel, {host[HOST_ERROR_PEER_BLOCKS]} of its "
+                 f"{host[HOST_ERROR_BLOCKS]} blocks started")
+    else:
+        where = ("it had not started this call's kernel: its stream was held up before it (its host, an event "
+                 "it waited for, or no free SMs)")
     return (f" Its last kernel to start was {_kernel_mark(mark)}, {host[HOST_ERROR_PEER_STARTED_MS] / 1000:.1f} s "
             f"before the wait gave up: {where}.")
 
