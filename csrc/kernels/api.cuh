@@ -60,10 +60,10 @@ enum HostInfo : int {
     // block 0) and to finish (its last block): where the stream stands when a host wait runs out.
     kHostKernelStarted = 11,
     kHostKernelFinished = 12,
-    // A failed wait's peer: its last intranode kernel to start (the same mark, 0: none yet, -1: the
-    // kernel keeps no marks) and how long
-    // before the failure it started, in ms: a peer still in an earlier call was held up before the
-    // kernel (its host, an event its stream waits for, or SMs), one in this call inside it.
+    // A failed wait's peer: its last intranode kernel to start (the same mark; 0: none yet, -1: the
+    // failed kernel keeps no marks) and how long before the failure it started, in ms. A peer still in
+    // an earlier call was held up before the kernel (its host, an event its stream waits for, or SMs),
+    // one in this call inside it.
     kHostErrorPeerStarted = 13,
     kHostErrorPeerStartedMs = 14,
     kHostErrorPeerBlocks = 15,  // ... and how many blocks of its running kernel had started

@@ -82,7 +82,6 @@ def _release(steps: List[Callable[[], None]]) -> None:
         pass
 
 
-
 def _kernel_mark(value: int) -> str:
     """A progress mark (intranode::KernelId << 24 | call number) in words."""
     if value == 0:
