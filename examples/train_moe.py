@@ -15,6 +15,7 @@ phases among them as `moe_ep.*` ranges).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -38,6 +39,12 @@ def parse_args(argv=None):
                         help="moe_ep: which intranode calls are one-pass ones (default: none)")
     parser.add_argument("--json-log", help="JSON lines, one per step (rank 0)")
     parser.add_argument("--profile", help="rank 0's operator table of three profiled steps, written here")
+    parser.add_argument("--stall-dump", type=float, metavar="S",
+                        help="a step that takes longer than S seconds appends each rank's Python stacks to "
+                             "stall_rank<N>.txt in --stall-dir (where a late rank's host is when its peers' "
+                             "waits run out; faulthandler reads the stacks without the GIL, which is safe only "
+                             "while the step is stuck: keep S well above a step's time)")
+    parser.add_argument("--stall-dir", default=".", help="where --stall-dump writes")
     return parser.parse_args(argv)
 
 
@@ -184,7 +191,13 @@ def train(args) -> list:
             pass
     log = []
     profiler = StepProfiler(args.profile if rank == 0 else None, steps, use_cuda)
+    stall_file = None
+    if args.stall_dump:
+        os.makedirs(args.stall_dir, exist_ok=True)
+        stall_file = open(os.path.join(args.stall_dir, f"stall_rank{rank}.txt"), "a")
     for step in range(steps):
+        if stall_file is not None:
+            faulthandler.dump_traceback_later(args.stall_dump, file=stall_file)
         profiler.before_step(step)
         if use_cuda:
             torch.cuda.synchronize()
@@ -204,12 +217,16 @@ def train(args) -> list:
         record = dict(step=step, loss=mean_loss.item() / dist.get_world_size(), step_time_s=elapsed,
                       tokens_per_s=tokens_per_step / elapsed)
         log.append(record)
+        if stall_file is not None:
+            faulthandler.cancel_dump_traceback_later()
         profiler.after_step(step, last=step == steps - 1)
         if progress is not None:
             progress.set_postfix(loss=f"{record['loss']:.4f}")
             progress.update()
     if progress is not None:
         progress.close()
+    if stall_file is not None:
+        stall_file.close()
     if rank == 0 and args.json_log:
         with open(args.json_log, "w") as f:
             for record in log:

@@ -4,7 +4,8 @@
 #   TRAIN_VARIANTS=$'two_pass MOE_EP_DISPATCH_ARENA=0\narena MOE_EP_DISPATCH_ARENA=1' bash scripts/train_check.sh
 # Prints each run's errors (one line per distinct message) and its last steps; logs in $OUT/<name>.log.
 # A carried .whl/megatron_core-*.whl is installed first (README). TRAIN_NPROC (4), TRAIN_STEPS (12),
-# TRAIN_CONFIG (configs/single_gpu_small.yaml), TRAIN_TIMEOUT_S (150), MOE_EP_TIMEOUT_S (10).
+# TRAIN_CONFIG (configs/single_gpu_small.yaml), TRAIN_TIMEOUT_S (150), MOE_EP_TIMEOUT_S (10). A step
+# longer than TRAIN_STALL_S (6) leaves every rank's Python stacks in $OUT/stalls_<name>/stall_rank<N>.txt.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 if ! $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
@@ -22,8 +23,11 @@ while read -r name vars; do
   # shellcheck disable=SC2086  # vars: a list of assignments
   env $vars timeout "${TRAIN_TIMEOUT_S:-150}" $PY -m moe_ep.launch --nproc "${TRAIN_NPROC:-4}" examples/train_moe.py \
     --config "${TRAIN_CONFIG:-configs/single_gpu_small.yaml}" --dispatcher deepep --steps "$steps" \
-    > "$OUT/$name.log" 2>&1
+    --stall-dump "${TRAIN_STALL_S:-6}" --stall-dir "$OUT/stalls_$name" > "$OUT/$name.log" 2>&1
   echo "rc=$?"
   grep -h "Error:" "$OUT/$name.log" | sort | uniq -c | cut -c1-1200
   tr '\r' '\n' < "$OUT/$name.log" | grep -o "[0-9]*/$steps \[[^]]*\]" | tail -1
+  for dump in "$OUT/stalls_$name"/stall_rank*.txt; do  # the innermost frames of each stalled rank
+    [[ -s $dump ]] && { echo "  $(basename "$dump"):"; grep -m 4 'File' "$dump" | sed 's/^/    /'; }
+  done
 done <<< "${TRAIN_VARIANTS:-two_pass MOE_EP_DISPATCH_ARENA=0}"
