@@ -213,6 +213,51 @@ def buffers_made_while_calls_run(p: Problem, num_buffers: int = 3, arena: bool =
     return cpu(outputs)
 
 
+def inputs_dropped_after_async_calls(p: Problem, num_worst_tokens: int, arena: bool = False):
+    """An async dispatch and combine whose caller drops every input right after the call and writes other
+    data into new tensors of the same sizes (on a GPU the caching allocator hands them the freed memory),
+    while an earlier kernel still holds the communication stream: the calls must still read the inputs as
+    they were. -> (recv_x, recv_idx, recv_w, combined, combined_w)"""
+    rank = dist.get_rank()
+    inp = my_inputs(p)
+    area = {}
+    if arena:
+        rows = 4 * dist.get_world_size() * max(p.max_tokens, num_worst_tokens)
+        area = dict(num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p, rows), dispatch_arena=True)
+    buffer = normal_buffer(p.hidden, **area)
+    extra = dict(async_finish=True, allocate_on_comm_stream=True, num_worst_tokens=num_worst_tokens)
+
+    def hold_comm_stream():  # the call's kernels start only after the compute stream has moved on
+        if device().type == "cuda":
+            with torch.cuda.stream(buffer.get_comm_stream()):
+                torch.cuda._sleep(20_000_000)
+
+    def overwrite(tensors):  # the freed inputs' memory, taken and written on the current stream
+        return [torch.full_like(t, 7 if t.dtype != torch.bool else 1) for t in tensors]
+
+    args = {k: v.clone() for k, v in dispatch_args(buffer, inp, p).items()}
+    x = inp["x"].clone()
+    hold_comm_stream()
+    recv_x, recv_idx, recv_w, _, handle, event = buffer.dispatch(x, **args, previous_event=Buffer.capture(),
+                                                                 **extra)
+    shapes = [x, *args.values()]
+    del x, args
+    garbage = overwrite(shapes)
+    event.current_stream_wait()
+    y, weights = expert_output(recv_x, rank), recv_w.clone()
+    hold_comm_stream()
+    combined, combined_w, event = buffer.combine(y, handle, topk_weights=weights, previous_event=Buffer.capture(),
+                                                 async_finish=True, allocate_on_comm_stream=True)
+    shapes = [y, weights]
+    del y, weights
+    garbage += overwrite(shapes)
+    event.current_stream_wait()
+    if device().type == "cuda":
+        torch.cuda.synchronize()
+        buffer._intranode.check_errors()
+    return cpu((recv_x, recv_idx, recv_w, combined, combined_w))
+
+
 def _keep_gpu_busy():
     """Matmuls between a send and its hook: they run while the data is in flight (CUDA ranks only)."""
     if device().type == "cuda":

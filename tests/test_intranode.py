@@ -90,6 +90,18 @@ def test_buffers_made_while_another_buffers_calls_run(pools, gpu_pools, seed, nu
             assert _same(got, expected), f"seed {seed} rank {rank}: Buffer {layer}'s recv_x/combined differ"
 
 
+@pytest.mark.parametrize("num_worst_tokens,arena", [(0, False), (256, False), (0, True)])
+def test_async_calls_keep_their_inputs(pools, gpu_pools, seed, num_worst_tokens, arena):
+    """Inputs the caller drops right after an async call, their memory rewritten at once on its stream
+    while the call still waits behind an earlier kernel: the results are the inputs' (with
+    num_worst_tokens nothing waits on the host, so the count exchange's inputs too are read late)."""
+    p = Problem(seed, 4, 32, 1024, 6, max_tokens=64)
+    on_gpu, on_cpu = _both(pools, gpu_pools, 4, rank_fns.inputs_dropped_after_async_calls, p, num_worst_tokens,
+                           arena=arena)
+    for rank, (got, expected) in enumerate(zip(on_gpu, on_cpu)):
+        assert _same(got, expected), f"seed {seed} rank {rank}: an async call read an input the caller had dropped"
+
+
 @pytest.mark.parametrize("num_ranks,hidden,dtype", [(3, 132, torch.bfloat16), (2, 256, torch.float32),
                                                     (5, 2052, torch.bfloat16), (4, 2052, torch.bfloat16),
                                                     (5, 2048, torch.bfloat16), (4, 120, torch.bfloat16)])

@@ -445,7 +445,7 @@ class IntranodeBackend:
         # A zero-copy slot is not the caching allocator's memory (no record_stream): the Buffer keeps it.
         event = self._leave(
             compute, async_finish, allocate_on_comm_stream,
-            [x, scales, topk_idx, topk_weights, is_token_in_rank],
+            [x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert],
             (recv if (slot is None and not into_arena) or copy_out else []) + [recv_idx, recv_weights],
         )
         if overflow:
