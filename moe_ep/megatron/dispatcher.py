@@ -4,7 +4,8 @@ The six phases follow megatron's MoETokenDispatcher contract, so its overlap sch
 one micro-batch's communication with another's compute: token_dispatch and token_combine start the
 exchange on the Buffer's communication stream and return, and the post-processing phase that reads
 the result first waits for it (on the portable backend, calls complete before they return and the
-waits are free). Communication state lives in one small object (`_CommState`) per dispatcher.
+waits are free). Communication state lives in one small object (`_CommState`) per dispatcher; the
+Buffer is one per process group, shared by every layer's dispatcher (`_buffer_for`).
 Autograd: the backward of dispatch is a combine over the same handle, the backward of combine is a
 cached dispatch. MOE_EP_ZERO_COPY_COMBINE=1: the local unpermute writes straight into the Buffer's
 zero-copy combine rows, which the token owners then sum where they lie (one pass less).
