@@ -180,9 +180,9 @@ def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, n
 
 
 def buffers_made_while_calls_run(p: Problem, num_buffers: int = 3, arena: bool = False):
-    """A Buffer per layer, each made (collectively) while the previous one's async combine may still
-    run, matmuls beside every call: how megatron's dispatcher used Buffers through the twenty-fifth
-    session. -> each Buffer's (recv_x, combined), per rank."""
+    """A Buffer per layer, each made (collectively) right after the previous one's async calls were
+    issued and their outputs left unread, matmuls beside every call: how megatron's dispatcher used
+    Buffers through the twenty-fifth session. -> each Buffer's (recv_x, combined), per rank."""
     rank = dist.get_rank()
     inp = my_inputs(p)
     area = {}
@@ -205,7 +205,7 @@ def buffers_made_while_calls_run(p: Problem, num_buffers: int = 3, arena: bool =
         del y  # the combine keeps its input alive until its kernels are done (an arena combine copies it first)
         _keep_gpu_busy()
         event.current_stream_wait()
-        outputs.append((recv_x, combined))  # read at the end: the next Buffer is made while this runs
+        outputs.append((recv_x, combined))  # read at the end, after every Buffer's calls
     if device().type == "cuda":
         torch.cuda.synchronize()
         for buffer in buffers:
