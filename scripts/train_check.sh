@@ -27,7 +27,8 @@ while read -r name vars; do
   echo "rc=$?"
   grep -h "Error:" "$OUT/$name.log" | sort | uniq -c | cut -c1-1200
   tr '\r' '\n' < "$OUT/$name.log" | grep -o "[0-9]*/$steps \[[^]]*\]" | tail -1
-  for dump in "$OUT/stalls_$name"/stall_rank*.txt; do  # the innermost frames of each stalled rank
-    [[ -s $dump ]] && { echo "  $(basename "$dump"):"; grep -m 4 'File' "$dump" | sed 's/^/    /'; }
+  for dump in "$OUT/stalls_$name"/stall_rank*.txt; do  # each stalled rank's main thread, innermost frames
+    [[ -s $dump ]] && { echo "  $(basename "$dump"):"; awk 'BEGIN { RS = "" } /train_moe.py/ { print; exit }' "$dump" \
+      | sed -n '2,7p' | sed 's/^/    /'; }
   done
 done <<< "${TRAIN_VARIANTS:-two_pass MOE_EP_DISPATCH_ARENA=0}"
