@@ -114,6 +114,13 @@ def zero_copy_dispatch_area(p: Problem, rows: int = None) -> int:
     return zero_copy_dispatch_bytes(rows, p.hidden * 4, p.hidden // 128 * 4, p.num_topk)
 
 
+def arena_area(p: Problem, num_worst_tokens: int = 0) -> dict:
+    """Buffer arguments of a dispatch arena with room for four calls' rows (recv_x, the cached
+    dispatch's, the combine's input and its copy) of this Problem."""
+    rows = 4 * dist.get_world_size() * max(p.max_tokens, num_worst_tokens)
+    return dict(num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p, rows), dispatch_arena=True)
+
+
 def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, num_worst_tokens: int = 0,
                  num_biases: int = 0, with_topk: bool = True, config: Config = None, buffer: Buffer = None,
                  stream_args: bool = False, dtype: torch.dtype = torch.bfloat16, zero_copy_dispatch: bool = False,
@@ -131,8 +138,7 @@ def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, n
     # normal_buffer sizes for 2-byte elements: float32 rows are twice as wide.
     area = dict(num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p)) if zero_copy_dispatch else {}
     if arena:
-        rows = 4 * dist.get_world_size() * max(p.max_tokens, num_worst_tokens)
-        area = dict(num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p, rows), dispatch_arena=True)
+        area = arena_area(p, num_worst_tokens)
     buffer = buffer if buffer is not None else normal_buffer(p.hidden * (2 if dtype == torch.float32 else 1), config,
                                                              **area)
     extra = dict(config=config) if config is not None else {}
@@ -185,10 +191,7 @@ def buffers_made_while_calls_run(p: Problem, num_buffers: int = 3, arena: bool =
     Buffers through the twenty-fifth session. -> each Buffer's (recv_x, combined), per rank."""
     rank = dist.get_rank()
     inp = my_inputs(p)
-    area = {}
-    if arena:
-        rows = 4 * dist.get_world_size() * p.max_tokens
-        area = dict(num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p, rows), dispatch_arena=True)
+    area = arena_area(p) if arena else {}
     buffers, outputs = [], []
     for _ in range(num_buffers):
         buffers.append(normal_buffer(p.hidden, **area))
@@ -220,11 +223,7 @@ def inputs_dropped_after_async_calls(p: Problem, num_worst_tokens: int, arena: b
     they were. -> (recv_x, recv_idx, recv_w, combined, combined_w)"""
     rank = dist.get_rank()
     inp = my_inputs(p)
-    area = {}
-    if arena:
-        rows = 4 * dist.get_world_size() * max(p.max_tokens, num_worst_tokens)
-        area = dict(num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p, rows), dispatch_arena=True)
-    buffer = normal_buffer(p.hidden, **area)
+    buffer = normal_buffer(p.hidden, **(arena_area(p, num_worst_tokens) if arena else {}))
     extra = dict(async_finish=True, allocate_on_comm_stream=True, num_worst_tokens=num_worst_tokens)
 
     def hold_comm_stream():  # the call's kernels start only after the compute stream has moved on

@@ -1274,7 +1274,8 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
             from_rows[r] = __ldcg(layout + kCombineRows), from_capacity[r] = __ldcg(layout + kCombineCapacity);
             from_pitch[r] = __ldcg(layout + kCombinePitch), from_weights[r] = __ldcg(layout + kCombineWeights);
             // A rank that had no room for its rows published a negative capacity: its rows count as not
-            // sent here, and the host reports it at this rank's next call (that rank raised at once).
+            // sent here, and this rank's host reports it once this call is launched, or at the next
+            // combine if the kernel ran later (that rank raised at once).
             if (ok && blockIdx.x == 0 && from_capacity[r] < 0 && r != me)
                 reinterpret_cast<volatile int*>(e.host)[kHostCombineMissing] = r + 1;
         } else {

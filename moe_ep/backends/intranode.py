@@ -24,8 +24,8 @@ from ..events import EventOverlap
 from ..handles import DispatchHandle
 from ..sync import ArrivalGate
 from .peers import (
-    HOST_COMBINE_MISSING, HOST_COUNTS, HOST_DONE, HOST_ERROR, HOST_OVERFLOW, PHASE_NAMES, WAIT_NAMES, MappedBuffers, aligned, device_view,
-    kernel_progress, map_peer_buffers, peer_memory,
+    HOST_COMBINE_MISSING, HOST_COUNTS, HOST_DONE, HOST_ERROR, HOST_OVERFLOW, PHASE_NAMES, WAIT_NAMES, MappedBuffers,
+    aligned, device_view, kernel_progress, map_peer_buffers, peer_memory,
 )
 
 # Host-side grace on top of the kernels' own deadline before the host gives up on a count exchange.
@@ -92,12 +92,12 @@ def dispatch_via_zero_copy() -> bool:
 def dispatch_arena() -> bool:
     """MOE_EP_DISPATCH_ARENA=1 (the default of Buffer's dispatch_arena): the zero-copy dispatch area
     becomes an arena, and every dispatch of the Buffer (ordinary or zero-copy) takes a region of it for
-    its received rows, into which the senders
-    store them once; recv_x and the scales are tensors over the region that return it when the last of
-    them dies. Why: one pass over memory instead of two, with recv_x owning its memory like any tensor
-    (the two slots' views are valid only until the second zero-copy dispatch after). Off by default
-    (docs/DESIGN.md, step 4, says why). The area must hold every live dispatch's rows: a dispatch
-    that finds no room raises ValueError (its rows are dropped; the Buffer stays usable)."""
+    its received rows, into which the senders store them once; recv_x and the scales are tensors over
+    the region that return it when the last of them dies. Why: one pass over memory instead of two,
+    with recv_x owning its memory like any tensor (the two slots' views are valid only until the second
+    zero-copy dispatch after). Off by default (docs/DESIGN.md, step 4, says why). The area must hold
+    every live dispatch's rows: a dispatch that finds no room raises ValueError (its rows are dropped;
+    the Buffer stays usable)."""
     return env_switch("MOE_EP_DISPATCH_ARENA", "0")
 
 
@@ -731,9 +731,9 @@ class IntranodeBackend:
             out_weights = None
             if topk_weights is not None:
                 out_weights = torch.empty((handle.num_tokens, topk_weights.shape[1]), dtype=torch.float32, device=x.device)
-        given = x
         with torch.cuda.stream(self.comm_stream):
             if from_arena:  # x itself, or its copy into the arena (on this stream)
+                given = x
                 x, where, kept = self._arena_combine_rows(x, topk_weights)
             args = (self.ctx, config.num_sms, x, topk_weights, state.recv_src_idx, state.recv_info, state.send_pos,
                     biases[0], biases[1], out, out_weights)
@@ -751,8 +751,8 @@ class IntranodeBackend:
         # arena after the kernel, which ends once every peer has read them); otherwise the current stream
         # waits for the kernel before anything can reuse them.
         inputs = [x, topk_weights, *biases] if zero_copy_slot is None else [topk_weights, *biases]
-        if from_arena:  # and the caller's x, which the copy into the arena reads on this stream
-            inputs += kept + [given]
+        if from_arena:  # and the caller's x where it was copied: the copy reads it on this stream
+            inputs += kept + ([given] if given is not x else [])
         event = self._leave(compute, async_finish, allocate_on_comm_stream, inputs, [out, out_weights])
         if from_arena and where[2] < 0:
             raise ValueError(self._arena_combine_full(x, topk_weights))

@@ -92,11 +92,12 @@ def _zero_copy_requested(direction: str) -> bool:
 _buffers: Dict[dist.ProcessGroup, Buffer] = {}
 
 
-def _buffer_for(group, hidden_bytes: int, zero_copy_bytes: int = 0, zero_copy_dispatch: int = 0) -> Buffer:
+def _buffer_for(group, hidden_bytes: int, zero_copy_bytes: int = 0, zero_copy_dispatch: int = 0,
+                arena: bool = False) -> Buffer:
     """The group's shared Buffer, replaced (collectively: every rank asks for the same sizes) by a larger
     one when it lacks room for rows of hidden_bytes, a zero-copy combine area of zero_copy_bytes or a
-    zero-copy dispatch area of zero_copy_dispatch, or by one with the dispatch arena switched as
-    MOE_EP_DISPATCH_ARENA now says."""
+    zero-copy dispatch area of zero_copy_dispatch, or by one whose zero-copy dispatch area is (`arena`)
+    or is not a dispatch arena, as asked."""
     size = group.size()
     nvl = max(
         Buffer.get_dispatch_config(size).get_nvl_buffer_size_hint(hidden_bytes, size),
@@ -109,7 +110,7 @@ def _buffer_for(group, hidden_bytes: int, zero_copy_bytes: int = 0, zero_copy_di
     current = _buffers.get(group)
     if (
         current is not None
-        and current.dispatch_arena == (zero_copy_dispatch > 0 and dispatch_arena())
+        and current.dispatch_arena == arena
         and current.num_nvl_bytes >= nvl
         and current.num_rdma_bytes >= rdma
         and current.num_zero_copy_combine_bytes >= zero_copy_bytes
@@ -121,7 +122,7 @@ def _buffer_for(group, hidden_bytes: int, zero_copy_bytes: int = 0, zero_copy_di
         zero_copy_bytes = max(zero_copy_bytes, current.num_zero_copy_combine_bytes)
         zero_copy_dispatch = max(zero_copy_dispatch, current.num_zero_copy_dispatch_bytes)
     _buffers[group] = Buffer(group, nvl, rdma, num_zero_copy_combine_bytes=zero_copy_bytes,
-                             num_zero_copy_dispatch_bytes=zero_copy_dispatch)
+                             num_zero_copy_dispatch_bytes=zero_copy_dispatch, dispatch_arena=arena)
     return _buffers[group]
 
 
@@ -261,12 +262,13 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         if self._zero_copy:
             zero_copy_bytes = zero_copy_combine_bytes(rows, hidden_states.shape[1] * hidden_states.element_size())
         zero_copy_dispatch = 0
-        if self._state.zero_copy_dispatch or dispatch_arena():  # the rows, their top-k, any fp8 rows' scales
+        arena = dispatch_arena()
+        if self._state.zero_copy_dispatch or arena:  # the rows, their top-k, any fp8 rows' scales
             zero_copy_dispatch = zero_copy_dispatch_bytes(rows, hidden_bytes, hidden_states.shape[1] // 128 * 4,
                                                           self.router_topk)
-            if dispatch_arena():  # a dispatch's recv_x, the combine's input, the backward's two
+            if arena:  # a dispatch's recv_x, the combine's input, the backward's two
                 zero_copy_dispatch *= 2
-        self._state.buffer = _buffer_for(self.group, hidden_bytes, zero_copy_bytes, zero_copy_dispatch)
+        self._state.buffer = _buffer_for(self.group, hidden_bytes, zero_copy_bytes, zero_copy_dispatch, arena)
         return _Dispatch.apply(hidden_states, probs, self._topk_idx, self.num_experts, self._state)
 
     @phase_range("dispatch_postprocess")
