@@ -19,6 +19,7 @@ import faulthandler
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -40,9 +41,9 @@ def parse_args(argv=None):
     parser.add_argument("--json-log", help="JSON lines, one per step (rank 0)")
     parser.add_argument("--profile", help="rank 0's operator table of three profiled steps, written here")
     parser.add_argument("--stall-dump", type=float, metavar="S",
-                        help="a step that takes longer than S seconds appends each rank's Python stacks to "
-                             "stall_rank<N>.txt in --stall-dir (where a late rank's host is when its peers' "
-                             "waits run out; faulthandler reads the stacks without the GIL, which is safe only "
+                        help="a step that takes longer than S seconds appends each rank's Python stacks and "
+                             "its Buffer calls' progress (moe_ep.megatron.progress_reports) to stall_rank<N>.txt "
+                             "in --stall-dir (where a late rank is when its peers' waits run out; faulthandler reads the stacks without the GIL, which is safe only "
                              "while the step is stuck: keep S well above a step's time)")
     parser.add_argument("--stall-dir", default=".", help="where --stall-dump writes")
     return parser.parse_args(argv)
@@ -157,6 +158,16 @@ def average_dense_gradients(model) -> None:
             param.grad /= world
 
 
+def write_progress_reports(stall_file, step: int) -> None:
+    """A stalled step's other half (faulthandler writes the stacks): where this rank's Buffer calls
+    stand, from a thread that runs while the main thread waits in a call (which releases the GIL)."""
+    from moe_ep.megatron import progress_reports
+
+    for report in progress_reports():
+        stall_file.write(f"step {step}, {time.strftime('%H:%M:%S')}: {report}\n")
+    stall_file.flush()
+
+
 def train(args) -> list:
     with open(args.config) as f:
         cfg = yaml.safe_load(f)
@@ -198,6 +209,9 @@ def train(args) -> list:
     for step in range(steps):
         if stall_file is not None:
             faulthandler.dump_traceback_later(args.stall_dump, file=stall_file)
+            stall_probe = threading.Timer(args.stall_dump, write_progress_reports, (stall_file, step))
+            stall_probe.daemon = True
+            stall_probe.start()
         profiler.before_step(step)
         if use_cuda:
             torch.cuda.synchronize()
@@ -219,6 +233,7 @@ def train(args) -> list:
         log.append(record)
         if stall_file is not None:
             faulthandler.cancel_dump_traceback_later()
+            stall_probe.cancel()
         profiler.after_step(step, last=step == steps - 1)
         if progress is not None:
             progress.set_postfix(loss=f"{record['loss']:.4f}")

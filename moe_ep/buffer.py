@@ -238,6 +238,13 @@ class Buffer:
         self._ll_combine_in_place = [False, False]
         self._destroyed = True
 
+    def progress_report(self) -> str:
+        """(ext) Where this rank's intranode calls stand, one line for a stalled program's report (safe to
+        call from another thread while a call waits): when the host launched its last calls, whether the
+        caller's stream had reached each, which kernels the device started and finished last, and whether
+        the communication stream is idle. Empty before the first call on the kernels."""
+        return self._intranode.progress_report() if self._intranode is not None else ""
+
     def _check_alive(self) -> None:
         if self._destroyed:
             raise RuntimeError("this Buffer was destroyed; create a new one")

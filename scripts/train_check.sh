@@ -5,7 +5,8 @@
 # Prints each run's errors (one line per distinct message) and its last steps; logs in $OUT/<name>.log.
 # A carried .whl/megatron_core-*.whl is installed first (README). TRAIN_NPROC (4), TRAIN_STEPS (12),
 # TRAIN_CONFIG (configs/single_gpu_small.yaml), TRAIN_TIMEOUT_S (150), MOE_EP_TIMEOUT_S (10). A step
-# longer than TRAIN_STALL_S (6) leaves every rank's Python stacks in $OUT/stalls_<name>/stall_rank<N>.txt.
+# longer than TRAIN_STALL_S (6) leaves every rank's Python stacks and Buffer progress in
+# $OUT/stalls_<name>/stall_rank<N>.txt.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 if ! $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
@@ -29,6 +30,6 @@ while read -r name vars; do
   tr '\r' '\n' < "$OUT/$name.log" | grep -o "[0-9]*/$steps \[[^]]*\]" | tail -1
   for dump in "$OUT/stalls_$name"/stall_rank*.txt; do  # each stalled rank's main thread, innermost frames
     [[ -s $dump ]] && { echo "  $(basename "$dump"):"; awk 'BEGIN { RS = "" } /train_moe.py/ { print; exit }' "$dump" \
-      | sed -n '2,7p' | sed 's/^/    /'; }
+      | sed -n '2,5p' | sed 's/^/    /'; grep -h "^step " "$dump" | tail -1 | cut -c1-900 | sed 's/^/    /'; }
   done
 done <<< "${TRAIN_VARIANTS:-two_pass MOE_EP_DISPATCH_ARENA=0}"

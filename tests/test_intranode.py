@@ -370,7 +370,11 @@ def test_a_peer_missing_in_a_kernel_is_named(gpu_pools, phase, waited_for, strea
     env = dict(SHORT_TIMEOUT, MOE_EP_STREAM_COMBINE=stream)
     missing = num_ranks - 1
     results = gpu_pools(num_ranks).run(rank_fns.with_env, env, rank_fns.skip_after_warmup, missing, phase)
-    assert results[missing] == "skipped"
+    skipped, report = results[missing]
+    # Where the skipping rank stood: its warm-up dispatch launched, done on the device, the stream idle.
+    assert skipped == "skipped" and report.startswith(f"rank {missing}: calls launched by the host, oldest "
+                                                      "first: dispatch "), report
+    assert "last to finish: the dispatch of call" in report and report.endswith("communication stream idle"), report
     for rank, outcome in enumerate(results[:missing]):
         assert isinstance(outcome, tuple), f"rank {rank}: {outcome} without rank {missing}"
         kind, message = outcome

@@ -45,3 +45,37 @@ def test_kernel_progress_names_the_last_kernels_started_and_finished():
     host[HOST_KERNEL_STARTED], host[HOST_KERNEL_FINISHED] = _DISPATCH << 24 | 17, _NOTIFY << 24 | 16
     assert kernel_progress(host) == ("last kernel to start: the dispatch of call 17; "
                                      "last to finish: the notify (count exchange) of call 16")
+
+
+class _Event:
+    def __init__(self, done: bool):
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_progress_report_tells_a_call_held_by_the_device_from_one_its_caller_never_reached(monkeypatch):
+    from collections import deque
+
+    from moe_ep.backends import intranode
+    from moe_ep.backends.intranode import IntranodeBackend
+
+    now = 1000.0
+    monkeypatch.setattr(intranode.time, "monotonic", lambda: now)
+
+    host = [0] * 32
+    host[HOST_KERNEL_STARTED] = host[HOST_KERNEL_FINISHED] = _DISPATCH << 24 | 244
+    shared = _Event(False)
+    backend = types.SimpleNamespace(
+        rank=1, _host=host, comm_stream=_Event(False),
+        _recent_calls=deque([["dispatch", now - 8.3, None], ["combine", now - 8.1, _Event(True)],
+                             ["dispatch", now - 8.0, shared], ["combine", now - 7.9, shared]]),
+    )
+    report = IntranodeBackend.progress_report(backend)
+    assert report.startswith("rank 1: calls launched by the host, oldest first: dispatch 8.30 s ago (ordered "
+                             "inside the extension), combine 8.10 s ago (its caller's stream had reached it), "
+                             "dispatch 8.00 s ago (unknown whether"), report
+    assert "combine 7.90 s ago (its caller's stream had NOT reached it)" in report, report
+    assert report.endswith("device: last kernel to start: the dispatch of call 244; last to finish: the dispatch "
+                           "of call 244; communication stream busy"), report

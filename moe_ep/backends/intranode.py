@@ -8,6 +8,8 @@ call gets here. Kernels run on a dedicated communication stream with deep_ep's e
 from __future__ import annotations
 
 import os
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -154,6 +156,8 @@ class IntranodeBackend:
         # The stream orderings every call makes, on two events kept for it: Stream.wait_stream creates and
         # destroys an event each time (two more CUDA API calls per ordering on the call's host path).
         self._compute_ready, self._comm_done = torch.cuda.Event(), torch.cuda.Event()
+        # The last calls' [kind, host time, event the communication stream waited for] (progress_report).
+        self._recent_calls = deque(maxlen=4)
         self._nonce = 0
         self._fitting_sms = set()  # SM budgets known to fit this GPU together with its other ranks
         # MOE_EP_PROFILE_WAITS=1: the kernels add up, per block, the time they wait on peers (by what
@@ -223,6 +227,28 @@ class IntranodeBackend:
         self.check_errors()
         self.check_num_sms(num_sms)
         self.ctx.wait_ns = self._profile_rows(kernel, num_sms)
+        self._recent_calls.append([kernel, time.monotonic(), None])
+
+    def progress_report(self) -> str:
+        """Where this rank's last calls stand, for a stalled program's report: when its host launched
+        each, whether the caller's stream had reached the call's start (the event the communication stream
+        waits for), which kernels the device started and finished last, and whether the stream is idle.
+        A call whose caller's stream was reached but whose kernel never started was held by the device."""
+        now = time.monotonic()
+        calls, recent = [], list(self._recent_calls)
+        for i, (kind, launched, event) in enumerate(recent):
+            if event is None:
+                reached = "ordered inside the extension"
+            elif event.query():
+                reached = "its caller's stream had reached it"
+            elif any(later[2] is event for later in recent[i + 1:]):  # the Buffer's event, recorded again since
+                reached = "unknown whether its caller's stream had reached it"
+            else:
+                reached = "its caller's stream had NOT reached it"
+            calls.append(f"{kind} {now - launched:.2f} s ago ({reached})")
+        stream = "idle" if self.comm_stream.query() else "busy"
+        return (f"rank {self.rank}: calls launched by the host, oldest first: {', '.join(calls) or 'none'}; device: "
+                f"{kernel_progress(self._host)}; communication stream {stream}")
 
     # ---------------------------------------------------------------- wait profile
     def _profile_rows(self, kernel: str, num_blocks: int) -> int:
@@ -265,9 +291,11 @@ class IntranodeBackend:
         compute = torch.cuda.current_stream()
         if previous_event is not None and previous_event.event is not None:
             self.comm_stream.wait_event(previous_event.event)
+            self._recent_calls[-1][2] = previous_event.event
         else:
             self._compute_ready.record(compute)
             self.comm_stream.wait_event(self._compute_ready)
+            self._recent_calls[-1][2] = self._compute_ready
         return compute
 
     def _leave(self, compute, async_finish: bool, allocate_on_comm_stream: bool, inputs, outputs) -> EventOverlap:
@@ -491,6 +519,7 @@ class IntranodeBackend:
         order_after_caller = previous_event is None or previous_event.event is None
         if not order_after_caller:
             self.comm_stream.wait_event(previous_event.event)
+            self._recent_calls[-1][2] = previous_event.event
         self._nonce += 1
         return order_after_caller
 

@@ -3,13 +3,14 @@
 Importing this package registers the dispatcher type (see register.py)."""
 
 from .compat import install_as_deep_ep
-from .dispatcher import MoEEPTokenDispatcher
+from .dispatcher import MoEEPTokenDispatcher, progress_reports
 from .register import DISPATCHER_TYPE, add_arguments, apply_arguments, register, set_zero_copy
 
 register()
 
 __all__ = [
     "MoEEPTokenDispatcher",
+    "progress_reports",
     "register",
     "add_arguments",
     "apply_arguments",

@@ -126,6 +126,11 @@ def _buffer_for(group, hidden_bytes: int, zero_copy_bytes: int = 0, zero_copy_di
     return _buffers[group]
 
 
+def progress_reports() -> List[str]:
+    """Every shared Buffer's progress_report(): where this rank's calls stand, for a stalled step's dump."""
+    return [report for report in (buffer.progress_report() for buffer in list(_buffers.values())) if report]
+
+
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, topk_idx, num_experts, state: _CommState):
