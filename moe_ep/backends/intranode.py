@@ -24,7 +24,6 @@ from ..config import (
 from ..checks import env_switch
 from ..events import EventOverlap
 from ..handles import DispatchHandle
-from ..matmul_carveout import keep_sms_from_matmuls, requested_carveout
 from ..sync import ArrivalGate
 from .peers import (
     HOST_COMBINE_MISSING, HOST_COUNTS, HOST_DONE, HOST_ERROR, HOST_OVERFLOW, PHASE_NAMES, WAIT_NAMES, MappedBuffers,
@@ -161,7 +160,6 @@ class IntranodeBackend:
         self._recent_calls = deque(maxlen=4)
         self._nonce = 0
         self._fitting_sms = set()  # SM budgets known to fit this GPU together with its other ranks
-        self._carved_for = set()  # SM budgets whose SMs matmuls already leave to the kernels
         # MOE_EP_PROFILE_WAITS=1: the kernels add up, per block, the time they wait on peers (by what
         # they wait for) and their whole time; wait_profile() reads it. For benchmarks: it costs two
         # clock reads per wait.
@@ -228,17 +226,8 @@ class IntranodeBackend:
         budget that cannot be resident, and point the kernels at this kernel's wait-profile rows."""
         self.check_errors()
         self.check_num_sms(num_sms)
-        if num_sms not in self._carved_for:
-            self._keep_sms_from_matmuls(num_sms)
         self.ctx.wait_ns = self._profile_rows(kernel, num_sms)
         self._recent_calls.append([kernel, time.monotonic(), None])
-
-    def _keep_sms_from_matmuls(self, num_sms: int) -> None:
-        """Where ranks share a GPU, matmuls target the SMs the ranks' kernels at this budget leave
-        (moe_ep.matmul_carveout says why)."""
-        blocks = max(self.launch_blocks(num_sms), self.launch_blocks(num_sms, combine=True), self.num_ranks)
-        keep_sms_from_matmuls(requested_carveout(self.peers.ranks_on_device, blocks), self.peers.device)
-        self._carved_for.add(num_sms)
 
     def progress_report(self) -> str:
         """Where this rank's last calls stand, for a stalled program's report: when its host launched
