@@ -237,6 +237,19 @@ def ranks_share_a_gpu(num_ranks: int) -> bool:
     return torch.cuda.is_available() and num_ranks > torch.cuda.device_count()
 
 
+def sm_share(value: str, num_ranks: int) -> int:
+    """--sm-share as a percentage: auto gives each of the ranks sharing a GPU its client_sm_share."""
+    if value == "auto":
+        import torch
+
+        from .mps import client_sm_share
+
+        return client_sm_share(-(-num_ranks // max(torch.cuda.device_count(), 1)))
+    if not value.isdigit() or not 1 <= int(value) <= 100:
+        raise SystemExit(f"--sm-share: expected auto or a percentage from 1 to 100, got {value!r}")
+    return int(value)
+
+
 def main(argv=None) -> int:
     """`python -m moe_ep.launch --nproc N script.py [args]`: N local ranks with torchrun's environment
     (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), under a private MPS daemon when more
@@ -245,6 +258,13 @@ def main(argv=None) -> int:
     parser.add_argument("--nproc", type=int, required=True, help="ranks to start on this host")
     parser.add_argument(
         "--mps", choices=["auto", "on", "off"], default="auto", help="auto: start MPS when ranks outnumber GPUs"
+    )
+    parser.add_argument(
+        "--sm-share", default="auto",
+        help="where ranks share a GPU: the percentage of its SMs one rank may hold at once "
+             "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; auto: (R + 1) / 2R for R ranks a GPU, which training "
+             "needs, see moe_ep.mps.client_sm_share; 100: no limit). A CUDA_MPS_ACTIVE_THREAD_PERCENTAGE "
+             "already set wins",
     )
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
@@ -263,6 +283,9 @@ def main(argv=None) -> int:
             from .mps import private_mps_daemon
 
             env = stack.enter_context(private_mps_daemon(env))
+            share = sm_share(opts.sm_share, opts.nproc)
+            if share < 100:
+                env.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(share))
         procs = [
             subprocess.Popen([sys.executable, opts.script, *opts.args], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
             for r in range(opts.nproc)

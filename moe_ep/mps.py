@@ -26,6 +26,21 @@ MULTI_PE_ENV = {
 }
 
 
+def client_sm_share(ranks_per_gpu: int) -> int:
+    """The percentage of a GPU's SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) that one of ranks_per_gpu
+    training ranks may hold at once, so that its kernels always leave the other ranks' communication
+    kernels their SMs: (R + 1) / 2R, 62% for four ranks.
+
+    The intranode kernels keep their blocks resident while they wait for peers, each rank's on at most
+    1 / 2R of the SMs (their launch fits 2R of them on the GPU). Without a share, one rank's persistent
+    GEMM (cuBLAS sizes its grid to the whole GPU, and its blocks can wait on each other) took the SMs the
+    others' waiting kernels left, could not place the rest of its blocks, and never reached the call
+    those kernels waited for: megatron training with four ranks on one H200 stalled until a kernel's
+    deadline, one rank's combine with 8 of its 16 blocks placed (PERFORMANCE.md, twenty-seventh session).
+    With a share, a rank's grids fit in what the others' kernels leave."""
+    return 100 if ranks_per_gpu <= 1 else (100 * (ranks_per_gpu + 1)) // (2 * ranks_per_gpu)
+
+
 def mps_control_binary() -> Optional[str]:
     found = shutil.which("nvidia-cuda-mps-control")
     if found:
