@@ -29,6 +29,8 @@ def test_a_peer_that_never_reached_the_call_is_told_from_one_inside_it():
     inside = _failed_wait(288, _COMBINE << 24 | 288, 9999)
     assert "the combine of call 288, 10.0 s before the wait gave up: it was inside this call's kernel, 7 of its " \
            "16 blocks started" in inside, inside
+    assert "(the rest found no free SM; where ranks share a GPU, cap each rank's SMs: moe_ep.launch --sm-share" \
+        in inside, inside
     assert "It had started no kernel of this Buffer." in _failed_wait(2, 0, 0)
     # Call numbers wrap at 24 bits in the mark, at 31 in the failed wait's record.
     assert "inside this call's kernel" in _failed_wait((1 << 24) + 5, _COMBINE << 24 | 5, 0)

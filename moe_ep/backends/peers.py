@@ -108,13 +108,21 @@ def peer_progress(host) -> str:
     call = mark & 0xFFFFFF
     if call == host[HOST_ERROR_CALL] & 0xFFFFFF:
         # Fewer blocks started than the kernel has: the rest found no SM free (other kernels held them).
-        where = (f"it was inside this call's kernel, {host[HOST_ERROR_PEER_BLOCKS]} of its "
-                 f"{host[HOST_ERROR_BLOCKS]} blocks started")
+        started, blocks = host[HOST_ERROR_PEER_BLOCKS], host[HOST_ERROR_BLOCKS]
+        where = f"it was inside this call's kernel, {started} of its {blocks} blocks started"
+        if started < blocks:
+            where += f" (the rest found no free SM{_SHARED_GPU_HINT})"
     else:
         where = ("it had not started this call's kernel: its stream was held up before it (its host, an event "
-                 "it waited for, or no free SMs)")
+                 f"it waited for, or no free SMs{_SHARED_GPU_HINT})")
     return (f" Its last kernel to start was {_kernel_mark(mark)}, {host[HOST_ERROR_PEER_STARTED_MS] / 1000:.1f} s "
             f"before the wait gave up: {where}.")
+
+
+# Where ranks share a GPU, one rank's GEMM can take the SMs the others' waiting kernels leave and wait
+# with them (moe_ep.mps.client_sm_share).
+_SHARED_GPU_HINT = ("; where ranks share a GPU, cap each rank's SMs: moe_ep.launch --sm-share, or "
+                    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
 
 
 class MappedBuffers:
