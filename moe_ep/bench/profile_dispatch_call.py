@@ -22,6 +22,7 @@ backend's dispatch as if the counts of `--ranks` ranks had arrived.
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import os
 import pstats
@@ -237,6 +238,7 @@ def stub_backend(ranks: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
     backend.ctx, backend.comm_stream = types.SimpleNamespace(wait_ns=0), _NoStream()
     backend._compute_ready, backend._comm_done = _NoEvent(), _NoEvent()
     backend._nonce, backend._fitting_sms, backend._wait_rows = 0, set(), None
+    backend._recent_calls = collections.deque(maxlen=4)
     backend.peers = types.SimpleNamespace(timeout_error=lambda: None)
     backend._host[HOST_COUNTS: HOST_COUNTS + ranks] = [tokens] * ranks
     area = zero_copy_dispatch_bytes(tokens * ranks, x.shape[1] * x.element_size(), 0, topk)
