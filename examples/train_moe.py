@@ -43,8 +43,9 @@ def parse_args(argv=None):
     parser.add_argument("--stall-dump", type=float, metavar="S",
                         help="a step that takes longer than S seconds appends each rank's Python stacks and "
                              "its Buffer calls' progress (moe_ep.megatron.progress_reports) to stall_rank<N>.txt "
-                             "in --stall-dir (where a late rank is when its peers' waits run out; faulthandler reads the stacks without the GIL, which is safe only "
-                             "while the step is stuck: keep S well above a step's time)")
+                             "in --stall-dir (where a late rank is when its peers' waits run out; faulthandler "
+                             "reads the stacks without the GIL, which is safe only while the step is stuck: keep "
+                             "S well above a step's time)")
     parser.add_argument("--stall-dir", default=".", help="where --stall-dump writes")
     return parser.parse_args(argv)
 

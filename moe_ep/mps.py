@@ -31,8 +31,9 @@ def client_sm_share(ranks_per_gpu: int) -> int:
     training ranks may hold at once, so that its kernels always leave the other ranks' communication
     kernels their SMs: (R + 1) / 2R, 62% for four ranks.
 
-    The intranode kernels keep their blocks resident while they wait for peers, each rank's on at most
-    1 / 2R of the SMs (their launch fits 2R of them on the GPU). Without a share, one rank's persistent
+    The intranode kernels keep their blocks resident while they wait for peers, each rank's on about
+    1 / 2R of the SMs at most (their launch fits 2R of them on the GPU, one block an SM in the shapes
+    tried first). Without a share, one rank's persistent
     GEMM (cuBLAS sizes its grid to the whole GPU, and its blocks can wait on each other) took the SMs the
     others' waiting kernels left, could not place the rest of its blocks, and never reached the call
     those kernels waited for: megatron training with four ranks on one H200 stalled until a kernel's

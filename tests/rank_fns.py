@@ -527,7 +527,8 @@ def intranode_layout_numbers(cases):
 def skip_after_warmup(skipping_rank: int, phase: str):
     """Every rank dispatches once (the kernels map the peers' buffers), then skipping_rank skips the
     next `phase` ("dispatch" or "combine") that the others make (and returns its progress_report()). A
-    combine does not wait on the host, so its error surfaces at the next call. Run it through with_env with a short MOE_EP_TIMEOUT_S."""
+    combine does not wait on the host, so its error surfaces at the next call. Run it through with_env
+    with a short MOE_EP_TIMEOUT_S."""
     # Every rank sends tokens to every other (the streaming combine waits only on the ranks it trades
     # rows with, so a rank without rows for the skipping one would finish its combine).
     p = Problem(21, dist.get_world_size(), dist.get_world_size() * 2, 128, 4, max_tokens=64, drop=0.0, skew=False,
