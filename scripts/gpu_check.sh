@@ -47,9 +47,15 @@ if $PY -c "import megatron.core" 2>/dev/null; then
     $PY -m pytest -q tests/test_megatron.py > "$OUT/megatron_tests.log" 2>&1
     summary "megatron tests (CPU ranks): $(tail -1 "$OUT/megatron_tests.log")"
   fi
-  [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]] && $PY examples/compare_dispatchers.py --config configs/single_gpu_small.yaml \
-    --nproc 1 --steps 30 --warmup 5 --plot "$OUT/compare_ep1.png" --json "$OUT/compare_ep1.json" 2>&1 \
-    | grep -v "step/s" | tail -6 | tee -a "$OUT/summary.txt"
+  if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
+    # EP=1, then EP=4 with four ranks sharing this GPU (the launcher's MPS and SM share) through the arena.
+    for ep in 1 4; do
+      zero_copy=none; [[ $ep -gt 1 ]] && zero_copy=arena
+      timeout 240 $PY examples/compare_dispatchers.py --config configs/single_gpu_small.yaml --nproc $ep --steps 30 \
+        --warmup 5 --zero-copy $zero_copy --plot "$OUT/compare_ep$ep.png" --json "$OUT/compare_ep$ep.json" 2>&1 \
+        | grep -v "step/s" | tail -6 | tee -a "$OUT/summary.txt"
+    done
+  fi
 fi
 
 if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
