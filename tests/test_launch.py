@@ -20,3 +20,29 @@ def test_sm_share_option():
     for bad in ("0", "101", "most"):
         with pytest.raises(SystemExit, match="--sm-share: expected auto or a percentage from 1 to 100"):
             sm_share(bad, 4)
+
+
+def _ranks_share(tmp_path, *launch_args, env=None) -> set:
+    """What CUDA_MPS_ACTIVE_THREAD_PERCENTAGE two ranks of `moe_ep.launch --mps on` see (no GPU here: the
+    MPS branch runs without a daemon to start)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "share.py"
+    script.write_text("import os, pathlib\n"
+                      f"pathlib.Path({str(tmp_path)!r}, 'rank' + os.environ['RANK']).write_text("
+                      "os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE', 'unset'))\n")
+    environment = {k: v for k, v in os.environ.items() if k != "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"}
+    environment.update(env or {})
+    subprocess.run([sys.executable, "-m", "moe_ep.launch", "--nproc", "2", "--mps", "on", *launch_args, str(script)],
+                   env=environment, check=True, timeout=120)
+    return {(tmp_path / f"rank{r}").read_text() for r in range(2)}
+
+
+def test_the_launcher_hands_each_rank_its_share(tmp_path):
+    auto = sm_share("auto", 2)  # 75 where both ranks share a GPU (or there is none), else 100: no cap
+    assert _ranks_share(tmp_path) == {str(auto) if auto < 100 else "unset"}
+    assert _ranks_share(tmp_path, "--sm-share", "100") == {"unset"}
+    assert _ranks_share(tmp_path, "--sm-share", "70") == {"70"}
+    assert _ranks_share(tmp_path, env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"}) == {"40"}  # the user's wins
