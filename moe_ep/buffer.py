@@ -238,6 +238,12 @@ class Buffer:
         self._ll_combine_in_place = [False, False]
         self._destroyed = True
 
+    @property
+    def ranks_on_this_gpu(self) -> int:
+        """(ext) How many ranks of the group share this rank's GPU: known once a call ran on the
+        intranode kernels (1 before that, and on the portable backend)."""
+        return self._intranode.peers.ranks_on_device if self._intranode is not None else 1
+
     def progress_report(self) -> str:
         """(ext) Where this rank's intranode calls stand, one line for a stalled program's report (safe to
         call from another thread while a call waits): when the host launched its last calls, whether the

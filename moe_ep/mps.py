@@ -42,6 +42,19 @@ def client_sm_share(ranks_per_gpu: int) -> int:
     return 100 if ranks_per_gpu <= 1 else (100 * (ranks_per_gpu + 1)) // (2 * ranks_per_gpu)
 
 
+def missing_sm_share(ranks_on_gpu: int, env: Optional[Dict[str, str]] = None) -> Optional[str]:
+    """What to tell a training program whose ranks share a GPU with no SM share in their environment
+    (None where they do not share one, or a share is set): it can stall as client_sm_share says."""
+    env = os.environ if env is None else env
+    if ranks_on_gpu <= 1 or "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in env:
+        return None
+    return (f"moe_ep: {ranks_on_gpu} ranks share this GPU and CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is not set: "
+            "a rank's GEMMs can take the SMs the other ranks' waiting communication kernels need, and training "
+            "then stalls until a kernel's deadline (TimeoutError). Start the ranks with python -m moe_ep.launch, "
+            f"or set CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={client_sm_share(ranks_on_gpu)} in their environment "
+            "(unless your MPS daemon sets a default share).")
+
+
 def mps_control_binary() -> Optional[str]:
     found = shutil.which("nvidia-cuda-mps-control")
     if found:

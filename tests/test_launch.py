@@ -2,7 +2,7 @@
 import pytest
 
 from moe_ep.launch import sm_share
-from moe_ep.mps import client_sm_share
+from moe_ep.mps import client_sm_share, missing_sm_share
 
 
 def test_each_rank_leaves_the_others_kernels_their_sms():
@@ -46,3 +46,11 @@ def test_the_launcher_hands_each_rank_its_share(tmp_path):
     assert _ranks_share(tmp_path, "--sm-share", "100") == {"unset"}
     assert _ranks_share(tmp_path, "--sm-share", "70") == {"70"}
     assert _ranks_share(tmp_path, env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"}) == {"40"}  # the user's wins
+
+
+def test_training_on_a_shared_gpu_without_a_share_is_told_how_to_set_one():
+    message = missing_sm_share(4, {})
+    assert "4 ranks share this GPU and CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is not set" in message
+    assert "python -m moe_ep.launch, or set CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=62" in message
+    assert missing_sm_share(4, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "62"}) is None
+    assert missing_sm_share(1, {}) is None

@@ -20,6 +20,7 @@ region the combine reads where it lies (both one pass, both ordinary tensors).
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -33,6 +34,7 @@ from ..buffer import Buffer
 from ..config import zero_copy_combine_bytes, zero_copy_dispatch_bytes
 from ..checks import env_switch
 from ..events import EventOverlap
+from ..mps import missing_sm_share
 
 
 @dataclass
@@ -126,6 +128,14 @@ def _buffer_for(group, hidden_bytes: int, zero_copy_bytes: int = 0, zero_copy_di
     return _buffers[group]
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_once_if_sharing_without_sm_share(ranks_on_gpu: int) -> None:
+    """Training beside the kernels on ranks that share a GPU needs each rank's SMs capped (moe_ep.mps)."""
+    message = missing_sm_share(ranks_on_gpu)
+    if message is not None:
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
 def progress_reports() -> List[str]:
     """Every shared Buffer's progress_report(): where this rank's calls stand, for a stalled step's dump."""
     return [report for report in (buffer.progress_report() for buffer in list(_buffers.values())) if report]
@@ -148,6 +158,7 @@ class _Dispatch(torch.autograd.Function):
             **_async(),
         )
         state.handle, state.recv_topk_idx, state.tokens_per_expert = handle, recv_idx, counts
+        _warn_once_if_sharing_without_sm_share(buffer.ranks_on_this_gpu)
         state.pending = event  # dispatch_postprocess waits for it before reading recv_x
         ctx.state = state
         ctx.handle = handle
