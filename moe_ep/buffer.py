@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -128,6 +128,10 @@ class Buffer:
         self._low_latency: Optional[LowLatencyBackend] = None  # made at the first low-latency CUDA dispatch
         self._ll_kernels = self._low_latency_kernels_usable()
         self._comm_stream: Optional[torch.cuda.Stream] = None  # made when first needed: CPU-only ranks
+        # Host time per call (the 2-rank dispatch is bound by it): the default Configs, made once per SM
+        # budget (a Config checks its fields when made), and the (row bytes, Config sizes) found to fit.
+        self._default_configs: Dict[Tuple[str, int], Config] = {}
+        self._sizes_that_fit = set()
         # on a GPU machine must not start a CUDA context
         self._destroyed = False
         self._local_buffers = {}
@@ -319,7 +323,22 @@ class Buffer:
             raise ValueError(f"num_experts: must be a multiple of the group size {self.group_size}, got {num_experts}")
         return num_experts
 
+    def _default_config(self, call: str) -> Config:
+        """get_dispatch_config / get_combine_config (call "dispatch" / "combine") of this group at the
+        current SM budget, made once per budget. Not handed out: no caller can change it."""
+        key = (call, Buffer.num_sms)
+        config = self._default_configs.get(key)
+        if config is None:
+            make = dispatch_config if call == "dispatch" else combine_config
+            config = self._default_configs[key] = make(self.group_size, Buffer.num_sms)
+        return config
+
     def _check_nvl_size(self, hidden_bytes: int, config: Config, call: str) -> None:
+        # What the size hints depend on: a call that fits once fits again.
+        key = (hidden_bytes, config.num_sms, config.num_max_nvl_chunked_recv_tokens,
+               config.num_max_rdma_chunked_recv_tokens)
+        if key in self._sizes_that_fit:
+            return
         needed = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)
         if self.num_nvl_bytes < needed:
             raise ValueError(
@@ -333,6 +352,7 @@ class Buffer:
                     f"num_rdma_bytes={self.num_rdma_bytes} is too small for {call} with {hidden_bytes} bytes "
                     f"per row on {self.group_size} ranks: need >= {needed} (Config.get_rdma_buffer_size_hint)"
                 )
+        self._sizes_that_fit.add(key)
 
     def _check_handle(self, handle, kind: type, call: str):
         if not isinstance(handle, kind):
@@ -413,7 +433,7 @@ class Buffer:
         check_int("expert_alignment", expert_alignment, minimum=1)
         check_int("num_worst_tokens", num_worst_tokens, minimum=0)
         self._check_events(previous_event, async_finish, allocate_on_comm_stream)
-        config = self.get_dispatch_config(self.group_size) if config is None else config
+        config = self._default_config("dispatch") if config is None else config
         if not isinstance(config, Config):
             raise TypeError(f"config: expected a moe_ep.Config, got {type(config).__name__}")
         self._check_nvl_size(hidden * max(x_parts[0].element_size(), 2), config, "dispatch")
@@ -561,7 +581,7 @@ class Buffer:
         if zero_copy and not _same_tensor(x, self._combine_buffers[slot]):
             raise ValueError("x: with zero_copy=True, expected the tensor the last get_next_combine_buffer returned")
         self._check_events(previous_event, async_finish, allocate_on_comm_stream)
-        config = self.get_combine_config(self.group_size) if config is None else config
+        config = self._default_config("combine") if config is None else config
         if not isinstance(config, Config):
             raise TypeError(f"config: expected a moe_ep.Config, got {type(config).__name__}")
         self._check_nvl_size(x.shape[1] * max(x.element_size(), 2), config, "combine")

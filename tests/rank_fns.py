@@ -994,3 +994,25 @@ def dispatch_arena_choices():
     area = dict(num_zero_copy_dispatch_bytes=1 << 20)
     return tuple(Buffer(dist.group.WORLD, 1024, **kwargs).dispatch_arena
                  for kwargs in ({}, area, dict(area, dispatch_arena=False), dict(area, dispatch_arena=True)))
+
+
+def calls_after_the_sm_budget_changes(p: Problem):
+    """A Buffer sized for the default Configs at the current SM budget: its calls pass, then fail with a
+    larger budget (the default Configs follow Buffer.set_num_sms however often a call ran before), and
+    pass again at the first budget. -> what each of the three rounds gave."""
+    inp = my_inputs(p)
+    before = Buffer.num_sms
+    buffer = normal_buffer(p.hidden)
+    outcomes = []
+    try:
+        for num_sms in (before, before * 4, before):
+            Buffer.set_num_sms(num_sms)
+            try:
+                recv_x, _, _, _, handle, _ = buffer.dispatch(inp["x"], **dispatch_args(buffer, inp, p))
+                buffer.combine(recv_x, handle)
+                outcomes.append("passed")
+            except ValueError as exc:
+                outcomes.append(str(exc))
+    finally:
+        Buffer.set_num_sms(before)
+    return outcomes

@@ -60,3 +60,10 @@ def test_a_stuck_rank_is_reported_with_where_it_is_stuck():
         assert not pool.alive
     finally:
         pool.close(force=True)
+
+
+def test_the_default_configs_follow_the_sm_budget(pools, seed):
+    p = Problem(seed, 2, 4, 256, 2, max_tokens=8)
+    for first, larger, again in pools(2).run(rank_fns.calls_after_the_sm_budget_changes, p):
+        assert first == again == "passed", (first, again)
+        assert "num_nvl_bytes=" in larger and "is too small for" in larger, larger
