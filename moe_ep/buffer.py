@@ -128,11 +128,11 @@ class Buffer:
         self._low_latency: Optional[LowLatencyBackend] = None  # made at the first low-latency CUDA dispatch
         self._ll_kernels = self._low_latency_kernels_usable()
         self._comm_stream: Optional[torch.cuda.Stream] = None  # made when first needed: CPU-only ranks
+        # on a GPU machine must not start a CUDA context
         # Host time per call (the 2-rank dispatch is bound by it): the default Configs, made once per SM
         # budget (a Config checks its fields when made), and the (row bytes, Config sizes) found to fit.
         self._default_configs: Dict[Tuple[str, int], Config] = {}
         self._sizes_that_fit = set()
-        # on a GPU machine must not start a CUDA context
         self._destroyed = False
         self._local_buffers = {}
         self._ll_combine_buffers: List[Optional[torch.Tensor]] = [None, None]
