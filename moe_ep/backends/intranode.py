@@ -290,13 +290,17 @@ class IntranodeBackend:
     def _enter(self, previous_event: Optional[EventOverlap]) -> torch.cuda.Stream:
         compute = torch.cuda.current_stream()
         if previous_event is not None and previous_event.event is not None:
-            self.comm_stream.wait_event(previous_event.event)
-            self._recent_calls[-1][2] = previous_event.event
+            self._wait_before_call(previous_event.event)
         else:
             self._compute_ready.record(compute)
-            self.comm_stream.wait_event(self._compute_ready)
-            self._recent_calls[-1][2] = self._compute_ready
+            self._wait_before_call(self._compute_ready)
         return compute
+
+    def _wait_before_call(self, event: torch.cuda.Event) -> None:
+        """The communication stream waits for `event` before this call's kernels; progress_report asks it
+        whether the caller's stream got there."""
+        self.comm_stream.wait_event(event)
+        self._recent_calls[-1][2] = event
 
     def _leave(self, compute, async_finish: bool, allocate_on_comm_stream: bool, inputs, outputs) -> EventOverlap:
         inputs = [t for t in inputs if isinstance(t, torch.Tensor)]
@@ -518,8 +522,7 @@ class IntranodeBackend:
         extension must order the communication stream after the caller's stream instead."""
         order_after_caller = previous_event is None or previous_event.event is None
         if not order_after_caller:
-            self.comm_stream.wait_event(previous_event.event)
-            self._recent_calls[-1][2] = previous_event.event
+            self._wait_before_call(previous_event.event)
         self._nonce += 1
         return order_after_caller
 
