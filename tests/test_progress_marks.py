@@ -81,3 +81,35 @@ def test_progress_report_tells_a_call_held_by_the_device_from_one_its_caller_nev
     assert "combine 7.90 s ago (its caller's stream had NOT reached it)" in report, report
     assert report.endswith("device: last kernel to start: the dispatch of call 244; last to finish: the dispatch "
                            "of call 244; communication stream busy"), report
+
+
+def _enum(name: str) -> dict:
+    """{enumerator: value} of csrc/kernels/api.cuh's `enum name` (implicit values count on)."""
+    import os
+    import re
+
+    header = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "kernels",
+                               "api.cuh")).read()
+    body = re.search(r"enum %s : int \{(.*?)\};" % name, header, re.S).group(1)
+    values, next_value = {}, 0
+    for entry in re.sub(r"//[^\n]*", "", body).split(","):
+        if entry.strip():
+            enumerator, _, value = entry.partition("=")
+            next_value = int(value) if value.strip() else next_value
+            values[enumerator.strip()] = next_value
+            next_value += 1
+    return values
+
+
+def test_the_host_record_and_kernel_ids_mirror_the_kernels():
+    from moe_ep.backends import peers
+
+    host_info = _enum("HostInfo")
+    assert len(host_info) == 18
+    for enumerator, value in host_info.items():  # kHostErrorPeerStartedMs -> HOST_ERROR_PEER_STARTED_MS
+        python_name = "HOST" + "".join("_" + c if c.isupper() else c.upper() for c in enumerator[len("kHost"):])
+        assert getattr(peers, python_name) == value, enumerator
+    kernel_ids = _enum("KernelId")
+    assert sorted(kernel_ids.values()) == sorted(peers.KERNEL_NAMES) == list(range(1, 7))
+    assert peers.KERNEL_NAMES[kernel_ids["kKernelZeroCopyCombine"]] == "zero-copy combine"
+    assert peers.KERNEL_NAMES[kernel_ids["kKernelNotify"]] == "notify (count exchange)"
