@@ -390,8 +390,11 @@ class IntranodeBackend:
             if into_arena:
                 reserved = self.arena.reserve_largest()
                 start, length = reserved or (0, 0)
-                target = (start, zero_copy_dispatch_rows_within(length, row_bytes(x), row_bytes(scales), num_topk),
-                          [0] * 5, length)
+                # The side outputs are allocated for the most rows the whole arena could hold, not the
+                # reserved range: the same size every call, so the caching allocator reuses its blocks
+                # (the range's length changes from call to call).
+                most = zero_copy_dispatch_rows_within(self.arena.size, row_bytes(x), row_bytes(scales), num_topk)
+                target = (start, most if reserved else 0, [0] * 5, length)
             else:
                 target = (slot_index * slot.slot_bytes, slot.capacity, slot.offsets, -1)
                 self._dispatch_next ^= 1
