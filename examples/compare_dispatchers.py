@@ -17,6 +17,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from moe_ep.zero_copy_modes import ZERO_COPY_CHOICES  # noqa: E402  (the choices train_moe.py takes)
 DISPATCHERS = ("alltoall", "deepep")
 
 
@@ -78,7 +80,7 @@ def main(argv=None) -> int:
     parser.add_argument("--torchrun-args", default="", help="extra torchrun arguments, e.g. multi-node")
     parser.add_argument("--plot", default=os.path.join(ROOT, "out", "compare_dispatchers.png"))
     parser.add_argument("--json", help="write the summary here")
-    parser.add_argument("--zero-copy", choices=["none", "dispatch", "combine", "both", "arena"],
+    parser.add_argument("--zero-copy", choices=ZERO_COPY_CHOICES,
                         help="moe_ep's one-pass intranode calls for the deepep run (train_moe.py --zero-copy)")
     parser.add_argument("--profile", metavar="DIR",
                         help="write each run's operator table of three steps here (train_moe.py --profile)")

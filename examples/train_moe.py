@@ -27,6 +27,7 @@ import torch.distributed as dist
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from moe_ep.zero_copy_modes import ZERO_COPY_CHOICES  # noqa: E402  (megatron-core is imported later)
 
 
 def parse_args(argv=None):
@@ -36,7 +37,7 @@ def parse_args(argv=None):
                         help="overrides model.moe_token_dispatcher_type")
     parser.add_argument("--steps", type=int, help="overrides train.steps")
     parser.add_argument("--ranks-per-node", type=int, help="moe_ep: ranks sharing a node (default: by host name)")
-    parser.add_argument("--zero-copy", choices=["none", "dispatch", "combine", "both", "arena"],
+    parser.add_argument("--zero-copy", choices=ZERO_COPY_CHOICES,
                         help="moe_ep: which intranode calls are one-pass ones (default: none)")
     parser.add_argument("--json-log", help="JSON lines, one per step (rank 0)")
     parser.add_argument("--profile", help="rank 0's operator table of three profiled steps, written here")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import functools
 import os
 
+from ..zero_copy_modes import ZERO_COPY_CHOICES, set_zero_copy
+
 DISPATCHER_TYPE = "deepep"
-# Which intranode calls of the dispatcher are one-pass ones (--moe-ep-zero-copy, set_zero_copy).
-ZERO_COPY_CHOICES = ("none", "dispatch", "combine", "both", "arena")
 # The cheapest built-in dispatcher to construct (no streams, no buffers); replaced right after.
 _PLACEHOLDER_TYPE = "allgather"
 
@@ -88,13 +88,3 @@ def apply_arguments(args) -> None:
     if getattr(args, "moe_ep_zero_copy", None):
         set_zero_copy(args.moe_ep_zero_copy)
 
-
-def set_zero_copy(which: str) -> None:
-    """Which calls of the dispatchers made from now on are one-pass (zero-copy) ones: none, dispatch,
-    combine or both (sets MOE_EP_ZERO_COPY_DISPATCH and MOE_EP_ZERO_COPY_COMBINE), or arena: both calls
-    one pass through a dispatch arena, their outputs ordinary tensors (MOE_EP_DISPATCH_ARENA)."""
-    if which not in ZERO_COPY_CHOICES:
-        raise ValueError(f"zero copy: expected one of {ZERO_COPY_CHOICES}, got {which!r}")
-    os.environ["MOE_EP_ZERO_COPY_DISPATCH"] = "1" if which in ("dispatch", "both") else "0"
-    os.environ["MOE_EP_ZERO_COPY_COMBINE"] = "1" if which in ("combine", "both") else "0"
-    os.environ["MOE_EP_DISPATCH_ARENA"] = "1" if which == "arena" else "0"
