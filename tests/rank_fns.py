@@ -257,6 +257,64 @@ def inputs_dropped_after_async_calls(p: Problem, num_worst_tokens: int, arena: b
     return cpu((recv_x, recv_idx, recv_w, combined, combined_w))
 
 
+_EXPERT_WEIGHTS = {}
+
+
+def _expert_gemms(repeats: int):
+    """bf16 GEMMs of an expert MLP's shapes in configs/single_gpu_small.yaml (2048 rows, hidden 1024, ffn
+    2816), forward and backward, `repeats` times on the current stream: the kind of kernels (cuBLAS
+    grids sized to the SMs the process may use) that ran on a late rank's compute stream while its peers'
+    combines waited for it in the training that stalled (CUDA ranks only; they only take time)."""
+    if device().type != "cuda" or repeats <= 0:
+        return
+    if device() not in _EXPERT_WEIGHTS:
+        g = torch.Generator(device=device()).manual_seed(dist.get_rank())
+        _EXPERT_WEIGHTS[device()] = [torch.randn(*shape, generator=g, device=device(), dtype=torch.bfloat16) * 0.03
+                                     for shape in ((2048, 1024), (1024, 2816), (2816, 1024))]
+    h, w1, w2 = _EXPERT_WEIGHTS[device()]
+    for _ in range(repeats):
+        a = h @ w1
+        y = a @ w2
+        grad_a = y @ w2.t()  # y stands in for the output's gradient
+        grad_w1, grad_h, grad_w2 = h.t() @ grad_a, grad_a @ w1.t(), a.t() @ y
+        del a, y, grad_a, grad_w1, grad_h, grad_w2
+
+
+def normal_steps_beside_gemms(p: Problem, steps: int, arena: bool = False):
+    """`steps` training-like steps: an async dispatch, expert GEMMs, an async combine, with rank r running
+    r + 1 times rank 0's GEMMs between the two calls, so the later ranks still compute while the earlier
+    ones' combines wait for them. -> per step (recv_x, recv_idx, recv_w, counts, combined, combined_w)"""
+    rank = dist.get_rank()
+    inp = my_inputs(p)
+    buffer = normal_buffer(p.hidden, **(arena_area(p) if arena else {}))
+    results = []
+    for _ in range(steps):
+        args = dispatch_args(buffer, inp, p)
+        extra = dict(previous_event=Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
+        recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(inp["x"], **args, **extra)
+        event.current_stream_wait()
+        _expert_gemms(rank + 1)
+        y = expert_output(recv_x, rank)
+        extra["previous_event"] = Buffer.capture()
+        combined, combined_w, event = buffer.combine(y, handle, topk_weights=recv_w, **extra)
+        _expert_gemms(1)  # the next layer's work beside the combine
+        event.current_stream_wait()
+        results.append((recv_x, recv_idx, recv_w, counts, combined, combined_w))
+    if device().type == "cuda":
+        torch.cuda.synchronize()
+        buffer._intranode.check_errors()
+    return cpu(results)
+
+
+def low_latency_steps_beside_gemms(p: Problem, steps: int):
+    """`steps` decode-like rounds (low_latency_round: fp8 dispatch, combine, both with the hook) on one
+    Buffer, with rank r running r + 1 times rank 0's expert GEMMs between each send and its hook.
+    -> per step what low_latency_round returns"""
+    buffer = low_latency_buffer(p)
+    return [low_latency_round(p, use_fp8=True, return_recv_hook=True, buffer=buffer, gemm_repeats=dist.get_rank() + 1)
+            for _ in range(steps)]
+
+
 def _keep_gpu_busy():
     """Matmuls between a send and its hook: they run while the data is in flight (CUDA ranks only)."""
     if device().type == "cuda":
@@ -267,10 +325,11 @@ def _keep_gpu_busy():
 
 def low_latency_round(p: Problem, use_fp8: bool, round_scale: bool = False, use_ue8m0: bool = False,
                       return_recv_hook: bool = False, zero_copy: bool = False, use_out: bool = False,
-                      busy_gpu: bool = False, calls_before: int = 0, buffer: Buffer = None):
+                      busy_gpu: bool = False, calls_before: int = 0, buffer: Buffer = None, gemm_repeats: int = 0):
     """One dispatch + combine; `calls_before` dispatch + combine pairs run first, back to back without
     any host synchronisation (how a decode loop and the benchmark issue them). buffer: a Buffer to use
-    (default: a new one sized for p)."""
+    (default: a new one sized for p). gemm_repeats: expert GEMMs (_expert_gemms) after each call, before
+    its hook."""
     rank = dist.get_rank()
     inp = my_inputs(p)
     buffer = buffer or low_latency_buffer(p)
@@ -290,6 +349,7 @@ def low_latency_round(p: Problem, use_fp8: bool, round_scale: bool = False, use_
     count_before_hook = recv_count.clone()
     if busy_gpu:
         _keep_gpu_busy()
+    _expert_gemms(gemm_repeats)
     if return_recv_hook:
         hook()
     recv_bf16 = recv_x
@@ -314,6 +374,7 @@ def low_latency_round(p: Problem, use_fp8: bool, round_scale: bool = False, use_
         return_recv_hook=return_recv_hook, out=out)
     if busy_gpu:
         _keep_gpu_busy()
+    _expert_gemms(gemm_repeats)
     if return_recv_hook:
         combine_hook()
     if buffer._low_latency is not None:  # a receive that gave up reports it at the next call: ask now

@@ -1,0 +1,72 @@
+"""Training-like steps on ranks sharing a GPU, with each rank's SMs capped as `moe_ep.launch` caps them:
+the later ranks run more expert GEMMs between their calls, so the earlier ranks' kernels wait for them
+while the GEMMs want the SMs. Without the cap this stalled megatron training with four ranks on one
+H200 (PERFORMANCE.md, twenty-seventh session); with it the results must be the portable backend's, bit
+for bit, every step. MOE_EP_TEST_SM_SHARE overrides the share (100: no cap), to see what the cap spares.
+Where every rank has a GPU of its own there is no cap, and the test checks the GEMMs beside the calls."""
+import os
+
+import pytest
+import torch
+
+from moe_ep import _native
+from moe_ep.launch import RankPool, ranks_share_a_gpu, sm_share
+
+from . import rank_fns
+from .problems import Problem, same_bits
+from .test_low_latency_kernels import _compare as _compare_low_latency
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+    pytest.mark.skipif(not _native.has_kernels(), reason=str(_native.unavailable_reason())),
+]
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def capped_pools():
+    """capped_pools(n): n CUDA ranks as gpu_pools makes them, each with the launcher's SM share where they
+    share a GPU."""
+    started = {}
+
+    def get(num_ranks: int) -> RankPool:
+        if num_ranks not in started or not started[num_ranks].alive:
+            env = {"MOE_EP_TEST_CUDA": "1", "MOE_EP_LL_KERNELS": "1"}
+            share = sm_share(os.environ.get("MOE_EP_TEST_SM_SHARE", "auto"), num_ranks)
+            if ranks_share_a_gpu(num_ranks) and share < 100:
+                env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(share)
+            started[num_ranks] = RankPool(num_ranks, use_cuda=True, backend="gloo", env=env)
+        return started[num_ranks]
+
+    yield get
+    for pool in started.values():
+        pool.close()
+
+
+def _problem(seed, num_ranks):
+    return Problem(seed, num_ranks, num_ranks * 4, 1024, 6, max_tokens=512)
+
+
+@pytest.mark.parametrize("num_ranks", [4, 8])
+@pytest.mark.parametrize("arena", [False, True])
+def test_steps_beside_expert_gemms_equal_portable(pools, capped_pools, seed, num_ranks, arena):
+    p = _problem(seed, num_ranks)
+    on_gpu = capped_pools(num_ranks).run(rank_fns.normal_steps_beside_gemms, p, STEPS, arena=arena)
+    on_cpu = pools(num_ranks).run(rank_fns.normal_steps_beside_gemms, p, 1)
+    names = ("recv_x", "recv_idx", "recv_w", "counts", "combined", "combined_w")
+    for rank, (steps, (expected,)) in enumerate(zip(on_gpu, on_cpu)):
+        assert len(steps) == STEPS
+        for step, got in enumerate(steps):
+            for name, g, c in zip(names, got, expected):
+                assert same_bits(g, c), f"seed {seed} rank {rank} step {step}: {name} differs from the portable backend"
+
+
+@pytest.mark.parametrize("num_ranks", [4, 8])
+def test_low_latency_steps_beside_expert_gemms_equal_portable(pools, capped_pools, seed, num_ranks):
+    p = Problem(seed, num_ranks, num_ranks * 4, 1024, 6, max_tokens=128)
+    on_gpu = capped_pools(num_ranks).run(rank_fns.low_latency_steps_beside_gemms, p, STEPS)
+    (on_cpu,) = zip(*pools(num_ranks).run(rank_fns.low_latency_steps_beside_gemms, p, 1))
+    for step in range(STEPS):
+        _compare_low_latency(f"{seed} step {step}", [steps[step] for steps in on_gpu], on_cpu, use_fp8=True)
