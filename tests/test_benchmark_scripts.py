@@ -133,13 +133,17 @@ def test_dispatch_call_profile_times_each_launch():
 
 
 def test_dispatch_call_profile_with_stubbed_launches():
-    out = _run("moe_ep.bench.profile_dispatch_call", "--stub-kernels", "--ranks", "4", "--tokens", "256", "--hidden", "256")
-    for row in ("Buffer.dispatch checks", "backend dispatch ", "backend dispatch, zero-copy"):
+    out = _run("moe_ep.bench.profile_dispatch_call", "--stub-kernels", "--ranks", "4", "--tokens", "256", "--hidden", "256",
+               "--python-profile", "3")
+    for row in ("Buffer.dispatch checks", "backend dispatch ", "backend dispatch, zero-copy",
+                "backend dispatch, into the arena under cProfile", "intranode.py"):
         assert row in out, out
 
 
 def test_low_latency_call_profile_with_stubbed_launches():
-    assert "low_latency_combine, no sync" in _run("moe_ep.bench.profile_low_latency_call", "--stub-kernels")
+    out = _run("moe_ep.bench.profile_low_latency_call", "--stub-kernels", "--python-profile", "3")
+    for row in ("low_latency_combine, no sync", "low_latency_dispatch, no sync under cProfile", "buffer.py"):
+        assert row in out, out
 
 
 def test_shell_scripts_parse():

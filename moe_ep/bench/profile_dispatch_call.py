@@ -23,9 +23,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import cProfile
-import os
-import pstats
 import statistics
 import time
 
@@ -38,7 +35,7 @@ from moe_ep.config import INTRANODE_SLOT_ALIGN, Config, zero_copy_dispatch_bytes
 from moe_ep.handles import DispatchHandle
 from moe_ep.launch import RankPool, free_port
 
-from .timing import host_call_us
+from .timing import host_call_us, own_time_per_call, print_own_times
 
 LAUNCHES = ("intranode_notify", "intranode_dispatch", "intranode_zero_copy_dispatch",
              "intranode_zero_copy_dispatch_early", "intranode_dispatch_fresh")
@@ -113,7 +110,12 @@ def rank_profile(args):
         calls.append((start, (time.perf_counter() - start) * 1e6, first, len(marks)))
     torch.cuda.synchronize()
     kernels.ops = kernels.ops._ops
-    python_profile = own_time_per_call(call, args.iters, args.python_profile) if args.python_profile else []
+    python_profile = []
+    if args.python_profile:
+        torch.cuda.synchronize()
+        dist.barrier()
+        python_profile = own_time_per_call(call, args.iters, args.python_profile)
+        torch.cuda.synchronize()
     buffer.destroy()
 
     rows = {}
@@ -144,24 +146,6 @@ def rank_profile(args):
     summary["host: whole call, 90th percentile"] = whole[int(0.9 * (len(whole) - 1))]
     summary["host: whole call, slowest"] = whole[-1]
     return summary, python_profile
-
-
-def own_time_per_call(call, iters: int, top: int):
-    """[(function, own us per call, calls per call)] of the `top` functions with the most own time over
-    `iters` calls of `call` under cProfile."""
-    profiler = cProfile.Profile()
-    torch.cuda.synchronize()
-    dist.barrier()
-    profiler.enable()
-    for _ in range(iters):
-        call()
-    profiler.disable()
-    torch.cuda.synchronize()
-    rows = []
-    for (path, line, name), (_, calls, own, _, _) in pstats.Stats(profiler).stats.items():
-        where = name if path == "~" else f"{os.path.basename(path)}:{line} {name}"  # "~": a C function
-        rows.append((where, own / iters * 1e6, calls / iters))
-    return sorted(rows, key=lambda row: -row[1])[:top]
 
 
 class _NoLaunches:
@@ -289,9 +273,14 @@ def stubbed_python_layer(args) -> None:
     for zero_copy in (False, True):
         us = host_call_us(lambda: backend_call([x], zero_copy), iters=2000, warmup=100)
         print(f"  {'backend dispatch' + (', zero-copy' if zero_copy else ''):<40} {us:8.1f}")
+    if args.python_profile:
+        print_own_times("backend dispatch", own_time_per_call(lambda: backend_call([x], False), 2000, args.python_profile))
     backend.arena = Arena(backend.zero_copy_dispatch_bytes, INTRANODE_SLOT_ALIGN)  # MOE_EP_DISPATCH_ARENA=1
     us = host_call_us(lambda: backend_call([x], False), iters=2000, warmup=100)
     print(f"  {'backend dispatch, into the arena':<40} {us:8.1f}")
+    if args.python_profile:
+        print_own_times("backend dispatch, into the arena",
+                        own_time_per_call(lambda: backend_call([x], False), 2000, args.python_profile))
     dist.destroy_process_group()
 
 
@@ -307,7 +296,8 @@ def main():
     parser.add_argument("--zero-copy", action="store_true", help="dispatch(zero_copy=True)")
     parser.add_argument("--arena", action="store_true", help="Buffer(dispatch_arena=True): recv_x in the arena")
     parser.add_argument("--python-profile", type=int, default=0, metavar="N",
-                        help="also each rank's N functions of most own time per call, under cProfile")
+                        help="also each rank's N functions of most own time per call, under cProfile (with "
+                             "--stub-kernels: the backend's two-pass and arena dispatches)")
     parser.add_argument("--stub-kernels", action="store_true",
                         help="the Python layer alone, launches stubbed (CPU, one process; --ranks: whose counts)")
     args = parser.parse_args()
@@ -327,9 +317,7 @@ def main():
             print(f"  {key:<52} " + " ".join(f"{r.get(key, float('nan')):8.1f}" for r in per_rank))
         for rank, (_, profile) in enumerate(results):
             if profile:
-                print(f"  -- rank {rank} under cProfile: own us per call, calls per call")
-                for where, us, calls in profile:
-                    print(f"     {where[:70]:<70} {us:8.1f} {calls:6.1f}")
+                print_own_times(f"rank {rank}", profile)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,11 @@ counts. On a GPU: a one-rank Buffer with the kernels (send to itself), with and 
 the device. With --stub-kernels (any machine): the Python layer alone, CPU tensors, the extension's
 launches replaced by no-ops, data checks off as for CUDA tensors.
 
-    python -m moe_ep.bench.profile_low_latency_call
+    python -m moe_ep.bench.profile_low_latency_call [--python-profile 15]
     python -m moe_ep.bench.profile_low_latency_call --stub-kernels
+
+--python-profile N: then each call's N functions (Python and C, the extension's entry points and torch's
+calls included) of the largest own time per call under cProfile, without waiting for the device.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from moe_ep import Buffer
 from moe_ep.backends.low_latency import LowLatencyBackend
 from moe_ep.launch import free_port
 
-from .timing import host_call_us
+from .timing import host_call_us, own_time_per_call, print_own_times
 
 TOKENS, HIDDEN, EXPERTS, TOPK = 128, 7168, 256, 8
 
@@ -65,6 +68,7 @@ def stub_kernels(buffer: Buffer) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stub-kernels", action="store_true")
+    parser.add_argument("--python-profile", type=int, default=0, metavar="N")
     args = parser.parse_args()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     device = "cpu" if args.stub_kernels else "cuda"
@@ -93,6 +97,10 @@ def main():
     print(f"low-latency call host time ({what}), median of 2000")
     for name, fn, s in rows:
         print(f"  {name:<32} {host_call_us(fn, iters=2000, warmup=100, sync=s):8.1f} us")
+    for name, fn, s in rows[:2] if args.python_profile else []:
+        print_own_times(name, own_time_per_call(fn, 2000, args.python_profile))
+        if sync is not None:
+            sync()
     dist.destroy_process_group()
 
 
