@@ -9,7 +9,7 @@ launches replaced by no-ops, data checks off as for CUDA tensors.
     python -m moe_ep.bench.profile_low_latency_call --stub-kernels
 
 --python-profile N: then each call's N functions (Python and C, the extension's entry points and torch's
-calls included) of the largest own time per call under cProfile, without waiting for the device.
+calls included) of the largest own time per call under cProfile, the device idle before each call.
 """
 from __future__ import annotations
 
@@ -84,21 +84,32 @@ def main():
         handle.backend_state.received = True
     y = torch.randn(EXPERTS, TOKENS, HIDDEN, device=device).to(torch.bfloat16)
     sync = None if args.stub_kernels else torch.cuda.synchronize
-    rows = [
-        ("low_latency_dispatch, no sync", lambda: buffer.low_latency_dispatch(x, topk_idx, TOKENS, EXPERTS), None),
-        ("low_latency_combine, no sync", lambda: buffer.low_latency_combine(y, topk_idx, topk_weights, handle), None),
-    ]
+
+    def dispatch():
+        return buffer.low_latency_dispatch(x, topk_idx, TOKENS, EXPERTS)
+
+    def combine():
+        return buffer.low_latency_combine(y, topk_idx, topk_weights, handle)
+
+    # (name, call, timed sync after it, untimed settle before it). Back to back, thousands of calls fill
+    # the launch queue and then each launch waits for the device: "device idle" is the host's
+    # own time.
+    rows = [("low_latency_dispatch, no sync", dispatch, None, None), ("low_latency_combine, no sync", combine, None, None)]
     if sync is not None:
         rows += [
-            ("low_latency_dispatch + sync", lambda: buffer.low_latency_dispatch(x, topk_idx, TOKENS, EXPERTS), sync),
-            ("low_latency_combine + sync", lambda: buffer.low_latency_combine(y, topk_idx, topk_weights, handle), sync),
+            ("low_latency_dispatch, device idle", dispatch, None, sync),
+            ("low_latency_combine, device idle", combine, None, sync),
+            ("low_latency_dispatch + sync", dispatch, sync, None),
+            ("low_latency_combine + sync", combine, sync, None),
         ]
     what = "Python layer, launches stubbed" if args.stub_kernels else torch.cuda.get_device_name()
     print(f"low-latency call host time ({what}), median of 2000")
-    for name, fn, s in rows:
-        print(f"  {name:<32} {host_call_us(fn, iters=2000, warmup=100, sync=s):8.1f} us")
-    for name, fn, s in rows[:2] if args.python_profile else []:
-        print_own_times(name, own_time_per_call(fn, 2000, args.python_profile))
+    for name, fn, after, before in rows:
+        print(f"  {name:<34} {host_call_us(fn, iters=2000, warmup=100, sync=after, settle=before):8.1f} us")
+    for name, fn in (("low_latency_dispatch", dispatch), ("low_latency_combine", combine)) if args.python_profile else ():
+        # With the device idle before each call (its synchronize shows as a row of its own).
+        settled = fn if sync is None else (lambda fn=fn: (sync(), fn()))
+        print_own_times(name, own_time_per_call(settled, 2000, args.python_profile))
         if sync is not None:
             sync()
     dist.destroy_process_group()

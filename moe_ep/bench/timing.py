@@ -37,14 +37,18 @@ def cuda_kernel_us(fn: Callable[[], object], calls: int = 50, replays: int = 20)
     return statistics.median(samples)
 
 
-def host_call_us(fn: Callable[[], object], iters: int = 200, warmup: int = 20, sync: Callable[[], None] = None) -> float:
-    """Median wall time of one call including its completion (sync), in microseconds."""
-    sync = sync or (lambda: None)
+def host_call_us(fn: Callable[[], object], iters: int = 200, warmup: int = 20, sync: Callable[[], None] = None,
+                 settle: Callable[[], None] = None) -> float:
+    """Median wall time of one call including its completion (sync), in microseconds. settle runs
+    before each call, untimed: with a device synchronize there, calls that only launch are timed with an
+    empty launch queue (thousands of calls in a row fill it, and then a launch waits for the device)."""
+    sync, settle = sync or (lambda: None), settle or (lambda: None)
     for _ in range(warmup):
         fn()
         sync()
     samples: List[float] = []
     for _ in range(iters):
+        settle()
         t0 = time.perf_counter()
         fn()
         sync()
