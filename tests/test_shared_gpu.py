@@ -45,14 +45,10 @@ def capped_pools():
         pool.close()
 
 
-def _problem(seed, num_ranks):
-    return Problem(seed, num_ranks, num_ranks * 4, 1024, 6, max_tokens=512)
-
-
 @pytest.mark.parametrize("num_ranks", [4, 8])
 @pytest.mark.parametrize("arena", [False, True])
 def test_steps_beside_expert_gemms_equal_portable(pools, capped_pools, seed, num_ranks, arena):
-    p = _problem(seed, num_ranks)
+    p = Problem(seed, num_ranks, num_ranks * 4, 1024, 6, max_tokens=512)
     on_gpu = capped_pools(num_ranks).run(rank_fns.normal_steps_beside_gemms, p, STEPS, arena=arena)
     on_cpu = pools(num_ranks).run(rank_fns.normal_steps_beside_gemms, p, 1)
     names = ("recv_x", "recv_idx", "recv_w", "counts", "combined", "combined_w")
