@@ -133,8 +133,8 @@ def test_dispatch_call_profile_times_each_launch():
 
 
 def test_dispatch_call_profile_with_stubbed_launches():
-    out = _run("moe_ep.bench.profile_dispatch_call", "--stub-kernels", "--ranks", "4", "--tokens", "256", "--hidden", "256",
-               "--python-profile", "3")
+    out = _run("moe_ep.bench.profile_dispatch_call", "--stub-kernels", "--ranks", "4", "--tokens", "256",
+               "--hidden", "256", "--python-profile", "3")
     for row in ("Buffer.dispatch checks", "backend dispatch ", "backend dispatch, zero-copy",
                 "backend dispatch, into the arena under cProfile", "intranode.py"):
         assert row in out, out

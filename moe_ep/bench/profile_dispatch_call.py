@@ -274,7 +274,8 @@ def stubbed_python_layer(args) -> None:
         us = host_call_us(lambda: backend_call([x], zero_copy), iters=2000, warmup=100)
         print(f"  {'backend dispatch' + (', zero-copy' if zero_copy else ''):<40} {us:8.1f}")
     if args.python_profile:
-        print_own_times("backend dispatch", own_time_per_call(lambda: backend_call([x], False), 2000, args.python_profile))
+        print_own_times("backend dispatch",
+                        own_time_per_call(lambda: backend_call([x], False), 2000, args.python_profile))
     backend.arena = Arena(backend.zero_copy_dispatch_bytes, INTRANODE_SLOT_ALIGN)  # MOE_EP_DISPATCH_ARENA=1
     us = host_call_us(lambda: backend_call([x], False), iters=2000, warmup=100)
     print(f"  {'backend dispatch, into the arena':<40} {us:8.1f}")

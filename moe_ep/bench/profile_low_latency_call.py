@@ -94,7 +94,8 @@ def main():
     # (name, call, timed sync after it, untimed settle before it). Back to back, thousands of calls fill
     # the launch queue and then each launch waits for the device: "device idle" is the host's
     # own time.
-    rows = [("low_latency_dispatch, no sync", dispatch, None, None), ("low_latency_combine, no sync", combine, None, None)]
+    rows = [("low_latency_dispatch, no sync", dispatch, None, None),
+            ("low_latency_combine, no sync", combine, None, None)]
     if sync is not None:
         rows += [
             ("low_latency_dispatch, device idle", dispatch, None, sync),
@@ -106,7 +107,8 @@ def main():
     print(f"low-latency call host time ({what}), median of 2000")
     for name, fn, after, before in rows:
         print(f"  {name:<34} {host_call_us(fn, iters=2000, warmup=100, sync=after, settle=before):8.1f} us")
-    for name, fn in (("low_latency_dispatch", dispatch), ("low_latency_combine", combine)) if args.python_profile else ():
+    profiled = (("low_latency_dispatch", dispatch), ("low_latency_combine", combine)) if args.python_profile else ()
+    for name, fn in profiled:
         # With the device idle before each call (its synchronize shows as a row of its own).
         settled = fn if sync is None else (lambda fn=fn: (sync(), fn()))
         print_own_times(name, own_time_per_call(settled, 2000, args.python_profile))
