@@ -261,23 +261,24 @@ _EXPERT_WEIGHTS = {}
 
 
 def _expert_gemms(repeats: int):
-    """bf16 GEMMs of an expert MLP's shapes in configs/single_gpu_small.yaml (2048 rows, hidden 1024, ffn
-    2816), forward and backward, `repeats` times on the current stream: the kind of kernels (cuBLAS
-    grids sized to the SMs the process may use) that ran on a late rank's compute stream while its peers'
-    combines waited for it in the training that stalled (CUDA ranks only; they only take time)."""
+    """An expert MLP's forward and backward, `repeats` times on the current stream, in the shapes of
+    configs/single_gpu_small.yaml (2048 rows, hidden 1024, ffn 2816) and through torch's linear and
+    autograd as megatron's experts run them: the GEMMs (cuBLAS grids sized to the SMs the process may
+    use) that ran on a late rank's compute stream while its peers' combines waited for it in the
+    training that stalled (CUDA ranks only; they only take time)."""
     if device().type != "cuda" or repeats <= 0:
         return
     if device() not in _EXPERT_WEIGHTS:
         g = torch.Generator(device=device()).manual_seed(dist.get_rank())
-        _EXPERT_WEIGHTS[device()] = [torch.randn(*shape, generator=g, device=device(), dtype=torch.bfloat16) * 0.03
-                                     for shape in ((2048, 1024), (1024, 2816), (2816, 1024))]
+        _EXPERT_WEIGHTS[device()] = [
+            (torch.randn(*shape, generator=g, device=device(), dtype=torch.bfloat16) * 0.03).requires_grad_()
+            for shape in ((2048, 1024), (2816, 1024), (1024, 2816))]
     h, w1, w2 = _EXPERT_WEIGHTS[device()]
     for _ in range(repeats):
-        a = h @ w1
-        y = a @ w2
-        grad_a = y @ w2.t()  # y stands in for the output's gradient
-        grad_w1, grad_h, grad_w2 = h.t() @ grad_a, grad_a @ w1.t(), a.t() @ y
-        del a, y, grad_a, grad_w1, grad_h, grad_w2
+        y = torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(h, w1)), w2)
+        y.float().square().mean().backward()
+    for t in (h, w1, w2):
+        t.grad = None
 
 
 def normal_steps_beside_gemms(p: Problem, steps: int, arena: bool = False):
