@@ -6,7 +6,9 @@ a barrier before). bf16 rows count hidden * 2 bytes, fp8 rows hidden * (1 + 4/12
 combine counts the bf16 rows sent back. The *_zero_copy modes are the one-pass calls: dispatch(zero_copy=True)
 (rows stored straight into the receivers' zero-copy dispatch areas) and combine(zero_copy=True) of rows
 written into get_next_combine_buffer. The aggregate over ranks is also given as a fraction of one
-process's plain device copy of the same number of bytes, measured in the same run.
+process's plain device copy of the same number of bytes, measured in the same run, and the mean per
+rank against DeepEP V1's figure for the same operation where the run has that figure's shape (issue 6's,
+every rank on one GPU).
 
     python -m moe_ep.bench.intranode --ranks 2 4 8 --sms 24
     python -m moe_ep.bench.intranode --ranks 4 --sms 8 16 24 32 48     # SM sweep
@@ -58,6 +60,25 @@ ALL_MODES = MODES + CACHED_MODES + ("combine_arena_input",)
 # The order the modes run in: every dispatch, then the combines.
 RUN_ORDER = tuple(m for m in ALL_MODES if m.startswith("dispatch")) + tuple(m for m in ALL_MODES if m.startswith("combine"))
 NCCL_MODE = "nccl_all_to_all_bf16"
+# DeepEP V1 measured this benchmark's way on one H200 (issue 6: 4096 tokens a rank, hidden 7168, top-8 of 256
+# experts, 24 SMs, every rank on the one GPU), GB/s per rank: fp8 dispatch, bf16 dispatch, combine.
+DEEPEP_V1_ONE_H200 = {2: (201, 283, 252), 4: (220, 206, 250), 8: (105, 110, 94)}
+DEEPEP_V1_SHAPE = dict(tokens=4096, hidden=7168, topk=8, experts=256, sms=24)
+
+
+def deepep_v1_reference(args, num_ranks: int, num_sms: int, mode: str):
+    """DeepEP V1's figure for the same operation (any of its calls: zero-copy, cached, from the arena), where
+    this run has that figure's shape and ranks share one GPU; else None."""
+    shape = dict(tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=args.experts, sms=num_sms)
+    if (args.cpu or shape != DEEPEP_V1_SHAPE or num_ranks not in DEEPEP_V1_ONE_H200
+            or num_ranks <= torch.cuda.device_count()):
+        return None
+    fp8_dispatch, bf16_dispatch, combine = DEEPEP_V1_ONE_H200[num_ranks]
+    if mode.startswith("dispatch_fp8"):
+        return fp8_dispatch
+    if mode.startswith("dispatch_bf16"):
+        return bf16_dispatch
+    return combine if mode.startswith("combine") else None
 SKIPPED = "skipped"  # a result row that says an SM budget was refused, and why
 
 
@@ -255,7 +276,7 @@ def main():
     if args.nccl and (args.cpu or any(n > torch.cuda.device_count() for n in args.ranks)):
         parser.error("--nccl needs one rank per GPU (NCCL refuses two ranks on one GPU)")
     print(f"{'ranks':>5} {'sms':>4} {'chunk':>9} {'mode':>20} {'us/call':>9} {'GB/s per rank (min/mean)':>25} "
-          f"{'aggregate GB/s':>15} {'of copy':>8}")
+          f"{'aggregate GB/s':>15} {'of copy':>8} {'x DeepEP V1':>12}")
     for num_ranks in args.ranks:
         with RankPool(num_ranks, use_cuda=not args.cpu) as pool:
             per_rank = pool.run(rank_bench, args)
@@ -285,9 +306,11 @@ def main():
                 waited = ", ".join(f"{what} {share:.0f}" if what == "block us" else f"{what} {share:.0%}"
                                    for what, share in waits.items())
                 shown = f"{recv_tokens}/{send_tokens}" if recv_tokens else "-"
+                reference = deepep_v1_reference(args, num_ranks, num_sms, mode)
+                versus = f"{mean / reference:.2f}x" if reference else "-"
                 print(f"{num_ranks:>5} {num_sms:>4} {shown:>9} {mode:>20} {max(r['us'] for r in rows):>9.0f} "
                       f"{min(r['gbps'] for r in rows):>12.0f} / {mean:<10.0f} {aggregate:>15.0f} "
-                      f"{aggregate / copy:>7.0%}" + (f"  profile: {waited}" if waited else ""))
+                      f"{aggregate / copy:>7.0%} {versus:>12}" + (f"  profile: {waited}" if waited else ""))
                 if args.json:
                     with open(args.json, "a") as f:
                         f.write(json.dumps(dict(bench="intranode", ranks=num_ranks, sms=num_sms,
@@ -296,7 +319,8 @@ def main():
                                                 mode=mode, tokens=args.tokens, hidden=args.hidden, topk=args.topk,
                                                 experts=args.experts, per_rank_gbps=[r["gbps"] for r in rows],
                                                 us=[r["us"] for r in rows], aggregate_gbps=aggregate,
-                                                copy_gbps=copy, waits=waits, peer_memory=rows[0].get("peer_memory"),
+                                                copy_gbps=copy, deepep_v1_gbps=reference, waits=waits,
+                                                peer_memory=rows[0].get("peer_memory"),
                                                 blocks=rows[0].get("blocks"),
                                                 stream_combine=os.environ.get("MOE_EP_STREAM_COMBINE", "auto"))) + "\n")
         if len(args.recv_tokens) > 1 or len(args.send_tokens) > 1:
