@@ -21,7 +21,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import moe_ep  # noqa: E402
-from moe_ep import Buffer, Config  # noqa: E402
+from moe_ep import Buffer  # noqa: E402
 from moe_ep.launch import RankPool  # noqa: E402
 
 
@@ -32,9 +32,11 @@ def experts(num_experts: int, hidden: int, seed: int):
     return w1, w2
 
 
-def tokens_of(rank: int, args):
-    g = torch.Generator().manual_seed(args.seed * 1000 + rank)
-    n = int(torch.randint(args.tokens // 2, args.tokens + 1, (1,), generator=g))
+def tokens_of(rank: int, args, step: int = 0, count: int = None):
+    """A rank's tokens (`count`, default between half of args.tokens and all of them), their top-k experts
+    by a router shared by all ranks, and the renormalised weights."""
+    g = torch.Generator().manual_seed((args.seed * 1000 + rank) * 1000 + step)
+    n = int(torch.randint(args.tokens // 2, args.tokens + 1, (1,), generator=g)) if count is None else count
     x = torch.randn(n, args.hidden, generator=g)
     router = torch.randn(args.hidden, args.experts, generator=torch.Generator().manual_seed(args.seed))
     probs = torch.softmax(x @ router, dim=-1)
@@ -52,7 +54,10 @@ def moe_step(args):
     local = args.experts // num_ranks
     w1, w2 = (w.to(device) for w in experts(args.experts, args.hidden, args.seed))
     x, idx, weights = (t.to(device) for t in tokens_of(rank, args))
-    buffer = Buffer(dist.group.WORLD, Config().get_nvl_buffer_size_hint(args.hidden * 2, num_ranks))
+    # Room for the default configs of both calls (each has its own window sizes).
+    nvl = max(config.get_nvl_buffer_size_hint(args.hidden * 2, num_ranks)
+              for config in (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)))
+    buffer = Buffer(dist.group.WORLD, nvl)
 
     start = time.perf_counter()
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, args.experts)
@@ -78,21 +83,19 @@ def moe_step(args):
                 per_expert=counts, rel_error=err, ms=elapsed * 1e3)
 
 
-def print_table(rows, args):
+def print_table(rows, title: str):
+    """rows: dicts of one rank each (the same keys), printed under title; with rich where installed."""
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
         Console = None
-    headers = ["rank", "tokens", "sent (token x rank)", "received", "tokens per local expert", "rel. error", "ms"]
-    cells = [[str(r["rank"]), str(r["tokens"]), str(r["sent"]), str(r["received"]), str(r["per_expert"]),
-              f"{r['rel_error']:.2e}", f"{r['ms']:.1f}"] for r in rows]
-    title = (f"moe_ep {moe_ep.__version__}: one MoE step, {args.ranks} ranks, {args.experts} experts, "
-             f"top-{args.topk}, hidden {args.hidden}, {args.device}")
+    headers = list(rows[0])
+    cells = [[str(r[h]) for h in headers] for r in rows]
     if Console is not None:
         table = Table(title=title)
         for h in headers:
-            table.add_column(h, justify="right")
+            table.add_column(h.replace("_", " "), justify="right")
         for c in cells:
             table.add_row(*c)
         Console().print(table)
@@ -137,7 +140,12 @@ def main():
     else:
         with RankPool(args.ranks, use_cuda=args.device == "cuda") as pool:
             rows = pool.run(moe_step, args)
-    print_table(rows, args)
+    print_table(
+        [{"rank": r["rank"], "tokens": r["tokens"], "sent (token x rank)": r["sent"], "received": r["received"],
+          "tokens per local expert": r["per_expert"], "rel. error": f"{r['rel_error']:.2e}", "ms": f"{r['ms']:.1f}"}
+         for r in rows],
+        f"moe_ep {moe_ep.__version__}: one MoE step, {args.ranks} ranks, {args.experts} experts, top-{args.topk}, "
+        f"hidden {args.hidden}, {args.device}")
     worst = max(r["rel_error"] for r in rows)
     # bf16 rounding of the expert outputs on the way back bounds the error at a few 1e-3.
     if worst > 1e-2:

@@ -333,24 +333,27 @@ class Buffer:
             config = self._default_configs[key] = make(self.group_size, Buffer.num_sms)
         return config
 
-    def _check_nvl_size(self, hidden_bytes: int, config: Config, call: str) -> None:
+    def _check_nvl_size(self, hidden_bytes: int, config: Config, call: str, default: bool = False) -> None:
+        """default: config is the call's default (none was passed), which the message then names."""
         # What the size hints depend on: a call that fits once fits again.
         key = (hidden_bytes, config.num_sms, config.num_max_nvl_chunked_recv_tokens,
                config.num_max_rdma_chunked_recv_tokens)
         if key in self._sizes_that_fit:
             return
-        needed = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)
-        if self.num_nvl_bytes < needed:
-            raise ValueError(
-                f"num_nvl_bytes={self.num_nvl_bytes} is too small for {call} with {hidden_bytes} bytes per "
-                f"row on {self.group_size} ranks: need >= {needed} (Config.get_nvl_buffer_size_hint)"
-            )
-        if self.group_size > NUM_MAX_NVL_PEERS:
-            needed = config.get_rdma_buffer_size_hint(hidden_bytes, self.group_size)
-            if self.num_rdma_bytes < needed:
+        hint = f"Buffer.get_{call}_config({self.group_size})" if default else "Config"
+        # A Buffer sized for one call's config (or for Config()'s) can be too small for another's.
+        advice = (f"; without config= the {call} uses {hint}: size the Buffer with the larger of "
+                  f"Buffer.get_dispatch_config({self.group_size}) and Buffer.get_combine_config({self.group_size})'s "
+                  "hints, or pass config=") if default else ""
+        for kind, have, needed in (
+            ("nvl", self.num_nvl_bytes, config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)),
+            ("rdma", self.num_rdma_bytes, config.get_rdma_buffer_size_hint(hidden_bytes, self.group_size)
+             if self.group_size > NUM_MAX_NVL_PEERS else 0),
+        ):
+            if have < needed:
                 raise ValueError(
-                    f"num_rdma_bytes={self.num_rdma_bytes} is too small for {call} with {hidden_bytes} bytes "
-                    f"per row on {self.group_size} ranks: need >= {needed} (Config.get_rdma_buffer_size_hint)"
+                    f"num_{kind}_bytes={have} is too small for {call} with {hidden_bytes} bytes per row on "
+                    f"{self.group_size} ranks: need >= {needed} ({hint}.get_{kind}_buffer_size_hint){advice}"
                 )
         self._sizes_that_fit.add(key)
 
@@ -433,10 +436,11 @@ class Buffer:
         check_int("expert_alignment", expert_alignment, minimum=1)
         check_int("num_worst_tokens", num_worst_tokens, minimum=0)
         self._check_events(previous_event, async_finish, allocate_on_comm_stream)
-        config = self._default_config("dispatch") if config is None else config
+        default = config is None
+        config = self._default_config("dispatch") if default else config
         if not isinstance(config, Config):
             raise TypeError(f"config: expected a moe_ep.Config, got {type(config).__name__}")
-        self._check_nvl_size(hidden * max(x_parts[0].element_size(), 2), config, "dispatch")
+        self._check_nvl_size(hidden * max(x_parts[0].element_size(), 2), config, "dispatch", default)
         if handle is not None:
             self._check_handle(handle, DispatchHandle, "dispatch")
             for name, value in (
@@ -581,10 +585,11 @@ class Buffer:
         if zero_copy and not _same_tensor(x, self._combine_buffers[slot]):
             raise ValueError("x: with zero_copy=True, expected the tensor the last get_next_combine_buffer returned")
         self._check_events(previous_event, async_finish, allocate_on_comm_stream)
-        config = self._default_config("combine") if config is None else config
+        default = config is None
+        config = self._default_config("combine") if default else config
         if not isinstance(config, Config):
             raise TypeError(f"config: expected a moe_ep.Config, got {type(config).__name__}")
-        self._check_nvl_size(x.shape[1] * max(x.element_size(), 2), config, "combine")
+        self._check_nvl_size(x.shape[1] * max(x.element_size(), 2), config, "combine", default)
         if topk_weights is not None:
             check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2, device=x.device)
             if topk_weights.shape[0] != x.shape[0]:

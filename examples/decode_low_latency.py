@@ -1,0 +1,158 @@
+"""Decode steps of one MoE layer on the low-latency calls: each step dispatches every rank's new tokens
+(fp8 by default), runs the local experts on the received rows, and combines; both receives are deferred
+to a hook, so other work (here a stand-in for the next micro-batch's attention) runs while the tokens
+travel and no SM waits for them. Every step is checked against the same layer computed densely.
+
+    python examples/decode_low_latency.py                         # 4 ranks on CPU (portable backend)
+    python examples/decode_low_latency.py --device cuda           # CUDA ranks (the low-latency kernels)
+    python examples/decode_low_latency.py --device cuda --graph   # one step captured in a CUDA graph, replayed
+    torchrun --nproc-per-node 8 examples/decode_low_latency.py --device cuda   # or any torchrun launch
+
+The experts see fixed shapes ([local experts, ranks x max tokens, hidden]: rows past each expert's
+recv_count are not data and are never combined), which is what lets a decode step be captured once
+and replayed with new tokens in the same tensors.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import moe_ep  # noqa: E402
+from moe_ep import Buffer, fp8  # noqa: E402
+from moe_ep.launch import RankPool  # noqa: E402
+
+from demo import expert_mlp, experts, print_table, tokens_of  # noqa: E402  (the same layer as demo.py's)
+
+
+def dense_layer(x, idx, weights, w1, w2) -> torch.Tensor:
+    """The MoE layer on one rank: every token's top-k experts, weighted, in float32."""
+    out = torch.zeros(x.shape[0], x.shape[1], device=x.device)
+    for k in range(idx.shape[1]):
+        for e in idx[:, k].unique().tolist():
+            rows = (idx[:, k] == e).nonzero(as_tuple=True)[0]
+            out[rows] += weights[rows, k].unsqueeze(1) * expert_mlp(x[rows], w1[e], w2[e])
+    return out
+
+
+def side_work(x: torch.Tensor) -> torch.Tensor:
+    """Compute that overlaps a transfer (a decode step would run the next micro-batch's attention)."""
+    return torch.tanh(x.float() @ x.float().t()).sum()
+
+
+def decode(args):
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    local = args.experts // num_ranks
+    w1, w2 = (w.to(device) for w in experts(args.experts, args.hidden, args.seed))
+    mine = slice(rank * local, (rank + 1) * local)
+    w1_local, w2_local = w1[mine], w2[mine]
+    size = Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, num_ranks, args.experts)
+    buffer = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, num_qps_per_rank=local)
+    # The step's inputs live in fixed tensors, refilled every step (a CUDA graph replays on them).
+    x = torch.zeros(args.tokens, args.hidden, dtype=torch.bfloat16, device=device)
+    idx = torch.zeros(args.tokens, args.topk, dtype=torch.int64, device=device)
+    weights = torch.zeros(args.tokens, args.topk, dtype=torch.float32, device=device)
+
+    def step() -> torch.Tensor:
+        recv, _, handle, _, hook = buffer.low_latency_dispatch(x, idx, args.tokens, args.experts,
+                                                               use_fp8=args.fp8, return_recv_hook=True)
+        side_work(x)
+        hook()
+        rows = fp8.per_token_cast_back(*recv) if args.fp8 else recv  # [local, ranks x max, hidden]
+        y = torch.stack([expert_mlp(rows[j], w1_local[j], w2_local[j]) for j in range(local)]).to(torch.bfloat16)
+        out, _, hook = buffer.low_latency_combine(y, idx, weights, handle, return_recv_hook=True)
+        side_work(x)
+        hook()
+        return out
+
+    graph = out = None
+    errors, step_ms = [], []
+    for s in range(args.steps):
+        new_x, new_idx, new_weights = tokens_of(rank, args, step=s, count=args.tokens)
+        x.copy_(new_x)
+        idx.copy_(new_idx)
+        weights.copy_(new_weights)
+        start = time.perf_counter()
+        if args.graph and graph is None:
+            step()  # a first call of the shape runs outside the capture (it sets the buffer up)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step()
+        if graph is not None:
+            graph.replay()
+        else:
+            out = step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        step_ms.append((time.perf_counter() - start) * 1e3)
+        dense = dense_layer(x, idx, weights, w1, w2)
+        errors.append(((out.float() - dense).norm() / dense.norm().clamp(min=1e-9)).item())
+    return dict(rank=rank, tokens=args.tokens, steps=args.steps, worst_error=max(errors),
+                last_ms=step_ms[-1], graph=graph is not None)
+
+
+def run_under_torchrun(args):
+    """One rank of a torchrun job: gloo on CPU, NCCL with one GPU per rank; rank 0 gets every row."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    backend = "gloo"
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        backend = "nccl" if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) <= torch.cuda.device_count() else "gloo"
+    dist.init_process_group(backend)
+    args.ranks = dist.get_world_size()
+    row = decode(args)
+    rows = [None] * args.ranks
+    dist.all_gather_object(rows, row)
+    dist.destroy_process_group()
+    return rows if row["rank"] == 0 else None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--topk", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256, help="a multiple of 128 with --fp8")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens a rank decodes per step")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bf16", dest="fp8", action="store_false", help="bf16 dispatch (default: fp8, 1x128 scales)")
+    parser.add_argument("--graph", action="store_true", help="capture one step in a CUDA graph and replay it")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu")
+    args = parser.parse_args()
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.graph and args.device != "cuda":
+        parser.error("--graph needs --device cuda")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:   # started by torchrun / moe_ep.launch
+        rows = run_under_torchrun(args)
+        if rows is None:
+            return
+    else:
+        with RankPool(args.ranks, use_cuda=args.device == "cuda") as pool:
+            rows = pool.run(decode, args)
+    print_table(
+        [{"rank": r["rank"], "tokens a step": r["tokens"], "steps": r["steps"],
+          "worst rel. error": f"{r['worst_error']:.2e}", "last step ms": f"{r['last_ms']:.2f}"} for r in rows],
+        f"moe_ep {moe_ep.__version__}: low-latency decode, {args.ranks} ranks, {args.experts} experts, "
+        f"top-{args.topk}, hidden {args.hidden}, {'fp8' if args.fp8 else 'bf16'} dispatch, {args.device}"
+        + (", CUDA graph" if args.graph else ""))
+    worst = max(r["worst_error"] for r in rows)
+    # fp8 rows (e4m3, one scale per 128 values) and the bf16 expert outputs bound the error.
+    bound = 6e-2 if args.fp8 else 1e-2
+    if worst > bound:
+        raise SystemExit(f"mismatch against the dense MoE layer: relative error {worst:.3e} (bound {bound:g})")
+    print(f"OK: every step matches the dense MoE layer (worst relative error {worst:.2e})")
+
+
+if __name__ == "__main__":
+    main()

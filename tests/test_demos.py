@@ -1,0 +1,31 @@
+"""The demos that need no megatron-core, end to end on CPU ranks: each checks itself against the dense
+MoE layer and prints OK (a mismatch exits non-zero)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+
+
+def _run(script: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.parametrize("ranks,experts", [("2", "16"), ("3", "12")])
+def test_demo_matches_the_dense_layer(ranks, experts):
+    """Two ranks as well: the Buffer must be sized for both calls' default configs (2 ranks' combine
+    windows are the largest)."""
+    assert "OK: matches the dense MoE layer" in _run("demo.py", "--ranks", ranks, "--experts", experts)
+
+
+@pytest.mark.parametrize("dispatch", [[], ["--bf16"]])
+def test_low_latency_decode_matches_the_dense_layer(dispatch):
+    out = _run("decode_low_latency.py", "--ranks", "2", "--steps", "2", *dispatch)
+    assert "OK: every step matches the dense MoE layer" in out
+    assert ("bf16 dispatch" if dispatch else "fp8 dispatch") in out
