@@ -8,9 +8,9 @@ travel and no SM waits for them. Every step is checked against the same layer co
     python examples/decode_low_latency.py --device cuda --graph   # one step captured in a CUDA graph, replayed
     torchrun --nproc-per-node 8 examples/decode_low_latency.py --device cuda   # or any torchrun launch
 
-Every rank holds all experts' weights (float32, 2 x hidden x 2 hidden each) for its dense check: keep
-the shapes small. The experts see fixed shapes ([local experts, ranks x max tokens, hidden]: rows past
-each expert's recv_count are not data and are never combined), which is what lets a decode step be
+Every rank holds all experts' weights (two float32 matrices of hidden x 2 hidden each) for its dense
+check: keep the shapes small. The experts see fixed shapes ([local experts, ranks x max tokens, hidden]:
+rows past each expert's recv_count are not data and are never combined), which is what lets a decode step be
 captured once and replayed with new tokens in the same tensors.
 """
 from __future__ import annotations
