@@ -10,8 +10,8 @@ travel and no SM waits for them. Every step is checked against the same layer co
 
 Every rank holds all experts' weights (two float32 matrices of hidden x 2 hidden each) for its dense
 check: keep the shapes small. The experts see fixed shapes ([local experts, ranks x max tokens, hidden]:
-rows past each expert's recv_count are not data and are never combined), which is what lets a decode step be
-captured once and replayed with new tokens in the same tensors.
+rows past each expert's recv_count are not data and are never combined), which is what lets a decode
+step be captured once and replayed with new tokens in the same tensors.
 """
 from __future__ import annotations
 
