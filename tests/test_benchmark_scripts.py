@@ -179,3 +179,11 @@ def test_deepep_reference_only_for_its_shape():
     assert deepep_v1_reference(args, 3, 24, "combine") is None
     assert deepep_v1_reference(types.SimpleNamespace(**{**vars(args), "hidden": 4096}), 4, 24, "combine") is None
     assert deepep_v1_reference(types.SimpleNamespace(**{**vars(args), "cpu": True}), 4, 24, "combine") is None
+
+
+def test_portable_benchmark_runs_with_two_ranks():
+    """Two ranks: the Buffer sized for both calls' default configs (2 ranks' combine windows are the
+    largest)."""
+    out = _run("moe_ep.bench.portable", "--ranks", "2", "--tokens", "32", "--hidden", "256", "--experts", "16",
+               "--topk", "4", "--iters", "2")
+    assert all(name in out for name in ("dispatch", "combine", "ll_dispatch", "ll_combine")), out
