@@ -29,3 +29,13 @@ def test_low_latency_decode_matches_the_dense_layer(dispatch):
     out = _run("decode_low_latency.py", "--ranks", "2", "--steps", "2", *dispatch)
     assert "OK: every step matches the dense MoE layer" in out
     assert ("bf16 dispatch" if dispatch else "fp8 dispatch") in out
+
+
+def test_demos_run_under_the_launcher():
+    """Started as torchrun starts them (RANK, WORLD_SIZE, ...), here by moe_ep.launch: rank 0 prints."""
+    for script, args in (("demo.py", ["--experts", "16"]), ("decode_low_latency.py", ["--steps", "1"])):
+        done = subprocess.run([sys.executable, "-m", "moe_ep.launch", "--nproc", "2",
+                               os.path.join(ROOT, "examples", script), *args], cwd=ROOT, env=ENV,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert done.stdout.count("OK:") == 1, done.stdout
