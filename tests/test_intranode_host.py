@@ -17,7 +17,7 @@ def stubbed(monkeypatch):
     topk_idx = torch.rand(_TOKENS, _EXPERTS).topk(_TOPK, dim=1).indices
     backend, call = stub_backend(_RANKS, x, topk_idx, torch.rand(_TOKENS, _TOPK), _EXPERTS, monkeypatch.setattr)
     launched = []
-    for name in ("intranode_notify", "intranode_dispatch"):
+    for name in ("intranode_notify", "intranode_dispatch", "intranode_zero_copy_dispatch"):
         monkeypatch.setattr(backend.ops, name, lambda *args, name=name: launched.append(name), raising=False)
     return backend, call, x, launched
 
@@ -56,3 +56,33 @@ def test_a_cached_dispatch_reuses_the_layout_without_a_count_exchange(stubbed):
     assert recv_x.shape == (handle.num_recv_rows, _HIDDEN)
     assert (recv_idx, recv_w, counts, new_handle) == (None, None, None, None)
     assert launched == ["intranode_dispatch"]
+
+
+def _in_area(backend, t: torch.Tensor) -> bool:
+    slots = backend.zero_copy_dispatch.slots
+    return slots.data_ptr() <= t.data_ptr() < slots.data_ptr() + slots.numel()
+
+
+def test_zero_copy_dispatches_alternate_slots_and_return_views_of_them(stubbed):
+    backend, call, x, launched = stubbed
+    rows = _RANKS * _TOKENS
+    (fresh,), *_ = call([x], True)  # early: launched with the count exchange from one entry point
+    assert fresh.shape == (rows, _HIDDEN) and _in_area(backend, fresh) and backend._dispatch_next == 1
+    (worst,), *_ = call([x], True, num_worst_tokens=rows)  # the stub's area holds two slots of `rows`
+    assert worst.shape == (rows, _HIDDEN) and _in_area(backend, worst) and backend._dispatch_next == 0
+    assert launched == ["intranode_notify", "intranode_zero_copy_dispatch"]
+
+
+def test_a_zero_copy_dispatch_beyond_its_slot_is_refused_before_the_count_exchange(stubbed):
+    backend, call, x, launched = stubbed
+    with pytest.raises(ValueError, match="num_zero_copy_dispatch_bytes"):
+        call([x], True, num_worst_tokens=10 * _RANKS * _TOKENS)
+    assert launched == [] and backend._dispatch_next == 0
+
+
+def test_via_zero_copy_copies_recv_x_out_of_the_slot(stubbed):
+    backend, call, x, _ = stubbed
+    backend.via_zero_copy = True  # MOE_EP_DISPATCH_VIA_ZERO_COPY=1
+    (recv_x,), recv_idx, *_ = call([x], False)
+    assert recv_x.shape == (_RANKS * _TOKENS, _HIDDEN) and not _in_area(backend, recv_x)
+    assert recv_idx.shape == (_RANKS * _TOKENS, _TOPK) and backend._dispatch_next == 1
