@@ -339,3 +339,11 @@ def test_a_peer_without_room_is_reported_after_this_combine_is_launched(combinin
         combine(backend.arena_tensor(rows, _HIDDEN, torch.bfloat16))
     assert len(launched) == 1 and backend._host[HOST_COMBINE_MISSING] == 0
     combine(backend.arena_tensor(rows, _HIDDEN, torch.bfloat16))  # reported once
+
+
+def test_dispatch_via_zero_copy_leaves_recv_x_in_the_arena(stubbed):
+    """With both switches on, the arena already gives recv_x its place: no copy out of it."""
+    backend, dispatch, _ = stubbed
+    backend.via_zero_copy = True  # MOE_EP_DISPATCH_VIA_ZERO_COPY=1
+    recv_x = dispatch()
+    assert recv_x.data_ptr() == backend.zero_copy_dispatch.addresses[0] and backend.arena.used_regions == 1

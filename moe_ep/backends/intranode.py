@@ -348,7 +348,8 @@ class IntranodeBackend:
         if zero_copy and self.arena is not None and capturing:
             raise RuntimeError("dispatch: zero_copy=True cannot be captured in a CUDA graph while the Buffer's "
                                "zero-copy dispatch area is an arena (dispatch_arena, MOE_EP_DISPATCH_ARENA=1)")
-        copy_out = not zero_copy and self.via_zero_copy
+        # MOE_EP_DISPATCH_VIA_ZERO_COPY: through a slot, then out of it; an arena already gives recv_x its place.
+        copy_out = not zero_copy and self.via_zero_copy and not into_arena
         zero_copy = (zero_copy or copy_out) and not into_arena
         cached = handle is not None
         worst = handle.num_worst_tokens if cached else num_worst_tokens
