@@ -22,12 +22,13 @@ def stubbed(monkeypatch):
     return backend, call, x, launched
 
 
-def _cached(backend, x, handle):
+def _cached(backend, x, handle, zero_copy: bool = False):
+    """A dispatch from `handle`'s layout, as Buffer.dispatch(x, handle=handle) makes it."""
     from moe_ep.handles import DispatchHandle
 
     return backend.dispatch([x], None, None, None, None, 1, 0, handle,
                             lambda **fields: DispatchHandle(buffer_serial=0, **fields), Config(24, 6, 256, 6, 128),
-                            None, False, False)
+                            None, False, False, zero_copy)
 
 
 def test_a_fresh_dispatch_sizes_its_outputs_by_the_counts(stubbed):
@@ -86,3 +87,15 @@ def test_via_zero_copy_copies_recv_x_out_of_the_slot(stubbed):
     (recv_x,), recv_idx, *_ = call([x], False)
     assert recv_x.shape == (_RANKS * _TOKENS, _HIDDEN) and not _in_area(backend, recv_x)
     assert recv_idx.shape == (_RANKS * _TOKENS, _TOPK) and backend._dispatch_next == 1
+
+
+def test_a_cached_zero_copy_dispatch_takes_the_other_slot(stubbed):
+    backend, call, x, launched = stubbed
+    rows = _RANKS * _TOKENS
+    *_, handle, _ = call([x], True, num_worst_tokens=rows)
+    assert backend._dispatch_next == 1
+    launched.clear()
+    (again,), *_ = _cached(backend, x, handle, zero_copy=True)
+    assert again.shape == (rows, _HIDDEN) and _in_area(backend, again) and backend._dispatch_next == 0
+    assert launched == ["intranode_zero_copy_dispatch"]  # no count exchange
+
