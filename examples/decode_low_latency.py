@@ -28,9 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import moe_ep  # noqa: E402
 from moe_ep import Buffer, fp8  # noqa: E402
-from moe_ep.launch import RankPool  # noqa: E402
 
-from demo import expert_mlp, experts, print_table, tokens_of  # noqa: E402  (the same layer as demo.py's)
+from demo import expert_mlp, experts, print_table, run_ranks, tokens_of  # noqa: E402  (demo.py's layer)
 
 
 def dense_layer(x, idx, weights, w1, w2) -> torch.Tensor:
@@ -101,22 +100,6 @@ def decode(args):
                 last_ms=step_ms[-1], graph=graph is not None)
 
 
-def run_under_torchrun(args):
-    """One rank of a torchrun job: gloo on CPU, NCCL with one GPU per rank; rank 0 gets every row."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    backend = "gloo"
-    if args.device == "cuda":
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        backend = "nccl" if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) <= torch.cuda.device_count() else "gloo"
-    dist.init_process_group(backend)
-    args.ranks = dist.get_world_size()
-    row = decode(args)
-    rows = [None] * args.ranks
-    dist.all_gather_object(rows, row)
-    dist.destroy_process_group()
-    return rows if row["rank"] == 0 else None
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4)
@@ -134,13 +117,9 @@ def main():
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.graph and args.device != "cuda":
         parser.error("--graph needs --device cuda")
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:   # started by torchrun / moe_ep.launch
-        rows = run_under_torchrun(args)
-        if rows is None:
-            return
-    else:
-        with RankPool(args.ranks, use_cuda=args.device == "cuda") as pool:
-            rows = pool.run(decode, args)
+    rows = run_ranks(args, decode)
+    if rows is None:  # a rank other than 0 of a torchrun job
+        return
     print_table(
         [{"rank": r["rank"], "tokens a step": r["tokens"], "steps": r["steps"],
           "worst rel. error": f"{r['worst_error']:.2e}", "last step ms": f"{r['last_ms']:.2f}"} for r in rows],

@@ -105,8 +105,13 @@ def print_table(rows, title: str):
             print(" | ".join(f"{c:>12}" for c in line))
 
 
-def run_under_torchrun(args):
-    """One rank of a torchrun job: gloo on CPU, NCCL with one GPU per rank; rank 0 gets every row."""
+def run_ranks(args, rank_fn):
+    """rank_fn(args) on every rank -> every rank's result on rank 0 (None on the others). Started by
+    torchrun or moe_ep.launch (RANK and WORLD_SIZE set), this process is one rank: gloo on CPU, NCCL with
+    one GPU per rank. Otherwise it starts args.ranks ranks itself (under MPS where they share a GPU)."""
+    if not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        with RankPool(args.ranks, use_cuda=args.device == "cuda") as pool:
+            return pool.run(rank_fn, args)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     backend = "gloo"
     if args.device == "cuda":
@@ -114,11 +119,12 @@ def run_under_torchrun(args):
         backend = "nccl" if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) <= torch.cuda.device_count() else "gloo"
     dist.init_process_group(backend)
     args.ranks = dist.get_world_size()
-    row = moe_step(args)
+    row = rank_fn(args)
     rows = [None] * args.ranks
     dist.all_gather_object(rows, row)
+    rank = dist.get_rank()
     dist.destroy_process_group()
-    return rows if row["rank"] == 0 else None
+    return rows if rank == 0 else None
 
 
 def main():
@@ -133,13 +139,9 @@ def main():
     args = parser.parse_args()
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:   # started by torchrun / moe_ep.launch
-        rows = run_under_torchrun(args)
-        if rows is None:
-            return
-    else:
-        with RankPool(args.ranks, use_cuda=args.device == "cuda") as pool:
-            rows = pool.run(moe_step, args)
+    rows = run_ranks(args, moe_step)
+    if rows is None:  # a rank other than 0 of a torchrun job
+        return
     print_table(
         [{"rank": r["rank"], "tokens": r["tokens"], "sent (token x rank)": r["sent"], "received": r["received"],
           "tokens per local expert": r["per_expert"], "rel. error": f"{r['rel_error']:.2e}", "ms": f"{r['ms']:.1f}"}
