@@ -99,3 +99,14 @@ def test_a_cached_zero_copy_dispatch_takes_the_other_slot(stubbed):
     assert again.shape == (rows, _HIDDEN) and _in_area(backend, again) and backend._dispatch_next == 0
     assert launched == ["intranode_zero_copy_dispatch"]  # no count exchange
 
+
+
+def test_no_listed_call_shares_its_ordering_event_with_a_later_one(stubbed):
+    """progress_report asks each listed call's event whether the caller's stream got there: a call whose
+    event a later call recorded again could not be answered (rows known before the launch: the Buffer
+    marks the caller's stream itself)."""
+    backend, call, x, _ = stubbed
+    for _ in range(6):
+        call([x], False, num_worst_tokens=_RANKS * _TOKENS)
+    events = [event for _, _, event in backend._recent_calls]
+    assert len(events) == 4 and len({id(e) for e in events}) == 4

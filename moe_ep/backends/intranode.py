@@ -32,6 +32,8 @@ from .peers import (
 
 # Host-side grace on top of the kernels' own deadline before the host gives up on a count exchange.
 _HOST_GRACE_S = 5.0
+# How many of its last calls a backend's progress_report lists.
+RECENT_CALLS = 4
 
 # The streaming combine (per-channel rings, sending and receiving blocks at once) beat the windowed one
 # from 4 ranks up and lost at 2, on one GPU and on two (docs/PERFORMANCE.md, sixth session).
@@ -153,11 +155,15 @@ class IntranodeBackend:
             self.arena = Arena(zero_copy_dispatch_bytes, INTRANODE_SLOT_ALIGN)
         self.via_zero_copy = self.zero_copy_dispatch is not None and self.arena is None and dispatch_via_zero_copy()
         self.comm_stream = comm_stream
-        # The stream orderings every call makes, on two events kept for it: Stream.wait_stream creates and
-        # destroys an event each time (two more CUDA API calls per ordering on the call's host path).
-        self._compute_ready, self._comm_done = torch.cuda.Event(), torch.cuda.Event()
         # The last calls' [kind, host time, event the communication stream waited for] (progress_report).
-        self._recent_calls = deque(maxlen=4)
+        self._recent_calls = deque(maxlen=RECENT_CALLS)
+        # The stream orderings every call makes, on events kept for it: Stream.wait_stream creates and
+        # destroys an event each time (two more CUDA API calls per ordering on the call's host path). The
+        # caller's stream is marked on one of RECENT_CALLS events in turn, so that no call progress_report
+        # lists has had its event recorded again by a later call.
+        self._compute_ready = [torch.cuda.Event() for _ in range(RECENT_CALLS)]
+        self._compute_ready_next = 0
+        self._comm_done = torch.cuda.Event()
         self._nonce = 0
         self._fitting_sms = set()  # SM budgets known to fit this GPU together with its other ranks
         # MOE_EP_PROFILE_WAITS=1: the kernels add up, per block, the time they wait on peers (by what
@@ -241,7 +247,7 @@ class IntranodeBackend:
                 reached = "ordered inside the extension"
             elif event.query():
                 reached = "its caller's stream had reached it"
-            elif any(later[2] is event for later in recent[i + 1:]):  # the Buffer's event, recorded again since
+            elif any(later[2] is event for later in recent[i + 1:]):  # a caller's event, recorded again since
                 reached = "unknown whether its caller's stream had reached it"
             else:
                 reached = "its caller's stream had NOT reached it"
@@ -292,8 +298,10 @@ class IntranodeBackend:
         if previous_event is not None and previous_event.event is not None:
             self._wait_before_call(previous_event.event)
         else:
-            self._compute_ready.record(compute)
-            self._wait_before_call(self._compute_ready)
+            ready = self._compute_ready[self._compute_ready_next]
+            self._compute_ready_next = (self._compute_ready_next + 1) % len(self._compute_ready)
+            ready.record(compute)
+            self._wait_before_call(ready)
         return compute
 
     def _wait_before_call(self, event: torch.cuda.Event) -> None:

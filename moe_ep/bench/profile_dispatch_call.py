@@ -220,9 +220,10 @@ def stub_backend(ranks: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
     backend.ops = _NoLaunches()
     backend.rank, backend.num_ranks, backend.recv_info_ints, backend.timeout_s = 0, ranks, 64, 20.0
     backend.ctx, backend.comm_stream = types.SimpleNamespace(wait_ns=0), _NoStream()
-    backend._compute_ready, backend._comm_done = _NoEvent(), _NoEvent()
+    backend._compute_ready, backend._compute_ready_next = [_NoEvent() for _ in range(intranode.RECENT_CALLS)], 0
+    backend._comm_done = _NoEvent()
     backend._nonce, backend._fitting_sms, backend._wait_rows = 0, set(), None
-    backend._recent_calls = collections.deque(maxlen=4)
+    backend._recent_calls = collections.deque(maxlen=intranode.RECENT_CALLS)
     backend.peers = types.SimpleNamespace(timeout_error=lambda: None)
     backend._host[HOST_COUNTS: HOST_COUNTS + ranks] = [tokens] * ranks
     area = zero_copy_dispatch_bytes(tokens * ranks, x.shape[1] * x.element_size(), 0, topk)
