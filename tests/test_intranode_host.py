@@ -4,8 +4,6 @@ dispatch are given, and what their handles keep. Every token of 3 ranks comes he
 import pytest
 import torch
 
-from moe_ep.config import Config
-
 _RANKS, _TOKENS, _HIDDEN, _TOPK, _EXPERTS = 3, 16, 64, 2, 6
 
 
@@ -20,15 +18,6 @@ def stubbed(monkeypatch):
     for name in ("intranode_notify", "intranode_dispatch", "intranode_zero_copy_dispatch"):
         monkeypatch.setattr(backend.ops, name, lambda *args, name=name: launched.append(name), raising=False)
     return backend, call, x, launched
-
-
-def _cached(backend, x, handle, zero_copy: bool = False):
-    """A dispatch from `handle`'s layout, as Buffer.dispatch(x, handle=handle) makes it."""
-    from moe_ep.handles import DispatchHandle
-
-    return backend.dispatch([x], None, None, None, None, 1, 0, handle,
-                            lambda **fields: DispatchHandle(buffer_serial=0, **fields), Config(24, 6, 256, 6, 128),
-                            None, False, False, zero_copy)
 
 
 def test_a_fresh_dispatch_sizes_its_outputs_by_the_counts(stubbed):
@@ -53,7 +42,7 @@ def test_a_cached_dispatch_reuses_the_layout_without_a_count_exchange(stubbed):
     backend, call, x, launched = stubbed
     *_, handle, _ = call([x], False, num_worst_tokens=_RANKS * _TOKENS + 3)
     launched.clear()
-    (recv_x,), recv_idx, recv_w, counts, new_handle, _ = _cached(backend, x, handle)
+    (recv_x,), recv_idx, recv_w, counts, new_handle, _ = call([x], False, handle=handle)
     assert recv_x.shape == (handle.num_recv_rows, _HIDDEN)
     assert (recv_idx, recv_w, counts, new_handle) == (None, None, None, None)
     assert launched == ["intranode_dispatch"]
@@ -95,7 +84,7 @@ def test_a_cached_zero_copy_dispatch_takes_the_other_slot(stubbed):
     *_, handle, _ = call([x], True, num_worst_tokens=rows)
     assert backend._dispatch_next == 1
     launched.clear()
-    (again,), *_ = _cached(backend, x, handle, zero_copy=True)
+    (again,), *_ = call([x], True, handle=handle)
     assert again.shape == (rows, _HIDDEN) and _in_area(backend, again) and backend._dispatch_next == 0
     assert launched == ["intranode_zero_copy_dispatch"]  # no count exchange
 

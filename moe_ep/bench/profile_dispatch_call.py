@@ -200,8 +200,8 @@ def stub_backend(ranks: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
     """An IntranodeBackend on CPU tensors whose launches and torch.cuda stream calls do nothing (they are
     replaced through setattr_: pytest's monkeypatch.setattr undoes it), with `ranks` ranks' counts in its
     host memory (every token of x to every rank) and a zero-copy dispatch area in host memory for two
-    such dispatches (no arena: set backend.arena). -> (backend, call(x_parts, zero_copy, num_worst_tokens=0)
-    -> what the backend's dispatch returns)"""
+    such dispatches (no arena: set backend.arena). -> (backend, call(x_parts, zero_copy, num_worst_tokens=0,
+    handle=None) -> what the backend's dispatch returns)"""
     import contextlib
     import ctypes
     import types
@@ -238,8 +238,10 @@ def stub_backend(ranks: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
     per_expert = torch.full((experts,), tokens // local, dtype=torch.int32)
     config = Config(24, 6, 256, 6, 128)
 
-    def call(x_parts, zero_copy, num_worst_tokens=0):
-        return backend.dispatch(x_parts, topk_idx, topk_weights, in_rank, per_expert, 1, num_worst_tokens, None,
+    def call(x_parts, zero_copy, num_worst_tokens=0, handle=None):
+        # A cached dispatch (handle) gets no layout, as Buffer.dispatch passes none with a handle.
+        layout = (None,) * 4 if handle is not None else (topk_idx, topk_weights, in_rank, per_expert)
+        return backend.dispatch(x_parts, *layout, 1, num_worst_tokens, handle,
                                 lambda **fields: DispatchHandle(buffer_serial=0, **fields), config, None, False, False,
                                 zero_copy)
 
