@@ -250,6 +250,12 @@ def sm_share(value: str, num_ranks: int) -> int:
     return int(value)
 
 
+def sm_share_env(value: str, num_ranks: int) -> Dict[str, str]:
+    """The environment that gives each rank sm_share(value, num_ranks) of its GPU (none for all of it)."""
+    share = sm_share(value, num_ranks)
+    return {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(share)} if share < 100 else {}
+
+
 def main(argv=None) -> int:
     """`python -m moe_ep.launch --nproc N script.py [args]`: N local ranks with torchrun's environment
     (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), under a private MPS daemon when more
@@ -283,9 +289,8 @@ def main(argv=None) -> int:
             from .mps import private_mps_daemon
 
             env = stack.enter_context(private_mps_daemon(env))
-            share = sm_share(opts.sm_share, opts.nproc)
-            if share < 100:
-                env.setdefault("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(share))
+            for key, value in sm_share_env(opts.sm_share, opts.nproc).items():
+                env.setdefault(key, value)  # a share the user set wins
         procs = [
             subprocess.Popen([sys.executable, opts.script, *opts.args], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
             for r in range(opts.nproc)

@@ -1,7 +1,7 @@
 """The launcher's SM share for ranks that share a GPU (moe_ep.launch --sm-share, moe_ep.mps)."""
 import pytest
 
-from moe_ep.launch import sm_share
+from moe_ep.launch import sm_share, sm_share_env
 from moe_ep.mps import client_sm_share, missing_sm_share
 
 
@@ -17,6 +17,7 @@ def test_each_rank_leaves_the_others_kernels_their_sms():
 
 def test_sm_share_option():
     assert sm_share("70", 4) == 70 and sm_share("100", 4) == 100
+    assert sm_share_env("70", 4) == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "70"} and sm_share_env("100", 4) == {}
     for bad in ("0", "101", "most"):
         with pytest.raises(SystemExit, match="--sm-share: expected auto or a percentage from 1 to 100"):
             sm_share(bad, 4)

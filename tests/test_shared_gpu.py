@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe_ep import _native
-from moe_ep.launch import RankPool, ranks_share_a_gpu, sm_share
+from moe_ep.launch import RankPool, ranks_share_a_gpu, sm_share_env
 
 from . import rank_fns
 from .problems import Problem, same_bits
@@ -34,9 +34,8 @@ def capped_pools():
     def get(num_ranks: int) -> RankPool:
         if num_ranks not in started or not started[num_ranks].alive:
             env = {"MOE_EP_TEST_CUDA": "1", "MOE_EP_LL_KERNELS": "1"}
-            share = sm_share(os.environ.get("MOE_EP_TEST_SM_SHARE", "auto"), num_ranks)
-            if ranks_share_a_gpu(num_ranks) and share < 100:
-                env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(share)
+            if ranks_share_a_gpu(num_ranks):
+                env.update(sm_share_env(os.environ.get("MOE_EP_TEST_SM_SHARE", "auto"), num_ranks))
             started[num_ranks] = RankPool(num_ranks, use_cuda=True, backend="gloo", env=env)
         return started[num_ranks]
 
