@@ -60,6 +60,7 @@ ALL_MODES = MODES + CACHED_MODES + ("combine_arena_input",)
 # The order the modes run in: every dispatch, then the combines.
 RUN_ORDER = tuple(m for m in ALL_MODES if m.startswith("dispatch")) + tuple(m for m in ALL_MODES if m.startswith("combine"))
 NCCL_MODE = "nccl_all_to_all_bf16"
+SKIPPED = "skipped"  # a result row that says an SM budget was refused, and why
 # DeepEP V1 measured this benchmark's way on one H200 (issue 6: 4096 tokens a rank, hidden 7168, top-8 of 256
 # experts, 24 SMs, every rank on the one GPU), GB/s per rank: fp8 dispatch, bf16 dispatch, combine.
 DEEPEP_V1_ONE_H200 = {2: (201, 283, 252), 4: (220, 206, 250), 8: (105, 110, 94)}
@@ -79,7 +80,6 @@ def deepep_v1_reference(args, num_ranks: int, num_sms: int, mode: str):
     if mode.startswith("dispatch_bf16"):
         return bf16_dispatch
     return combine if mode.startswith("combine") else None
-SKIPPED = "skipped"  # a result row that says an SM budget was refused, and why
 
 
 def wait_shares(profile: dict, mode: str, calls: int) -> dict:
