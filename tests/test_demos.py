@@ -10,23 +10,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
 
 
-def _run(script: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+def _run(*argv: str) -> str:
+    """python argv..., which must succeed: its stdout."""
+    done = subprocess.run([sys.executable, *argv], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
+
+
+def _example(script: str) -> str:
+    return os.path.join(ROOT, "examples", script)
 
 
 @pytest.mark.parametrize("ranks,experts", [("2", "16"), ("3", "12")])
 def test_demo_matches_the_dense_layer(ranks, experts):
     """Two ranks as well: the Buffer must be sized for both calls' default configs (2 ranks' combine
     windows are the largest)."""
-    assert "OK: matches the dense MoE layer" in _run("demo.py", "--ranks", ranks, "--experts", experts)
+    assert "OK: matches the dense MoE layer" in _run(_example("demo.py"), "--ranks", ranks, "--experts", experts)
 
 
 @pytest.mark.parametrize("dispatch", [[], ["--bf16"]])
 def test_low_latency_decode_matches_the_dense_layer(dispatch):
-    out = _run("decode_low_latency.py", "--ranks", "2", "--steps", "2", *dispatch)
+    out = _run(_example("decode_low_latency.py"), "--ranks", "2", "--steps", "2", *dispatch)
     assert "OK: every step matches the dense MoE layer" in out
     assert ("bf16 dispatch" if dispatch else "fp8 dispatch") in out
 
@@ -34,8 +38,5 @@ def test_low_latency_decode_matches_the_dense_layer(dispatch):
 def test_demos_run_under_the_launcher():
     """Started as torchrun starts them (RANK, WORLD_SIZE, ...), here by moe_ep.launch: rank 0 prints."""
     for script, args in (("demo.py", ["--experts", "16"]), ("decode_low_latency.py", ["--steps", "1"])):
-        done = subprocess.run([sys.executable, "-m", "moe_ep.launch", "--nproc", "2",
-                               os.path.join(ROOT, "examples", script), *args], cwd=ROOT, env=ENV,
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        assert done.stdout.count("OK:") == 1, done.stdout
+        out = _run("-m", "moe_ep.launch", "--nproc", "2", _example(script), *args)
+        assert out.count("OK:") == 1, out
