@@ -29,17 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_ep  # noqa: E402
 from moe_ep import Buffer, fp8  # noqa: E402
 
-from demo import expert_mlp, experts, print_table, run_ranks, tokens_of  # noqa: E402  (demo.py's layer)
-
-
-def dense_layer(x, idx, weights, w1, w2) -> torch.Tensor:
-    """The MoE layer on one rank: every token's top-k experts, weighted, in float32."""
-    out = torch.zeros(x.shape[0], x.shape[1], device=x.device)
-    for k in range(idx.shape[1]):
-        for e in idx[:, k].unique().tolist():
-            rows = (idx[:, k] == e).nonzero(as_tuple=True)[0]
-            out[rows] += weights[rows, k].unsqueeze(1) * expert_mlp(x[rows], w1[e], w2[e])
-    return out
+from demo import dense_layer, expert_mlp, experts, print_table, run_ranks, tokens_of  # noqa: E402  (demo.py's layer)
 
 
 def side_work(x: torch.Tensor) -> torch.Tensor:

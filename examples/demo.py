@@ -48,6 +48,16 @@ def expert_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Ten
     return (torch.nn.functional.gelu(x.float() @ w1) @ w2)
 
 
+def dense_layer(x, idx, weights, w1, w2) -> torch.Tensor:
+    """The MoE layer on one rank: every token's top-k experts, weighted, in float32."""
+    out = torch.zeros(x.shape[0], x.shape[1], device=x.device)
+    for k in range(idx.shape[1]):
+        for e in idx[:, k].unique().tolist():
+            rows = (idx[:, k] == e).nonzero(as_tuple=True)[0]
+            out[rows] += weights[rows, k].unsqueeze(1) * expert_mlp(x[rows], w1[e], w2[e])
+    return out
+
+
 def moe_step(args):
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
@@ -73,11 +83,7 @@ def moe_step(args):
     out, _, _ = buffer.combine(y.to(torch.bfloat16), handle)
     elapsed = time.perf_counter() - start
 
-    dense = torch.zeros(x.shape[0], args.hidden, device=device)
-    for k in range(args.topk):
-        for e in range(args.experts):
-            rows = (idx[:, k] == e).nonzero(as_tuple=True)[0]
-            dense[rows] += weights[rows, k].unsqueeze(1) * expert_mlp(x[rows], w1[e], w2[e])
+    dense = dense_layer(x, idx, weights, w1, w2)
     err = ((out.float() - dense).norm() / dense.norm().clamp(min=1e-9)).item()
     return dict(rank=rank, tokens=x.shape[0], sent=int(per_rank.sum()), received=recv_x.shape[0],
                 per_expert=counts, rel_error=err, ms=elapsed * 1e3)
