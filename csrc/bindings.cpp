@@ -181,6 +181,7 @@ struct IntranodeCtx {
     torch::Tensor host_info;
     double timeout_s;
     int ranks_on_device;
+    int sm_share_percent = 100;  // set from Python: this process's MPS SM share (backends/intranode.py)
     int64_t wait_ns = 0;  // device uint64 [blocks][kWaitSlots] wait profile, or 0 (set from Python per call)
     bool stream_combine = false;  // set from Python (backends/intranode.py: use_stream_combine)
     bool zero_copy_bases = false;  // set from Python when the Buffer has a zero-copy area
@@ -200,6 +201,7 @@ intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
     ctx.timeout_ns = static_cast<uint64_t>(c.timeout_s * 1e9);
     ctx.num_blocks = static_cast<int>(num_blocks);
     ctx.ranks_on_device = c.ranks_on_device;
+    ctx.sm_share_percent = c.sm_share_percent;
     ctx.wait_ns = reinterpret_cast<uint64_t*>(c.wait_ns);
     ctx.stream_combine = c.stream_combine;
     ctx.zero_copy_bases = c.zero_copy_bases;
@@ -217,7 +219,7 @@ intranode::Ctx data_ctx(const IntranodeCtx& c, int64_t num_blocks, bool combine)
     intranode::Ctx ctx = make_ctx(c, num_blocks);
     if (c.fit_ranks_on_device > 0) {
         ctx.full_first = combine;
-        ctx.num_blocks = intranode::fitted_blocks(ctx.num_blocks, c.fit_ranks_on_device, ctx.full_first);
+        ctx.num_blocks = intranode::fitted_blocks(ctx.num_blocks, c.fit_ranks_on_device, ctx.full_first, c.sm_share_percent);
     }
     return ctx;
 }
@@ -694,7 +696,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("wait_ns", &moe_ep::IntranodeCtx::wait_ns)
         .def_readwrite("stream_combine", &moe_ep::IntranodeCtx::stream_combine)
         .def_readwrite("zero_copy_bases", &moe_ep::IntranodeCtx::zero_copy_bases)
-        .def_readwrite("fit_ranks_on_device", &moe_ep::IntranodeCtx::fit_ranks_on_device);
+        .def_readwrite("fit_ranks_on_device", &moe_ep::IntranodeCtx::fit_ranks_on_device)
+        .def_readwrite("sm_share_percent", &moe_ep::IntranodeCtx::sm_share_percent);
     m.def("intranode_launch_blocks", &moe_ep::intranode_launch_blocks,
           "blocks of a dispatch (or with combine, a combine) kernel for an SM budget (fitted to the ranks sharing a GPU)",
           py::arg("ctx"), py::arg("num_blocks"), py::arg("combine") = false);

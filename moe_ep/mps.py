@@ -8,6 +8,7 @@ CUDA; its pipe directory travels to them through the environment.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -40,6 +41,20 @@ def client_sm_share(ranks_per_gpu: int) -> int:
     deadline, one rank's combine with 8 of its 16 blocks placed (PERFORMANCE.md, twenty-seventh session).
     With a share, a rank's grids fit in what the others' kernels leave."""
     return 100 if ranks_per_gpu <= 1 else (100 * (ranks_per_gpu + 1)) // (2 * ranks_per_gpu)
+
+
+def process_sm_share(env: Optional[Dict[str, str]] = None) -> int:
+    """This process's SM share in percent (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, rounded up), 100 where none
+    is set or the value is not a percentage. Under a share CUDA reports only the share's SMs, and the
+    intranode kernels' residency check needs the whole GPU's too (estimated from the two). A share the
+    daemon sets for every client is not visible here: the check then takes the reported SMs for the
+    whole GPU, which refuses more SM budgets than need be, never fewer."""
+    env = os.environ if env is None else env
+    try:
+        share = math.ceil(float(env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100")))
+    except ValueError:
+        return 100
+    return share if 1 <= share <= 100 else 100
 
 
 def missing_sm_share(ranks_on_gpu: int, env: Optional[Dict[str, str]] = None) -> Optional[str]:

@@ -2,7 +2,7 @@
 import pytest
 
 from moe_ep.launch import sm_share, sm_share_env
-from moe_ep.mps import client_sm_share, missing_sm_share
+from moe_ep.mps import client_sm_share, missing_sm_share, process_sm_share
 
 
 def test_each_rank_leaves_the_others_kernels_their_sms():
@@ -55,3 +55,11 @@ def test_training_on_a_shared_gpu_without_a_share_is_told_how_to_set_one():
     assert "python -m moe_ep.launch, or set CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=62" in message
     assert missing_sm_share(4, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "62"}) is None
     assert missing_sm_share(1, {}) is None
+
+
+def test_a_process_reads_its_share_for_the_residency_check():
+    assert process_sm_share({}) == 100 and process_sm_share({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "56"}) == 56
+    # Rounded up: the whole GPU estimated from the reported SMs must err low.
+    assert process_sm_share({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "62.5"}) == 63
+    for bad in ("0", "150", "most", ""):
+        assert process_sm_share({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": bad}) == 100, bad

@@ -65,3 +65,15 @@ def test_low_latency_steps_beside_expert_gemms_equal_portable(pools, capped_pool
     (on_cpu,) = zip(*pools(num_ranks).run(rank_fns.low_latency_steps_beside_gemms, p, 1))
     for step in range(STEPS):
         _compare_low_latency(f"{seed} step {step}", [steps[step] for steps in on_gpu], on_cpu, use_fp8=True)
+
+
+def test_sm_budgets_under_the_share_are_checked_against_the_whole_gpu(capped_pools):
+    """Under an SM share CUDA reports only the share's SMs (72 of the H200's 132 at 8 ranks' 56%): the
+    residency check that counted them as the whole GPU refused the default budget at 8 ranks (twenty-ninth
+    session). The default must be taken, and a budget that cannot be resident still refused."""
+    p = Problem(4, 8, 32, 128, 2, max_tokens=8)
+    for rank, (outcome, rows) in enumerate(capped_pools(8).run(rank_fns.oversized_sm_budget, p, 400)):
+        assert outcome.startswith("num_sms (Config)") and "use num_sms <=" in outcome, outcome
+        if ranks_share_a_gpu(8) and os.environ.get("MOE_EP_TEST_SM_SHARE", "auto") != "100":
+            assert "under its MPS share of 56%" in outcome, outcome
+        assert rows >= 0, f"rank {rank}: the default budget must be taken after the refusal"

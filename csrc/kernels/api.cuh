@@ -100,6 +100,7 @@ struct Ctx {
     uint64_t timeout_ns;      // a wait for a peer longer than this fails (kHostError, no trap)
     int num_blocks;           // the SM budget of data kernels
     int ranks_on_device;      // ranks of the group on this GPU: their blocks must all fit it at once
+    int sm_share_percent;     // this process's MPS SM share (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), 100: none
     uint64_t* wait_ns;        // null, or [blocks][kWaitSlots]: where the time goes, added up per call
     bool stream_combine;      // combine through per-channel rings instead of windows (up to 32 ranks)
     bool zero_copy_bases;     // notify also finds where this rank's rows start at every peer
@@ -140,9 +141,10 @@ void check_blocks_fit(const Ctx& ctx);
 // up to `ranks_on_device` ranks of the group share a GPU: the count, at most the budget, whose blocks
 // hold the most threads in the shape that fits them (with 8 ranks on one H200 a budget of 24 fits only
 // in 256-thread blocks, 16 blocks of 512 threads hold a third more), trying the shapes in the order
-// that Ctx::full_first picks. Every rank of the group must pass the same values: the streaming
-// combine's channels follow the count. `budget` when one rank has a GPU.
-int fitted_blocks(int budget, int ranks_on_device, bool full_first);
+// that Ctx::full_first picks, under an MPS SM share of sm_share_percent (Ctx). Every rank of the group
+// must pass the same values: the streaming combine's channels follow the count. `budget` when one rank
+// has a GPU.
+int fitted_blocks(int budget, int ranks_on_device, bool full_first, int sm_share_percent);
 void dispatch(const Ctx& ctx, const DispatchArgs& args);
 
 struct CombineArgs {

@@ -20,13 +20,19 @@ inline void check_cuda(cudaError_t status, const char* what) {
 
 namespace moe_ep {
 
-// Blocks of `kernel` the whole current device holds at once.
-inline int resident_blocks(const void* kernel, int threads, size_t dynamic_smem = 0) {
-    int device = 0, sms = 0, per_sm = 0;
+// The SMs of the current device this process may use: under an MPS SM share, only the share's part.
+inline int sm_count() {
+    int device = 0, sms = 0;
     MOE_EP_CUDA_CHECK(cudaGetDevice(&device));
     MOE_EP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    return sms;
+}
+
+// Blocks of `kernel` one SM holds at once.
+inline int blocks_per_sm(const void* kernel, int threads, size_t dynamic_smem = 0) {
+    int per_sm = 0;
     MOE_EP_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, dynamic_smem));
-    return per_sm * sms;
+    return per_sm;
 }
 
 // For kernels whose blocks spin while other kernels must still start on the same GPU: an SM keeps its

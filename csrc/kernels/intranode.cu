@@ -13,6 +13,8 @@
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 
+#include <algorithm>
+
 #include "api.cuh"
 #include "buffer_layout.cuh"
 #include "cuda_check.cuh"
@@ -952,31 +954,47 @@ const ShapeOrder& shape_order(bool full_first) {
     static constexpr ShapeOrder solo_first{{0, 1, 2}}, full_first_order{{3, 1, 2}};
     return full_first ? full_first_order : solo_first;
 }
-// How many blocks of `kernel` the GPU holds at once. Occupancy does not change during a run: asked
-// once per kernel (a handful of kernels per process; 15 families in four shapes at most).
-int cached_resident_blocks(const void* kernel, int threads) {
+// How many blocks of `kernel` one SM holds at once. Occupancy does not change during a run: asked once
+// per kernel (a handful of kernels per process; 15 families in four shapes at most).
+int cached_blocks_per_sm(const void* kernel, int threads) {
     static thread_local const void* kernels[64] = {};
     static thread_local int blocks[64] = {};
     for (int i = 0; i < 64; ++i) {
         if (kernels[i] == kernel) return blocks[i];
         if (kernels[i] == nullptr) {
             kernels[i] = kernel;
-            return blocks[i] = resident_blocks(kernel, threads);
+            return blocks[i] = blocks_per_sm(kernel, threads);
         }
     }
-    return resident_blocks(kernel, threads);
+    return blocks_per_sm(kernel, threads);
 }
 
 // Kernels resident at once per block of one rank's kernel, with `ranks_on_device` ranks on its GPU:
 // two kernels of each when ranks share it.
 int64_t resident_share(int ranks_on_device) { return ranks_on_device > 1 ? 2LL * ranks_on_device : 1; }
 
-// The first shape, in the order full_first picks, whose `needed` blocks the GPU holds at once; -1 when
-// none does (*capacity: what the last shape tried holds).
-int first_fitting_shape(const Shapes& shapes, bool full_first, int64_t needed, int* capacity) {
+// The most blocks each kernel of a rank may have, in a shape of `per_sm` blocks an SM, so that every
+// block of every rank on this GPU is resident at once. Under an MPS SM share (sm_share_percent < 100)
+// CUDA reports only this process's part of the SMs, rounded down to whole TPCs (72 of an H200's 132 at
+// 56%, the launcher's share for 8 ranks): this rank's two kernels must fit that part, and all ranks'
+// kernels the whole GPU, of at least reported x 100 / share SMs. That estimate errs low, the safe side:
+// a budget that did not fit would wait until the deadline; one refused is named in the error.
+int64_t most_resident_blocks(int per_sm, int ranks_on_device, int sm_share_percent) {
+    const int process_sms = sm_count();
+    const int64_t own = static_cast<int64_t>(per_sm) * process_sms;
+    const int64_t whole = sm_share_percent > 0 && sm_share_percent < 100 ? own * 100 / sm_share_percent : own;
+    const int64_t kernels_alive = ranks_on_device > 1 ? 2 : 1;
+    return std::min(whole / resident_share(ranks_on_device), own / kernels_alive);
+}
+
+// The first shape, in the order full_first picks, that holds `blocks` blocks per kernel on every rank
+// of this GPU at once; -1 when none does (*most: the blocks per kernel the last shape tried holds).
+int first_fitting_shape(const Shapes& shapes, bool full_first, int64_t blocks, int ranks_on_device,
+                        int sm_share_percent, int64_t* most) {
     for (const int i : shape_order(full_first).shape) {
-        *capacity = cached_resident_blocks(shapes.kernel[i], kShapeThreads[i]);
-        if (needed <= *capacity) return i;
+        *most = most_resident_blocks(cached_blocks_per_sm(shapes.kernel[i], kShapeThreads[i]), ranks_on_device,
+                                     sm_share_percent);
+        if (blocks <= *most) return i;
     }
     return -1;
 }
@@ -985,19 +1003,23 @@ int first_fitting_shape(const Shapes& shapes, bool full_first, int64_t needed, i
 // error that names the limit. launch(shape index).
 template <typename Launch>
 void launch_resident(const Ctx& ctx, const Shapes& shapes, const char* what, Launch launch) {
-    const int64_t sharing = resident_share(ctx.ranks_on_device), needed = sharing * ctx.num_blocks;
-    int capacity = 0;
-    const int shape = first_fitting_shape(shapes, ctx.full_first, needed, &capacity);
+    int64_t most = 0;
+    const int shape =
+        first_fitting_shape(shapes, ctx.full_first, ctx.num_blocks, ctx.ranks_on_device, ctx.sm_share_percent, &most);
     if (shape >= 0) {
         launch(shape);
         MOE_EP_LAUNCH_CHECK(what);
         return;
     }
+    const bool shared = ctx.sm_share_percent > 0 && ctx.sm_share_percent < 100;
     throw std::invalid_argument(
         "num_sms (Config): " + std::to_string(ctx.num_blocks) + " blocks per kernel with " +
-        std::to_string(ctx.ranks_on_device) + " rank(s) on this GPU need " + std::to_string(needed) +
-        " resident blocks, the GPU holds " + std::to_string(capacity) + ": use num_sms <= " +
-        std::to_string(capacity / sharing));
+        std::to_string(ctx.ranks_on_device) + " rank(s) on this GPU cannot all be resident at once (two kernels " +
+        "of each rank can be alive together" +
+        (shared ? ", this process holding " + std::to_string(sm_count()) + " SMs under its MPS share of " +
+                      std::to_string(ctx.sm_share_percent) + "%"
+                : std::string()) +
+        "): use num_sms <= " + std::to_string(most));
 }
 
 template <template <typename> class Kernel>
@@ -1363,7 +1385,7 @@ void check_blocks_fit(const Ctx& ctx) {
     launch_resident(ctx, shapes_of<DispatchKernel>(), "check_blocks_fit", [](int) {});
 }
 
-int fitted_blocks(int budget, int ranks_on_device, bool full_first) {
+int fitted_blocks(int budget, int ranks_on_device, bool full_first, int sm_share_percent) {
     if (ranks_on_device <= 1) return budget;  // one block an SM up to the SM count: nothing to gain
     // The answer depends only on the arguments (occupancy does not change during a run): kept per thread,
     // one entry per shape order, since dispatches and combines alternate.
@@ -1378,8 +1400,8 @@ int fitted_blocks(int budget, int ranks_on_device, bool full_first) {
     // Even counts only, as budgets are (Config): the streaming combine pairs a receiving and a sending
     // block per channel.
     for (int b = budget; b >= 2; b -= 2) {
-        int capacity = 0;
-        const int shape = first_fitting_shape(shapes, full_first, resident_share(ranks_on_device) * b, &capacity);
+        int64_t fitting = 0;
+        const int shape = first_fitting_shape(shapes, full_first, b, ranks_on_device, sm_share_percent, &fitting);
         if (shape >= 0 && static_cast<int64_t>(b) * kShapeThreads[shape] > most) {
             most = static_cast<int64_t>(b) * kShapeThreads[shape];
             blocks = b;

@@ -24,6 +24,7 @@ from ..config import (
 from ..checks import env_switch
 from ..events import EventOverlap
 from ..handles import DispatchHandle
+from ..mps import process_sm_share
 from ..sync import ArrivalGate
 from .peers import (
     HOST_COMBINE_MISSING, HOST_COUNTS, HOST_DONE, HOST_ERROR, HOST_OVERFLOW, PHASE_NAMES, WAIT_NAMES, MappedBuffers,
@@ -132,6 +133,7 @@ class IntranodeBackend:
         )
         self.ctx.stream_combine = use_stream_combine(self.num_ranks)
         self.ctx.fit_ranks_on_device = self.peers.max_ranks_on_device if fit_blocks() else 0
+        self.ctx.sm_share_percent = process_sm_share()
         # Zero-copy combine: a second mapped area of two slots, where callers write their combine rows
         # (get_next_combine_buffer) and the ranks that own the tokens read them.
         self.zero_copy: Optional[MappedBuffers] = None
