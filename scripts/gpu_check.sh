@@ -49,8 +49,9 @@ if $PY -c "import megatron.core" 2>/dev/null; then
     summary "megatron tests (CPU ranks): $(tail -1 "$OUT/megatron_tests.log")"
   fi
   if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
-    # EP=1, then EP=4 with four ranks sharing this GPU (the launcher's MPS and SM share) through the arena.
-    for ep in 1 4; do
+    # EP=1, then EP=4 with four ranks sharing this GPU (the launcher's MPS and SM share) through the arena;
+    # COMPARE_EPS="1 4 8" adds eight ranks (another ~110 s on one H200).
+    for ep in ${COMPARE_EPS:-1 4}; do
       zero_copy=none; [[ $ep -gt 1 ]] && zero_copy=arena
       timeout 240 $PY examples/compare_dispatchers.py --config configs/single_gpu_small.yaml --nproc $ep --steps 30 \
         --warmup 5 --zero-copy $zero_copy --plot "$OUT/compare_ep$ep.png" --json "$OUT/compare_ep$ep.json" 2>&1 \
