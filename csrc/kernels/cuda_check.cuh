@@ -28,11 +28,11 @@ inline int sm_count() {
     return sms;
 }
 
-// Blocks of `kernel` one SM holds at once.
-inline int blocks_per_sm(const void* kernel, int threads, size_t dynamic_smem = 0) {
+// Blocks of `kernel` the SMs this process may use hold at once (sm_count of them).
+inline int resident_blocks(const void* kernel, int threads, size_t dynamic_smem = 0) {
     int per_sm = 0;
     MOE_EP_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, dynamic_smem));
-    return per_sm;
+    return per_sm * sm_count();
 }
 
 // For kernels whose blocks spin while other kernels must still start on the same GPU: an SM keeps its

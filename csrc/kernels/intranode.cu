@@ -954,34 +954,33 @@ const ShapeOrder& shape_order(bool full_first) {
     static constexpr ShapeOrder solo_first{{0, 1, 2}}, full_first_order{{3, 1, 2}};
     return full_first ? full_first_order : solo_first;
 }
-// How many blocks of `kernel` one SM holds at once. Occupancy does not change during a run: asked once
-// per kernel (a handful of kernels per process; 15 families in four shapes at most).
-int cached_blocks_per_sm(const void* kernel, int threads) {
+// How many blocks of `kernel` this process's SMs hold at once. Occupancy does not change during a run:
+// asked once per kernel (a handful of kernels per process; 15 families in four shapes at most).
+int cached_resident_blocks(const void* kernel, int threads) {
     static thread_local const void* kernels[64] = {};
     static thread_local int blocks[64] = {};
     for (int i = 0; i < 64; ++i) {
         if (kernels[i] == kernel) return blocks[i];
         if (kernels[i] == nullptr) {
             kernels[i] = kernel;
-            return blocks[i] = blocks_per_sm(kernel, threads);
+            return blocks[i] = resident_blocks(kernel, threads);
         }
     }
-    return blocks_per_sm(kernel, threads);
+    return resident_blocks(kernel, threads);
 }
 
 // Kernels resident at once per block of one rank's kernel, with `ranks_on_device` ranks on its GPU:
 // two kernels of each when ranks share it.
 int64_t resident_share(int ranks_on_device) { return ranks_on_device > 1 ? 2LL * ranks_on_device : 1; }
 
-// The most blocks each kernel of a rank may have, in a shape of `per_sm` blocks an SM, so that every
-// block of every rank on this GPU is resident at once. Under an MPS SM share (sm_share_percent < 100)
-// CUDA reports only this process's part of the SMs, rounded down to whole TPCs (72 of an H200's 132 at
-// 56%, the launcher's share for 8 ranks): this rank's two kernels must fit that part, and all ranks'
-// kernels the whole GPU, of at least reported x 100 / share SMs. That estimate errs low, the safe side:
-// a budget that did not fit would wait until the deadline; one refused is named in the error.
-int64_t most_resident_blocks(int per_sm, int ranks_on_device, int sm_share_percent) {
-    const int process_sms = sm_count();
-    const int64_t own = static_cast<int64_t>(per_sm) * process_sms;
+// The most blocks each kernel of a rank may have, in a shape of which this process's SMs hold `own`, so
+// that every block of every rank on this GPU is resident at once. Under an MPS SM share
+// (sm_share_percent < 100) CUDA reports only this process's part of the SMs, rounded down to whole TPCs
+// (72 of an H200's 132 at 56%, the launcher's share for 8 ranks): this rank's two kernels must fit that
+// part, and all ranks' kernels the whole GPU, of at least reported x 100 / share SMs. That estimate errs
+// low, the safe side: a budget that did not fit would wait until the deadline; one refused is named in
+// the error.
+int64_t most_resident_blocks(int64_t own, int ranks_on_device, int sm_share_percent) {
     const int64_t whole = sm_share_percent > 0 && sm_share_percent < 100 ? own * 100 / sm_share_percent : own;
     const int64_t kernels_alive = ranks_on_device > 1 ? 2 : 1;
     return std::min(whole / resident_share(ranks_on_device), own / kernels_alive);
@@ -992,7 +991,7 @@ int64_t most_resident_blocks(int per_sm, int ranks_on_device, int sm_share_perce
 int first_fitting_shape(const Shapes& shapes, bool full_first, int64_t blocks, int ranks_on_device,
                         int sm_share_percent, int64_t* most) {
     for (const int i : shape_order(full_first).shape) {
-        *most = most_resident_blocks(cached_blocks_per_sm(shapes.kernel[i], kShapeThreads[i]), ranks_on_device,
+        *most = most_resident_blocks(cached_resident_blocks(shapes.kernel[i], kShapeThreads[i]), ranks_on_device,
                                      sm_share_percent);
         if (blocks <= *most) return i;
     }
@@ -1389,9 +1388,11 @@ int fitted_blocks(int budget, int ranks_on_device, bool full_first, int sm_share
     if (ranks_on_device <= 1) return budget;  // one block an SM up to the SM count: nothing to gain
     // The answer depends only on the arguments (occupancy does not change during a run): kept per thread,
     // one entry per shape order, since dispatches and combines alternate.
-    static thread_local int last_budget[2] = {-1, -1}, last_ranks[2] = {-1, -1}, last_blocks[2] = {0, 0};
+    static thread_local int last_budget[2] = {-1, -1}, last_ranks[2] = {-1, -1}, last_share[2] = {-1, -1},
+                            last_blocks[2] = {0, 0};
     const int o = full_first ? 1 : 0;
-    if (budget == last_budget[o] && ranks_on_device == last_ranks[o]) return last_blocks[o];
+    if (budget == last_budget[o] && ranks_on_device == last_ranks[o] && sm_share_percent == last_share[o])
+        return last_blocks[o];
     // Every shape's rate follows the loads its threads keep in flight; counted as threads, so that a tie
     // keeps the budget (the largest count is tried first and only a strict gain moves off it).
     const Shapes shapes = shapes_of<DispatchKernel>();
@@ -1407,7 +1408,7 @@ int fitted_blocks(int budget, int ranks_on_device, bool full_first, int sm_share
             blocks = b;
         }
     }
-    last_budget[o] = budget, last_ranks[o] = ranks_on_device, last_blocks[o] = blocks;
+    last_budget[o] = budget, last_ranks[o] = ranks_on_device, last_share[o] = sm_share_percent, last_blocks[o] = blocks;
     return blocks;
 }
 
