@@ -2,17 +2,11 @@
 low-latency), compared with the header itself compiled for the host (its functions are constexpr and
 free of CUDA): a formula changed on one side only fails here on any machine with a C++ compiler, not
 only end to end on a GPU."""
-import json
-import os
-import shutil
-import subprocess
-
 import pytest
 
 from moe_ep.config import intranode_header_bytes, IntranodeLayout, LowLatencyLayout, zero_copy_dispatch_region
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMPILER = shutil.which("g++") or shutil.which("c++")
+from .host_headers import run_against_headers
 
 REGION_CASES = [(0, 14336, 0, 8), (1, 7168, 224, 8), (4096, 7168, 224, 8), (37, 264, 0, 3), (513, 4104, 128, 0),
                 (32768, 14336, 0, 16)]
@@ -52,17 +46,11 @@ int main() {
 
 @pytest.fixture(scope="module")
 def from_the_header(tmp_path_factory):
-    if COMPILER is None:
-        pytest.skip("no C++ compiler")
-    folder = tmp_path_factory.mktemp("layout")
-    source, binary = folder / "layout.cpp", folder / "layout"
-    source.write_text(PROGRAM % dict(regions=", ".join("{%d, %d, %d, %d}" % c for c in REGION_CASES),
-                                     headers=", ".join("{%d, %d}" % c for c in HEADER_CASES),
-                                     low_latency=", ".join("{%d, %d, %d, %d}" % c for c in LOW_LATENCY_CASES)))
-    subprocess.run([COMPILER, "-std=c++17", "-I", os.path.join(ROOT, "csrc", "kernels"), str(source), "-o", str(binary)],
-                   check=True)
-    lines = [json.loads(line) for line in subprocess.run([str(binary)], check=True, capture_output=True,
-                                                         text=True).stdout.splitlines()]
+    lines = run_against_headers(
+        tmp_path_factory.mktemp("layout"), "layout",
+        PROGRAM % dict(regions=", ".join("{%d, %d, %d, %d}" % c for c in REGION_CASES),
+                       headers=", ".join("{%d, %d}" % c for c in HEADER_CASES),
+                       low_latency=", ".join("{%d, %d, %d, %d}" % c for c in LOW_LATENCY_CASES)))
     return tuple([line[key] for line in lines if key in line] for key in ("region", "header", "low_latency"))
 
 

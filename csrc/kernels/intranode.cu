@@ -19,6 +19,7 @@
 #include "buffer_layout.cuh"
 #include "cuda_check.cuh"
 #include "peer_sync.cuh"
+#include "residency.cuh"
 
 namespace moe_ep {
 namespace intranode {
@@ -967,23 +968,6 @@ int cached_resident_blocks(const void* kernel, int threads) {
         }
     }
     return resident_blocks(kernel, threads);
-}
-
-// Kernels resident at once per block of one rank's kernel, with `ranks_on_device` ranks on its GPU:
-// two kernels of each when ranks share it.
-int64_t resident_share(int ranks_on_device) { return ranks_on_device > 1 ? 2LL * ranks_on_device : 1; }
-
-// The most blocks each kernel of a rank may have, in a shape of which this process's SMs hold `own`, so
-// that every block of every rank on this GPU is resident at once. Under an MPS SM share
-// (sm_share_percent < 100) CUDA reports only this process's part of the SMs, rounded down to whole TPCs
-// (72 of an H200's 132 at 56%, the launcher's share for 8 ranks): this rank's two kernels must fit that
-// part, and all ranks' kernels the whole GPU, of at least reported x 100 / share SMs. That estimate errs
-// low, the safe side: a budget that did not fit would wait until the deadline; one refused is named in
-// the error.
-int64_t most_resident_blocks(int64_t own, int ranks_on_device, int sm_share_percent) {
-    const int64_t whole = sm_share_percent > 0 && sm_share_percent < 100 ? own * 100 / sm_share_percent : own;
-    const int64_t kernels_alive = ranks_on_device > 1 ? 2 : 1;
-    return std::min(whole / resident_share(ranks_on_device), own / kernels_alive);
 }
 
 // The first shape, in the order full_first picks, that holds `blocks` blocks per kernel on every rank
