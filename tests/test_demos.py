@@ -1,18 +1,22 @@
-"""The demos that need no megatron-core, end to end on CPU ranks: each checks itself against the dense
-MoE layer and prints OK (a mismatch exits non-zero)."""
+"""The demos that need no megatron-core, end to end on CPU ranks (and the decode example on CUDA ranks
+where there is a GPU): each checks itself against the dense MoE layer and prints OK (a mismatch exits
+non-zero)."""
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
+
+from moe_ep import _native
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
 
 
-def _run(*argv: str) -> str:
+def _run(*argv: str, env: dict = ENV) -> str:
     """python argv..., which must succeed: its stdout."""
-    done = subprocess.run([sys.executable, *argv], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 
@@ -40,3 +44,16 @@ def test_demos_run_under_the_launcher():
     for script, args in (("demo.py", ["--experts", "16"]), ("decode_low_latency.py", ["--steps", "1"])):
         out = _run("-m", "moe_ep.launch", "--nproc", "2", _example(script), *args)
         assert out.count("OK:") == 1, out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.skipif(not _native.has_kernels(), reason=str(_native.unavailable_reason()))
+@pytest.mark.parametrize("graph", [[], ["--graph"]])
+def test_low_latency_decode_on_cuda_ranks(graph):
+    """The low-latency kernels under the launcher (MPS where the ranks share a GPU), a step replayed from
+    a CUDA graph with new tokens as well."""
+    out = _run("-m", "moe_ep.launch", "--nproc", "4", _example("decode_low_latency.py"), "--device", "cuda",
+               "--steps", "3", *graph, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.count("OK: every step matches the dense MoE layer") == 1, out
+    assert ("CUDA graph" in out) == bool(graph), out
