@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import moe_ep  # noqa: E402
 from moe_ep import Buffer  # noqa: E402
+from moe_ep.buffer import default_config_size_hints  # noqa: E402
 from moe_ep.launch import RankPool  # noqa: E402
 
 
@@ -65,9 +66,7 @@ def moe_step(args):
     w1, w2 = (w.to(device) for w in experts(args.experts, args.hidden, args.seed))
     x, idx, weights = (t.to(device) for t in tokens_of(rank, args))
     # Room for the default configs of both calls (each has its own window sizes).
-    nvl = max(config.get_nvl_buffer_size_hint(args.hidden * 2, num_ranks)
-              for config in (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)))
-    buffer = Buffer(dist.group.WORLD, nvl)
+    buffer = Buffer(dist.group.WORLD, default_config_size_hints(args.hidden * 2, num_ranks)[0])
 
     start = time.perf_counter()
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, args.experts)

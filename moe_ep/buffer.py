@@ -344,7 +344,7 @@ class Buffer:
         # A Buffer sized for one call's config (or for Config()'s) can be too small for another's.
         advice = (f"; without config= the {call} uses {hint}: size the Buffer with the larger of "
                   f"Buffer.get_dispatch_config({self.group_size}) and Buffer.get_combine_config({self.group_size})'s "
-                  "hints, or pass config=") if default else ""
+                  "hints (moe_ep.buffer.default_config_size_hints gives them), or pass config=") if default else ""
         for kind, have, needed in (
             ("nvl", self.num_nvl_bytes, config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)),
             ("rdma", self.num_rdma_bytes, config.get_rdma_buffer_size_hint(hidden_bytes, self.group_size)
@@ -868,3 +868,13 @@ class Buffer:
         for staging in self._ll_combine_buffers:
             if staging is not None:
                 staging.zero_()
+
+
+def default_config_size_hints(hidden_bytes: int, num_ranks: int) -> Tuple[int, int]:
+    """(num_nvl_bytes, num_rdma_bytes) for a Buffer whose dispatches and combines of rows of hidden_bytes
+    run on their default configs (Buffer.get_dispatch_config / get_combine_config at Buffer.num_sms): each
+    call has its own window sizes, so the larger of the two configs' hints (2 ranks' combine needs ~4x
+    Config()'s)."""
+    configs = (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks))
+    return (max(c.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) for c in configs),
+            max(c.get_rdma_buffer_size_hint(hidden_bytes, num_ranks) for c in configs))

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep import Buffer, Config, fp8
+from moe_ep.buffer import default_config_size_hints
 from moe_ep.config import zero_copy_combine_bytes, zero_copy_dispatch_bytes, zero_copy_dispatch_region
 
 from .problems import Problem, bias_for, expert_output, make_inputs
@@ -37,8 +38,7 @@ def normal_buffer(hidden: int, config: Config = None, **kwargs) -> Buffer:
     if config is not None:  # exactly what this config asks for (small configs: many windows)
         return Buffer(dist.group.WORLD, config.get_nvl_buffer_size_hint(hidden * 2, num_ranks), **kwargs)
     nvl = max(Config().get_nvl_buffer_size_hint(hidden * 2, num_ranks),
-              Buffer.get_combine_config(num_ranks).get_nvl_buffer_size_hint(hidden * 2, num_ranks),
-              Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden * 2, num_ranks))
+              default_config_size_hints(hidden * 2, num_ranks)[0])
     rdma = Config().get_rdma_buffer_size_hint(hidden * 2, num_ranks)
     return Buffer(dist.group.WORLD, nvl, rdma, **kwargs)
 

@@ -4,6 +4,7 @@ import torch
 
 import moe_ep
 from moe_ep import Buffer, Config, EventOverlap
+from moe_ep.buffer import default_config_size_hints
 
 from . import rank_fns
 
@@ -131,3 +132,13 @@ def test_layout_counts_tokens_once_per_node(pools):
                 want[node] += 1
         assert torch.equal(per_rdma, want)
         assert torch.equal(in_rank.view(-1, 2, 2).any(-1).sum(0, dtype=torch.int32), want)
+
+
+def test_default_config_size_hints_cover_both_calls_default_configs():
+    for num_ranks in (2, 3, 8, 16):
+        nvl, rdma = default_config_size_hints(7168 * 2, num_ranks)
+        for config in (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)):
+            assert nvl >= config.get_nvl_buffer_size_hint(7168 * 2, num_ranks)
+            assert rdma >= config.get_rdma_buffer_size_hint(7168 * 2, num_ranks)
+        assert nvl in {c.get_nvl_buffer_size_hint(7168 * 2, num_ranks)
+                       for c in (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks))}

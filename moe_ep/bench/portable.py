@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from moe_ep import Buffer
+from moe_ep.buffer import default_config_size_hints
 from moe_ep.launch import RankPool
 
 
@@ -34,8 +35,7 @@ def rank_bench(args):
     x = torch.randn(args.tokens, args.hidden, generator=g).to(torch.bfloat16)
     idx = torch.rand(args.tokens, args.experts, generator=g).topk(args.topk, dim=1).indices
     weights = torch.rand(args.tokens, args.topk, generator=g)
-    nvl = max(config.get_nvl_buffer_size_hint(args.hidden * 2, num_ranks)
-              for config in (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)))
+    nvl = default_config_size_hints(args.hidden * 2, num_ranks)[0]
     rdma = Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, num_ranks, args.experts)
     buffer = Buffer(dist.group.WORLD, nvl, rdma, low_latency_mode=True)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, args.experts)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from moe_ep import Buffer, fp8
+from moe_ep.buffer import default_config_size_hints
 from moe_ep.config import zero_copy_combine_bytes, zero_copy_dispatch_bytes
 from moe_ep.launch import RankPool
 
@@ -59,7 +60,7 @@ def _normal_round(args, device):
     topk_idx = torch.rand(args.tokens, args.experts, device=device).topk(args.topk, dim=1).indices
     topk_weights = torch.rand(args.tokens, args.topk, device=device)
     dispatch_config, combine_config = Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)
-    nvl = max(c.get_nvl_buffer_size_hint(args.hidden * 2, num_ranks) for c in (dispatch_config, combine_config))
+    nvl = default_config_size_hints(args.hidden * 2, num_ranks)[0]
     rows = args.tokens * num_ranks  # the most a rank can receive
     areas = dict(num_zero_copy_dispatch_bytes=zero_copy_dispatch_bytes(rows, args.hidden * 2, 0, args.topk),
                  num_zero_copy_combine_bytes=zero_copy_combine_bytes(rows, args.hidden * 2)) if args.zero_copy else {}

@@ -30,7 +30,7 @@ from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantizat
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from ..backends.intranode import dispatch_arena
-from ..buffer import Buffer
+from ..buffer import Buffer, default_config_size_hints
 from ..config import zero_copy_combine_bytes, zero_copy_dispatch_bytes
 from ..checks import env_switch
 from ..events import EventOverlap
@@ -100,15 +100,7 @@ def _buffer_for(group, hidden_bytes: int, zero_copy_bytes: int = 0, zero_copy_di
     one when it lacks room for rows of hidden_bytes, a zero-copy combine area of zero_copy_bytes or a
     zero-copy dispatch area of zero_copy_dispatch, or by one whose zero-copy dispatch area is (`arena`)
     or is not a dispatch arena, as asked."""
-    size = group.size()
-    nvl = max(
-        Buffer.get_dispatch_config(size).get_nvl_buffer_size_hint(hidden_bytes, size),
-        Buffer.get_combine_config(size).get_nvl_buffer_size_hint(hidden_bytes, size),
-    )
-    rdma = max(
-        Buffer.get_dispatch_config(size).get_rdma_buffer_size_hint(hidden_bytes, size),
-        Buffer.get_combine_config(size).get_rdma_buffer_size_hint(hidden_bytes, size),
-    )
+    nvl, rdma = default_config_size_hints(hidden_bytes, group.size())
     current = _buffers.get(group)
     if (
         current is not None
