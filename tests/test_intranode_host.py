@@ -89,7 +89,6 @@ def test_a_cached_zero_copy_dispatch_takes_the_other_slot(stubbed):
     assert launched == ["intranode_zero_copy_dispatch"]  # no count exchange
 
 
-
 def test_no_listed_call_shares_its_ordering_event_with_a_later_one(stubbed):
     """progress_report asks each listed call's event whether the caller's stream got there: a call whose
     event a later call recorded again could not be answered (rows known before the launch: the Buffer
