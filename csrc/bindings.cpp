@@ -185,6 +185,10 @@ struct IntranodeCtx {
     int64_t wait_ns = 0;  // device uint64 [blocks][kWaitSlots] wait profile, or 0 (set from Python per call)
     bool stream_combine = false;  // set from Python (backends/intranode.py: use_stream_combine)
     bool zero_copy_bases = false;  // set from Python when the Buffer has a zero-copy area
+    // Set from Python, the same on every rank (where any GPU holds several of the group's ranks): the
+    // combines and the cached dispatches start behind a rendezvous kernel (intranode.cu), the other
+    // dispatches behind their count exchange already.
+    bool rendezvous = false;
     // The group's largest count of ranks on one GPU, for fitted_blocks; 0: the data kernels take the SM
     // budget as their block count (MOE_EP_FIT_BLOCKS=0).
     int fit_ranks_on_device = 0;
@@ -206,6 +210,7 @@ intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
     ctx.stream_combine = c.stream_combine;
     ctx.zero_copy_bases = c.zero_copy_bases;
     ctx.full_first = false;
+    ctx.rendezvous_before = 0;
     ctx.stream = current_stream();
     return ctx;
 }
@@ -215,8 +220,11 @@ intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
 // twentieth session: every combine +11-39% in two calls; 2 ranks on two H200s, twenty-first: +30-47%;
 // the dispatches were level or slower, so they keep the 512-thread shapes). With MOE_EP_FIT_BLOCKS=0,
 // the budget and the 512-thread shapes.
-intranode::Ctx data_ctx(const IntranodeCtx& c, int64_t num_blocks, bool combine) {
+// `opens`: the data kernel's KernelId where it needs a rendezvous first (when the ranks share a GPU), 0
+// where its call's count exchange already keeps it from starting before every rank reached the call.
+intranode::Ctx data_ctx(const IntranodeCtx& c, int64_t num_blocks, bool combine, int opens = 0) {
     intranode::Ctx ctx = make_ctx(c, num_blocks);
+    if (c.rendezvous) ctx.rendezvous_before = opens;
     if (c.fit_ranks_on_device > 0) {
         ctx.full_first = combine;
         ctx.num_blocks = intranode::fitted_blocks(ctx.num_blocks, c.fit_ranks_on_device, ctx.full_first, c.sm_share_percent);
@@ -280,7 +288,8 @@ void intranode_dispatch(const IntranodeCtx& c, int64_t num_blocks, const torch::
                         const torch::Tensor& send_pos, const torch::Tensor& recv_info, const torch::Tensor& recv_x,
                         const std::optional<torch::Tensor>& recv_scales,
                         const std::optional<torch::Tensor>& recv_topk_idx,
-                        const std::optional<torch::Tensor>& recv_topk_weights, const torch::Tensor& recv_src_idx) {
+                        const std::optional<torch::Tensor>& recv_topk_weights, const torch::Tensor& recv_src_idx,
+                        bool cached) {
     const c10::cuda::CUDAGuard guard(x.device());
     check_rows(recv_x, "recv_x");
     intranode::DispatchArgs a = dispatch_args(x, scales, topk_idx, topk_weights, experts_per_rank, send_pos, recv_info,
@@ -288,7 +297,7 @@ void intranode_dispatch(const IntranodeCtx& c, int64_t num_blocks, const torch::
     a.recv_x = recv_x.data_ptr();
     a.recv_scales = optional_ptr<void>(recv_scales);
     a.num_recv_rows = static_cast<int>(recv_x.size(0));
-    intranode::dispatch(data_ctx(c, num_blocks, /*combine=*/false), a);
+    intranode::dispatch(data_ctx(c, num_blocks, /*combine=*/false, cached ? intranode::kKernelDispatch : 0), a);
 }
 
 // Zero-copy dispatch: the rows go straight into the receivers' zero-copy areas (areas: device int64
@@ -302,7 +311,8 @@ void intranode_zero_copy_dispatch(const IntranodeCtx& c, int64_t num_blocks, con
                                   const std::optional<torch::Tensor>& recv_topk_idx,
                                   const std::optional<torch::Tensor>& recv_topk_weights,
                                   const torch::Tensor& recv_src_idx, int64_t areas, int64_t slot_offset,
-                                  int64_t capacity_rows, const std::vector<int64_t>& offsets, int64_t region_bytes) {
+                                  int64_t capacity_rows, const std::vector<int64_t>& offsets, int64_t region_bytes,
+                                  bool cached) {
     const c10::cuda::CUDAGuard guard(x.device());
     TORCH_CHECK(offsets.size() == 5, "offsets: expected x, scale, idx, weight and src offsets");
     TORCH_CHECK(num_recv_rows <= capacity_rows, "num_recv_rows: more than a zero-copy slot holds");
@@ -311,7 +321,8 @@ void intranode_zero_copy_dispatch(const IntranodeCtx& c, int64_t num_blocks, con
     a.num_recv_rows = static_cast<int>(num_recv_rows);
     const intranode::ZeroCopyDispatchArgs z{reinterpret_cast<uint8_t* const*>(areas), slot_offset, capacity_rows,
                                             offsets[0], offsets[1], offsets[2], offsets[3], offsets[4], region_bytes};
-    intranode::zero_copy_dispatch(data_ctx(c, num_blocks, /*combine=*/false), a, z);
+    intranode::zero_copy_dispatch(
+        data_ctx(c, num_blocks, /*combine=*/false, cached ? intranode::kKernelZeroCopyDispatch : 0), a, z);
 }
 
 // The communication stream waits for the caller's stream (else the caller made it wait for its
@@ -392,7 +403,7 @@ py::tuple intranode_zero_copy_dispatch_early(
         const c10::cuda::CUDAStreamGuard on_comm(comm);
         intranode_zero_copy_dispatch(c, num_blocks, x, scales, topk_idx, topk_weights, experts_per_rank, send_pos,
                                      recv_info, -1, recv_topk_idx, recv_topk_weights, recv_src_idx, areas, slot_offset,
-                                     capacity_rows, offsets, region_bytes);
+                                     capacity_rows, offsets, region_bytes, /*cached=*/false);
     }
     return py::make_tuple(send_pos, recv_info, recv_src_idx, or_none(recv_topk_idx), or_none(recv_topk_weights));
 }
@@ -444,7 +455,7 @@ py::object intranode_dispatch_fresh(
     {
         const c10::cuda::CUDAStreamGuard on_comm(comm);
         intranode_dispatch(c, num_blocks, x, scales, topk_idx, topk_weights, experts_per_rank, send_pos, recv_info,
-                           recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx);
+                           recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, /*cached=*/false);
     }
     return py::make_tuple(send_pos, recv_info, recv_src_idx, recv_x, or_none(recv_scales), or_none(recv_topk_idx),
                           or_none(recv_topk_weights), recv_counts, send_counts, per_expert);
@@ -485,7 +496,7 @@ void intranode_combine(const IntranodeCtx& c, int64_t num_blocks, const torch::T
     check_rows(x, "x");
     intranode::CombineArgs a = combine_args(x, topk_weights, recv_src_idx, recv_info, send_pos, bias0, bias1, out, out_weights);
     a.send_chunk = static_cast<int>(std::min<int64_t>(std::max<int64_t>(send_chunk, 0), 1 << 24));
-    intranode::combine(data_ctx(c, num_blocks, /*combine=*/true), a);
+    intranode::combine(data_ctx(c, num_blocks, /*combine=*/true, intranode::kKernelCombine), a);
 }
 
 // x: the view Buffer.get_next_combine_buffer handed out, whose rows lie in this rank's zero-copy area
@@ -506,7 +517,7 @@ void intranode_zero_copy_combine(const IntranodeCtx& c, int64_t num_blocks, cons
                 "x: rows in mapped memory must start 16-byte aligned");
     const intranode::ZeroCopyArgs z{reinterpret_cast<uint8_t* const*>(areas), slot_offset, pitch, capacity_rows,
                                     weights_offset};
-    intranode::zero_copy_combine(data_ctx(c, num_blocks, /*combine=*/true),
+    intranode::zero_copy_combine(data_ctx(c, num_blocks, /*combine=*/true, intranode::kKernelZeroCopyCombine),
                                  combine_args(x, topk_weights, recv_src_idx, recv_info, send_pos, bias0, bias1, out,
                                               out_weights),
                                  z);
@@ -696,6 +707,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("wait_ns", &moe_ep::IntranodeCtx::wait_ns)
         .def_readwrite("stream_combine", &moe_ep::IntranodeCtx::stream_combine)
         .def_readwrite("zero_copy_bases", &moe_ep::IntranodeCtx::zero_copy_bases)
+        .def_readwrite("rendezvous", &moe_ep::IntranodeCtx::rendezvous)
         .def_readwrite("fit_ranks_on_device", &moe_ep::IntranodeCtx::fit_ranks_on_device)
         .def_readwrite("sm_share_percent", &moe_ep::IntranodeCtx::sm_share_percent);
     m.def("intranode_launch_blocks", &moe_ep::intranode_launch_blocks,

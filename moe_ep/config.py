@@ -106,7 +106,7 @@ INTRANODE_HEADER_ALIGN = 4096
 INTRANODE_SLOT_ALIGN = 16
 INTRANODE_MAX_EXPERTS = 16384
 _INTRANODE_FIXED_SIGNALS = 16
-_INTRANODE_SIGNAL_ARRAYS = 6
+_INTRANODE_SIGNAL_ARRAYS = 7
 _INTRANODE_STREAM_SIGNALS = 2 * 32  # the streaming combine's two [channel][rank] ring counters
 _INTRANODE_LAYOUT_FIELDS = 7  # a zero-copy dispatch's receiving layout, per rank
 

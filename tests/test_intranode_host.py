@@ -15,8 +15,17 @@ def stubbed(monkeypatch):
     topk_idx = torch.rand(_TOKENS, _EXPERTS).topk(_TOPK, dim=1).indices
     backend, call = stub_backend(_RANKS, x, topk_idx, torch.rand(_TOKENS, _TOPK), _EXPERTS, monkeypatch.setattr)
     launched = []
+    # The data kernels' last argument, `cached`: where ranks share a GPU such a launch starts behind a
+    # rendezvous kernel (the others behind their count exchange).
+    backend.cached_launches = []
+
+    def launch(*args, name):
+        launched.append(name)
+        if name != "intranode_notify":
+            backend.cached_launches.append(args[-1])
+
     for name in ("intranode_notify", "intranode_dispatch", "intranode_zero_copy_dispatch"):
-        monkeypatch.setattr(backend.ops, name, lambda *args, name=name: launched.append(name), raising=False)
+        monkeypatch.setattr(backend.ops, name, lambda *args, name=name: launch(*args, name=name), raising=False)
     return backend, call, x, launched
 
 
@@ -46,6 +55,7 @@ def test_a_cached_dispatch_reuses_the_layout_without_a_count_exchange(stubbed):
     assert recv_x.shape == (handle.num_recv_rows, _HIDDEN)
     assert (recv_idx, recv_w, counts, new_handle) == (None, None, None, None)
     assert launched == ["intranode_dispatch"]
+    assert backend.cached_launches == [False, True]
 
 
 def _in_area(backend, t: torch.Tensor) -> bool:
@@ -87,6 +97,7 @@ def test_a_cached_zero_copy_dispatch_takes_the_other_slot(stubbed):
     (again,), *_ = call([x], True, handle=handle)
     assert again.shape == (rows, _HIDDEN) and _in_area(backend, again) and backend._dispatch_next == 0
     assert launched == ["intranode_zero_copy_dispatch"]  # no count exchange
+    assert backend.cached_launches == [False, True]
 
 
 def test_no_listed_call_shares_its_ordering_event_with_a_later_one(stubbed):

@@ -4,8 +4,8 @@ import types
 
 from moe_ep.backends.peers import (
     HOST_ERROR, HOST_ERROR_BLOCKS, HOST_ERROR_CALL, HOST_ERROR_KIND, HOST_ERROR_PEER, HOST_ERROR_PEER_BLOCKS,
-    HOST_ERROR_PEER_STARTED, HOST_ERROR_PEER_STARTED_MS, HOST_ERROR_SEEN, HOST_KERNEL_FINISHED, HOST_KERNEL_STARTED,
-    MappedBuffers, kernel_progress,
+    HOST_ERROR_PEER_STARTED, HOST_ERROR_PEER_STARTED_MS, HOST_ERROR_SEEN, HOST_ERROR_WINDOW, HOST_KERNEL_FINISHED,
+    HOST_KERNEL_STARTED, MappedBuffers, kernel_progress,
 )
 
 _DISPATCH, _NOTIFY, _COMBINE = 2, 1, 3  # intranode::KernelId
@@ -110,6 +110,22 @@ def test_the_host_record_and_kernel_ids_mirror_the_kernels():
         python_name = "HOST" + "".join("_" + c if c.isupper() else c.upper() for c in enumerator[len("kHost"):])
         assert getattr(peers, python_name) == value, enumerator
     kernel_ids = _enum("KernelId")
-    assert sorted(kernel_ids.values()) == sorted(peers.KERNEL_NAMES) == list(range(1, 7))
+    assert sorted(kernel_ids.values()) == sorted(peers.KERNEL_NAMES) == list(range(1, 8))
     assert peers.KERNEL_NAMES[kernel_ids["kKernelZeroCopyCombine"]] == "zero-copy combine"
     assert peers.KERNEL_NAMES[kernel_ids["kKernelNotify"]] == "notify (count exchange)"
+    assert peers.KERNEL_NAMES[kernel_ids["kKernelRendezvous"]] == "rendezvous"
+    # Every kind a failed intranode wait reports has its words (the low-latency kinds included).
+    error_kinds = _enum("ErrorKind")
+    assert sorted(peers.WAITED_FOR) == sorted(v for k, v in error_kinds.items() if k != "kErrNone")
+    assert "reach this call" in peers.WAITED_FOR[error_kinds["kErrRendezvous"]]
+
+
+def test_a_peer_missing_at_a_rendezvous_names_the_kernel_it_opens():
+    host = [0] * 32
+    host[HOST_ERROR], host[HOST_ERROR_KIND], host[HOST_ERROR_PEER] = 1, 10, 5  # kErrRendezvous, rank 5
+    host[HOST_ERROR_WINDOW], host[HOST_ERROR_CALL], host[HOST_ERROR_SEEN] = _COMBINE, 42, 39
+    host[HOST_ERROR_PEER_STARTED], host[HOST_ERROR_PEER_STARTED_MS] = _DISPATCH << 24 | 41, 20100
+    message = str(MappedBuffers.timeout_error(types.SimpleNamespace(host=host, timeout_s=20.0, rank=1)))
+    assert "rank 1 waited for it to reach this call's combine (ranks sharing a GPU start it together) (call 42" \
+        in message, message
+    assert "it had not started this call's kernel" in message, message

@@ -72,7 +72,7 @@ enum HostInfo : int {
 };
 enum KernelId : int {
     kKernelNotify = 1, kKernelDispatch, kKernelCombine, kKernelStreamCombine, kKernelZeroCopyDispatch,
-    kKernelZeroCopyCombine,
+    kKernelZeroCopyCombine, kKernelRendezvous,
 };
 enum ErrorKind : int {
     kErrNone = 0, kErrNotify, kErrStaged, kErrReleased, kErrOpen, kErrPushed,
@@ -80,6 +80,7 @@ enum ErrorKind : int {
     kErrLowLatencyCombine,
     kErrRingRoom,  // streaming combine (window = the channel): room in the peer's ring
     kErrRingRows,  // ... rows in this rank's ring
+    kErrRendezvous,  // (window = the KernelId of the kernel the rendezvous opens) the peer's arrival
 };
 inline int host_info_ints(int num_ranks) { return kHostCounts + 2 * num_ranks + 16384; }
 // Wait profile (Ctx::wait_ns): per block, nanoseconds spent waiting by ErrorKind (kErrNotify ..
@@ -105,6 +106,8 @@ struct Ctx {
     bool stream_combine;      // combine through per-channel rings instead of windows (up to 32 ranks)
     bool zero_copy_bases;     // notify also finds where this rank's rows start at every peer
     bool full_first;          // launches try 1024-thread blocks first, not 512 at one an SM (intranode.cu)
+    int rendezvous_before;    // KernelId of a data kernel that waits for every rank to reach the call
+                              // before it starts (a one-block rendezvous kernel ahead of it), 0: none
     cudaStream_t stream;
 };
 

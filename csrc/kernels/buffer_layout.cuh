@@ -51,7 +51,8 @@ enum SignalArray : int {
     kZeroCopyReadyFrom = 5,  // [R] zero-copy combine: peer r's rows (and weights) are in its area;
                              // zero-copy dispatch: step 0, peer r started the call (its slot is free),
                              // step 1, peer r's rows are in this rank's area
-    kNumArraySlots = 6,
+    kArrivedFrom = 6,  // [R] peer r reached the call a rendezvous kernel opens (ranks sharing a GPU)
+    kNumArraySlots = 7,
 };
 
 __host__ __device__ constexpr int64_t signal_index(SignalArray array, int num_ranks, int rank) {

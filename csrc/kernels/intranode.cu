@@ -278,6 +278,27 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Ctx c, const boo
     }
 }
 
+// ------------------------------------------------------------------ rendezvous
+// Where ranks share a GPU, a data kernel that starts before its peers reach the call holds its blocks'
+// SMs while it waits for them, and a peer whose expert GEMMs are still ahead of the call can then find
+// too few SMs to finish them: seven ranks' combines spinning on every SM of an H200 left the eighth
+// rank's GEMMs none, until the deadline (thirtieth session; DESIGN.md, "Ranks sharing a GPU"). This
+// one-block kernel goes first: it tells every rank that this one reached the call and waits until all
+// have, so the data kernel queued behind it starts only once every rank's is about to, and a rank
+// waits for late peers on one block instead of a whole grid. `c.rendezvous_before` names that kernel
+// in a timeout's report.
+constexpr int kRendezvousThreads = 64;
+__global__ void __launch_bounds__(kRendezvousThreads) rendezvous_kernel(Ctx c) {
+    c.wait_ns = nullptr;  // the wait profile is the data kernels' (its slots are theirs)
+    const Env e = make_env(c, kKernelRendezvous);
+    if (load_volatile(e.own(kAbort)) == 0) {
+        for (int r = threadIdx.x; r < e.num_ranks; r += blockDim.x)
+            raise_flag(e.peer_array(r, kArrivedFrom, e.rank), tag(e.seq, 0));
+        block_wait(e, kArrivedFrom, 0, e.num_ranks, tag(e.seq, 0), kErrRendezvous, c.rendezvous_before);
+    }
+    finish_kernel(e, e.own(kDoneCount));
+}
+
 // ------------------------------------------------------------------ dispatch
 // The kernel's blocks and this warp's place among all their warps. (Blocks split by role, some only
 // staging or pushing and the others only pulling or reducing, were measured and lost: DESIGN.md.)
@@ -982,14 +1003,19 @@ int first_fitting_shape(const Shapes& shapes, bool full_first, int64_t blocks, i
     return -1;
 }
 
-// Launches the first shape whose blocks, for every rank on this GPU, are resident together; none: an
-// error that names the limit. launch(shape index).
+// Launches the first shape whose blocks, for every rank on this GPU, are resident together, behind a
+// rendezvous kernel where ctx.rendezvous_before asks for one; none fits: an error that names the limit
+// (and nothing is launched, so the ranks stay in step). launch(shape index).
 template <typename Launch>
 void launch_resident(const Ctx& ctx, const Shapes& shapes, const char* what, Launch launch) {
     int64_t most = 0;
     const int shape =
         first_fitting_shape(shapes, ctx.full_first, ctx.num_blocks, ctx.ranks_on_device, ctx.sm_share_percent, &most);
     if (shape >= 0) {
+        if (ctx.rendezvous_before != 0) {
+            rendezvous_kernel<<<1, kRendezvousThreads, 0, ctx.stream>>>(ctx);
+            MOE_EP_LAUNCH_CHECK("intranode rendezvous_kernel");
+        }
         launch(shape);
         MOE_EP_LAUNCH_CHECK(what);
         return;

@@ -70,6 +70,15 @@ def fit_blocks() -> bool:
     return env_switch("MOE_EP_FIT_BLOCKS", "1")
 
 
+def rendezvous_first(max_ranks_on_device: int) -> bool:
+    """Whether the combines and the cached dispatches start behind a one-block rendezvous kernel, so
+    that their blocks take SMs only once every rank reached the call: where any GPU holds several of the
+    group's ranks (else a rank's waiting grid can keep a peer's expert GEMMs from the SMs they need,
+    which stalled eight ranks on one H200 until the deadline: DESIGN.md, "Ranks sharing a GPU").
+    MOE_EP_RENDEZVOUS=0 turns it off (for measurement; the same on every rank)."""
+    return max_ranks_on_device > 1 and env_switch("MOE_EP_RENDEZVOUS", "1")
+
+
 def use_stream_combine(num_ranks: int) -> bool:
     """Whether the intranode combine streams: by rank count, or as MOE_EP_STREAM_COMBINE=1 / 0 forces.
     (The kernels fall back to windows past 32 ranks either way.)"""
@@ -133,6 +142,7 @@ class IntranodeBackend:
         )
         self.ctx.stream_combine = use_stream_combine(self.num_ranks)
         self.ctx.fit_ranks_on_device = self.peers.max_ranks_on_device if fit_blocks() else 0
+        self.ctx.rendezvous = rendezvous_first(self.peers.max_ranks_on_device)
         self.ctx.sm_share_percent = process_sm_share()
         # Zero-copy combine: a second mapped area of two slots, where callers write their combine rows
         # (get_next_combine_buffer) and the ranks that own the tokens read them.
@@ -461,7 +471,7 @@ class IntranodeBackend:
                 if slot is None:
                     self.ops.intranode_dispatch(
                         self.ctx, config.num_sms, x, scales, *ids, local, state.send_pos, state.recv_info, recv_x,
-                        recv_scales, recv_idx, recv_weights, state.recv_src_idx,
+                        recv_scales, recv_idx, recv_weights, state.recv_src_idx, cached,
                     )
                 else:
                     # This rank's receiving layout: a slot (the same on every rank) or its own region.
@@ -469,7 +479,7 @@ class IntranodeBackend:
                     self.ops.intranode_zero_copy_dispatch(
                         self.ctx, config.num_sms, x, scales, *ids, local, state.send_pos, state.recv_info, bound,
                         recv_idx, recv_weights, state.recv_src_idx, self.zero_copy_dispatch.pointers.data_ptr(),
-                        start, slot.capacity, slot.offsets, -1,
+                        start, slot.capacity, slot.offsets, -1, cached,
                     )
                     if not into_arena:
                         self._dispatch_next ^= 1

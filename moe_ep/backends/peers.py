@@ -32,7 +32,7 @@ HOST_KERNEL_STARTED, HOST_KERNEL_FINISHED, HOST_ERROR_PEER_STARTED, HOST_ERROR_P
 HOST_ERROR_PEER_BLOCKS, HOST_ERROR_BLOCKS, HOST_COUNTS = 15, 16, 17
 # intranode::KernelId, as the progress marks name them.
 KERNEL_NAMES = {1: "notify (count exchange)", 2: "dispatch", 3: "combine", 4: "streaming combine",
-                5: "zero-copy dispatch", 6: "zero-copy combine"}
+                5: "zero-copy dispatch", 6: "zero-copy combine", 7: "rendezvous"}
 # What a failed wait was waiting for, by intranode::ErrorKind.
 WAITED_FOR = {
     1: "its token counts (dispatch)",
@@ -44,6 +44,7 @@ WAITED_FOR = {
     7: "its rows (low_latency_combine)",
     8: "it to take the combine rows in its ring of channel {window}",
     9: "its combine rows of channel {window}",
+    10: "it to reach this call's {kernel} (ranks sharing a GPU start it together)",
 }
 # The intranode kinds again, named short for the wait profile (IntranodeBackend.wait_profile), and
 # the kernels' phases after them (ProfilePhase in csrc/kernels/api.cuh).
@@ -159,7 +160,9 @@ class MappedBuffers:
         h = self.host
         if not h[HOST_ERROR]:
             return None
-        waited = WAITED_FOR.get(h[HOST_ERROR_KIND], "it").format(window=h[HOST_ERROR_WINDOW])
+        window = h[HOST_ERROR_WINDOW]
+        waited = WAITED_FOR.get(h[HOST_ERROR_KIND], "it").format(window=window,
+                                                                 kernel=KERNEL_NAMES.get(window, f"kernel {window}"))
         seen = "nothing yet" if h[HOST_ERROR_SEEN] < 0 else f"call {h[HOST_ERROR_SEEN]}"
         return TimeoutError(
             f"moe_ep: rank {h[HOST_ERROR_PEER]} did not arrive within {self.timeout_s:g} s: rank {self.rank} waited "
