@@ -39,7 +39,10 @@ def client_sm_share(ranks_per_gpu: int) -> int:
     others' waiting kernels left, could not place the rest of its blocks, and never reached the call
     those kernels waited for: megatron training with four ranks on one H200 stalled until a kernel's
     deadline, one rank's combine with 8 of its 16 blocks placed (PERFORMANCE.md, twenty-seventh session).
-    With a share, a rank's grids fit in what the others' kernels leave."""
+    With a share, a rank's grids fit in what the others' kernels leave. The share limits how many SMs a
+    rank holds, not which: the other half of the fix is that a combine's grid takes SMs only once every
+    rank reached the call (the intranode rendezvous kernel, thirtieth session), without which eight ranks
+    under this share still stalled."""
     return 100 if ranks_per_gpu <= 1 else (100 * (ranks_per_gpu + 1)) // (2 * ranks_per_gpu)
 
 

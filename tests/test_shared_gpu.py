@@ -2,10 +2,11 @@
 the later ranks run more expert GEMMs between their calls, so the earlier ranks' kernels wait for them
 while the GEMMs want the SMs. Without the cap this stalled megatron training with four ranks on one
 H200 (PERFORMANCE.md, twenty-seventh session); with it the results must be the portable backend's, bit
-for bit, every step. MOE_EP_TEST_SM_SHARE overrides the share (100: no cap). Without the cap these steps
-passed as well on one H200 (twenty-ninth session): they do not reproduce the training's stall, which
-depends on where cuBLAS places a GEMM's blocks (the training itself, scripts/train_check.sh, is the
-reproducer); what they check is the results beside the GEMMs and the kernels' SM budgets under the cap.
+for bit, every step. MOE_EP_TEST_SM_SHARE overrides the share (100: no cap). These steps did reproduce a
+stall with eight ranks under the cap, in 2 of 3 cold runs (thirtieth session): seven ranks' combines
+held the SMs while the eighth was still in its GEMMs; since then a combine starts behind a rendezvous
+kernel where ranks share a GPU, and they passed 3 of 3 runs of 24 steps under the cap (1 of 1 without).
+MOE_EP_TEST_SHARED_STEPS sets the steps (each is two calls).
 Where every rank has a GPU of its own there is no cap, and the test checks the GEMMs beside the calls."""
 import os
 
@@ -25,8 +26,8 @@ pytestmark = [
     pytest.mark.skipif(not _native.has_kernels(), reason=str(_native.unavailable_reason())),
 ]
 
-# MOE_EP_TEST_SHARED_STEPS: more steps, to look for the stall without the cap (the training's came after
-# 125 to 245 calls; 12 steps are 24).
+# MOE_EP_TEST_SHARED_STEPS: more steps, for a longer look for stalls (the training's came after 125 to
+# 245 calls; 12 steps are 24).
 STEPS = int(os.environ.get("MOE_EP_TEST_SHARED_STEPS", "12"))
 
 
