@@ -6,7 +6,7 @@
 #   GPU_TESTS: the test files (default: the five below; the whole set takes over 8 min on one H200, so a
 #   600-s call takes it in two parts, e.g. "tests/test_intranode.py tests/test_gpu_kernels.py" and
 #   "tests/test_low_latency_kernels.py tests/test_benchmark_scripts.py tests/test_shared_gpu.py", on a
-#   machine kept warm).
+#   machine kept warm). GPU_TESTS_TIMEOUT_S: a limit on the tests that still lets pytest report.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 # Short peer deadlines: a kernel protocol bug shows up as a TimeoutError in seconds, not a stuck run.
@@ -30,7 +30,9 @@ if [[ ${MOE_EP_SKIP_TESTS:-0} != 1 ]]; then  # benchmarks alone: a second call o
 t0=$(date +%s)
 GPU_TESTS=${GPU_TESTS:-tests/test_gpu_kernels.py tests/test_intranode.py tests/test_low_latency_kernels.py tests/test_benchmark_scripts.py tests/test_shared_gpu.py}
 # shellcheck disable=SC2086  # GPU_TESTS: a list of files
-$PY -m pytest -v --durations=10 --maxfail=${MAXFAIL:-3} -rf $GPU_TESTS \
+# GPU_TESTS_TIMEOUT_S: stop the tests that long after they start with SIGINT, so that pytest still
+# writes its failures and summary (a limit that kills the call loses them; 0: no limit).
+timeout -s INT "${GPU_TESTS_TIMEOUT_S:-0}" $PY -m pytest -v --durations=10 --maxfail=${MAXFAIL:-3} -rf $GPU_TESTS \
   ${1:+-k "$1"} > "$OUT/gpu_tests.log" 2>&1
 status=$?
 summary "gpu tests: $(tail -1 "$OUT/gpu_tests.log") in $(( $(date +%s) - t0 )) s"
