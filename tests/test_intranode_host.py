@@ -1,6 +1,8 @@
 """The intranode backend's host side without the arena, on CPU with the extension's launches stubbed
 (moe_ep.bench.profile_dispatch_call.stub_backend): the outputs a fresh, a num_worst_tokens and a cached
 dispatch are given, and what their handles keep. Every token of 3 ranks comes here (48 rows)."""
+import functools
+
 import pytest
 import torch
 
@@ -25,7 +27,7 @@ def stubbed(monkeypatch):
             backend.cached_launches.append(args[-1])
 
     for name in ("intranode_notify", "intranode_dispatch", "intranode_zero_copy_dispatch"):
-        monkeypatch.setattr(backend.ops, name, lambda *args, name=name: launch(*args, name=name), raising=False)
+        monkeypatch.setattr(backend.ops, name, functools.partial(launch, name=name), raising=False)
     return backend, call, x, launched
 
 

@@ -281,8 +281,8 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Ctx c, const boo
 // ------------------------------------------------------------------ rendezvous
 // Where ranks share a GPU, a data kernel that starts before its peers reach the call holds its blocks'
 // SMs while it waits for them, and a peer whose expert GEMMs are still ahead of the call can then find
-// too few SMs to finish them: seven ranks' combines spinning on every SM of an H200 left the eighth
-// rank's GEMMs none, until the deadline (thirtieth session; DESIGN.md, "Ranks sharing a GPU"). This
+// too few SMs to finish them: with seven ranks' combines waiting, grids resident, the eighth rank never
+// reached its combine before the deadline (thirtieth session; DESIGN.md, "Ranks sharing a GPU"). This
 // one-block kernel goes first: it tells every rank that this one reached the call and waits until all
 // have, so the data kernel queued behind it starts only once every rank's is about to, and a rank
 // waits for late peers on one block instead of a whole grid. `c.rendezvous_before` names that kernel
