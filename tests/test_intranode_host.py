@@ -111,3 +111,15 @@ def test_no_listed_call_shares_its_ordering_event_with_a_later_one(stubbed):
         call([x], False, num_worst_tokens=_RANKS * _TOKENS)
     events = [event for _, _, event in backend._recent_calls]
     assert len(events) == 4 and len({id(e) for e in events}) == 4
+
+
+def test_the_rendezvous_is_taken_where_any_gpu_holds_several_ranks(monkeypatch):
+    from moe_ep.backends.intranode import rendezvous_first
+
+    monkeypatch.delenv("MOE_EP_RENDEZVOUS", raising=False)
+    assert not rendezvous_first(1) and rendezvous_first(2) and rendezvous_first(8)
+    monkeypatch.setenv("MOE_EP_RENDEZVOUS", "0")
+    assert not rendezvous_first(8)
+    monkeypatch.setenv("MOE_EP_RENDEZVOUS", "yes")
+    with pytest.raises(ValueError, match="MOE_EP_RENDEZVOUS: expected 0 or 1"):
+        rendezvous_first(8)
