@@ -3,7 +3,7 @@ the later ranks run more expert GEMMs between their calls, so the earlier ranks'
 while the GEMMs want the SMs. Without the cap this stalled megatron training with four ranks on one
 H200 (PERFORMANCE.md, twenty-seventh session); with it the results must be the portable backend's, bit
 for bit, every step. MOE_EP_TEST_SM_SHARE overrides the share (100: no cap). These steps did reproduce a
-stall with eight ranks under the cap, in 2 of 3 cold runs (thirtieth session): seven ranks' combines
+stall with eight ranks under the cap, in 2 of 3 runs (thirtieth session): seven ranks' combines
 held the SMs while the eighth was still in its GEMMs; since then a combine starts behind a rendezvous
 kernel where ranks share a GPU, and they passed 3 of 3 runs of 24 steps under the cap (1 of 1 without).
 MOE_EP_TEST_SHARED_STEPS sets the steps (each is two calls).
