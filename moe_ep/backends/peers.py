@@ -83,11 +83,16 @@ def _release(steps: List[Callable[[], None]]) -> None:
         pass
 
 
+def _kernel_name(kernel_id: int) -> str:
+    """An intranode::KernelId in words."""
+    return KERNEL_NAMES.get(kernel_id, f"kernel {kernel_id}")
+
+
 def _kernel_mark(value: int) -> str:
     """A progress mark (intranode::KernelId << 24 | call number) in words."""
     if value == 0:
         return "none"
-    return f"the {KERNEL_NAMES.get(value >> 24, f'kernel {value >> 24}')} of call {value & 0xFFFFFF}"
+    return f"the {_kernel_name(value >> 24)} of call {value & 0xFFFFFF}"
 
 
 def kernel_progress(host) -> str:
@@ -161,8 +166,7 @@ class MappedBuffers:
         if not h[HOST_ERROR]:
             return None
         window = h[HOST_ERROR_WINDOW]
-        waited = WAITED_FOR.get(h[HOST_ERROR_KIND], "it").format(window=window,
-                                                                 kernel=KERNEL_NAMES.get(window, f"kernel {window}"))
+        waited = WAITED_FOR.get(h[HOST_ERROR_KIND], "it").format(window=window, kernel=_kernel_name(window))
         seen = "nothing yet" if h[HOST_ERROR_SEEN] < 0 else f"call {h[HOST_ERROR_SEEN]}"
         return TimeoutError(
             f"moe_ep: rank {h[HOST_ERROR_PEER]} did not arrive within {self.timeout_s:g} s: rank {self.rank} waited "
