@@ -179,8 +179,9 @@ __device__ __forceinline__ int list_part(const int* starts, int parts, int entry
 }
 
 // ------------------------------------------------------------------ notify
-// Block d scans column d of is_token_in_rank, sends this rank's counts to rank d, and waits for
-// rank d's counts; the last block sums them up.
+// Block d scans column d of is_token_in_rank and sends this rank's counts to rank d; the last block to
+// finish waits for every rank's counts and sums them up. One block waits, not R: where ranks share a GPU,
+// R waiting blocks a rank (64 in all at 8 ranks) hold SMs a late peer's GEMMs may need (as the rendezvous below).
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Ctx c, const bool* __restrict__ in_rank, int num_tokens,
                                                                 const int* __restrict__ tokens_per_expert,
                                                                 int num_experts, int* __restrict__ send_pos,
@@ -223,12 +224,11 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Ctx c, const boo
     }
     __syncthreads();
     if (threadIdx.x == 0) raise_flag(e.peer_array(d, kNotifyFrom, e.rank), tag(e.seq, 0));
-    block_wait(e, kNotifyFrom, d, d + 1, tag(e.seq, 0), kErrNotify, 0);
     __shared__ bool last;
     if (threadIdx.x == 0) last = arrive_last(e.own(kNotifyCount), gridDim.x);
     __syncthreads();
     if (!last) return;
-    if (load_volatile(e.own(kAbort)) != 0) {
+    if (!block_wait(e, kNotifyFrom, 0, R, tag(e.seq, 0), kErrNotify, 0)) {
         if (threadIdx.x == 0) end_of_kernel(e);
         return;
     }
