@@ -42,7 +42,9 @@ def client_sm_share(ranks_per_gpu: int) -> int:
     With a share, a rank's grids fit in what the others' kernels leave. The share limits how many SMs a
     rank holds, not which: the other half of the fix is that a combine's grid takes SMs only once every
     rank reached the call (the intranode rendezvous kernel, thirtieth session), without which eight ranks
-    under this share still stalled."""
+    under this share still stalled. With the rendezvous, training with 4 and 8 ranks on one H200 also
+    ran without a share (thirty-first session, 4 runs of 4); the share stays as a guard for the waits
+    the rendezvous does not cover."""
     return 100 if ranks_per_gpu <= 1 else (100 * (ranks_per_gpu + 1)) // (2 * ranks_per_gpu)
 
 
@@ -68,7 +70,7 @@ def missing_sm_share(ranks_on_gpu: int, env: Optional[Dict[str, str]] = None) ->
         return None
     return (f"moe_ep: {ranks_on_gpu} ranks share this GPU and CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is not set: "
             "a rank's GEMMs can take the SMs the other ranks' waiting communication kernels need, and training "
-            "then stalls until a kernel's deadline (TimeoutError). Start the ranks with python -m moe_ep.launch, "
+            "can then stall until a kernel's deadline (TimeoutError). Start the ranks with python -m moe_ep.launch, "
             f"or set CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={client_sm_share(ranks_on_gpu)} in their environment "
             "(unless your MPS daemon sets a default share).")
 
