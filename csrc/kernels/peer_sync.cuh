@@ -110,18 +110,33 @@ __device__ __forceinline__ V load(const V* p) {
     else return __ldcg(p);
 }
 
-// kDepth: loads in flight per lane (registers: kDepth vectors).
+// One trip of kDepth loads in flight per lane, then their stores, if the lane has that many vectors left.
+template <Src kSrc, int kDepth, typename V>
+__device__ __forceinline__ bool copy_trip(V* dst, const V* src, int64_t n, int64_t& i) {
+    if (i + (kDepth - 1) * 32 >= n) return false;
+    V v[kDepth];
+#pragma unroll
+    for (int j = 0; j < kDepth; ++j) v[j] = load<kSrc>(src + i + j * 32);
+#pragma unroll
+    for (int j = 0; j < kDepth; ++j) dst[i + j * 32] = v[j];
+    i += kDepth * 32;
+    return true;
+}
+
+// kDepth: loads in flight per lane (registers: kDepth vectors). The vectors a lane has left after its
+// full trips go in trips of 8, 4, 2 and 1 (at most one each): a row's tail costs a memory latency per
+// set bit of its size, not one per vector (an fp8 row of 7,168 bytes left 2 vectors a lane after two
+// trips of 6, a bf16 one 4 after four). A single trip masked per vector spilled (DESIGN.md).
 template <Src kSrc, int kDepth, typename V>
 __device__ __forceinline__ void copy_vectors(V* dst, const V* src, int64_t n, int lane) {
+    static_assert(kDepth >= 1 && kDepth <= 16, "the tail trips cover at most 15 vectors a lane");
     int64_t i = lane;
-    for (; i + (kDepth - 1) * 32 < n; i += kDepth * 32) {
-        V v[kDepth];
-#pragma unroll
-        for (int j = 0; j < kDepth; ++j) v[j] = load<kSrc>(src + i + j * 32);
-#pragma unroll
-        for (int j = 0; j < kDepth; ++j) dst[i + j * 32] = v[j];
+    while (copy_trip<kSrc, kDepth>(dst, src, n, i)) {
     }
-    for (; i < n; i += 32) dst[i] = load<kSrc>(src + i);
+    if constexpr (kDepth > 8) copy_trip<kSrc, 8>(dst, src, n, i);
+    if constexpr (kDepth > 4) copy_trip<kSrc, 4>(dst, src, n, i);
+    if constexpr (kDepth > 2) copy_trip<kSrc, 2>(dst, src, n, i);
+    if constexpr (kDepth > 1) copy_trip<kSrc, 1>(dst, src, n, i);
 }
 
 // A warp copies `bytes` bytes in the widest vectors the sizes and addresses allow, kDepth loads in
