@@ -496,6 +496,32 @@ def worst_tokens_too_small(p: Problem):
     return outcome, recv_x.shape[0]
 
 
+def worst_tokens_overflow(p: Problem, num_worst_tokens: int, use_fp8: bool):
+    """A num_worst_tokens dispatch that may receive more rows than that, then one without it (tried
+    again where it raises: the kernels report an overflow at the rank's next call, the portable backend
+    at once). Both dispatches' recv_x and top-k, and what each attempt raised."""
+    inp = my_inputs(p)
+    buffer = normal_buffer(p.hidden)
+    args = dispatch_args(buffer, inp, p)
+    x = fp8.per_token_cast_to_fp8(inp["x"]) if use_fp8 else inp["x"]
+
+    def outputs(recv):
+        return dict(x=recv[0], idx=recv[1], w=recv[2])
+
+    outcomes, results = [], []
+    for extra in (dict(num_worst_tokens=num_worst_tokens), {}):
+        for _ in range(2):
+            try:
+                results.append(outputs(buffer.dispatch(x, **args, **extra)))
+                outcomes.append("no exception")
+                break
+            except ValueError as exc:
+                outcomes.append(str(exc))
+        if device().type == "cuda":
+            torch.cuda.synchronize()
+    return cpu(dict(outcomes=outcomes, results=results))
+
+
 def repeated_rounds(p: Problem, repeats: int, use_fp8: bool):
     """The same round `repeats` times on one Buffer: a digest of every output of every repeat."""
     buffer = normal_buffer(p.hidden)

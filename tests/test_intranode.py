@@ -298,6 +298,34 @@ def test_zero_copy_dispatch_too_small_is_refused_and_the_buffer_goes_on(gpu_pool
     check_zero_copy_dispatch_refusals(outcomes, capacity_rows=5, worst_rows=105)
 
 
+def _first_rows(value, n):
+    return tuple(_first_rows(v, n) for v in value) if isinstance(value, tuple) else value[:n]
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_rows_past_num_worst_tokens_are_dropped_and_reported(pools, gpu_pools, seed, use_fp8):
+    """num_worst_tokens below what the ranks receive: the rows that fit are the right ones (a kernel that
+    copies rows in pairs may find a pair straddling the end), the next call on such a rank raises a
+    ValueError naming num_worst_tokens, and the dispatch after it equals the portable backend's."""
+    p = Problem(seed, 3, 24, 512, 6, max_tokens=96)
+    worst = 37
+    on_gpu = gpu_pools(3).run(rank_fns.worst_tokens_overflow, p, worst, use_fp8)
+    on_cpu = pools(3).run(rank_fns.worst_tokens_overflow, p, worst, use_fp8)
+    for rank, (g, c) in enumerate(zip(on_gpu, on_cpu)):
+        short, full = g["results"]
+        for key in ("x", "idx", "w"):
+            assert _same(full[key], c["results"][-1][key]), f"seed {seed} rank {rank}: {key} differs from portable"
+        received = full["idx"].shape[0]
+        if received > worst:
+            assert g["outcomes"][0] == "no exception" and "num_worst_tokens" in g["outcomes"][1], g["outcomes"]
+        else:
+            assert g["outcomes"] == ["no exception", "no exception"], g["outcomes"]
+        kept = min(received, worst)
+        for key in ("x", "idx", "w"):
+            assert _same(_first_rows(short[key], kept), _first_rows(full[key], kept)), \
+                f"seed {seed} rank {rank}: the first {kept} rows' {key} differ from an ordinary dispatch's"
+
+
 @pytest.mark.parametrize("num_ranks", [2, 4])
 @pytest.mark.parametrize("use_fp8", [False, True])
 def test_many_windows_in_a_small_buffer(pools, gpu_pools, seed, num_ranks, use_fp8):
