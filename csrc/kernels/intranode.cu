@@ -418,8 +418,9 @@ __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchS
             if (two) todo &= todo - 1;
             int src0 = __shfl_sync(kFullMask, s, jj0), token0 = __shfl_sync(kFullMask, i, jj0);
             int64_t row0 = base[src0] + __shfl_sync(kFullMask, p, jj0);
-            const int src1 = __shfl_sync(kFullMask, s, jj1), token1 = __shfl_sync(kFullMask, i, jj1);
-            const int64_t row1 = base[src1] + __shfl_sync(kFullMask, p, jj1);
+            // (`two` is the same on every lane; where rows never go in pairs no code is left of these)
+            const int src1 = two ? __shfl_sync(kFullMask, s, jj1) : src0, token1 = two ? __shfl_sync(kFullMask, i, jj1) : token0;
+            const int64_t row1 = two ? base[src1] + __shfl_sync(kFullMask, p, jj1) : row0;
             const bool fits0 = row0 < a.num_recv_rows, fits1 = two && row1 < a.num_recv_rows;
             if (!fits0 || (two && !fits1)) {  // num_worst_tokens too small: report, write nothing past it
                 if (lane == 0) reinterpret_cast<volatile int*>(e.host)[kHostOverflow] = total;
@@ -430,15 +431,15 @@ __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchS
                 two = false;
             }
             const uint8_t* from0 = e.window(src0, parity) + token0 * slot.bytes;
-            const uint8_t* from1 = e.window(src1, parity) + token1 * slot.bytes;
+            const uint8_t* from1 = two ? e.window(src1, parity) + token1 * slot.bytes : from0;
             // A lane's top-k entries: of the row its half-warp copies (the first one's where one row),
             // entries k, k + 16, ...; the first issued before the row copy so that its latency overlaps it.
             const bool second = two && lane >= 16;
             const int lanes = two ? 16 : 32, k0 = two ? lane % 16 : lane;
             const uint8_t* meta = second ? from1 : from0;
             const int64_t meta_row = second ? row1 : row0;
-            const int64_t lo = static_cast<int64_t>(me) * a.experts_per_rank;
             const auto forward = [&](int k, int64_t expert, float weight) {
+                const int64_t lo = static_cast<int64_t>(me) * a.experts_per_rank;  // not live across the copy
                 const bool here = expert >= lo && expert < lo + a.experts_per_rank;
                 a.recv_topk_idx[meta_row * K + k] = here ? expert - lo : -1;
                 a.recv_topk_weights[meta_row * K + k] = here ? weight : 0.f;
