@@ -149,7 +149,7 @@ def test_stream_combine_send_chunk(pools, gpu_pools, seed, num_ranks, send_token
 @pytest.mark.parametrize("num_ranks,num_sms", [(8, 24), (6, 24), (4, 20), (2, 24)])
 def test_blocks_fitted_to_ranks_sharing_a_gpu(pools, gpu_pools, seed, num_ranks, num_sms):
     """Where ranks share a GPU the kernels may run on fewer blocks than the SM budget (the count whose
-    shape holds the most threads, the combines' 1024-thread blocks first): never more
+    shape keeps the most loads in flight, the combines' 1024-thread blocks first): never more
     than the budget, the same counts on every rank, and the portable backend's bits with and without
     fitting (streaming combine from 4 ranks up, windowed below, zero-copy dispatch too)."""
     p = Problem(seed, num_ranks, num_ranks * 8, 2048, 6, max_tokens=96)

@@ -50,6 +50,10 @@ struct Shape {
     static constexpr int kRegisters = 65536 / (kThreadsPerBlock * kBlocksPerSm);
     // 16-byte loads in flight per lane in a row copy.
     static constexpr int kCopyDepth = kRegisters >= 128 ? 12 : 6;
+    // The two-pass dispatch may copy rows two at a time (peer::warp_copy_rows; rows_in_pairs says
+    // when): measured faster at depth 12 (fp8 +10% at 2 ranks on one H200), slower at 6 (bf16 -1.5% at 4
+    // and 8 ranks).
+    static constexpr bool kPairs = kCopyDepth >= 12;
     // Combine loads up to this many ranks' slots of a token at once (kChunks vectors of each per lane)
     // before summing them in rank order.
     static constexpr int kCombineBatch = kRegisters >= 128 ? 4 : 2;
@@ -73,6 +77,7 @@ using peer::raise_flag;
 using peer::Src;
 using peer::tag;
 using peer::warp_copy;
+using peer::warp_copy_rows;
 
 // What every block of a kernel knows about the buffers and the call.
 struct Env {
@@ -311,6 +316,16 @@ __device__ Warps grid_warps() {
             static_cast<int>(gridDim.x) * kWarps};
 }
 
+// Whether the two-pass dispatch copies its rows two at a time: in the shapes deep enough for it, and
+// for rows that a whole warp copies in under two full trips a lane, so that the last trip runs part
+// empty (an fp8 row of 7,168 bytes at depth 12: 12 + 2 vectors a lane, two on half-warps 12 + 12 + 4).
+// Longer rows gain little from the fuller trips: bf16 rows in pairs were +4% at 2 ranks and -8% at 4
+// (16 blocks) on one H200, where fp8 rows gained 11% and 12% (DESIGN.md).
+template <typename S>
+__device__ __forceinline__ bool rows_in_pairs(int64_t row_bytes) {
+    return S::kPairs && row_bytes < int64_t{2} * 32 * 16 * S::kCopyDepth;
+}
+
 // Stage window w of this rank's tokens in its own buffer (the half of window w - 2, once every rank has
 // finished reading it); the last block raises every rank's staged flag.
 template <typename S>
@@ -321,6 +336,7 @@ __device__ bool stage_window(const Env& e, const DispatchArgs& a, const Dispatch
     if (w >= 2 && !block_wait(e, kReleasedBy, 0, R, tag(e.seq, w - 2), kErrReleased, w - 2)) return false;
     uint8_t* staged = e.window(me, parity);
     const int count = clamp_count(a.num_tokens, first, window_tokens);
+    const bool pairs = rows_in_pairs<S>(a.x_bytes);
     // A warp takes 32 tokens (spaced by the number of warps, so that all warps have work): each lane
     // writes its token's destination rows, then the warp copies the tokens that go anywhere.
     for (int b = 0; b * warps.num_warps * 32 < count; ++b) {
@@ -334,18 +350,33 @@ __device__ bool stage_window(const Env& e, const DispatchArgs& a, const Dispatch
                 sent |= p >= 0;
             }
         }
-        for (unsigned todo = __ballot_sync(kFullMask, sent); todo != 0; todo &= todo - 1) {
-            const int i = (b * 32 + __ffs(todo) - 1) * warps.num_warps + warps.warp;
-            const int64_t t = first + i;
-            uint8_t* dst = staged + i * slot.bytes;
+        // Two tokens at a time where rows go in pairs: their row copies share trips (peer::warp_copy_rows).
+        for (unsigned todo = __ballot_sync(kFullMask, sent); todo != 0;) {
+            const int i0 = (b * 32 + __ffs(todo) - 1) * warps.num_warps + warps.warp;
+            todo &= todo - 1;
+            const bool two = pairs && todo != 0;
+            const int i1 = two ? (b * 32 + __ffs(todo) - 1) * warps.num_warps + warps.warp : i0;
+            if (two) todo &= todo - 1;
+            const int64_t t0 = first + i0, t1 = first + i1;
+            uint8_t* dst0 = staged + i0 * slot.bytes;
+            uint8_t* dst1 = staged + i1 * slot.bytes;
             for (int k = lane; k < K; k += 32) {
-                reinterpret_cast<int64_t*>(dst + slot.idx_offset)[k] = a.topk_idx[t * K + k];
-                reinterpret_cast<float*>(dst + slot.weight_offset)[k] = a.topk_weights[t * K + k];
+                reinterpret_cast<int64_t*>(dst0 + slot.idx_offset)[k] = a.topk_idx[t0 * K + k];
+                reinterpret_cast<float*>(dst0 + slot.weight_offset)[k] = a.topk_weights[t0 * K + k];
+                if (two) {
+                    reinterpret_cast<int64_t*>(dst1 + slot.idx_offset)[k] = a.topk_idx[t1 * K + k];
+                    reinterpret_cast<float*>(dst1 + slot.weight_offset)[k] = a.topk_weights[t1 * K + k];
+                }
             }
-            warp_copy<Src::kReadOnly, S::kCopyDepth>(dst + slot.x_offset, static_cast<const uint8_t*>(a.x) + t * a.x_bytes, a.x_bytes, lane);
-            if (a.scale_bytes > 0)
-                warp_copy<Src::kReadOnly, S::kCopyDepth>(dst + slot.scale_offset, static_cast<const uint8_t*>(a.scales) + t * a.scale_bytes,
-                                          a.scale_bytes, lane);
+            const auto* x = static_cast<const uint8_t*>(a.x);
+            warp_copy_rows<Src::kReadOnly, S::kCopyDepth, S::kPairs>(dst0 + slot.x_offset, x + t0 * a.x_bytes, dst1 + slot.x_offset,
+                                                          x + t1 * a.x_bytes, a.x_bytes, two, lane);
+            if (a.scale_bytes > 0) {
+                const auto* scales = static_cast<const uint8_t*>(a.scales);
+                warp_copy_rows<Src::kReadOnly, S::kCopyDepth, S::kPairs>(dst0 + slot.scale_offset, scales + t0 * a.scale_bytes,
+                                                              dst1 + slot.scale_offset, scales + t1 * a.scale_bytes, a.scale_bytes,
+                                                              two, lane);
+            }
         }
     }
     __syncthreads();
@@ -372,37 +403,71 @@ __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchS
     }
     if (!block_wait(e, kStagedFrom, 0, R, tag(e.seq, w), kErrStaged, w)) return false;  // its barrier publishes starts
     const int n = starts[R];
+    const bool pairs = rows_in_pairs<S>(a.x_bytes);
     // A warp reads the destination rows of 32 slots at once, then copies the ones meant here.
     for (int b = 0; b * warps.num_warps * 32 < n; ++b) {
         const int mine = (b * 32 + lane) * warps.num_warps + warps.warp, j = list_part(starts, R, mine);
         const int s = (me + 1 + j) % R, i = mine - starts[j];
         const int p = mine < n ? __ldcg(reinterpret_cast<const int*>(e.window(s, parity) + i * slot.bytes + slot.pos_offset) + me) : -1;
-        for (unsigned todo = __ballot_sync(kFullMask, p >= 0); todo != 0; todo &= todo - 1) {
-            const int jj = __ffs(todo) - 1;
-            const int src = __shfl_sync(kFullMask, s, jj), token = __shfl_sync(kFullMask, i, jj);
-            const int64_t row = base[src] + __shfl_sync(kFullMask, p, jj);
-            const uint8_t* from = e.window(src, parity) + token * slot.bytes;
-            if (row >= a.num_recv_rows) {  // num_worst_tokens too small: report, write nothing
+        // Two rows at a time where rows go in pairs: their copies share trips (peer::warp_copy_rows).
+        for (unsigned todo = __ballot_sync(kFullMask, p >= 0); todo != 0;) {
+            const int jj0 = __ffs(todo) - 1;
+            todo &= todo - 1;
+            bool two = pairs && todo != 0;
+            const int jj1 = two ? __ffs(todo) - 1 : jj0;
+            if (two) todo &= todo - 1;
+            int src0 = __shfl_sync(kFullMask, s, jj0), token0 = __shfl_sync(kFullMask, i, jj0);
+            int64_t row0 = base[src0] + __shfl_sync(kFullMask, p, jj0);
+            // (`two` is the same on every lane; where rows never go in pairs no code is left of these)
+            const int src1 = two ? __shfl_sync(kFullMask, s, jj1) : src0, token1 = two ? __shfl_sync(kFullMask, i, jj1) : token0;
+            const int64_t row1 = two ? base[src1] + __shfl_sync(kFullMask, p, jj1) : row0;
+            const bool fits0 = row0 < a.num_recv_rows, fits1 = two && row1 < a.num_recv_rows;
+            if (!fits0 || (two && !fits1)) {  // num_worst_tokens too small: report, write nothing past it
                 if (lane == 0) reinterpret_cast<volatile int*>(e.host)[kHostOverflow] = total;
-                continue;
+                if (!fits0) {
+                    src0 = src1, token0 = token1, row0 = row1;
+                    if (!fits1) continue;
+                }
+                two = false;
             }
+            const uint8_t* from0 = e.window(src0, parity) + token0 * slot.bytes;
+            const uint8_t* from1 = two ? e.window(src1, parity) + token1 * slot.bytes : from0;
+            // A lane's top-k entries: of the row its half-warp copies (the first one's where one row),
+            // entries k, k + 16, ...; the first issued before the row copy so that its latency overlaps it.
+            const bool second = two && lane >= 16;
+            const int lanes = two ? 16 : 32, k0 = two ? lane % 16 : lane;
+            const uint8_t* meta = second ? from1 : from0;
+            const int64_t meta_row = second ? row1 : row0;
+            const auto forward = [&](int k, int64_t expert, float weight) {
+                const int64_t lo = static_cast<int64_t>(me) * a.experts_per_rank;  // not live across the copy
+                const bool here = expert >= lo && expert < lo + a.experts_per_rank;
+                a.recv_topk_idx[meta_row * K + k] = here ? expert - lo : -1;
+                a.recv_topk_weights[meta_row * K + k] = here ? weight : 0.f;
+            };
             int64_t expert = -1;
             float weight = 0.f;
-            if (lane < K) {  // issued before the row copy, so their latency overlaps it
-                expert = __ldcg(reinterpret_cast<const long long*>(from + slot.idx_offset) + lane);
-                weight = __ldcg(reinterpret_cast<const float*>(from + slot.weight_offset) + lane);
+            if (k0 < K) {
+                expert = __ldcg(reinterpret_cast<const long long*>(meta + slot.idx_offset) + k0);
+                weight = __ldcg(reinterpret_cast<const float*>(meta + slot.weight_offset) + k0);
             }
-            warp_copy<Src::kShared, S::kCopyDepth>(static_cast<uint8_t*>(a.recv_x) + row * a.x_bytes, from + slot.x_offset, a.x_bytes, lane);
-            if (a.scale_bytes > 0)
-                warp_copy<Src::kShared, S::kCopyDepth>(static_cast<uint8_t*>(a.recv_scales) + row * a.scale_bytes,
-                                                       from + slot.scale_offset, a.scale_bytes, lane);
-            if (lane < K) {
-                const int64_t local = expert - static_cast<int64_t>(me) * a.experts_per_rank;
-                const bool here = expert >= 0 && local >= 0 && local < a.experts_per_rank;
-                a.recv_topk_idx[row * K + lane] = here ? local : -1;
-                a.recv_topk_weights[row * K + lane] = here ? weight : 0.f;
+            auto* recv_x = static_cast<uint8_t*>(a.recv_x);
+            warp_copy_rows<Src::kShared, S::kCopyDepth, S::kPairs>(recv_x + row0 * a.x_bytes, from0 + slot.x_offset, recv_x + row1 * a.x_bytes,
+                                                        from1 + slot.x_offset, a.x_bytes, two, lane);
+            if (a.scale_bytes > 0) {
+                auto* recv_scales = static_cast<uint8_t*>(a.recv_scales);
+                warp_copy_rows<Src::kShared, S::kCopyDepth, S::kPairs>(recv_scales + row0 * a.scale_bytes, from0 + slot.scale_offset,
+                                                            recv_scales + row1 * a.scale_bytes, from1 + slot.scale_offset,
+                                                            a.scale_bytes, two, lane);
             }
-            if (lane == 0) a.recv_src_idx[row] = first + token;
+            if (k0 < K) forward(k0, expert, weight);
+            if (S::kPairs)  // top-k past 16 where a half-warp takes a row
+                for (int k = k0 + lanes; k < K; k += lanes)
+                    forward(k, __ldcg(reinterpret_cast<const long long*>(meta + slot.idx_offset) + k),
+                            __ldcg(reinterpret_cast<const float*>(meta + slot.weight_offset) + k));
+            if (lane == 0) {
+                a.recv_src_idx[row0] = first + token0;
+                if (two) a.recv_src_idx[row1] = first + token1;
+            }
         }
     }
     __syncthreads();
@@ -967,6 +1032,9 @@ struct Shapes {
     const void* kernel[kNumShapes];  // Solo, Wide, Narrow, Full
 };
 constexpr int kShapeThreads[kNumShapes] = {Solo::kThreads, Wide::kThreads, Narrow::kThreads, Full::kThreads};
+// 16-byte loads a block of each shape keeps in flight in its row copies.
+constexpr int kShapeLoads[kNumShapes] = {Solo::kThreads * Solo::kCopyDepth, Wide::kThreads * Wide::kCopyDepth,
+                                         Narrow::kThreads * Narrow::kCopyDepth, Full::kThreads * Full::kCopyDepth};
 // The shapes a launch tries, first to last (indices into Shapes): Solo, Wide, Narrow, or Full, Wide,
 // Narrow (Full fits wherever Solo does, so one of the two is enough).
 struct ShapeOrder {
@@ -1403,7 +1471,8 @@ int fitted_blocks(int budget, int ranks_on_device, bool full_first, int sm_share
     const int o = full_first ? 1 : 0;
     if (budget == last_budget[o] && ranks_on_device == last_ranks[o] && sm_share_percent == last_share[o])
         return last_blocks[o];
-    // Every shape's rate follows the loads its threads keep in flight; counted as threads, so that a tie
+    // Every shape's rate follows the loads its threads keep in flight, so those are counted (4 ranks on
+    // one H200 at a budget of 24: 16 Solo blocks keep 98K in flight where 24 Wide ones keep 74K); a tie
     // keeps the budget (the largest count is tried first and only a strict gain moves off it).
     const Shapes shapes = shapes_of<DispatchKernel>();
     int blocks = budget;
@@ -1413,8 +1482,8 @@ int fitted_blocks(int budget, int ranks_on_device, bool full_first, int sm_share
     for (int b = budget; b >= 2; b -= 2) {
         int64_t fitting = 0;
         const int shape = first_fitting_shape(shapes, full_first, b, ranks_on_device, sm_share_percent, &fitting);
-        if (shape >= 0 && static_cast<int64_t>(b) * kShapeThreads[shape] > most) {
-            most = static_cast<int64_t>(b) * kShapeThreads[shape];
+        if (shape >= 0 && static_cast<int64_t>(b) * kShapeLoads[shape] > most) {
+            most = static_cast<int64_t>(b) * kShapeLoads[shape];
             blocks = b;
         }
     }
