@@ -211,6 +211,7 @@ intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
     ctx.zero_copy_bases = c.zero_copy_bases;
     ctx.full_first = false;
     ctx.rendezvous_before = 0;
+    ctx.start_together = c.rendezvous;
     ctx.stream = current_stream();
     return ctx;
 }
@@ -227,7 +228,8 @@ intranode::Ctx data_ctx(const IntranodeCtx& c, int64_t num_blocks, bool combine,
     if (c.rendezvous) ctx.rendezvous_before = opens;
     if (c.fit_ranks_on_device > 0) {
         ctx.full_first = combine;
-        ctx.num_blocks = intranode::fitted_blocks(ctx.num_blocks, c.fit_ranks_on_device, ctx.full_first, c.sm_share_percent);
+        ctx.num_blocks = intranode::fitted_blocks(ctx.num_blocks, c.fit_ranks_on_device, ctx.full_first,
+                                                  c.sm_share_percent, c.rendezvous);
     }
     return ctx;
 }

@@ -1,7 +1,9 @@
 """The intranode kernels' residency rule (csrc/kernels/residency.cuh) compiled for the host: how many
 blocks each rank's kernels may have so that every block of every rank on a GPU is resident at once, with
-and without an MPS SM share. Under the launcher's share for eight ranks the rule once took the share's
-SMs for the whole GPU and refused the default budget (twenty-ninth session)."""
+and without an MPS SM share, and with the ranks' data kernels starting together (behind a rendezvous or
+their count exchange: one kernel of each rank alive, and a waiting block of each other rank) or not (two
+kernels of each rank). Under the launcher's share for eight ranks the rule once took the share's SMs for
+the whole GPU and refused the default budget (twenty-ninth session)."""
 import pytest
 
 from moe_ep.mps import client_sm_share
@@ -19,19 +21,20 @@ def reported_sms(whole_sms: int, share: int) -> int:
     return (whole_sms * share // 100) // 2 * 2
 
 
-# (blocks an SM holds, the GPU's SMs, ranks on it, share percent); CUDA reports reported_sms of them.
-CASES = [(per_sm, whole, ranks, share) for per_sm in SHAPES_PER_SM for ranks in (1, 2, 3, 4, 8, 16)
+# (blocks an SM holds, the GPU's SMs, ranks on it, share percent, data kernels start together); CUDA
+# reports reported_sms of the SMs.
+CASES = [(per_sm, whole, ranks, share, together) for per_sm in SHAPES_PER_SM for ranks in (1, 2, 3, 4, 8, 16)
          for whole in (16, 78, H200_SMS, 144) for share in (100, client_sm_share(ranks), 10, 37, 99)
-         if reported_sms(whole, share) >= 2]
+         for together in (False, True) if reported_sms(whole, share) >= 2]
 
 PROGRAM = r"""
 #include <cstdio>
 #include "residency.cuh"
 int main() {
-    const long long cases[][3] = {%s};
+    const long long cases[][5] = {%s};
     for (const auto& c : cases)
         std::printf("{\"most\": %%lld}\n", (long long)moe_ep::intranode::most_resident_blocks(
-                                                 c[0], static_cast<int>(c[1]), static_cast<int>(c[2])));
+                                                 c[0], c[1], static_cast<int>(c[2]), static_cast<int>(c[3]), c[4] != 0));
     return 0;
 }
 """
@@ -40,23 +43,32 @@ int main() {
 @pytest.fixture(scope="module")
 def most(tmp_path_factory):
     """{case: the most blocks per kernel}, the header's answer for each of CASES."""
-    rows = ", ".join("{%d, %d, %d}" % (per_sm * reported_sms(whole, share), ranks, share)
-                     for per_sm, whole, ranks, share in CASES)
+    rows = ", ".join("{%d, %d, %d, %d, %d}" % (per_sm * reported_sms(whole, share), per_sm, ranks, share, together)
+                     for per_sm, whole, ranks, share, together in CASES)
     lines = run_against_headers(tmp_path_factory.mktemp("residency"), "residency", PROGRAM % rows)
     return {case: line["most"] for case, line in zip(CASES, lines)}
 
 
-def test_without_a_share_every_ranks_two_kernels_share_the_gpu(most):
-    for (per_sm, whole, ranks, share), blocks in most.items():
-        if share == 100:
-            assert blocks == (per_sm * whole if ranks == 1 else per_sm * whole // (2 * ranks)), (per_sm, whole, ranks)
+def test_without_a_share_the_blocks_fill_the_gpu_and_no_more(most):
+    for (per_sm, whole, ranks, share, together), blocks in most.items():
+        if share != 100:
+            continue
+        case = (per_sm, whole, ranks, together)
+        if ranks == 1:
+            assert blocks == per_sm * whole, case
+        elif together:  # every rank's kernel, and one SM for each other rank's waiting block
+            assert blocks == max(0, (per_sm * whole - (ranks - 1) * per_sm) // ranks), case
+        else:  # two kernels of every rank
+            assert blocks == per_sm * whole // (2 * ranks), case
 
 
 def test_under_a_share_the_blocks_fit_both_the_share_and_the_whole_gpu(most):
-    for (per_sm, whole, ranks, share), blocks in most.items():
-        kernels_alive = 2 if ranks > 1 else 1
-        assert blocks * kernels_alive * ranks <= per_sm * whole, (per_sm, whole, ranks, share)  # all ranks
-        assert blocks * kernels_alive <= per_sm * reported_sms(whole, share), (per_sm, whole, ranks, share)  # its part
+    for (per_sm, whole, ranks, share, together), blocks in most.items():
+        case = (per_sm, whole, ranks, share, together)
+        kernels_alive = 1 if ranks == 1 or together else 2
+        waiting_sms = ranks - 1 if together else 0  # an SM each, whatever the shape
+        assert blocks * kernels_alive * ranks + waiting_sms * per_sm <= per_sm * whole, case  # all ranks
+        assert blocks * kernels_alive <= per_sm * reported_sms(whole, share), case  # its part
 
 
 def test_eight_ranks_under_the_launchers_share_take_the_default_budget(most):
@@ -64,4 +76,13 @@ def test_eight_ranks_under_the_launchers_share_take_the_default_budget(most):
     assert reported_sms(H200_SMS, share) == 72
     # 256-thread blocks (4 an SM): 288 on the 72 SMs, which the rule once took for the whole GPU (288 / 16 = 18
     # blocks a kernel, under the default budget of 20); now 128 of the 132 SMs count: 512 / 16 = 32.
-    assert most[(4, H200_SMS, 8, share)] == 32
+    assert most[(4, H200_SMS, 8, share, False)] == 32
+    # Starting together, one kernel a rank and seven SMs for the others' waiting blocks: (512 - 28) / 8.
+    assert most[(4, H200_SMS, 8, share, True)] == 60
+
+
+def test_four_ranks_starting_together_fit_a_budget_of_24_in_one_block_an_sm(most):
+    # The benchmark's budget at 4 ranks on one H200: 24 blocks of the one-an-SM shapes fit only when the
+    # data kernels start together (16 otherwise, which is what the kernels ran on before).
+    assert most[(1, H200_SMS, 4, 100, True)] == 32
+    assert most[(1, H200_SMS, 4, 100, False)] == 16

@@ -108,6 +108,8 @@ struct Ctx {
     bool full_first;          // launches try 1024-thread blocks first, not 512 at one an SM (intranode.cu)
     int rendezvous_before;    // KernelId of a data kernel that waits for every rank to reach the call
                               // before it starts (a one-block rendezvous kernel ahead of it), 0: none
+    bool start_together;      // every data kernel starts behind a rendezvous or its call's count exchange
+                              // on every rank (residency.cuh: what else can be alive beside it)
     cudaStream_t stream;
 };
 
@@ -142,12 +144,11 @@ struct DispatchArgs {
 void check_blocks_fit(const Ctx& ctx);
 // The blocks a data kernel runs on for an SM budget of `budget` (which check_blocks_fit accepted) when
 // up to `ranks_on_device` ranks of the group share a GPU: the count, at most the budget, whose blocks
-// hold the most threads in the shape that fits them (with 8 ranks on one H200 a budget of 24 fits only
-// in 256-thread blocks, 16 blocks of 512 threads hold a third more), trying the shapes in the order
-// that Ctx::full_first picks, under an MPS SM share of sm_share_percent (Ctx). Every rank of the group
-// must pass the same values: the streaming combine's channels follow the count. `budget` when one rank
-// has a GPU.
-int fitted_blocks(int budget, int ranks_on_device, bool full_first, int sm_share_percent);
+// keep the most loads in flight (threads x copy depth) in the shape that fits them, trying the shapes in
+// the order that Ctx::full_first picks, under an MPS SM share of sm_share_percent and with the data
+// kernels starting together or not (Ctx). Every rank of the group must pass the same values: the
+// streaming combine's channels follow the count. `budget` when one rank has a GPU.
+int fitted_blocks(int budget, int ranks_on_device, bool full_first, int sm_share_percent, bool start_together);
 void dispatch(const Ctx& ctx, const DispatchArgs& args);
 
 struct CombineArgs {

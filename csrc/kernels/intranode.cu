@@ -1062,10 +1062,10 @@ int cached_resident_blocks(const void* kernel, int threads) {
 // The first shape, in the order full_first picks, that holds `blocks` blocks per kernel on every rank
 // of this GPU at once; -1 when none does (*most: the blocks per kernel the last shape tried holds).
 int first_fitting_shape(const Shapes& shapes, bool full_first, int64_t blocks, int ranks_on_device,
-                        int sm_share_percent, int64_t* most) {
+                        int sm_share_percent, bool start_together, int64_t* most) {
     for (const int i : shape_order(full_first).shape) {
-        *most = most_resident_blocks(cached_resident_blocks(shapes.kernel[i], kShapeThreads[i]), ranks_on_device,
-                                     sm_share_percent);
+        const int own = cached_resident_blocks(shapes.kernel[i], kShapeThreads[i]);
+        *most = most_resident_blocks(own, own / sm_count(), ranks_on_device, sm_share_percent, start_together);
         if (blocks <= *most) return i;
     }
     return -1;
@@ -1078,7 +1078,8 @@ template <typename Launch>
 void launch_resident(const Ctx& ctx, const Shapes& shapes, const char* what, Launch launch) {
     int64_t most = 0;
     const int shape =
-        first_fitting_shape(shapes, ctx.full_first, ctx.num_blocks, ctx.ranks_on_device, ctx.sm_share_percent, &most);
+        first_fitting_shape(shapes, ctx.full_first, ctx.num_blocks, ctx.ranks_on_device, ctx.sm_share_percent,
+                            ctx.start_together, &most);
     if (shape >= 0) {
         if (ctx.rendezvous_before != 0) {
             rendezvous_kernel<<<1, kRendezvousThreads, 0, ctx.stream>>>(ctx);
@@ -1091,8 +1092,10 @@ void launch_resident(const Ctx& ctx, const Shapes& shapes, const char* what, Lau
     const bool shared = ctx.sm_share_percent > 0 && ctx.sm_share_percent < 100;
     throw std::invalid_argument(
         "num_sms (Config): " + std::to_string(ctx.num_blocks) + " blocks per kernel with " +
-        std::to_string(ctx.ranks_on_device) + " rank(s) on this GPU cannot all be resident at once (two kernels " +
-        "of each rank can be alive together" +
+        std::to_string(ctx.ranks_on_device) + " rank(s) on this GPU cannot all be resident at once (" +
+        (ctx.start_together || ctx.ranks_on_device <= 1
+             ? std::string("one kernel of each rank, and a waiting block of each other rank, alive together")
+             : std::string("two kernels of each rank can be alive together")) +
         (shared ? ", this process holding " + std::to_string(sm_count()) + " SMs under its MPS share of " +
                       std::to_string(ctx.sm_share_percent) + "%"
                 : std::string()) +
@@ -1462,14 +1465,16 @@ void check_blocks_fit(const Ctx& ctx) {
     launch_resident(ctx, shapes_of<DispatchKernel>(), "check_blocks_fit", [](int) {});
 }
 
-int fitted_blocks(int budget, int ranks_on_device, bool full_first, int sm_share_percent) {
+int fitted_blocks(int budget, int ranks_on_device, bool full_first, int sm_share_percent, bool start_together) {
     if (ranks_on_device <= 1) return budget;  // one block an SM up to the SM count: nothing to gain
     // The answer depends only on the arguments (occupancy does not change during a run): kept per thread,
     // one entry per shape order, since dispatches and combines alternate.
     static thread_local int last_budget[2] = {-1, -1}, last_ranks[2] = {-1, -1}, last_share[2] = {-1, -1},
                             last_blocks[2] = {0, 0};
+    static thread_local bool last_together[2] = {false, false};
     const int o = full_first ? 1 : 0;
-    if (budget == last_budget[o] && ranks_on_device == last_ranks[o] && sm_share_percent == last_share[o])
+    if (budget == last_budget[o] && ranks_on_device == last_ranks[o] && sm_share_percent == last_share[o] &&
+        start_together == last_together[o])
         return last_blocks[o];
     // Every shape's rate follows the loads its threads keep in flight, so those are counted (4 ranks on
     // one H200 at a budget of 24: 16 Solo blocks keep 98K in flight where 24 Wide ones keep 74K); a tie
@@ -1481,13 +1486,15 @@ int fitted_blocks(int budget, int ranks_on_device, bool full_first, int sm_share
     // block per channel.
     for (int b = budget; b >= 2; b -= 2) {
         int64_t fitting = 0;
-        const int shape = first_fitting_shape(shapes, full_first, b, ranks_on_device, sm_share_percent, &fitting);
+        const int shape =
+            first_fitting_shape(shapes, full_first, b, ranks_on_device, sm_share_percent, start_together, &fitting);
         if (shape >= 0 && static_cast<int64_t>(b) * kShapeLoads[shape] > most) {
             most = static_cast<int64_t>(b) * kShapeLoads[shape];
             blocks = b;
         }
     }
-    last_budget[o] = budget, last_ranks[o] = ranks_on_device, last_share[o] = sm_share_percent, last_blocks[o] = blocks;
+    last_budget[o] = budget, last_ranks[o] = ranks_on_device, last_share[o] = sm_share_percent;
+    last_together[o] = start_together, last_blocks[o] = blocks;
     return blocks;
 }
 
