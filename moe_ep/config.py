@@ -282,6 +282,9 @@ def low_latency_rdma_size_hint(
 # is the streaming combine's sending round (rows per owner written before they are released; it
 # streams from 4 ranks): the fastest of 2-48 at 4 and 8 ranks, 24 SMs, on one H200 and, at 4 ranks, on
 # four (2026-11-30, bench_intranode --send-tokens); the generic 16 is within 5% of the best at both.
+# At 8 ranks on one H200 the send chunk went from 4 to 16 when the combine's blocks went from 16 Wide
+# to 14 Full (2026-12-01, thirty-fourth session: 142 -> 152 GB/s per rank; 32 gave 148; at 4 ranks 32
+# stayed the best of 4/16/32/63).
 # Any rank count not listed gets the generic entry.
 _DISPATCH_CONFIGS = {
     2: (24, 256),
@@ -291,7 +294,7 @@ _DISPATCH_CONFIGS = {
 _COMBINE_CONFIGS = {
     2: (10, 1024),
     4: (32, 64),
-    8: (4, 64),
+    8: (16, 64),
 }
 _GENERIC_DISPATCH = (6, 256)
 _GENERIC_COMBINE = (16, 256)
