@@ -65,10 +65,23 @@ def test_without_a_share_the_blocks_fill_the_gpu_and_no_more(most):
 def test_under_a_share_the_blocks_fit_both_the_share_and_the_whole_gpu(most):
     for (per_sm, whole, ranks, share, together), blocks in most.items():
         case = (per_sm, whole, ranks, share, together)
-        kernels_alive = 1 if ranks == 1 or together else 2
-        waiting_sms = ranks - 1 if together else 0  # an SM each, whatever the shape
+        one_kernel = ranks == 1 or (together and share == 100)
+        kernels_alive = 1 if one_kernel else 2
+        waiting_sms = ranks - 1 if ranks > 1 and one_kernel else 0  # an SM each, whatever the shape
         assert blocks * kernels_alive * ranks + waiting_sms * per_sm <= per_sm * whole, case  # all ranks
         assert blocks * kernels_alive <= per_sm * reported_sms(whole, share), case  # its part
+
+
+def test_a_share_keeps_the_two_kernel_count_that_the_launchers_share_is_made_for(most):
+    # The launcher's share, (R + 1) / 2R, leaves a rank's GEMMs room beside the other ranks' communication
+    # kernels only while those hold 1 / 2R of the GPU each: starting together changes nothing under it.
+    for (per_sm, whole, ranks, share, together), blocks in most.items():
+        if share < 100 and ranks > 1:
+            assert blocks == most[(per_sm, whole, ranks, share, not together)], (per_sm, whole, ranks, share)
+    for ranks in (2, 4, 8):
+        share = client_sm_share(ranks)
+        blocks = most[(1, H200_SMS, ranks, share, True)]  # one block an SM: a kernel's SMs
+        assert (ranks - 1) * blocks + H200_SMS * share / 100 <= H200_SMS, ranks
 
 
 def test_eight_ranks_under_the_launchers_share_take_the_default_budget(most):
@@ -77,12 +90,11 @@ def test_eight_ranks_under_the_launchers_share_take_the_default_budget(most):
     # 256-thread blocks (4 an SM): 288 on the 72 SMs, which the rule once took for the whole GPU (288 / 16 = 18
     # blocks a kernel, under the default budget of 20); now 128 of the 132 SMs count: 512 / 16 = 32.
     assert most[(4, H200_SMS, 8, share, False)] == 32
-    # Starting together, one kernel a rank and seven SMs for the others' waiting blocks: (512 - 28) / 8.
-    assert most[(4, H200_SMS, 8, share, True)] == 60
+    assert most[(4, H200_SMS, 8, share, True)] == 32  # the share keeps the two-kernel count
 
 
 def test_four_ranks_starting_together_fit_a_budget_of_24_in_one_block_an_sm(most):
-    # The benchmark's budget at 4 ranks on one H200: 24 blocks of the one-an-SM shapes fit only when the
-    # data kernels start together (16 otherwise, which is what the kernels ran on before).
+    # The benchmark's budget at 4 ranks on one H200 (no share): 24 blocks of the one-an-SM shapes fit only
+    # when the data kernels start together (16 otherwise, which is what the kernels ran on before).
     assert most[(1, H200_SMS, 4, 100, True)] == 32
     assert most[(1, H200_SMS, 4, 100, False)] == 16

@@ -1090,12 +1090,13 @@ void launch_resident(const Ctx& ctx, const Shapes& shapes, const char* what, Lau
         return;
     }
     const bool shared = ctx.sm_share_percent > 0 && ctx.sm_share_percent < 100;
+    const char* alive = ctx.ranks_on_device <= 1 ? "one kernel alive at a time"
+                        : ctx.start_together && !shared
+                            ? "one kernel of each rank, and a waiting block of each other rank, alive together"
+                            : "two kernels of each rank can be alive together";
     throw std::invalid_argument(
         "num_sms (Config): " + std::to_string(ctx.num_blocks) + " blocks per kernel with " +
-        std::to_string(ctx.ranks_on_device) + " rank(s) on this GPU cannot all be resident at once (" +
-        (ctx.start_together || ctx.ranks_on_device <= 1
-             ? std::string("one kernel of each rank, and a waiting block of each other rank, alive together")
-             : std::string("two kernels of each rank can be alive together")) +
+        std::to_string(ctx.ranks_on_device) + " rank(s) on this GPU cannot all be resident at once (" + alive +
         (shared ? ", this process holding " + std::to_string(sm_count()) + " SMs under its MPS share of " +
                       std::to_string(ctx.sm_share_percent) + "%"
                 : std::string()) +

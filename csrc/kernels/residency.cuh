@@ -21,20 +21,26 @@ namespace intranode {
 //    do not wait). Such a block is counted as a whole SM, since a data block needs an SM's registers.
 //  - Otherwise (MOE_EP_RENDEZVOUS=0), two kernels of each rank (one rank in combine while another
 //    finishes its dispatch).
-// Under an MPS SM share (sm_share_percent < 100) CUDA reports only this process's part of the SMs,
-// rounded down to whole TPCs (72 of an H200's 132 at 56%, the launcher's share for 8 ranks): this rank's
-// kernels alive at once must fit that part, and all ranks' kernels the whole GPU, of at least reported x
-// 100 / share SMs. That estimate errs low, the safe side: a budget that did not fit would wait until the
-// deadline; one refused is named in the error.
+// Under an MPS SM share (sm_share_percent < 100) the two-kernel count stays, together or not: the
+// launcher's share, (R + 1) / 2R of the GPU a rank (moe_ep.mps.client_sm_share), is what lets one rank's
+// GEMMs, whose blocks may wait on each other, be placed beside the other ranks' communication kernels
+// when those hold 1 / 2R of the GPU each; counting one kernel would let them hold up to 1 / R. CUDA then
+// reports only this process's part of the SMs, rounded down to whole TPCs (72 of an H200's 132 at 56%,
+// the launcher's share for 8 ranks): this rank's two kernels must fit that part, and all ranks' kernels
+// the whole GPU, of at least reported x 100 / share SMs. That estimate errs low, the safe side: a budget
+// that did not fit would wait until the deadline; one refused is named in the error.
 constexpr int64_t most_resident_blocks(int64_t own, int64_t per_sm, int ranks_on_device, int sm_share_percent,
                                        bool start_together) {
-    const int64_t whole = sm_share_percent > 0 && sm_share_percent < 100 ? own * 100 / sm_share_percent : own;
     if (ranks_on_device <= 1) return own;
     const int64_t ranks = ranks_on_device;
-    const int64_t all_ranks = start_together ? (whole - (ranks - 1) * per_sm) / ranks : whole / (2 * ranks);
-    const int64_t this_rank = start_together ? own : own / 2;
-    const int64_t most = all_ranks < this_rank ? all_ranks : this_rank;
-    return most > 0 ? most : 0;
+    const bool shared = sm_share_percent > 0 && sm_share_percent < 100;
+    if (start_together && !shared) {
+        const int64_t most = (own - (ranks - 1) * per_sm) / ranks;
+        return most > 0 ? most : 0;
+    }
+    const int64_t whole = shared ? own * 100 / sm_share_percent : own;
+    const int64_t all_ranks = whole / (2 * ranks), this_rank = own / 2;
+    return all_ranks < this_rank ? all_ranks : this_rank;
 }
 
 }  // namespace intranode
