@@ -229,7 +229,7 @@ intranode::Ctx data_ctx(const IntranodeCtx& c, int64_t num_blocks, bool combine,
     if (c.fit_ranks_on_device > 0) {
         ctx.full_first = combine;
         ctx.num_blocks = intranode::fitted_blocks(ctx.num_blocks, c.fit_ranks_on_device, ctx.full_first,
-                                                  c.sm_share_percent, c.rendezvous);
+                                                  c.sm_share_percent, ctx.start_together);
     }
     return ctx;
 }

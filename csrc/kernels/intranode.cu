@@ -1089,9 +1089,9 @@ void launch_resident(const Ctx& ctx, const Shapes& shapes, const char* what, Lau
         MOE_EP_LAUNCH_CHECK(what);
         return;
     }
-    const bool shared = ctx.sm_share_percent > 0 && ctx.sm_share_percent < 100;
+    const bool shared = under_sm_share(ctx.sm_share_percent);
     const char* alive = ctx.ranks_on_device <= 1 ? "one kernel alive at a time"
-                        : ctx.start_together && !shared
+                        : one_kernel_each(ctx.ranks_on_device, ctx.sm_share_percent, ctx.start_together)
                             ? "one kernel of each rank, and a waiting block of each other rank, alive together"
                             : "two kernels of each rank can be alive together";
     throw std::invalid_argument(

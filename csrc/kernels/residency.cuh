@@ -29,12 +29,19 @@ namespace intranode {
 // the launcher's share for 8 ranks): this rank's two kernels must fit that part, and all ranks' kernels
 // the whole GPU, of at least reported x 100 / share SMs. That estimate errs low, the safe side: a budget
 // that did not fit would wait until the deadline; one refused is named in the error.
+constexpr bool under_sm_share(int sm_share_percent) { return sm_share_percent > 0 && sm_share_percent < 100; }
+
+// Whether the count below is one data kernel of each rank (plus the others' waiting blocks), not two.
+constexpr bool one_kernel_each(int ranks_on_device, int sm_share_percent, bool start_together) {
+    return ranks_on_device <= 1 || (start_together && !under_sm_share(sm_share_percent));
+}
+
 constexpr int64_t most_resident_blocks(int64_t own, int64_t per_sm, int ranks_on_device, int sm_share_percent,
                                        bool start_together) {
     if (ranks_on_device <= 1) return own;
     const int64_t ranks = ranks_on_device;
-    const bool shared = sm_share_percent > 0 && sm_share_percent < 100;
-    if (start_together && !shared) {
+    const bool shared = under_sm_share(sm_share_percent);
+    if (one_kernel_each(ranks_on_device, sm_share_percent, start_together)) {
         const int64_t most = (own - (ranks - 1) * per_sm) / ranks;
         return most > 0 ? most : 0;
     }
