@@ -1063,9 +1063,11 @@ int cached_resident_blocks(const void* kernel, int threads) {
 // of this GPU at once; -1 when none does (*most: the blocks per kernel the last shape tried holds).
 int first_fitting_shape(const Shapes& shapes, bool full_first, int64_t blocks, int ranks_on_device,
                         int sm_share_percent, bool start_together, int64_t* most) {
+    // Asked once, like the occupancy: this runs before every data kernel's launch.
+    static thread_local const int sms = sm_count();
     for (const int i : shape_order(full_first).shape) {
         const int own = cached_resident_blocks(shapes.kernel[i], kShapeThreads[i]);
-        *most = most_resident_blocks(own, own / sm_count(), ranks_on_device, sm_share_percent, start_together);
+        *most = most_resident_blocks(own, own / sms, ranks_on_device, sm_share_percent, start_together);
         if (blocks <= *most) return i;
     }
     return -1;
@@ -1470,13 +1472,16 @@ int fitted_blocks(int budget, int ranks_on_device, bool full_first, int sm_share
     if (ranks_on_device <= 1) return budget;  // one block an SM up to the SM count: nothing to gain
     // The answer depends only on the arguments (occupancy does not change during a run): kept per thread,
     // one entry per shape order, since dispatches and combines alternate.
-    static thread_local int last_budget[2] = {-1, -1}, last_ranks[2] = {-1, -1}, last_share[2] = {-1, -1},
-                            last_blocks[2] = {0, 0};
-    static thread_local bool last_together[2] = {false, false};
-    const int o = full_first ? 1 : 0;
-    if (budget == last_budget[o] && ranks_on_device == last_ranks[o] && sm_share_percent == last_share[o] &&
-        start_together == last_together[o])
-        return last_blocks[o];
+    struct Answer {
+        int budget = -1, ranks = -1, share = -1;
+        bool together = false;
+        int blocks = 0;
+    };
+    static thread_local Answer last[2];
+    Answer& answer = last[full_first ? 1 : 0];
+    if (budget == answer.budget && ranks_on_device == answer.ranks && sm_share_percent == answer.share &&
+        start_together == answer.together)
+        return answer.blocks;
     // Every shape's rate follows the loads its threads keep in flight, so those are counted (4 ranks on
     // one H200 at a budget of 24: 16 Solo blocks keep 98K in flight where 24 Wide ones keep 74K); a tie
     // keeps the budget (the largest count is tried first and only a strict gain moves off it).
@@ -1494,8 +1499,7 @@ int fitted_blocks(int budget, int ranks_on_device, bool full_first, int sm_share
             blocks = b;
         }
     }
-    last_budget[o] = budget, last_ranks[o] = ranks_on_device, last_share[o] = sm_share_percent;
-    last_together[o] = start_together, last_blocks[o] = blocks;
+    answer = {budget, ranks_on_device, sm_share_percent, start_together, blocks};
     return blocks;
 }
 
