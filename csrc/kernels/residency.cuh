@@ -8,6 +8,15 @@
 namespace moe_ep {
 namespace intranode {
 
+// An MPS SM share (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) below 100%.
+constexpr bool under_sm_share(int sm_share_percent) { return sm_share_percent > 0 && sm_share_percent < 100; }
+
+// Whether most_resident_blocks (below) counts one data kernel of each rank (plus the others' waiting
+// blocks) rather than two.
+constexpr bool one_kernel_each(int ranks_on_device, int sm_share_percent, bool start_together) {
+    return ranks_on_device <= 1 || (start_together && !under_sm_share(sm_share_percent));
+}
+
 // The most blocks each kernel of a rank may have, in a shape of which this process's SMs hold `own`
 // (`per_sm` on each SM), so that every block of every rank on this GPU is resident at once.
 //
@@ -29,13 +38,6 @@ namespace intranode {
 // the launcher's share for 8 ranks): this rank's two kernels must fit that part, and all ranks' kernels
 // the whole GPU, of at least reported x 100 / share SMs. That estimate errs low, the safe side: a budget
 // that did not fit would wait until the deadline; one refused is named in the error.
-constexpr bool under_sm_share(int sm_share_percent) { return sm_share_percent > 0 && sm_share_percent < 100; }
-
-// Whether the count below is one data kernel of each rank (plus the others' waiting blocks), not two.
-constexpr bool one_kernel_each(int ranks_on_device, int sm_share_percent, bool start_together) {
-    return ranks_on_device <= 1 || (start_together && !under_sm_share(sm_share_percent));
-}
-
 constexpr int64_t most_resident_blocks(int64_t own, int64_t per_sm, int ranks_on_device, int sm_share_percent,
                                        bool start_together) {
     if (ranks_on_device <= 1) return own;
