@@ -183,6 +183,7 @@ struct IntranodeCtx {
     int ranks_on_device;
     int sm_share_percent = 100;  // set from Python: this process's MPS SM share (backends/intranode.py)
     int64_t wait_ns = 0;  // device uint64 [blocks][kWaitSlots] wait profile, or 0 (set from Python per call)
+    int64_t kernel_log = 0;  // device int64 [kernel_log_ints()], or 0 (set from Python with the wait profile)
     bool stream_combine = false;  // set from Python (backends/intranode.py: use_stream_combine)
     bool zero_copy_bases = false;  // set from Python when the Buffer has a zero-copy area
     // Set from Python, the same on every rank (where any GPU holds several of the group's ranks): the
@@ -207,6 +208,7 @@ intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
     ctx.ranks_on_device = c.ranks_on_device;
     ctx.sm_share_percent = c.sm_share_percent;
     ctx.wait_ns = reinterpret_cast<uint64_t*>(c.wait_ns);
+    ctx.kernel_log = reinterpret_cast<int64_t*>(c.kernel_log);
     ctx.stream_combine = c.stream_combine;
     ctx.zero_copy_bases = c.zero_copy_bases;
     ctx.full_first = false;
@@ -656,6 +658,7 @@ py::dict intranode_layout(int64_t num_ranks, int64_t num_nvl_bytes, int64_t x_by
     d["combine_window_tokens"] = intranode::combine_window_tokens(r, num_nvl_bytes, x_bytes, k);
     d["host_info_ints"] = intranode::host_info_ints(r);
     d["wait_slots"] = intranode::kWaitSlots;
+    d["kernel_log_ints"] = intranode::kernel_log_ints();
     d["recv_info_ints"] = intranode::recv_info_ints(r);
     return d;
 }
@@ -707,6 +710,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def(py::init<int64_t, int, int, int64_t, torch::Tensor, double, int>())
         .def_readwrite("timeout_s", &moe_ep::IntranodeCtx::timeout_s)
         .def_readwrite("wait_ns", &moe_ep::IntranodeCtx::wait_ns)
+        .def_readwrite("kernel_log", &moe_ep::IntranodeCtx::kernel_log)
         .def_readwrite("stream_combine", &moe_ep::IntranodeCtx::stream_combine)
         .def_readwrite("zero_copy_bases", &moe_ep::IntranodeCtx::zero_copy_bases)
         .def_readwrite("rendezvous", &moe_ep::IntranodeCtx::rendezvous)

@@ -44,12 +44,15 @@ def normal_buffer(hidden: int, config: Config = None, **kwargs) -> Buffer:
 
 
 def profiled_round(p: Problem):
-    """normal_round on a Buffer of its own with MOE_EP_PROFILE_WAITS=1: (its results, the wait profile)."""
+    """normal_round on a Buffer of its own with MOE_EP_PROFILE_WAITS=1: (its results, the wait profile,
+    the kernel log)."""
 
     def run():
         buffer = normal_buffer(p.hidden)
         result = normal_round(p, buffer=buffer)
-        return result, buffer._intranode.wait_profile() if buffer._intranode is not None else {}
+        kernels = buffer._intranode
+        return result, kernels.wait_profile() if kernels is not None else {}, \
+            kernels.kernel_log() if kernels is not None else []
 
     return with_env({"MOE_EP_PROFILE_WAITS": "1"}, run)
 

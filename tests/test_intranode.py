@@ -347,8 +347,8 @@ def test_wait_profile_adds_up(pools, gpu_pools, seed):
     so do its phases (which include those waits), both of which take time."""
     p = Problem(seed, 4, 16, 256, 4, max_tokens=64)
     got = gpu_pools(4).run(rank_fns.profiled_round, p)
-    _compare(seed, [result for result, _ in got], pools(4).run(rank_fns.normal_round, p))
-    for rank, (_, profile) in enumerate(got):
+    _compare(seed, [result for result, _, _ in got], pools(4).run(rank_fns.normal_round, p))
+    for rank, (_, profile, _) in enumerate(got):
         for kernel in ("dispatch", "combine"):
             times = profile[kernel]
             assert times["kernel"] > 0 and times["blocks"] > 0, f"rank {rank} {kernel}: {times}"
@@ -358,6 +358,22 @@ def test_wait_profile_adds_up(pools, gpu_pools, seed):
             phases = times["phases"]
             assert set(phases) == ({"stage", "pull"} if kernel == "dispatch" else {"push", "reduce"}), phases
             assert waited <= sum(phases.values()) <= times["kernel"], f"rank {rank} {kernel}: {times}"
+
+
+def test_kernel_log_lists_each_calls_kernels_in_order(gpu_pools, seed):
+    """MOE_EP_PROFILE_WAITS: every intranode kernel of a rank is logged once, in the order it ran (one
+    stream: each starts after the one before ended), a fresh dispatch as its count exchange and data
+    kernel, a combine behind a rendezvous where ranks share a GPU."""
+    p = Problem(seed, 4, 16, 256, 4, max_tokens=64)
+    for rank, (_, _, log) in enumerate(gpu_pools(4).run(rank_fns.profiled_round, p)):
+        kinds = [kernel for kernel, _, _ in log]
+        assert kinds and all(start <= end for _, start, end in log), f"rank {rank}: {log}"
+        assert all(a[2] <= b[1] for a, b in zip(log, log[1:])), f"rank {rank}: kernels overlap: {log}"
+        assert kinds[:2] == [1, 2], f"rank {rank}: a fresh dispatch is its count exchange then its kernel: {kinds}"
+        combines = [i for i, kind in enumerate(kinds) if kind in (3, 4)]
+        assert combines, f"rank {rank}: no combine logged: {kinds}"
+        if ranks_share_a_gpu(4):
+            assert all(kinds[i - 1] == 7 for i in combines), f"rank {rank}: a combine without its rendezvous: {kinds}"
 
 
 def test_large_problem(pools, gpu_pools, seed):

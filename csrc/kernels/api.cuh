@@ -88,6 +88,12 @@ inline int host_info_ints(int num_ranks) { return kHostCounts + 2 * num_ranks + 
 // in the last slot.
 enum ProfilePhase : int { kPhaseStage = kErrPushed + 1, kPhasePull, kPhasePush, kPhaseReduce };
 constexpr int kWaitSlots = kPhaseReduce + 2;
+// Kernel log (with the wait profile, Ctx::kernel_log): [count, then per kernel (KernelId, start, end)], the
+// %globaltimer ns of its block 0's start and of its last block's end, appended by that last block for
+// every intranode kernel of this rank (rendezvous and count exchange included) until it is full. It
+// tells the time between a call's kernels and a kernel's span from its blocks' mean time.
+constexpr int kKernelLogEntries = 4096;
+inline int kernel_log_ints(int entries = kKernelLogEntries) { return 1 + 3 * entries; }
 
 // Device int32 summary of a count exchange: [max tokens, total rows, base row of each source (R + 1),
 // tokens of each source (R), this rank's first row at each peer (R; with Ctx::zero_copy_bases)].
@@ -103,6 +109,7 @@ struct Ctx {
     int ranks_on_device;      // ranks of the group on this GPU: their blocks must all fit it at once
     int sm_share_percent;     // this process's MPS SM share (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), 100: none
     uint64_t* wait_ns;        // null, or [blocks][kWaitSlots]: where the time goes, added up per call
+    int64_t* kernel_log;      // null, or the kernel log (kKernelLogEntries below)
     bool stream_combine;      // combine through per-channel rings instead of windows (up to 32 ranks)
     bool zero_copy_bases;     // notify also finds where this rank's rows start at every peer
     bool full_first;          // launches try 1024-thread blocks first, not 512 at one an SM (intranode.cu)

@@ -87,6 +87,7 @@ struct Env {
     int* host;
     uint64_t seq, deadline, start;
     uint64_t* wait_ns;  // this block's wait profile row, or null
+    int64_t* kernel_log;  // Ctx::kernel_log
     int kernel;         // KernelId
 
     // kHostKernelStarted / kHostKernelFinished's value for this kernel.
@@ -117,6 +118,7 @@ __device__ Env make_env(const Ctx& c, KernelId kernel) {
     e.start = now_ns();
     e.deadline = e.start + c.timeout_ns;
     e.wait_ns = c.wait_ns == nullptr ? nullptr : c.wait_ns + static_cast<int64_t>(blockIdx.x) * kWaitSlots;
+    e.kernel_log = c.kernel_log;
     if (threadIdx.x == 0) {
         atomicAdd(reinterpret_cast<unsigned long long*>(e.own(kBlocksStarted)), 1ull);
         if (blockIdx.x == 0) {
@@ -162,6 +164,16 @@ __device__ uint64_t end_phase(const Env& e, int phase, uint64_t since) {
 // Thread 0 of a kernel's last block: the host record says it finished, and the sequence number the
 // next kernel's tags use advances.
 __device__ void end_of_kernel(const Env& e) {
+    if (e.kernel_log != nullptr) {
+        // Every block arrived before this one, block 0 among them, so its start time is in place.
+        const auto i = atomicAdd(reinterpret_cast<unsigned long long*>(e.kernel_log), 1ull);
+        if (i < static_cast<unsigned long long>(kKernelLogEntries)) {
+            int64_t* entry = e.kernel_log + 1 + 3 * static_cast<int64_t>(i);
+            entry[0] = e.kernel;
+            entry[1] = static_cast<int64_t>(load_volatile(e.own(kStartedAt)));
+            entry[2] = static_cast<int64_t>(now_ns());
+        }
+    }
     reinterpret_cast<volatile int*>(e.host)[kHostKernelFinished] = e.progress_mark();
     atomicExch(reinterpret_cast<unsigned long long*>(e.own(kBlocksStarted)), 0ull);  // every block started
     atomicAdd(reinterpret_cast<unsigned long long*>(e.own(kSeq)), 1ull);

@@ -183,6 +183,11 @@ class IntranodeBackend:
         # clock reads per wait.
         self._wait_rows = {} if os.environ.get("MOE_EP_PROFILE_WAITS") == "1" else None
         self._wait_slots = layout["wait_slots"]
+        # With the wait profile, every kernel's last block also logs (KernelId, start, end): kernel_log().
+        self._kernel_log = None
+        if self._wait_rows is not None:
+            self._kernel_log = torch.zeros(layout["kernel_log_ints"], dtype=torch.int64, device=self.peers.device)
+            self.ctx.kernel_log = self._kernel_log.data_ptr()
 
     def _zero_copy_area(self, group, gate, size: int, kind: str, arena: bool = False) -> MappedBuffers:
         """A mapped area for zero-copy calls. Every rank's slots must hold the same rows, since the
@@ -300,9 +305,22 @@ class IntranodeBackend:
             profile[kernel]["phases"] = {name: totals[slot] / 1e9 for slot, name in PHASE_NAMES.items() if totals[slot]}
         return profile
 
+    def kernel_log(self) -> list:
+        """[(KernelId, start ns, end ns)] of this rank's intranode kernels since the last reset, in the order
+        they ended (one stream: the order they ran), %globaltimer times, which every rank on a GPU shares;
+        empty when MOE_EP_PROFILE_WAITS is not 1. The log keeps its first kKernelLogEntries kernels."""
+        if self._kernel_log is None:
+            return []
+        self.comm_stream.synchronize()
+        log = self._kernel_log.tolist()
+        count = min(log[0], (len(log) - 1) // 3)
+        return [tuple(log[1 + 3 * i: 4 + 3 * i]) for i in range(count)]
+
     def reset_wait_profile(self) -> None:
         for rows in (self._wait_rows or {}).values():
             rows.zero_()
+        if self._kernel_log is not None:
+            self._kernel_log.zero_()
 
     # ---------------------------------------------------------------- streams and events
     def _enter(self, previous_event: Optional[EventOverlap]) -> torch.cuda.Stream:

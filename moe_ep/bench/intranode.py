@@ -95,6 +95,39 @@ def wait_shares(profile: dict, mode: str, calls: int) -> dict:
     return shares
 
 
+# KernelIds (csrc/kernels/api.cuh) of the kernels that move a call's rows, and of those that open a call.
+DATA_KERNELS = (2, 3, 4, 5, 6)
+LEAD_KERNELS = (1, 7)  # the count exchange, the rendezvous
+
+
+def kernel_log_times(log: list, calls: int) -> tuple:
+    """From a rank's kernel log ([(KernelId, start ns, end ns)], MOE_EP_PROFILE_WAITS): the means over its
+    last `calls` data kernels, in us, of their span (block 0's start to the last block's end), the time
+    from the kernel before them to their start ("gap": the host's part for a fresh dispatch, a launch
+    otherwise), the span of the call's opening kernel where there is one (count exchange or rendezvous:
+    "lead"), and the time from one data kernel's start to the next ("period", against the host's time per
+    call); and the data kernels' start times, to set against the other ranks' ({} and [] without a log)."""
+    data = [i for i, entry in enumerate(log) if entry[0] in DATA_KERNELS][-calls:]
+    if not data:
+        return {}, []
+    spans = [log[i][2] - log[i][1] for i in data]
+    gaps = [log[i][1] - log[i - 1][2] for i in data if i > 0]
+    leads = [log[i - 1][2] - log[i - 1][1] for i in data if i > 0 and log[i - 1][0] in LEAD_KERNELS]
+    starts = [log[i][1] for i in data]
+    periods = [b - a for a, b in zip(starts, starts[1:])]
+    times = {"span us": spans, "gap us": gaps, "lead us": leads, "period us": periods}
+    return {what: sum(v) / len(v) / 1e3 for what, v in times.items() if v}, starts
+
+
+def start_skew_us(starts_by_rank: list) -> float:
+    """Mean over calls of the spread between the ranks' data kernel starts (us; the ranks share a GPU and
+    its %globaltimer), or -1 when the ranks' logs do not line up call by call."""
+    if not starts_by_rank or len({len(starts) for starts in starts_by_rank}) != 1 or not starts_by_rank[0]:
+        return -1.0
+    spreads = [max(call) - min(call) for call in zip(*starts_by_rank)]
+    return sum(spreads) / len(spreads) / 1e3
+
+
 def variant(config: Config, num_sms: int, recv_tokens: int = 0, send_tokens: int = 0) -> Config:
     """`config` with another SM budget and, if given, another num_max_nvl_chunked_recv_tokens (which
     sizes the buffer through the size hint, and with it the kernels' windows) and send tokens (the
@@ -197,11 +230,13 @@ def rank_bench(args):
                 config = variant(configs[mode][i], num_sms, 0, send_tokens)
                 seconds = wall_seconds_per_call(functools.partial(call, mode, config), args.warmup, args.iters)
                 waits = wait_shares(kernels.wait_profile(), mode, args.warmup + args.iters) if kernels is not None else {}
+                times, starts = kernel_log_times(kernels.kernel_log(), args.iters) if kernels is not None else ({}, [])
+                waits.update(times)
                 row_bytes = args.hidden * (1 + 4 / 128) if mode.startswith("dispatch_fp8") else args.hidden * 2
                 results.append(dict(rank=rank, sms=num_sms, recv_tokens=config.num_max_nvl_chunked_recv_tokens,
                                     send_tokens=config.num_max_nvl_chunked_send_tokens, nvl_bytes=nvl, mode=mode,
                                     us=seconds * 1e6, rows=rows, bytes=rows * row_bytes,
-                                    gbps=rows * row_bytes / seconds / 1e9, waits=waits,
+                                    gbps=rows * row_bytes / seconds / 1e9, waits=waits, kernel_starts=starts,
                                     peer_memory=kernels.memory if kernels is not None else None,
                                     blocks=kernels.launch_blocks(num_sms, combine=mode.startswith("combine"))
                                     if kernels is not None else None))
@@ -303,7 +338,11 @@ def main():
                 for r in rows:
                     for what, share in r.get("waits", {}).items():
                         waits[what] = waits.get(what, 0.0) + share / len(rows)
-                waited = ", ".join(f"{what} {share:.0f}" if what == "block us" else f"{what} {share:.0%}"
+                if any(r.get("kernel_starts") for r in rows):
+                    skew = start_skew_us([r.get("kernel_starts", []) for r in rows])
+                    if skew >= 0:
+                        waits["start skew us"] = skew
+                waited = ", ".join(f"{what} {share:.0f}" if what.endswith(" us") else f"{what} {share:.0%}"
                                    for what, share in waits.items())
                 shown = f"{recv_tokens}/{send_tokens}" if recv_tokens else "-"
                 reference = deepep_v1_reference(args, num_ranks, num_sms, mode)
