@@ -339,7 +339,9 @@ __device__ __forceinline__ bool rows_in_pairs(int64_t row_bytes) {
 }
 
 // Stage window w of this rank's tokens in its own buffer (the half of window w - 2, once every rank has
-// finished reading it); the last block raises every rank's staged flag.
+// finished reading it), and copy the tokens meant for this rank straight into its outputs from the same
+// registers (the source is read once; no rank pulls its own window); the last block raises every
+// rank's staged flag. A token that no peer receives is not staged (its destination entries still are).
 template <typename S>
 __device__ bool stage_window(const Env& e, const DispatchArgs& a, const DispatchSlot& slot, int window_tokens,
                              const Warps& warps, int w) {
@@ -349,45 +351,80 @@ __device__ bool stage_window(const Env& e, const DispatchArgs& a, const Dispatch
     uint8_t* staged = e.window(me, parity);
     const int count = clamp_count(a.num_tokens, first, window_tokens);
     const bool pairs = rows_in_pairs<S>(a.x_bytes);
+    const int64_t own_base = a.recv_info[2 + me];
+    auto* recv_x = static_cast<uint8_t*>(a.recv_x);
+    auto* recv_scales = static_cast<uint8_t*>(a.recv_scales);
     // A warp takes 32 tokens (spaced by the number of warps, so that all warps have work): each lane
     // writes its token's destination rows, then the warp copies the tokens that go anywhere.
     for (int b = 0; b * warps.num_warps * 32 < count; ++b) {
         const int mine = (b * 32 + lane) * warps.num_warps + warps.warp;
-        bool sent = false;
+        bool to_peer = false;
+        int64_t own_row = -1;  // this token's row in this rank's outputs, or -1
         if (mine < count) {
             int* pos = reinterpret_cast<int*>(staged + mine * slot.bytes + slot.pos_offset);
             for (int r = 0; r < R; ++r) {
                 const int p = a.send_pos[(static_cast<int64_t>(first) + mine) * R + r];
                 pos[r] = p;
-                sent |= p >= 0;
+                if (r != me) to_peer |= p >= 0;
+                else if (p >= 0) own_row = own_base + p;
+            }
+            if (own_row >= a.num_recv_rows) {  // num_worst_tokens too small: report, write nothing past it
+                reinterpret_cast<volatile int*>(e.host)[kHostOverflow] = a.recv_info[1];
+                own_row = -1;
             }
         }
         // Two tokens at a time where rows go in pairs: their row copies share trips (peer::warp_copy_rows).
-        for (unsigned todo = __ballot_sync(kFullMask, sent); todo != 0;) {
-            const int i0 = (b * 32 + __ffs(todo) - 1) * warps.num_warps + warps.warp;
+        for (unsigned todo = __ballot_sync(kFullMask, to_peer || own_row >= 0); todo != 0;) {
+            const int l0 = __ffs(todo) - 1;
             todo &= todo - 1;
             const bool two = pairs && todo != 0;
-            const int i1 = two ? (b * 32 + __ffs(todo) - 1) * warps.num_warps + warps.warp : i0;
+            const int l1 = two ? __ffs(todo) - 1 : l0;
             if (two) todo &= todo - 1;
+            const int i0 = (b * 32 + l0) * warps.num_warps + warps.warp, i1 = (b * 32 + l1) * warps.num_warps + warps.warp;
+            const bool peer0 = __shfl_sync(kFullMask, to_peer, l0), peer1 = __shfl_sync(kFullMask, to_peer, l1);
+            const int64_t own0 = __shfl_sync(kFullMask, own_row, l0), own1 = __shfl_sync(kFullMask, own_row, l1);
             const int64_t t0 = first + i0, t1 = first + i1;
-            uint8_t* dst0 = staged + i0 * slot.bytes;
-            uint8_t* dst1 = staged + i1 * slot.bytes;
-            for (int k = lane; k < K; k += 32) {
-                reinterpret_cast<int64_t*>(dst0 + slot.idx_offset)[k] = a.topk_idx[t0 * K + k];
-                reinterpret_cast<float*>(dst0 + slot.weight_offset)[k] = a.topk_weights[t0 * K + k];
-                if (two) {
-                    reinterpret_cast<int64_t*>(dst1 + slot.idx_offset)[k] = a.topk_idx[t1 * K + k];
-                    reinterpret_cast<float*>(dst1 + slot.weight_offset)[k] = a.topk_weights[t1 * K + k];
+            uint8_t* slot0 = staged + i0 * slot.bytes;
+            uint8_t* slot1 = staged + i1 * slot.bytes;
+            // A lane's top-k entries: of the token its half-warp copies (the first one's where one token).
+            const bool second = two && lane >= 16;
+            const int lanes = two ? 16 : 32;
+            const int64_t t = second ? t1 : t0, own = second ? own1 : own0;
+            uint8_t* meta = second ? slot1 : slot0;
+            const bool staging = second ? peer1 : peer0;
+            const int64_t lo = static_cast<int64_t>(me) * a.experts_per_rank;
+            for (int k = two ? lane % 16 : lane; k < K; k += lanes) {
+                const int64_t expert = a.topk_idx[t * K + k];
+                const float weight = a.topk_weights[t * K + k];
+                if (staging) {
+                    reinterpret_cast<int64_t*>(meta + slot.idx_offset)[k] = expert;
+                    reinterpret_cast<float*>(meta + slot.weight_offset)[k] = weight;
+                }
+                if (own >= 0) {
+                    const bool here = expert >= lo && expert < lo + a.experts_per_rank;
+                    a.recv_topk_idx[own * K + k] = here ? expert - lo : -1;
+                    a.recv_topk_weights[own * K + k] = here ? weight : 0.f;
                 }
             }
+            if (lane == (second ? 16 : 0) && own >= 0) a.recv_src_idx[own] = static_cast<int>(t);
+            // Each row into its slot where a peer receives it and into this rank's outputs where this rank
+            // does (into the outputs only where no peer does).
             const auto* x = static_cast<const uint8_t*>(a.x);
-            warp_copy_rows<Src::kReadOnly, S::kCopyDepth, S::kPairs>(dst0 + slot.x_offset, x + t0 * a.x_bytes, dst1 + slot.x_offset,
-                                                          x + t1 * a.x_bytes, a.x_bytes, two, lane);
+            uint8_t* x_dst0 = peer0 ? slot0 + slot.x_offset : recv_x + own0 * a.x_bytes;
+            uint8_t* x_dst1 = peer1 ? slot1 + slot.x_offset : recv_x + own1 * a.x_bytes;
+            uint8_t* x_also0 = peer0 && own0 >= 0 ? recv_x + own0 * a.x_bytes : nullptr;
+            uint8_t* x_also1 = peer1 && own1 >= 0 ? recv_x + own1 * a.x_bytes : nullptr;
+            warp_copy_rows<Src::kReadOnly, S::kCopyDepth, S::kPairs>(x_dst0, x_also0, x + t0 * a.x_bytes, x_dst1, x_also1,
+                                                                     x + t1 * a.x_bytes, a.x_bytes, two, lane);
             if (a.scale_bytes > 0) {
                 const auto* scales = static_cast<const uint8_t*>(a.scales);
-                warp_copy_rows<Src::kReadOnly, S::kCopyDepth, S::kPairs>(dst0 + slot.scale_offset, scales + t0 * a.scale_bytes,
-                                                              dst1 + slot.scale_offset, scales + t1 * a.scale_bytes, a.scale_bytes,
-                                                              two, lane);
+                uint8_t* s_dst0 = peer0 ? slot0 + slot.scale_offset : recv_scales + own0 * a.scale_bytes;
+                uint8_t* s_dst1 = peer1 ? slot1 + slot.scale_offset : recv_scales + own1 * a.scale_bytes;
+                uint8_t* s_also0 = peer0 && own0 >= 0 ? recv_scales + own0 * a.scale_bytes : nullptr;
+                uint8_t* s_also1 = peer1 && own1 >= 0 ? recv_scales + own1 * a.scale_bytes : nullptr;
+                warp_copy_rows<Src::kReadOnly, S::kCopyDepth, S::kPairs>(s_dst0, s_also0, scales + t0 * a.scale_bytes, s_dst1,
+                                                                         s_also1, scales + t1 * a.scale_bytes, a.scale_bytes,
+                                                                         two, lane);
             }
         }
     }
@@ -397,9 +434,10 @@ __device__ bool stage_window(const Env& e, const DispatchArgs& a, const Dispatch
     return true;
 }
 
-// Pull window w of every rank into the outputs. The slots of all sources form one list (sources from
-// the next rank on, so that ranks spread their reads) spread over all warps of the kernel, so no
-// barrier separates the sources; the last block to finish raises every source's released flag.
+// Pull window w of every other rank into the outputs (this rank's own rows were copied as it staged
+// them). The slots of all sources form one list (sources from the next rank on, so that ranks spread
+// their reads) spread over all warps of the kernel, so no barrier separates the sources; the last block
+// to finish raises every source's released flag.
 template <typename S>
 __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchSlot& slot, int window_tokens,
                             const Warps& warps, int w) {
@@ -408,17 +446,17 @@ __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchS
     const int total = a.recv_info[1];
     const int* base = a.recv_info + 2;
     const int* src_tokens = a.recv_info + 3 + R;
-    __shared__ int starts[kMaxRanks + 1];  // starts[j]: first list entry of source (me + 1 + j) % R
+    __shared__ int starts[kMaxRanks];  // starts[j]: first list entry of source (me + 1 + j) % R, j < R - 1
     if (threadIdx.x == 0) {
         starts[0] = 0;
-        for (int j = 0; j < R; ++j) starts[j + 1] = starts[j] + clamp_count(src_tokens[(me + 1 + j) % R], first, window_tokens);
+        for (int j = 0; j < R - 1; ++j) starts[j + 1] = starts[j] + clamp_count(src_tokens[(me + 1 + j) % R], first, window_tokens);
     }
     if (!block_wait(e, kStagedFrom, 0, R, tag(e.seq, w), kErrStaged, w)) return false;  // its barrier publishes starts
-    const int n = starts[R];
+    const int n = starts[R - 1];
     const bool pairs = rows_in_pairs<S>(a.x_bytes);
     // A warp reads the destination rows of 32 slots at once, then copies the ones meant here.
     for (int b = 0; b * warps.num_warps * 32 < n; ++b) {
-        const int mine = (b * 32 + lane) * warps.num_warps + warps.warp, j = list_part(starts, R, mine);
+        const int mine = (b * 32 + lane) * warps.num_warps + warps.warp, j = list_part(starts, R - 1, mine);
         const int s = (me + 1 + j) % R, i = mine - starts[j];
         const int p = mine < n ? __ldcg(reinterpret_cast<const int*>(e.window(s, parity) + i * slot.bytes + slot.pos_offset) + me) : -1;
         // Two rows at a time where rows go in pairs: their copies share trips (peer::warp_copy_rows).
@@ -463,13 +501,14 @@ __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchS
                 weight = __ldcg(reinterpret_cast<const float*>(meta + slot.weight_offset) + k0);
             }
             auto* recv_x = static_cast<uint8_t*>(a.recv_x);
-            warp_copy_rows<Src::kShared, S::kCopyDepth, S::kPairs>(recv_x + row0 * a.x_bytes, from0 + slot.x_offset, recv_x + row1 * a.x_bytes,
-                                                        from1 + slot.x_offset, a.x_bytes, two, lane);
+            warp_copy_rows<Src::kShared, S::kCopyDepth, S::kPairs>(recv_x + row0 * a.x_bytes, nullptr, from0 + slot.x_offset,
+                                                                   recv_x + row1 * a.x_bytes, nullptr, from1 + slot.x_offset,
+                                                                   a.x_bytes, two, lane);
             if (a.scale_bytes > 0) {
                 auto* recv_scales = static_cast<uint8_t*>(a.recv_scales);
-                warp_copy_rows<Src::kShared, S::kCopyDepth, S::kPairs>(recv_scales + row0 * a.scale_bytes, from0 + slot.scale_offset,
-                                                            recv_scales + row1 * a.scale_bytes, from1 + slot.scale_offset,
-                                                            a.scale_bytes, two, lane);
+                warp_copy_rows<Src::kShared, S::kCopyDepth, S::kPairs>(recv_scales + row0 * a.scale_bytes, nullptr,
+                                                                       from0 + slot.scale_offset, recv_scales + row1 * a.scale_bytes,
+                                                                       nullptr, from1 + slot.scale_offset, a.scale_bytes, two, lane);
             }
             if (k0 < K) forward(k0, expert, weight);
             if (S::kPairs)  // top-k past 16 where a half-warp takes a row

@@ -110,16 +110,20 @@ __device__ __forceinline__ V load(const V* p) {
     else return __ldcg(p);
 }
 
-// One trip of kDepth loads in flight per lane, then their stores, if the lane has that many vectors left
-// (a lane takes every `lanes`-th vector from its first, i).
+// One trip of kDepth loads in flight per lane, then their stores (into `also` as well unless it is
+// null), if the lane has that many vectors left (a lane takes every `lanes`-th vector from its first, i).
 template <Src kSrc, int kDepth, int lanes, typename V>
-__device__ __forceinline__ bool copy_trip(V* dst, const V* src, int64_t n, int64_t& i) {
+__device__ __forceinline__ bool copy_trip(V* dst, V* also, const V* src, int64_t n, int64_t& i) {
     if (i + (kDepth - 1) * lanes >= n) return false;
     V v[kDepth];
 #pragma unroll
     for (int j = 0; j < kDepth; ++j) v[j] = load<kSrc>(src + i + j * lanes);
 #pragma unroll
     for (int j = 0; j < kDepth; ++j) dst[i + j * lanes] = v[j];
+    if (also != nullptr) {
+#pragma unroll
+        for (int j = 0; j < kDepth; ++j) also[i + j * lanes] = v[j];
+    }
     i += kDepth * lanes;
     return true;
 }
@@ -130,36 +134,40 @@ __device__ __forceinline__ bool copy_trip(V* dst, const V* src, int64_t n, int64
 // vector (an fp8 row of 7,168 bytes left 2 vectors a lane after two trips of 6, a bf16 one 4 after
 // four). A single trip masked per vector spilled (DESIGN.md).
 template <Src kSrc, int kDepth, int lanes, typename V>
-__device__ __forceinline__ void copy_vectors(V* dst, const V* src, int64_t n, int lane) {
+__device__ __forceinline__ void copy_vectors(V* dst, V* also, const V* src, int64_t n, int lane) {
     static_assert(kDepth >= 1 && kDepth <= 16, "the tail trips cover at most 15 vectors a lane");
     int64_t i = lane;
-    while (copy_trip<kSrc, kDepth, lanes>(dst, src, n, i)) {
+    while (copy_trip<kSrc, kDepth, lanes>(dst, also, src, n, i)) {
     }
-    if constexpr (kDepth > 8) copy_trip<kSrc, 8, lanes>(dst, src, n, i);
-    if constexpr (kDepth > 4) copy_trip<kSrc, 4, lanes>(dst, src, n, i);
-    if constexpr (kDepth > 2) copy_trip<kSrc, 2, lanes>(dst, src, n, i);
-    if constexpr (kDepth > 1) copy_trip<kSrc, 1, lanes>(dst, src, n, i);
+    if constexpr (kDepth > 8) copy_trip<kSrc, 8, lanes>(dst, also, src, n, i);
+    if constexpr (kDepth > 4) copy_trip<kSrc, 4, lanes>(dst, also, src, n, i);
+    if constexpr (kDepth > 2) copy_trip<kSrc, 2, lanes>(dst, also, src, n, i);
+    if constexpr (kDepth > 1) copy_trip<kSrc, 1, lanes>(dst, also, src, n, i);
 }
 
-// `lanes` lanes (this one the lane-th) copy `bytes` bytes in the widest vectors the sizes and addresses
-// allow, kDepth loads in flight per lane.
+// `lanes` lanes (this one the lane-th) copy `bytes` bytes into dst and, unless it is null, into `also`,
+// in the widest vectors the sizes and addresses allow, kDepth loads in flight per lane.
 template <Src kSrc, int kDepth, int lanes>
-__device__ __forceinline__ void lanes_copy(void* dst, const void* src, int64_t bytes, int lane) {
-    const auto bits = static_cast<uint64_t>(bytes) | reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
+__device__ __forceinline__ void lanes_copy(void* dst, void* also, const void* src, int64_t bytes, int lane) {
+    const auto bits = static_cast<uint64_t>(bytes) | reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(also) |
+                      reinterpret_cast<uintptr_t>(src);
     if (bits % 16 == 0)
-        copy_vectors<kSrc, kDepth, lanes>(static_cast<int4*>(dst), static_cast<const int4*>(src), bytes / 16, lane);
+        copy_vectors<kSrc, kDepth, lanes>(static_cast<int4*>(dst), static_cast<int4*>(also), static_cast<const int4*>(src), bytes / 16, lane);
     else if (bits % 8 == 0)
-        copy_vectors<kSrc, kDepth, lanes>(static_cast<int2*>(dst), static_cast<const int2*>(src), bytes / 8, lane);
+        copy_vectors<kSrc, kDepth, lanes>(static_cast<int2*>(dst), static_cast<int2*>(also), static_cast<const int2*>(src), bytes / 8, lane);
     else if (bits % 4 == 0)
-        copy_vectors<kSrc, kDepth, lanes>(static_cast<int*>(dst), static_cast<const int*>(src), bytes / 4, lane);
+        copy_vectors<kSrc, kDepth, lanes>(static_cast<int*>(dst), static_cast<int*>(also), static_cast<const int*>(src), bytes / 4, lane);
     else
-        for (int64_t i = lane; i < bytes; i += lanes) static_cast<uint8_t*>(dst)[i] = static_cast<const uint8_t*>(src)[i];
+        for (int64_t i = lane; i < bytes; i += lanes) {
+            static_cast<uint8_t*>(dst)[i] = static_cast<const uint8_t*>(src)[i];
+            if (also != nullptr) static_cast<uint8_t*>(also)[i] = static_cast<const uint8_t*>(src)[i];
+        }
 }
 
 // A warp copies `bytes` bytes, kDepth loads in flight per lane (6 fits kernels of 64 registers per thread).
 template <Src kSrc, int kDepth = 6>
 __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t bytes, int lane) {
-    lanes_copy<kSrc, kDepth, 32>(dst, src, bytes, lane);
+    lanes_copy<kSrc, kDepth, 32>(dst, nullptr, src, bytes, lane);
 }
 
 // A warp copies two rows of `bytes` bytes each, a half-warp each, so that a lane's trips carry twice
@@ -167,18 +175,19 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t by
 // vectors), two rows on half-warps 3 (12 + 12 + 4), and their scales (224 bytes each) one trip for both
 // instead of one each. Where `two` is false the whole warp copies the first row. kPairs false: `two`
 // must be false (one instantiation, no more registers than one row's copy: at depth 6, in kernels of
-// 64 registers, the pairs lost 1.5% on bf16 rows: DESIGN.md).
+// 64 registers, the pairs lost 1.5% on bf16 rows: DESIGN.md). A row goes to `also` as well where that
+// is not null (the same registers stored twice: the source is read once).
 template <Src kSrc, int kDepth, bool kPairs>
-__device__ __forceinline__ void warp_copy_rows(void* dst0, const void* src0, void* dst1, const void* src1, int64_t bytes,
-                                               bool two, int lane) {
+__device__ __forceinline__ void warp_copy_rows(void* dst0, void* also0, const void* src0, void* dst1, void* also1,
+                                               const void* src1, int64_t bytes, bool two, int lane) {
     if constexpr (kPairs) {
         if (two) {
             const bool second = lane >= 16;
-            lanes_copy<kSrc, kDepth, 16>(second ? dst1 : dst0, second ? src1 : src0, bytes, lane % 16);
+            lanes_copy<kSrc, kDepth, 16>(second ? dst1 : dst0, second ? also1 : also0, second ? src1 : src0, bytes, lane % 16);
             return;
         }
     }
-    lanes_copy<kSrc, kDepth, 32>(dst0, src0, bytes, lane);
+    lanes_copy<kSrc, kDepth, 32>(dst0, also0, src0, bytes, lane);
 }
 
 }  // namespace peer
