@@ -109,7 +109,7 @@ struct Ctx {
     int ranks_on_device;      // ranks of the group on this GPU: their blocks must all fit it at once
     int sm_share_percent;     // this process's MPS SM share (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), 100: none
     uint64_t* wait_ns;        // null, or [blocks][kWaitSlots]: where the time goes, added up per call
-    int64_t* kernel_log;      // null, or the kernel log (kKernelLogEntries below)
+    int64_t* kernel_log;      // null, or the kernel log (kKernelLogEntries above)
     bool stream_combine;      // combine through per-channel rings instead of windows (up to 32 ranks)
     bool zero_copy_bases;     // notify also finds where this rank's rows start at every peer
     bool full_first;          // launches try 1024-thread blocks first, not 512 at one an SM (intranode.cu)
