@@ -338,6 +338,16 @@ __device__ __forceinline__ bool rows_in_pairs(int64_t row_bytes) {
     return S::kPairs && row_bytes < int64_t{2} * 32 * 16 * S::kCopyDepth;
 }
 
+// Output row `row`'s top-k entry k on rank `me`: the expert's local id where it lives there, else -1 with
+// a weight of 0 (the portable backend's recv_topk_idx / recv_topk_weights).
+__device__ __forceinline__ void store_local_topk(const DispatchArgs& a, int me, int64_t row, int k, int64_t expert,
+                                                 float weight) {
+    const int64_t lo = static_cast<int64_t>(me) * a.experts_per_rank;
+    const bool here = expert >= lo && expert < lo + a.experts_per_rank;
+    a.recv_topk_idx[row * a.num_topk + k] = here ? expert - lo : -1;
+    a.recv_topk_weights[row * a.num_topk + k] = here ? weight : 0.f;
+}
+
 // Stage window w of this rank's tokens in its own buffer (the half of window w - 2, once every rank has
 // finished reading it), and copy the tokens meant for this rank straight into its outputs from the same
 // registers (the source is read once; no rank pulls its own window); the last block raises every
@@ -392,7 +402,6 @@ __device__ bool stage_window(const Env& e, const DispatchArgs& a, const Dispatch
             const int64_t t = second ? t1 : t0, own = second ? own1 : own0;
             uint8_t* meta = second ? slot1 : slot0;
             const bool staging = second ? peer1 : peer0;
-            const int64_t lo = static_cast<int64_t>(me) * a.experts_per_rank;
             for (int k = two ? lane % 16 : lane; k < K; k += lanes) {
                 const int64_t expert = a.topk_idx[t * K + k];
                 const float weight = a.topk_weights[t * K + k];
@@ -400,32 +409,20 @@ __device__ bool stage_window(const Env& e, const DispatchArgs& a, const Dispatch
                     reinterpret_cast<int64_t*>(meta + slot.idx_offset)[k] = expert;
                     reinterpret_cast<float*>(meta + slot.weight_offset)[k] = weight;
                 }
-                if (own >= 0) {
-                    const bool here = expert >= lo && expert < lo + a.experts_per_rank;
-                    a.recv_topk_idx[own * K + k] = here ? expert - lo : -1;
-                    a.recv_topk_weights[own * K + k] = here ? weight : 0.f;
-                }
+                if (own >= 0) store_local_topk(a, me, own, k, expert, weight);
             }
             if (lane == (second ? 16 : 0) && own >= 0) a.recv_src_idx[own] = static_cast<int>(t);
-            // Each row into its slot where a peer receives it and into this rank's outputs where this rank
-            // does (into the outputs only where no peer does).
-            const auto* x = static_cast<const uint8_t*>(a.x);
-            uint8_t* x_dst0 = peer0 ? slot0 + slot.x_offset : recv_x + own0 * a.x_bytes;
-            uint8_t* x_dst1 = peer1 ? slot1 + slot.x_offset : recv_x + own1 * a.x_bytes;
-            uint8_t* x_also0 = peer0 && own0 >= 0 ? recv_x + own0 * a.x_bytes : nullptr;
-            uint8_t* x_also1 = peer1 && own1 >= 0 ? recv_x + own1 * a.x_bytes : nullptr;
-            warp_copy_rows<Src::kReadOnly, S::kCopyDepth, S::kPairs>(x_dst0, x_also0, x + t0 * a.x_bytes, x_dst1, x_also1,
-                                                                     x + t1 * a.x_bytes, a.x_bytes, two, lane);
-            if (a.scale_bytes > 0) {
-                const auto* scales = static_cast<const uint8_t*>(a.scales);
-                uint8_t* s_dst0 = peer0 ? slot0 + slot.scale_offset : recv_scales + own0 * a.scale_bytes;
-                uint8_t* s_dst1 = peer1 ? slot1 + slot.scale_offset : recv_scales + own1 * a.scale_bytes;
-                uint8_t* s_also0 = peer0 && own0 >= 0 ? recv_scales + own0 * a.scale_bytes : nullptr;
-                uint8_t* s_also1 = peer1 && own1 >= 0 ? recv_scales + own1 * a.scale_bytes : nullptr;
-                warp_copy_rows<Src::kReadOnly, S::kCopyDepth, S::kPairs>(s_dst0, s_also0, scales + t0 * a.scale_bytes, s_dst1,
-                                                                         s_also1, scales + t1 * a.scale_bytes, a.scale_bytes,
-                                                                         two, lane);
-            }
+            // Each token's part (row or scales, `bytes` each) into its slot where a peer receives the token
+            // and into this rank's outputs `out` where this rank does (into the outputs only where no peer does).
+            const auto copy_part = [&](const void* from, int64_t offset, uint8_t* out, int64_t bytes) {
+                const auto* src = static_cast<const uint8_t*>(from);
+                warp_copy_rows<Src::kReadOnly, S::kCopyDepth, S::kPairs>(
+                    peer0 ? slot0 + offset : out + own0 * bytes, peer0 && own0 >= 0 ? out + own0 * bytes : nullptr,
+                    src + t0 * bytes, peer1 ? slot1 + offset : out + own1 * bytes,
+                    peer1 && own1 >= 0 ? out + own1 * bytes : nullptr, src + t1 * bytes, bytes, two, lane);
+            };
+            copy_part(a.x, slot.x_offset, recv_x, a.x_bytes);
+            if (a.scale_bytes > 0) copy_part(a.scales, slot.scale_offset, recv_scales, a.scale_bytes);
         }
     }
     __syncthreads();
@@ -488,12 +485,6 @@ __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchS
             const int lanes = two ? 16 : 32, k0 = two ? lane % 16 : lane;
             const uint8_t* meta = second ? from1 : from0;
             const int64_t meta_row = second ? row1 : row0;
-            const auto forward = [&](int k, int64_t expert, float weight) {
-                const int64_t lo = static_cast<int64_t>(me) * a.experts_per_rank;  // not live across the copy
-                const bool here = expert >= lo && expert < lo + a.experts_per_rank;
-                a.recv_topk_idx[meta_row * K + k] = here ? expert - lo : -1;
-                a.recv_topk_weights[meta_row * K + k] = here ? weight : 0.f;
-            };
             int64_t expert = -1;
             float weight = 0.f;
             if (k0 < K) {
@@ -510,11 +501,11 @@ __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchS
                                                                        from0 + slot.scale_offset, recv_scales + row1 * a.scale_bytes,
                                                                        nullptr, from1 + slot.scale_offset, a.scale_bytes, two, lane);
             }
-            if (k0 < K) forward(k0, expert, weight);
+            if (k0 < K) store_local_topk(a, me, meta_row, k0, expert, weight);
             if (S::kPairs)  // top-k past 16 where a half-warp takes a row
                 for (int k = k0 + lanes; k < K; k += lanes)
-                    forward(k, __ldcg(reinterpret_cast<const long long*>(meta + slot.idx_offset) + k),
-                            __ldcg(reinterpret_cast<const float*>(meta + slot.weight_offset) + k));
+                    store_local_topk(a, me, meta_row, k, __ldcg(reinterpret_cast<const long long*>(meta + slot.idx_offset) + k),
+                                     __ldcg(reinterpret_cast<const float*>(meta + slot.weight_offset) + k));
             if (lane == 0) {
                 a.recv_src_idx[row0] = first + token0;
                 if (two) a.recv_src_idx[row1] = first + token1;
