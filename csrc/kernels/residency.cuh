@@ -42,12 +42,11 @@ constexpr int64_t most_resident_blocks(int64_t own, int64_t per_sm, int ranks_on
                                        bool start_together) {
     if (ranks_on_device <= 1) return own;
     const int64_t ranks = ranks_on_device;
-    const bool shared = under_sm_share(sm_share_percent);
     if (one_kernel_each(ranks_on_device, sm_share_percent, start_together)) {
         const int64_t most = (own - (ranks - 1) * per_sm) / ranks;
         return most > 0 ? most : 0;
     }
-    const int64_t whole = shared ? own * 100 / sm_share_percent : own;
+    const int64_t whole = under_sm_share(sm_share_percent) ? own * 100 / sm_share_percent : own;
     const int64_t all_ranks = whole / (2 * ranks), this_rank = own / 2;
     return all_ranks < this_rank ? all_ranks : this_rank;
 }
