@@ -51,8 +51,9 @@ def profiled_round(p: Problem):
         buffer = normal_buffer(p.hidden)
         result = normal_round(p, buffer=buffer)
         kernels = buffer._intranode
-        return result, kernels.wait_profile() if kernels is not None else {}, \
-            kernels.kernel_log() if kernels is not None else []
+        if kernels is None:
+            return result, {}, []
+        return result, kernels.wait_profile(), kernels.kernel_log()
 
     return with_env({"MOE_EP_PROFILE_WAITS": "1"}, run)
 

@@ -184,21 +184,23 @@ def test_deepep_reference_only_for_its_shape():
 def test_kernel_log_times_split_a_call_into_its_kernels():
     """The intranode benchmark's reading of a rank's kernel log (MOE_EP_PROFILE_WAITS): spans, the time
     before each data kernel, the opening kernel's span, the period, and the ranks' start skew."""
+    from moe_ep.backends.peers import KERNEL_DISPATCH, KERNEL_NOTIFY, KERNEL_RENDEZVOUS, KERNEL_STREAM_COMBINE
     from moe_ep.bench.intranode import kernel_log_times, start_skew_us
 
-    # Three combines (rendezvous 7, then the streaming combine 4), times in ns: a 10-us rendezvous, a
-    # 2-us launch gap, a 600-us data kernel, 100 us from one combine's end to the next call's rendezvous.
+    # Three combines (a rendezvous, then the streaming combine), times in ns: a 10-us rendezvous, a 2-us
+    # launch gap, a 600-us data kernel, 100 us from one combine's end to the next call's rendezvous.
     log, t = [], 0
     for _ in range(3):
-        log += [(7, t, t + 10_000), (4, t + 12_000, t + 612_000)]
+        log += [(KERNEL_RENDEZVOUS, t, t + 10_000), (KERNEL_STREAM_COMBINE, t + 12_000, t + 612_000)]
         t += 712_000
     times, starts = kernel_log_times(log, calls=2)
     assert times == {"span us": 600.0, "gap us": 2.0, "lead us": 10.0, "period us": 712.0}
     assert starts == [724_000, 1_436_000]
     # A fresh dispatch's count exchange (1) before its data kernel (2): the gap holds the host's round.
-    times, _ = kernel_log_times([(1, 0, 5_000), (2, 45_000, 345_000)], calls=20)
+    times, _ = kernel_log_times([(KERNEL_NOTIFY, 0, 5_000), (KERNEL_DISPATCH, 45_000, 345_000)], calls=20)
     assert times == {"span us": 300.0, "gap us": 40.0, "lead us": 5.0}
-    assert kernel_log_times([], calls=2) == ({}, []) and kernel_log_times([(7, 0, 1)], calls=2) == ({}, [])
+    assert kernel_log_times([], calls=2) == ({}, [])
+    assert kernel_log_times([(KERNEL_RENDEZVOUS, 0, 1)], calls=2) == ({}, [])
     assert start_skew_us([[0, 1_000_000], [4_000, 1_010_000]]) == 7.0
     assert start_skew_us([[0], [1, 2]]) == -1.0 and start_skew_us([]) == -1.0
 

@@ -9,6 +9,7 @@ import torch
 
 from moe_ep import Config, _native
 from moe_ep.launch import ranks_share_a_gpu
+from moe_ep.backends.peers import KERNEL_COMBINE, KERNEL_DISPATCH, KERNEL_NOTIFY, KERNEL_RENDEZVOUS, KERNEL_STREAM_COMBINE
 
 from . import rank_fns
 from .problems import Problem, check_zero_copy_dispatch_refusals, check_zero_copy_dispatch_rounds
@@ -369,11 +370,13 @@ def test_kernel_log_lists_each_calls_kernels_in_order(gpu_pools, seed):
         kinds = [kernel for kernel, _, _ in log]
         assert kinds and all(start <= end for _, start, end in log), f"rank {rank}: {log}"
         assert all(a[2] <= b[1] for a, b in zip(log, log[1:])), f"rank {rank}: kernels overlap: {log}"
-        assert kinds[:2] == [1, 2], f"rank {rank}: a fresh dispatch is its count exchange then its kernel: {kinds}"
-        combines = [i for i, kind in enumerate(kinds) if kind in (3, 4)]
+        assert kinds[:2] == [KERNEL_NOTIFY, KERNEL_DISPATCH], \
+            f"rank {rank}: a fresh dispatch is its count exchange then its kernel: {kinds}"
+        combines = [i for i, kind in enumerate(kinds) if kind in (KERNEL_COMBINE, KERNEL_STREAM_COMBINE)]
         assert combines, f"rank {rank}: no combine logged: {kinds}"
         if ranks_share_a_gpu(4):
-            assert all(kinds[i - 1] == 7 for i in combines), f"rank {rank}: a combine without its rendezvous: {kinds}"
+            assert all(kinds[i - 1] == KERNEL_RENDEZVOUS for i in combines), \
+                f"rank {rank}: a combine without its rendezvous: {kinds}"
 
 
 def test_large_problem(pools, gpu_pools, seed):

@@ -30,9 +30,12 @@ HOST_DONE, HOST_ERROR, HOST_ERROR_KIND, HOST_ERROR_PEER, HOST_ERROR_WINDOW, HOST
 HOST_TOTAL, HOST_MAX_TOKENS, HOST_ERROR_CALL, HOST_ERROR_SEEN, HOST_COMBINE_MISSING = 6, 7, 8, 9, 10
 HOST_KERNEL_STARTED, HOST_KERNEL_FINISHED, HOST_ERROR_PEER_STARTED, HOST_ERROR_PEER_STARTED_MS = 11, 12, 13, 14
 HOST_ERROR_PEER_BLOCKS, HOST_ERROR_BLOCKS, HOST_COUNTS = 15, 16, 17
-# intranode::KernelId, as the progress marks name them.
-KERNEL_NAMES = {1: "notify (count exchange)", 2: "dispatch", 3: "combine", 4: "streaming combine",
-                5: "zero-copy dispatch", 6: "zero-copy combine", 7: "rendezvous"}
+# intranode::KernelId (csrc/kernels/api.cuh), and the words the progress marks name them by.
+(KERNEL_NOTIFY, KERNEL_DISPATCH, KERNEL_COMBINE, KERNEL_STREAM_COMBINE, KERNEL_ZERO_COPY_DISPATCH,
+ KERNEL_ZERO_COPY_COMBINE, KERNEL_RENDEZVOUS) = range(1, 8)
+KERNEL_NAMES = {KERNEL_NOTIFY: "notify (count exchange)", KERNEL_DISPATCH: "dispatch", KERNEL_COMBINE: "combine",
+                KERNEL_STREAM_COMBINE: "streaming combine", KERNEL_ZERO_COPY_DISPATCH: "zero-copy dispatch",
+                KERNEL_ZERO_COPY_COMBINE: "zero-copy combine", KERNEL_RENDEZVOUS: "rendezvous"}
 # What a failed wait was waiting for, by intranode::ErrorKind.
 WAITED_FOR = {
     1: "its token counts (dispatch)",

@@ -46,6 +46,8 @@ from moe_ep import Buffer, Config, fp8
 from moe_ep.config import zero_copy_combine_bytes, zero_copy_dispatch_bytes
 from moe_ep.launch import RankPool
 from moe_ep.backends.intranode import dispatch_arena, dispatch_via_zero_copy
+from moe_ep.backends.peers import (KERNEL_COMBINE, KERNEL_DISPATCH, KERNEL_NOTIFY, KERNEL_RENDEZVOUS,
+                                   KERNEL_STREAM_COMBINE, KERNEL_ZERO_COPY_COMBINE, KERNEL_ZERO_COPY_DISPATCH)
 
 from .timing import wall_seconds_per_call
 
@@ -95,9 +97,10 @@ def wait_shares(profile: dict, mode: str, calls: int) -> dict:
     return shares
 
 
-# KernelIds (csrc/kernels/api.cuh) of the kernels that move a call's rows, and of those that open a call.
-DATA_KERNELS = (2, 3, 4, 5, 6)
-LEAD_KERNELS = (1, 7)  # the count exchange, the rendezvous
+# The kernels that move a call's rows, and those that open a call.
+DATA_KERNELS = (KERNEL_DISPATCH, KERNEL_COMBINE, KERNEL_STREAM_COMBINE, KERNEL_ZERO_COPY_DISPATCH,
+                KERNEL_ZERO_COPY_COMBINE)
+LEAD_KERNELS = (KERNEL_NOTIFY, KERNEL_RENDEZVOUS)
 
 
 def kernel_log_times(log: list, calls: int) -> tuple:
@@ -338,10 +341,9 @@ def main():
                 for r in rows:
                     for what, share in r.get("waits", {}).items():
                         waits[what] = waits.get(what, 0.0) + share / len(rows)
-                if any(r.get("kernel_starts") for r in rows):
-                    skew = start_skew_us([r.get("kernel_starts", []) for r in rows])
-                    if skew >= 0:
-                        waits["start skew us"] = skew
+                skew = start_skew_us([r.get("kernel_starts", []) for r in rows])  # -1 without kernel logs
+                if skew >= 0:
+                    waits["start skew us"] = skew
                 waited = ", ".join(f"{what} {share:.0f}" if what.endswith(" us") else f"{what} {share:.0%}"
                                    for what, share in waits.items())
                 shown = f"{recv_tokens}/{send_tokens}" if recv_tokens else "-"
