@@ -1,19 +1,52 @@
 """The communication state one dispatch leaves for its combine (and for a cached dispatch).
 
-Handles are opaque to callers. Each records which Buffer made it, so that a handle passed to another
-Buffer, or with tensors of another layout, is refused with a clear message.
+Each handle records which Buffer made it, so that a handle passed to another Buffer, or with tensors of
+another layout, is refused with a clear message. Handles also read as deep_ep's tuples (indexing, len,
+iteration), so code that unpacks or indexes a deep_ep handle runs unchanged:
+
+normal (intranode) handle, 6 entries as deep_ep's:
+  [0] rank_prefix_matrix  int32 [R, R]: entry [i][j] = tokens that ranks 0..i send to rank j (column
+      `rank` gives where each source's rows end in recv_x)
+  [1] send_pos            int32 [N, R]: row of each local token among those sent to rank r, -1 if not
+      sent (deep_ep keeps its channel prefix matrix here)
+  [2] None                (deep_ep: its receive-channel prefix matrix; moe_ep has no channels)
+  [3] recv_src_idx        int32 [rows]: the source token index of each received row (-1: padding)
+  [4] is_token_in_rank    bool  [N, R]
+  [5] None                (deep_ep: its send head; moe_ep's combine needs none)
+
+low-latency handle, 5 entries as deep_ep's:
+  [0] packed_recv_src_info    int32 [L, R * max]: source token index of each received row (-1: unused)
+  [1] packed_recv_layout_range int64 [L, R]: begin << 32 | count of each source rank's rows in that
+      local expert's region
+  [2] num_max_dispatch_tokens_per_rank, [3] hidden, [4] num_experts
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
 
 
-@dataclass
-class DispatchHandle:
+class _TupleView:
+    """Indexing, len and iteration over `_entries()` (deep_ep's handles are tuples)."""
+
+    def _entries(self) -> tuple:
+        raise NotImplementedError
+
+    def __getitem__(self, index):
+        return self._entries()[index]
+
+    def __len__(self) -> int:
+        return len(self._entries())
+
+    def __iter__(self):
+        return iter(self._entries())
+
+
+@dataclass(eq=False)
+class DispatchHandle(_TupleView):
     buffer_serial: int
     num_tokens: int  # N on this rank when the layout was made
     is_token_in_rank: torch.Tensor  # [N, R] bool: which ranks each local token was sent to
@@ -22,8 +55,13 @@ class DispatchHandle:
     send_counts: Optional[List[int]]
     recv_counts: Optional[List[int]]
     num_worst_tokens: int  # > 0: receive tensors were padded to this many rows
+    # int32 [R, R], entry [i][j]: tokens ranks 0..i send to rank j (on the device that ran the call).
+    rank_prefix_matrix: Optional[torch.Tensor] = None
+    # int32 [rows]: the source token index of each received row, -1 on padding rows.
+    recv_src_idx: Optional[torch.Tensor] = None
     # Filled by the backend that ran the dispatch (e.g. device-side prefix sums for the kernels).
     backend_state: Optional[object] = None
+    _send_pos: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @property
     def num_recv_tokens(self) -> int:
@@ -34,9 +72,22 @@ class DispatchHandle:
         """Rows of the receive tensors (and of combine's input): padded when num_worst_tokens > 0."""
         return self.num_worst_tokens if self.num_worst_tokens > 0 else self.num_recv_tokens
 
+    @property
+    def send_pos(self) -> torch.Tensor:
+        """int32 [N, R]: row of each local token among those sent to rank r (ascending token order), -1
+        where the token is not sent there. Made on first use where the backend kept none."""
+        if self._send_pos is None:
+            sent = self.is_token_in_rank.to(torch.int32)
+            before = torch.cumsum(sent, dim=0, dtype=torch.int32) - sent
+            self._send_pos = torch.where(self.is_token_in_rank, before, torch.full_like(before, -1))
+        return self._send_pos
 
-@dataclass
-class LowLatencyHandle:
+    def _entries(self) -> tuple:
+        return (self.rank_prefix_matrix, self.send_pos, None, self.recv_src_idx, self.is_token_in_rank, None)
+
+
+@dataclass(eq=False)
+class LowLatencyHandle(_TupleView):
     buffer_serial: int
     num_max_dispatch_tokens_per_rank: int
     hidden: int
@@ -45,3 +96,35 @@ class LowLatencyHandle:
     num_topk: int
     device: torch.device
     backend_state: Optional[object] = None
+    # int32 [L, R * max]: (source rank, source token) of each received row, packed as
+    # source rank * max + source token, -1 where no row was received; set by the backend (its receive).
+    recv_source: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    def _source(self) -> torch.Tensor:
+        source = self.recv_source() if callable(self.recv_source) else self.recv_source
+        if source is None:
+            raise RuntimeError("handle: the dispatch has not received yet; call its hook first")
+        return source
+
+    @property
+    def packed_recv_src_info(self) -> torch.Tensor:
+        """int32 [L, R * max]: the source token index of each received row, -1 on rows not received."""
+        source = self._source()
+        return torch.where(source >= 0, source % self.num_max_dispatch_tokens_per_rank, source)
+
+    @property
+    def packed_recv_layout_range(self) -> torch.Tensor:
+        """int64 [L, R]: begin << 32 | count of each source rank's rows in each local expert's region
+        (rows arrive ordered by source rank, so each source's rows are one run)."""
+        source = self._source().to(torch.int64)
+        num_ranks = source.shape[1] // self.num_max_dispatch_tokens_per_rank
+        src_rank = torch.where(source >= 0, source // self.num_max_dispatch_tokens_per_rank,
+                               torch.full_like(source, num_ranks))
+        ranks = torch.arange(num_ranks + 1, dtype=torch.int64, device=source.device)
+        counts = (src_rank.unsqueeze(-1) == ranks).sum(dim=1)[:, :num_ranks]  # [L, R]
+        begins = torch.cumsum(counts, dim=1) - counts
+        return (begins << 32) | counts
+
+    def _entries(self) -> tuple:
+        return (self.packed_recv_src_info, self.packed_recv_layout_range, self.num_max_dispatch_tokens_per_rank,
+                self.hidden, self.num_experts)

@@ -1108,3 +1108,24 @@ def calls_after_the_sm_budget_changes(p: Problem):
     finally:
         Buffer.set_num_sms(before)
     return outcomes
+
+
+def handle_tuples(p: Problem, num_worst_tokens: int = 0):
+    """The fields of a dispatch handle and a low-latency handle read as deep_ep's tuples, per rank."""
+    inp = my_inputs(p)
+    buffer = normal_buffer(p.hidden)
+    args = dispatch_args(buffer, inp, p)
+    _, _, _, _, handle, _ = buffer.dispatch(inp["x"], num_worst_tokens=num_worst_tokens, **args)
+    normal = list(handle)
+    ll_buffer = low_latency_buffer(p)
+    _, _, ll_handle, _, hook = ll_buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens,
+                                                              p.num_experts, use_fp8=False, return_recv_hook=True)
+    try:
+        ll_handle[0]
+        before_hook = "no error"
+    except RuntimeError as e:
+        before_hook = str(e)
+    hook()
+    return cpu(dict(normal=normal, normal_len=len(handle), normal_index=[handle[i] for i in range(len(handle))],
+                    low_latency=list(ll_handle), low_latency_len=len(ll_handle), before_hook=before_hook,
+                    recv_rows=handle.num_recv_rows))

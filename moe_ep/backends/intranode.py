@@ -541,7 +541,9 @@ class IntranodeBackend:
             send_counts=send_counts,
             recv_counts=recv_counts,
             num_worst_tokens=worst,
+            recv_src_idx=state.recv_src_idx,
             backend_state=state,
+            _send_pos=state.send_pos,
         )
         return recv, recv_idx, recv_weights, counts_list, new_handle, event
 

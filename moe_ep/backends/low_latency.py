@@ -9,6 +9,7 @@ so a hook must run before the Buffer's next low-latency call (enforced here), on
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -130,6 +131,7 @@ class LowLatencyBackend:
         )
         state = LowLatencyKernelState(recv_count, recv_src_info)
         handle.backend_state = state
+        handle.recv_source = functools.partial(self._recv_source, state, topk_idx.shape[1])
 
         def receive():
             self.ops.ll_dispatch_recv(
@@ -139,6 +141,16 @@ class LowLatencyBackend:
 
         hook = self._deferred("low_latency_dispatch", receive, return_recv_hook)
         return ((recv_x, recv_scales) if use_fp8 else recv_x), recv_count, hook
+
+    @staticmethod
+    def _recv_source(state: LowLatencyKernelState, num_topk: int) -> Optional[torch.Tensor]:
+        """The handle's (source rank * max + source token) of each received row, -1 past each expert's
+        count; None before the receive ran."""
+        if not state.received:
+            return None
+        rows = torch.arange(state.recv_src_info.shape[1], dtype=torch.int32, device=state.recv_src_info.device)
+        source = torch.div(state.recv_src_info, num_topk, rounding_mode="floor")
+        return torch.where(rows < state.recv_count.unsqueeze(1), source, torch.full_like(source, -1))
 
     def check_zero_copy(self, call: str) -> None:
         """A zero-copy combine reads rows where they lie, which a peer reached through puts cannot."""

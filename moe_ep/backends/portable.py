@@ -178,14 +178,17 @@ class PortableBackend:
                 send_counts=recv_matrix[self.rank].tolist(),
                 recv_counts=recv_matrix[:, self.rank].tolist(),
                 num_worst_tokens=num_worst_tokens,
+                rank_prefix_matrix=torch.cumsum(recv_matrix, dim=0).to(dtype=torch.int32, device=x_parts[0].device),
             )
             cached = False
         else:
             cached = True
         send_order = self._send_order(handle.is_token_in_rank)
         parts = list(x_parts)
-        if not cached and topk_idx is not None:
-            parts += [topk_idx, topk_weights]
+        if not cached:  # the handle's recv_src_idx: each row's source token index travels with it
+            parts.append(torch.arange(num_tokens, dtype=torch.int32, device=x_parts[0].device).unsqueeze(1))
+            if topk_idx is not None:
+                parts += [topk_idx, topk_weights]
         received = self._exchange_rows(pack_rows(parts)[send_order], handle.send_counts, handle.recv_counts)
         outs = unpack_rows(received, row_specs(parts))
         pad = handle.num_recv_rows - handle.num_recv_tokens
@@ -193,6 +196,8 @@ class PortableBackend:
         recv_x = outs[: len(x_parts)]
         if cached:
             return recv_x, None, None, None, None
+        handle.recv_src_idx = outs[len(x_parts)].view(-1)
+        handle.recv_src_idx[handle.num_recv_tokens:] = -1
         recv_topk_idx = recv_topk_weights = None
         if topk_idx is not None:
             recv_topk_idx, recv_topk_weights = self._to_local_experts(outs[-2], outs[-1], num_experts)
@@ -302,6 +307,11 @@ class PortableBackend:
             if stats is not None:
                 stats.add_(counts.to(stats.dtype))
             state.arrival_expert, state.arrival_row = arrival_expert, arrival_row
+            sources = torch.repeat_interleave(torch.arange(self.num_ranks, dtype=torch.int32),
+                                              torch.tensor(recv_counts, dtype=torch.int64)).to(x.device)
+            source = torch.full((local, rows), -1, dtype=torch.int32, device=x.device)
+            source[arrival_expert, arrival_row] = sources * num_max_tokens + parts[-1][:, 1]
+            handle.recv_source = source
 
         hook = receive
         if not return_recv_hook:
