@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -57,9 +58,24 @@ def unavailable_reason() -> Optional[str]:
     return None
 
 
+BACKEND_CHOICES = ("auto", "portable", "kernels")
+
+
+def requested_backend() -> str:
+    """MOE_EP_BACKEND: "auto" (the kernels where they can serve, else the portable backend), "portable"
+    (torch.distributed for everything: comparisons, debugging) or "kernels" (the kernels, or an error
+    saying why they cannot serve)."""
+    value = os.environ.get("MOE_EP_BACKEND", "") or "auto"
+    if value not in BACKEND_CHOICES:
+        raise ValueError(f"MOE_EP_BACKEND: expected one of {', '.join(BACKEND_CHOICES)}, got {value!r}")
+    return value
+
+
 def backend_info() -> dict:
     """Which backend runs CUDA tensors and why; CPU tensors always run on the portable backend."""
     reason = unavailable_reason()
+    if requested_backend() == "portable":
+        reason = "MOE_EP_BACKEND=portable"
     info = {
         "cuda_kernels": reason is None,
         "nvshmem": has_nvshmem(),
@@ -69,9 +85,9 @@ def backend_info() -> dict:
         "cpu_tensors_run_on": "portable backend (torch.distributed)",
         "reason": reason or "extension loaded",
     }
-    if reason is None:  # how peers' buffers are mapped by default (backends/peers.py, peer_memory)
+    if _load()[0] is not None and torch.cuda.is_available():  # how peers' buffers are mapped by default
         info["peer_memory_vmm"] = bool(ops().vmm_supported())
-    if reason is None and not info["nvshmem"]:
+    if _load()[0] is not None and not info["nvshmem"]:
         module, _ = _load()
         info["nvshmem_reason"] = getattr(module, "NVSHMEM_REASON", "built without NVSHMEM")
     return info

@@ -15,30 +15,19 @@ import torch
 import torch.distributed as dist
 
 from . import _native
-from .backends.intranode import (
-    IntranodeBackend, IntranodeDispatchState, zero_copy_dispatch_layout, zero_copy_dispatch_too_small,
-    dispatch_arena as env_dispatch_arena,
-)
+from .backends.choices import kernel_choices
+from .backends.intranode import IntranodeBackend, IntranodeDispatchState
 from .backends.low_latency import LowLatencyBackend, LowLatencyKernelState
-from .backends.peers import peer_memory
 from .backends.portable import PortableBackend, dispatch_layout
 from .checks import FP8_BLOCK, check_expert_ids, check_fp8_pair, check_int, check_tensor, debug_checks_enabled
 from .config import NUM_MAX_NVL_PEERS, NUM_MAX_TOPK, Config, combine_config, dispatch_config, low_latency_rdma_size_hint
 from .events import EventOverlap, capture_current_stream, wait_previous
 from .handles import DispatchHandle, LowLatencyHandle
-from .sync import ArrivalGate, next_buffer_serial, timeout_seconds
+from .sync import ArrivalGate, check_timeout, next_buffer_serial, timeout_seconds
 
 topk_idx_t = torch.int64
 HIDDEN_DTYPES = (torch.bfloat16, torch.float32)
 XLike = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
-
-
-def _same_tensor(a: torch.Tensor, b: Optional[torch.Tensor]) -> bool:
-    """The same elements of the same memory (the tensor itself, or an alias such as an autograd output)."""
-    if b is None:
-        return False
-    return a is b or (a.data_ptr(), a.shape, a.stride(), a.dtype, a.device) == (
-        b.data_ptr(), b.shape, b.stride(), b.dtype, b.device)
 
 
 class Buffer:
@@ -47,12 +36,18 @@ class Buffer:
     Arguments are deep_ep's. `allow_nvlink_for_low_latency_mode`, `allow_mnnvl`, `use_fabric`,
     `enable_shrink` and `num_qps_per_rank` tune transports moe_ep chooses by itself; they are accepted
     and checked for type only. `comm` (an mpi4py communicator in deep_ep) is accepted but unused: moe_ep
-    bootstraps through `group`. (ext) `ranks_per_node`: ranks that share a host's NVLink domain;
-    default: env MOE_EP_RANKS_PER_NODE, else the group's ranks on this host, found by host names.
-    (ext) `num_zero_copy_combine_bytes`, `num_zero_copy_dispatch_bytes`: the mapped areas of the
-    one-pass calls (README, "One-pass calls"). (ext) `dispatch_arena`: every dispatch of the kernels
-    stores its rows once into a region of the zero-copy dispatch area that recv_x owns (needs that
-    area; default: env MOE_EP_DISPATCH_ARENA, else off).
+    bootstraps through `group`.
+    (ext) `ranks_per_node`: ranks that share a host's NVLink domain; default: env MOE_EP_RANKS_PER_NODE,
+    else the group's ranks on this host, found by host names.
+    (ext) `num_arena_bytes`: an arena mapped on every rank of one host (the same size on each;
+    moe_ep.config.arena_bytes sizes it). Every kernel dispatch then stores each received row once, at
+    its final place in a region of the receiver's arena that recv_x owns like any tensor, and every
+    combine reads the expert outputs from the arenas: one pass over memory instead of two. Write the
+    expert outputs into `empty_combine_input(handle, hidden)` to spare their copy into the arena. A
+    dispatch or combine that finds no room raises ValueError on that rank; under CUDA-graph capture the
+    calls take the two-pass path.
+    (ext) `timeout_s`: seconds to wait for a peer before TimeoutError; default: env MOE_EP_TIMEOUT_S,
+    else 100.
     """
 
     num_sms = 20
@@ -72,9 +67,8 @@ class Buffer:
         comm=None,
         *,
         ranks_per_node: Optional[int] = None,
-        num_zero_copy_combine_bytes: int = 0,
-        num_zero_copy_dispatch_bytes: int = 0,
-        dispatch_arena: Optional[bool] = None,
+        num_arena_bytes: int = 0,
+        timeout_s: Optional[float] = None,
     ):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(
@@ -88,15 +82,8 @@ class Buffer:
         check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
         check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
         check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
-        check_int("num_zero_copy_combine_bytes", num_zero_copy_combine_bytes, minimum=0)
-        check_int("num_zero_copy_dispatch_bytes", num_zero_copy_dispatch_bytes, minimum=0)
-        if dispatch_arena is not None and not isinstance(dispatch_arena, bool):
-            raise TypeError(f"dispatch_arena: expected a bool or None, got {type(dispatch_arena).__name__}")
-        if dispatch_arena is None:
-            dispatch_arena = num_zero_copy_dispatch_bytes > 0 and env_dispatch_arena()
-        elif dispatch_arena and num_zero_copy_dispatch_bytes == 0:
-            raise ValueError("dispatch_arena: the arena is the zero-copy dispatch area; pass num_zero_copy_dispatch_bytes "
-                             "as well (config.zero_copy_dispatch_bytes sizes it)")
+        check_int("num_arena_bytes", num_arena_bytes, minimum=0)
+        timeout_s = timeout_seconds() if timeout_s is None else check_timeout("timeout_s", timeout_s)
         for name, flag in (
             ("low_latency_mode", low_latency_mode),
             ("explicitly_destroy", explicitly_destroy),
@@ -112,21 +99,20 @@ class Buffer:
         self.group_size = dist.get_world_size(group)
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
-        self.num_zero_copy_combine_bytes = num_zero_copy_combine_bytes
-        self.num_zero_copy_dispatch_bytes = num_zero_copy_dispatch_bytes
-        self.dispatch_arena = dispatch_arena
+        self.num_arena_bytes = num_arena_bytes
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.ranks_per_node = self._resolve_ranks_per_node(ranks_per_node)
         self.serial = next_buffer_serial()
-        self.timeout_s = timeout_seconds()
+        self.timeout_s = timeout_s
         self.debug_checks = debug_checks_enabled()
         self._gate = ArrivalGate(group, self.serial, self.timeout_s)
         self._portable = PortableBackend(group, self._gate)
         self._intranode: Optional[IntranodeBackend] = None  # made at the first dispatch of CUDA tensors
-        self._kernels = self._kernels_usable()
+        self._backend = _native.requested_backend()
+        self._kernels = self._kernels_serve(low_latency=False) if not low_latency_mode or num_nvl_bytes else False
         self._low_latency: Optional[LowLatencyBackend] = None  # made at the first low-latency CUDA dispatch
-        self._ll_kernels = self._low_latency_kernels_usable()
+        self._ll_kernels = self._kernels_serve(low_latency=True) if low_latency_mode else False
         self._comm_stream: Optional[torch.cuda.Stream] = None  # made when first needed: CPU-only ranks
         # on a GPU machine must not start a CUDA context
         # Host time per call (the 2-rank dispatch is bound by it): the default Configs, made once per SM
@@ -138,8 +124,6 @@ class Buffer:
         self._ll_combine_buffers: List[Optional[torch.Tensor]] = [None, None]
         self._ll_combine_in_place = [False, False]  # per slot: a view of the kernels' mapped buffer
         self._ll_next = 0
-        self._combine_buffers: List[Optional[torch.Tensor]] = [None, None]  # zero-copy combine rows, per slot
-        self._combine_next = 0
         self._ll_shapes_that_fit = set()  # (tokens, hidden, experts) the low-latency buffer was checked for
 
     # ------------------------------------------------------------------ construction helpers
@@ -164,36 +148,40 @@ class Buffer:
             raise ValueError(f"ranks_per_node: must divide the group size {self.group_size}, got {ranks_per_node}")
         return ranks_per_node
 
-    def _kernels_usable(self) -> bool:
-        """The CUDA IPC kernels serve CUDA tensors when the whole group is on this host (at most 64
-        ranks). MOE_EP_KERNELS=0 keeps the portable backend for everything (comparisons, debugging)."""
-        return (
-            os.environ.get("MOE_EP_KERNELS", "1") != "0"
-            and _native.has_kernels()
-            and self.ranks_per_node == self.group_size <= 64
-            and self.num_nvl_bytes > 0
-        )
+    def _kernels_unusable(self, low_latency: bool) -> Optional[str]:
+        """Why the kernels cannot serve this Buffer's normal (or low-latency) calls of CUDA tensors, or
+        None: they need the extension and a GPU, the whole group on this host (at most 64 ranks for the
+        normal calls) and the buffer the call uses."""
+        if self._backend == "portable":
+            return "MOE_EP_BACKEND=portable"
+        reason = _native.unavailable_reason()
+        if reason is not None:
+            return reason
+        if self.ranks_per_node != self.group_size:
+            return (f"the group spans {self.group_size // self.ranks_per_node} nodes of {self.ranks_per_node} "
+                    "ranks; the kernels serve the ranks of one node")
+        if low_latency:
+            if not self.low_latency_mode or self.num_rdma_bytes == 0:
+                return "low-latency calls need low_latency_mode=True and num_rdma_bytes > 0"
+        elif self.group_size > 64 or self.num_nvl_bytes == 0:
+            return "normal calls need num_nvl_bytes > 0 and at most 64 ranks"
+        return None
 
-    def _low_latency_kernels_usable(self) -> bool:
-        """The low-latency kernels serve CUDA tensors when the whole group is on this host (their
-        buffers mapped as backends/peers.py's peer_memory says: the driver's virtual-memory API, CUDA
-        IPC handles, or NVSHMEM under MOE_EP_LL_MEMORY=nvshmem).
-        MOE_EP_LL_KERNELS=0 (or MOE_EP_KERNELS=0) keeps low-latency calls on the portable backend."""
-        return (
-            os.environ.get("MOE_EP_LL_KERNELS", "1") != "0"
-            and os.environ.get("MOE_EP_KERNELS", "1") != "0"
-            and _native.has_kernels()
-            and self.ranks_per_node == self.group_size
-            and self.low_latency_mode
-            and self.num_rdma_bytes > 0
-        )
+    def _kernels_serve(self, low_latency: bool) -> bool:
+        """Whether CUDA tensors of normal (low-latency) calls run on the kernels; under MOE_EP_BACKEND=kernels
+        a RuntimeError names why they cannot."""
+        reason = self._kernels_unusable(low_latency)
+        if reason is not None and self._backend == "kernels":
+            raise RuntimeError(f"MOE_EP_BACKEND=kernels: the kernels cannot serve this Buffer's "
+                               f"{'low-latency' if low_latency else 'normal'} calls: {reason}")
+        return reason is None
 
     def _low_latency_kernels_move(self, x: torch.Tensor) -> bool:
         if not (x.is_cuda and self._ll_kernels):
             return False
         if self._low_latency is None:  # collective: every rank makes the same first call
-            memory = peer_memory(low_latency=True)
-            self._low_latency = LowLatencyBackend(self.group, self._gate, self.num_rdma_bytes, memory)
+            self._low_latency = LowLatencyBackend(self.group, self._gate, self.num_rdma_bytes,
+                                                  kernel_choices.low_latency_memory)
         return True
 
     # ------------------------------------------------------------------ static helpers
@@ -411,25 +399,9 @@ class Buffer:
         previous_event: Optional[EventOverlap] = None,
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
-        zero_copy: bool = False,
     ):
-        """-> (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)
-
-        (ext) zero_copy=True: the senders store the rows straight at their final place in this rank's
-        zero-copy dispatch area (Buffer argument num_zero_copy_dispatch_bytes, the same on every rank;
-        config.zero_copy_dispatch_bytes sizes it), one pass instead of two, and recv_x (and its scales)
-        are views of it. Two slots alternate: the views stay valid until the second zero-copy dispatch
-        after this one; work that reads them must be enqueued before that call is made (and be covered
-        by its previous_event, if one is passed). A zero-copy dispatch captured in a CUDA graph writes the
-        slot it was captured with at every replay. The portable backend returns tensors of its own."""
+        """-> (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)"""
         self._check_alive()
-        if not isinstance(zero_copy, bool):
-            raise TypeError(f"zero_copy: expected a bool, got {type(zero_copy).__name__}")
-        if zero_copy and self.num_zero_copy_dispatch_bytes == 0:
-            raise ValueError(
-                "zero_copy: this Buffer has no zero-copy dispatch area; pass num_zero_copy_dispatch_bytes "
-                "(the same on every rank; config.zero_copy_dispatch_bytes sizes it) when creating it"
-            )
         x_parts = self._split_x(x)
         num_tokens, hidden = x_parts[0].shape
         device = x_parts[0].device
@@ -476,7 +448,6 @@ class Buffer:
             recv_x, recv_idx, recv_weights, counts, new_handle, event = self._intranode.dispatch(
                 x_parts, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, expert_alignment,
                 num_worst_tokens, handle, make_handle, config, previous_event, async_finish, allocate_on_comm_stream,
-                zero_copy,
             )
         else:
             wait_previous(previous_event)
@@ -492,20 +463,9 @@ class Buffer:
                 handle,
                 make_handle,
             )
-            if zero_copy:
-                self._check_zero_copy_dispatch_rows(x_parts, topk_idx, handle, recv_x[0].shape[0])
             event = self._finish(async_finish, [*x_parts, *recv_x])
         recv = tuple(recv_x) if len(recv_x) == 2 else recv_x[0]
         return recv, recv_idx, recv_weights, counts, new_handle, event
-
-    def _check_zero_copy_dispatch_rows(self, x_parts, topk_idx, handle, rows: int) -> None:
-        """The kernels' capacity check, for the portable backend (its own tensors have no slot to fill):
-        a program that fits here fits the kernels."""
-        num_topk = topk_idx.shape[1] if handle is None and topk_idx is not None else 0
-        x, scales = x_parts[0], (x_parts[1] if len(x_parts) == 2 else None)
-        if rows > zero_copy_dispatch_layout(self.num_zero_copy_dispatch_bytes, x, scales, num_topk).capacity:
-            raise ValueError(zero_copy_dispatch_too_small(self.rank, rows, x, scales, num_topk,
-                                                          self.num_zero_copy_dispatch_bytes))
 
     def _check_layout_args(
         self,
@@ -571,19 +531,13 @@ class Buffer:
         previous_event: Optional[EventOverlap] = None,
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
-        zero_copy: bool = False,
     ):
-        """-> (combined_x [N, H], combined_topk_weights or None, event). zero_copy=True: x is the tensor
-        get_next_combine_buffer returned, holding the rows; with the kernels they are read where they lie.
-        With the kernels and a dispatch arena, an x in it (empty_combine_input) is read where it lies too."""
+        """-> (combined_x [N, H], combined_topk_weights or None, event). With the kernels and an arena
+        (num_arena_bytes), an x from empty_combine_input is read where it lies; any other x is copied
+        into the arena first."""
         self._check_alive()
         self._check_handle(handle, DispatchHandle, "dispatch")
         check_tensor("x", x, dtypes=HIDDEN_DTYPES, shape=(handle.num_recv_rows, None))
-        if not isinstance(zero_copy, bool):
-            raise TypeError(f"zero_copy: expected a bool, got {type(zero_copy).__name__}")
-        slot = self._combine_next
-        if zero_copy and not _same_tensor(x, self._combine_buffers[slot]):
-            raise ValueError("x: with zero_copy=True, expected the tensor the last get_next_combine_buffer returned")
         self._check_events(previous_event, async_finish, allocate_on_comm_stream)
         default = config is None
         config = self._default_config("combine") if default else config
@@ -598,42 +552,18 @@ class Buffer:
                 )
         biases = self._split_bias(bias, handle.num_tokens, x)
         self._check_handle_backend(handle, x, IntranodeDispatchState, self._kernels, "dispatch")
-        if zero_copy:
-            self._combine_next ^= 1
         if self._uses_kernels(x):
             return self._intranode.combine(
-                x, handle, topk_weights, biases, config, previous_event, async_finish, allocate_on_comm_stream,
-                zero_copy_slot=slot if zero_copy else None,
-            )
+                x, handle, topk_weights, biases, config, previous_event, async_finish, allocate_on_comm_stream)
         wait_previous(previous_event)
         combined_x, combined_w = self._portable.combine(x, handle, topk_weights, biases)
         return combined_x, combined_w, self._finish(async_finish, [x, combined_x])
 
-    def get_next_combine_buffer(self, handle: DispatchHandle, hidden: int,
-                                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """The [received rows, hidden] tensor (bf16 or float32) the next combine(..., zero_copy=True) of `handle`
-        reads: write the expert outputs here instead of into a tensor of your own, and no row is copied
-        before it is summed. With the kernels it lies in this rank's zero-copy area (Buffer argument
-        num_zero_copy_combine_bytes, the same on every rank), rows a fixed pitch apart, where the ranks
-        that own the tokens read them. Two alternate between zero-copy combines: write one after the
-        combine before the last has finished (after its event, with async_finish)."""
-        self._check_combine_rows(handle, hidden, dtype)
-        if isinstance(handle.backend_state, IntranodeDispatchState):
-            view = self._intranode.zero_copy_view(handle.num_recv_rows, hidden, dtype, self._combine_next)
-        else:
-            view = self._combine_buffers[self._combine_next]
-            shape = (handle.num_recv_rows, hidden)
-            device = handle.is_token_in_rank.device
-            if view is None or tuple(view.shape) != shape or view.device != device or view.dtype != dtype:
-                view = torch.zeros(shape, dtype=dtype, device=device)
-        self._combine_buffers[self._combine_next] = view
-        return view
-
     def empty_combine_input(self, handle: DispatchHandle, hidden: int,
                             dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """(ext) An uninitialised [received rows, hidden] tensor for the expert outputs that combine(x=...)
-        of `handle` sends back. It owns its memory like any tensor; with the kernels and a dispatch arena
-        (dispatch_arena) that memory is a region of this rank's arena, so the combine reads its rows where
+        of `handle` sends back. It owns its memory like any tensor; with the kernels and an arena
+        (num_arena_bytes) that memory is a region of this rank's arena, so the combine reads its rows where
         they lie (one pass; an x elsewhere is first copied into the arena). Otherwise a plain tensor."""
         self._check_combine_rows(handle, hidden, dtype)
         arena = self._intranode.arena if self._intranode is not None else None
@@ -642,8 +572,7 @@ class Buffer:
         return torch.empty((handle.num_recv_rows, hidden), dtype=dtype, device=handle.is_token_in_rank.device)
 
     def _check_combine_rows(self, handle: DispatchHandle, hidden: int, dtype: torch.dtype) -> None:
-        """The arguments of the tensors a combine of `handle` reads (get_next_combine_buffer,
-        empty_combine_input)."""
+        """The arguments of the tensor a combine of `handle` reads (empty_combine_input)."""
         self._check_alive()
         self._check_handle(handle, DispatchHandle, "dispatch")
         check_int("hidden", hidden, minimum=1)
@@ -657,8 +586,7 @@ class Buffer:
             return False
         if self._intranode is None:
             self._intranode = IntranodeBackend(self.group, self._gate, self.num_nvl_bytes, self.get_comm_stream(),
-                                               self.num_zero_copy_combine_bytes, self.num_zero_copy_dispatch_bytes,
-                                               self.dispatch_arena)
+                                               self.num_arena_bytes)
         return True
 
     @staticmethod

@@ -140,14 +140,12 @@ class IntranodeLayout:
 
 
 @dataclass(frozen=True)
-class ZeroCopyDispatchSlot:
-    """One of the two slots of a zero-copy dispatch area, or a dispatch arena's region of exactly
-    `capacity` rows (ZeroCopyDispatchArgs in csrc/kernels/api.cuh): `capacity` rows of x, then as many
-    of scales, of top-k local ids (int64), of top-k weights (float32) and of source token indices
-    (int32), each part 16-byte aligned. The kernels take these numbers from here, except where an
-    early-launched dispatch lays its arena region out on the device (`dispatch_region` in
-    buffer_layout.cuh: the same formula as `_zero_copy_dispatch_parts`); both backends check
-    capacities with them."""
+class ArenaRegion:
+    """The layout of an arena region holding exactly `capacity` received rows (ZeroCopyDispatchArgs in
+    csrc/kernels/api.cuh): `capacity` rows of x, then as many of scales, of top-k local ids (int64), of
+    top-k weights (float32) and of source token indices (int32), each part 16-byte aligned. The kernels
+    take these numbers from here, except where an early-launched dispatch lays its region out on the
+    device (`dispatch_region` in buffer_layout.cuh: the same formula as `_arena_parts`)."""
 
     slot_bytes: int
     capacity: int
@@ -162,16 +160,11 @@ class ZeroCopyDispatchSlot:
         return [self.x_offset, self.scale_offset, self.idx_offset, self.weight_offset, self.src_offset]
 
 
-def _zero_copy_dispatch_row_bytes(x_bytes: int, scale_bytes: int, num_topk: int) -> int:
+def _arena_row_bytes(x_bytes: int, scale_bytes: int, num_topk: int) -> int:
     return x_bytes + scale_bytes + 12 * num_topk + 4
 
 
-def _zero_copy_slot_bytes(area_bytes: int) -> int:
-    """Bytes of each of a zero-copy area's two slots."""
-    return area_bytes // 2 // INTRANODE_SLOT_ALIGN * INTRANODE_SLOT_ALIGN
-
-
-def _zero_copy_dispatch_parts(capacity: int, x_bytes: int, scale_bytes: int, num_topk: int) -> List[int]:
+def _arena_parts(capacity: int, x_bytes: int, scale_bytes: int, num_topk: int) -> List[int]:
     """Offsets of the five parts of `capacity` rows (x, scales, top-k ids, top-k weights, source
     tokens), then the end of the last."""
     offsets = [0]
@@ -180,51 +173,28 @@ def _zero_copy_dispatch_parts(capacity: int, x_bytes: int, scale_bytes: int, num
     return offsets
 
 
-def zero_copy_dispatch_slot(area_bytes: int, x_bytes: int, scale_bytes: int, num_topk: int) -> ZeroCopyDispatchSlot:
-    """The slot layout of a zero-copy dispatch area of `area_bytes` for rows of these sizes."""
-    a = INTRANODE_SLOT_ALIGN
-    slot_bytes = _zero_copy_slot_bytes(area_bytes)
-    # Each of the five parts may lose up to a - 1 bytes to alignment.
-    capacity = max(0, (slot_bytes - 5 * a) // _zero_copy_dispatch_row_bytes(x_bytes, scale_bytes, num_topk))
-    return ZeroCopyDispatchSlot(slot_bytes, capacity, *_zero_copy_dispatch_parts(capacity, x_bytes, scale_bytes, num_topk)[:5])
+def arena_dispatch_region(rows: int, x_bytes: int, scale_bytes: int, num_topk: int) -> ArenaRegion:
+    """The layout of exactly `rows` received rows: slot_bytes is the region's size."""
+    parts = _arena_parts(rows, x_bytes, scale_bytes, num_topk)
+    return ArenaRegion(parts[5], rows, *parts[:5])
 
 
-def zero_copy_dispatch_region(rows: int, x_bytes: int, scale_bytes: int, num_topk: int) -> ZeroCopyDispatchSlot:
-    """The layout of exactly `rows` received rows (a region of a dispatch arena): slot_bytes is its size."""
-    parts = _zero_copy_dispatch_parts(rows, x_bytes, scale_bytes, num_topk)
-    return ZeroCopyDispatchSlot(parts[5], rows, *parts[:5])
-
-
-def zero_copy_dispatch_rows_within(nbytes: int, x_bytes: int, scale_bytes: int, num_topk: int) -> int:
-    """The most rows whose region (zero_copy_dispatch_region) could fit in nbytes: a bound, since the
+def arena_dispatch_rows_within(nbytes: int, x_bytes: int, scale_bytes: int, num_topk: int) -> int:
+    """The most rows whose region (arena_dispatch_region) could fit in nbytes: a bound, since the
     parts' alignment may take a little more."""
-    return nbytes // _zero_copy_dispatch_row_bytes(x_bytes, scale_bytes, num_topk)
+    return nbytes // _arena_row_bytes(x_bytes, scale_bytes, num_topk)
 
 
-def zero_copy_pitch(row_bytes: int) -> int:
-    """Bytes per row of a zero-copy combine area: the row (16-byte aligned), then room for the largest
-    top-k's weights, which the kernel puts there for the peers to read with the row."""
-    return _align(row_bytes, INTRANODE_SLOT_ALIGN) + 4 * NUM_MAX_TOPK
-
-
-def zero_copy_combine_slot(area_bytes: int, row_bytes: int) -> Tuple[int, int, int]:
-    """(bytes per slot, bytes per row, rows a slot holds) of a zero-copy combine area of `area_bytes`
-    for rows of `row_bytes`."""
-    slot_bytes, pitch = _zero_copy_slot_bytes(area_bytes), zero_copy_pitch(row_bytes)
-    return slot_bytes, pitch, slot_bytes // pitch
-
-
-def zero_copy_combine_bytes(num_rows: int, row_bytes: int) -> int:
-    """num_zero_copy_combine_bytes for Buffer(...) whose slots hold num_rows rows of row_bytes (hidden x
-    element size; two slots; the same value must be passed on every rank)."""
-    return 2 * num_rows * zero_copy_pitch(row_bytes)
-
-
-def zero_copy_dispatch_bytes(num_rows: int, x_bytes: int, scale_bytes: int, num_topk: int) -> int:
-    """num_zero_copy_dispatch_bytes for Buffer(...) whose slots hold num_rows received rows of these sizes
-    (two slots; the same value must be passed on every rank)."""
-    a = INTRANODE_SLOT_ALIGN
-    return 2 * _align(num_rows * _zero_copy_dispatch_row_bytes(x_bytes, scale_bytes, num_topk) + 5 * a, a)
+def arena_bytes(num_rows: int, x_bytes: int, scale_bytes: int = 0, num_topk: int = 0, num_live: int = 4) -> int:
+    """num_arena_bytes for a Buffer whose ranks each receive at most num_rows rows per dispatch (x_bytes
+    per row, plus scale_bytes of fp8 scales, plus top-k ids and weights), with room for num_live such
+    calls' tensors alive at once: a dispatch's recv_x, a cached dispatch's, a combine's input
+    (Buffer.empty_combine_input) and a copy of a combine input written elsewhere are four. The same
+    value must be passed on every rank."""
+    check_int("num_rows", num_rows, minimum=0)
+    check_int("num_live", num_live, minimum=1)
+    one = arena_dispatch_region(num_rows, x_bytes, scale_bytes, num_topk).slot_bytes + INTRANODE_SLOT_ALIGN
+    return num_live * _align(one, INTRANODE_SLOT_ALIGN)
 
 
 class LowLatencyLayout:

@@ -26,6 +26,7 @@ def next_buffer_serial() -> int:
 
 
 def timeout_seconds() -> float:
+    """MOE_EP_TIMEOUT_S, else DEFAULT_TIMEOUT_S."""
     raw = os.environ.get("MOE_EP_TIMEOUT_S", "")
     if not raw:
         return DEFAULT_TIMEOUT_S
@@ -33,9 +34,13 @@ def timeout_seconds() -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"MOE_EP_TIMEOUT_S: expected a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"MOE_EP_TIMEOUT_S: expected a positive number of seconds, got {raw!r}")
-    return value
+    return check_timeout("MOE_EP_TIMEOUT_S", value)
+
+
+def check_timeout(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise ValueError(f"{name}: expected a positive, finite number of seconds, got {value!r}")
+    return float(value)
 
 
 class ArrivalGate:

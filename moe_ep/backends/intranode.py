@@ -7,7 +7,6 @@ call gets here. Kernels run on a dedicated communication stream with deep_ep's e
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -18,17 +17,16 @@ import torch.distributed as dist
 
 from ..arena import Arena, Region
 from ..config import (
-    INTRANODE_SLOT_ALIGN, Config, ZeroCopyDispatchSlot, zero_copy_combine_slot, zero_copy_dispatch_bytes,
-    zero_copy_dispatch_region, zero_copy_dispatch_rows_within, zero_copy_dispatch_slot,
+    INTRANODE_SLOT_ALIGN, Config, arena_dispatch_region, arena_dispatch_rows_within,
 )
-from ..checks import env_switch
+from .choices import kernel_choices
 from ..events import EventOverlap
 from ..handles import DispatchHandle
 from ..mps import process_sm_share
 from ..sync import ArrivalGate
 from .peers import (
     HOST_COMBINE_MISSING, HOST_COUNTS, HOST_DONE, HOST_ERROR, HOST_OVERFLOW, PHASE_NAMES, WAIT_NAMES, MappedBuffers,
-    aligned, device_view, kernel_progress, map_peer_buffers, peer_memory,
+    aligned, kernel_progress, map_peer_buffers,
 )
 
 # Host-side grace on top of the kernels' own deadline before the host gives up on a count exchange.
@@ -37,7 +35,7 @@ _HOST_GRACE_S = 5.0
 RECENT_CALLS = 4
 
 # The streaming combine (per-channel rings, sending and receiving blocks at once) beat the windowed one
-# from 4 ranks up and lost at 2, on one GPU and on two (docs/PERFORMANCE.md, sixth session).
+# from 4 ranks up and lost at 2, on one GPU and on two (`moe-ep-bench intranode --stream-combine`).
 STREAM_COMBINE_MIN_RANKS = 4
 
 
@@ -45,74 +43,19 @@ def row_bytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.shape[1] * t.element_size()
 
 
-def zero_copy_dispatch_layout(area_bytes: int, x: torch.Tensor, scales: Optional[torch.Tensor],
-                              num_topk: int) -> ZeroCopyDispatchSlot:
-    """The slot layout of a zero-copy dispatch area for these rows (both backends check capacities with it)."""
-    return zero_copy_dispatch_slot(area_bytes, row_bytes(x), row_bytes(scales), num_topk)
-
-
-def zero_copy_dispatch_too_small(rank: int, rows: int, x: torch.Tensor, scales: Optional[torch.Tensor], num_topk: int,
-                                 area_bytes: int) -> str:
-    """The ValueError text when a zero-copy dispatch slot cannot hold a rank's received rows."""
-    needed = zero_copy_dispatch_bytes(rows, row_bytes(x), row_bytes(scales), num_topk)
-    return (
-        f"num_zero_copy_dispatch_bytes: rank {rank} receives {rows} rows of {row_bytes(x)} bytes "
-        f"(+{row_bytes(scales)} of scales, top-{num_topk}), which need {needed} bytes (two slots); the Buffer "
-        f"has {area_bytes}. Create it with at least that much (config.zero_copy_dispatch_bytes), the same on "
-        "every rank."
-    )
-
-
-def fit_blocks() -> bool:
-    """Whether the data kernels fit their block count to the ranks sharing a GPU and the combines try
-    1024-thread blocks first (fitted_blocks in intranode.cu; MOE_EP_FIT_BLOCKS=0 takes the SM budget as
-    the count and the 512-thread shapes, as before the twentieth session)."""
-    return env_switch("MOE_EP_FIT_BLOCKS", "1")
-
-
 def rendezvous_first(max_ranks_on_device: int) -> bool:
     """Whether the combines and the cached dispatches start behind a one-block rendezvous kernel, so
     that their blocks take SMs only once every rank reached the call: where any GPU holds several of the
     group's ranks (else a rank's waiting grid can keep a peer's expert GEMMs from the SMs they need,
-    which stalled eight ranks on one H200 until the deadline: DESIGN.md, "Ranks sharing a GPU").
-    MOE_EP_RENDEZVOUS=0 turns it off (for measurement; the same on every rank)."""
-    return max_ranks_on_device > 1 and env_switch("MOE_EP_RENDEZVOUS", "1")
+    which stalled eight ranks on one H200 until the deadline: DESIGN.md, "Ranks sharing a GPU")."""
+    return max_ranks_on_device > 1 and kernel_choices.rendezvous
 
 
 def use_stream_combine(num_ranks: int) -> bool:
-    """Whether the intranode combine streams: by rank count, or as MOE_EP_STREAM_COMBINE=1 / 0 forces.
-    (The kernels fall back to windows past 32 ranks either way.)"""
-    forced = os.environ.get("MOE_EP_STREAM_COMBINE")
-    if forced in ("0", "1"):
-        return forced == "1"
-    if forced:
-        raise ValueError(f"MOE_EP_STREAM_COMBINE: expected 0 or 1, got {forced!r}")
+    """Whether the intranode combine streams (the kernels fall back to windows past 32 ranks either way)."""
+    if kernel_choices.stream_combine is not None:
+        return kernel_choices.stream_combine
     return num_ranks >= STREAM_COMBINE_MIN_RANKS
-
-
-def dispatch_via_zero_copy() -> bool:
-    """MOE_EP_DISPATCH_VIA_ZERO_COPY=1: ordinary dispatches run as zero-copy ones into the Buffer's
-    zero-copy dispatch area and copy recv_x (and its scales) out into tensors of their own. Why: across
-    GPUs the zero-copy dispatch's senders store over NVLink (378 GB/s per rank on four H200s, NCCL's
-    rate) where the ordinary one's receivers load (283), and the copy-out is a pass over local memory.
-    Measured through this switch on two H200s: bf16 2 ranks 304-311 -> 380-382 GB/s per rank, fp8
-    level; on one GPU both move the same bytes. Off by default: it needs the area, which few Buffers
-    have.
-    The area must hold every such dispatch's rows (else the zero-copy dispatch's ValueError), and these
-    dispatches take its slots in turn with the zero-copy ones."""
-    return env_switch("MOE_EP_DISPATCH_VIA_ZERO_COPY", "0")
-
-
-def dispatch_arena() -> bool:
-    """MOE_EP_DISPATCH_ARENA=1 (the default of Buffer's dispatch_arena): the zero-copy dispatch area
-    becomes an arena, and every dispatch of the Buffer (ordinary or zero-copy) takes a region of it for
-    its received rows, into which the senders store them once; recv_x and the scales are tensors over
-    the region that return it when the last of them dies. Why: one pass over memory instead of two,
-    with recv_x owning its memory like any tensor (the two slots' views are valid only until the second
-    zero-copy dispatch after). Off by default (docs/DESIGN.md, step 4, says why). The area must hold
-    every live dispatch's rows: a dispatch that finds no room raises ValueError (its rows are dropped;
-    the Buffer stays usable)."""
-    return env_switch("MOE_EP_DISPATCH_ARENA", "0")
 
 
 @dataclass
@@ -126,9 +69,9 @@ class IntranodeDispatchState:
 
 class IntranodeBackend:
     def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_nvl_bytes: int, comm_stream: torch.cuda.Stream,
-                 zero_copy_bytes: int = 0, zero_copy_dispatch_bytes: int = 0, arena: bool = False):
-        self.peers = map_peer_buffers(group, gate, num_nvl_bytes, "dispatch", peer_memory())
-        self.memory = self.peers.memory  # the zero-copy areas are mapped the same way
+                 arena_bytes: int = 0):
+        self.peers = map_peer_buffers(group, gate, num_nvl_bytes, "dispatch", kernel_choices.peer_memory)
+        self.memory = self.peers.memory  # the arena is mapped the same way
         self.ops = self.peers.ops
         self.rank, self.num_ranks = self.peers.rank, self.peers.num_ranks
         self.num_nvl_bytes = num_nvl_bytes
@@ -141,31 +84,22 @@ class IntranodeBackend:
             self.peers.ranks_on_device,
         )
         self.ctx.stream_combine = use_stream_combine(self.num_ranks)
-        self.ctx.fit_ranks_on_device = self.peers.max_ranks_on_device if fit_blocks() else 0
+        self.ctx.fit_ranks_on_device = self.peers.max_ranks_on_device if kernel_choices.fit_blocks else 0
         self.ctx.rendezvous = rendezvous_first(self.peers.max_ranks_on_device)
         self.ctx.sm_share_percent = process_sm_share()
-        # Zero-copy combine: a second mapped area of two slots, where callers write their combine rows
-        # (get_next_combine_buffer) and the ranks that own the tokens read them.
-        self.zero_copy: Optional[MappedBuffers] = None
-        self.zero_copy_bytes = zero_copy_bytes
-        self._zero_copy_views = {}
-        if zero_copy_bytes > 0:
-            self.zero_copy = self._zero_copy_area(group, gate, zero_copy_bytes, "combine")
-        # Zero-copy dispatch: a third mapped area of two slots, into which the senders store the rows
-        # at their final place (zero_copy_dispatch_slot), so that recv_x is a view of it.
-        self.zero_copy_dispatch: Optional[MappedBuffers] = None
-        self.zero_copy_dispatch_bytes = zero_copy_dispatch_bytes
-        self._dispatch_next = 0
-        self._dispatch_slot_bytes = {}  # (slot, slot bytes): that slot as a uint8 tensor
-        if zero_copy_dispatch_bytes > 0:
-            # The arena's switch too: with it every plain combine reads its rows from the arenas, and all
-            # ranks of a call must run the same kernel.
-            self.zero_copy_dispatch = self._zero_copy_area(group, gate, zero_copy_dispatch_bytes, "dispatch",
-                                                           arena=arena)
+        # The arena: a second mapped area, of which every dispatch takes a region for its received rows
+        # (the senders store them there once, at their final place, and recv_x owns the region), and
+        # from which every combine reads the expert outputs where they lie.
+        self.arena_area: Optional[MappedBuffers] = None
         self.arena: Optional[Arena] = None
-        if self.zero_copy_dispatch is not None and arena:
-            self.arena = Arena(zero_copy_dispatch_bytes, INTRANODE_SLOT_ALIGN)
-        self.via_zero_copy = self.zero_copy_dispatch is not None and self.arena is None and dispatch_via_zero_copy()
+        if arena_bytes > 0:
+            sizes = [int.from_bytes(p, "little") for p in
+                     gate.exchange("dispatch (arena sizes)", arena_bytes.to_bytes(8, "little"))]
+            if len(set(sizes)) != 1:  # all ranks of a call must run the same kernel
+                raise ValueError(f"num_arena_bytes: expected the same value on every rank, got {sizes}")
+            self.ctx.zero_copy_bases = True  # notify finds where this rank's rows start at every peer
+            self.arena_area = map_peer_buffers(group, gate, arena_bytes, "dispatch (arena)", self.memory)
+            self.arena = Arena(arena_bytes, INTRANODE_SLOT_ALIGN)
         self.comm_stream = comm_stream
         # The last calls' [kind, host time, event the communication stream waited for] (progress_report).
         self._recent_calls = deque(maxlen=RECENT_CALLS)
@@ -178,10 +112,10 @@ class IntranodeBackend:
         self._comm_done = torch.cuda.Event()
         self._nonce = 0
         self._fitting_sms = set()  # SM budgets known to fit this GPU together with its other ranks
-        # MOE_EP_PROFILE_WAITS=1: the kernels add up, per block, the time they wait on peers (by what
-        # they wait for) and their whole time; wait_profile() reads it. For benchmarks: it costs two
+        # With kernel_choices.profile_waits the kernels add up, per block, the time they wait on peers (by
+        # what they wait for) and their whole time; wait_profile() reads it. For benchmarks: it costs two
         # clock reads per wait.
-        self._wait_rows = {} if os.environ.get("MOE_EP_PROFILE_WAITS") == "1" else None
+        self._wait_rows = {} if kernel_choices.profile_waits else None
         self._wait_slots = layout["wait_slots"]
         # With the wait profile, every kernel's last block also logs (KernelId, start, end): kernel_log().
         self._kernel_log = None
@@ -189,31 +123,16 @@ class IntranodeBackend:
             self._kernel_log = torch.zeros(layout["kernel_log_ints"], dtype=torch.int64, device=self.peers.device)
             self.ctx.kernel_log = self._kernel_log.data_ptr()
 
-    def _zero_copy_area(self, group, gate, size: int, kind: str, arena: bool = False) -> MappedBuffers:
-        """A mapped area for zero-copy calls. Every rank's slots must hold the same rows, since the
-        kernels bound peers' rows by their own capacity."""
-        settings = [None] * self.num_ranks
-        dist.all_gather_object(settings, (size, arena), group=group)
-        if len({size for size, _ in settings}) != 1:
-            raise ValueError(f"num_zero_copy_{kind}_bytes: expected the same value on every rank, "
-                             f"got {[size for size, _ in settings]}")
-        if len({arena for _, arena in settings}) != 1:
-            raise ValueError("dispatch_arena (MOE_EP_DISPATCH_ARENA): expected the same on every rank, got "
-                             f"{[arena for _, arena in settings]}")
-        self.ctx.zero_copy_bases = True  # notify finds where this rank's rows start at every peer
-        return map_peer_buffers(group, gate, size, f"zero-copy {kind} area", self.memory)
-
     def close(self) -> None:
         self.peers.close()
-        for area in (self.zero_copy, self.zero_copy_dispatch):
-            if area is None:
-                continue
-            if area is self.zero_copy_dispatch and self.arena is not None and self.arena.used_regions:
-                # recv_x tensors of the arena still live, and own their memory: the area goes when the
-                # last of them does (their regions hold it). The peers unmap theirs now.
-                dist.barrier(group=area.group)
-                continue
-            area.close()
+        if self.arena_area is None:
+            return
+        if self.arena.used_regions:
+            # recv_x tensors of the arena still live, and own their memory: the area goes when the last
+            # of them does (their regions hold it). The peers unmap theirs now.
+            dist.barrier(group=self.arena_area.group)
+            return
+        self.arena_area.close()
 
     # ---------------------------------------------------------------- errors the kernels reported
     def check_errors(self) -> None:
@@ -374,21 +293,13 @@ class IntranodeBackend:
         previous_event: Optional[EventOverlap],
         async_finish: bool,
         allocate_on_comm_stream: bool,
-        zero_copy: bool = False,
     ):
-        """zero_copy: the senders store the rows into this rank's zero-copy dispatch area, and recv_x (and
-        the scales) are views of its next slot. With a dispatch arena (MOE_EP_DISPATCH_ARENA=1) every
-        dispatch stores them into a region of it that recv_x owns."""
+        """With an arena, the senders store every row once into a region of it that recv_x owns (one
+        pass); otherwise the rows pass through the windows of the Buffer's buffer (two passes)."""
         self._start_call("dispatch", config.num_sms)
         capturing = torch.cuda.is_current_stream_capturing()
         # A graph would replay into the region it was captured with, long after recv_x returned it.
         into_arena = self.arena is not None and not capturing
-        if zero_copy and self.arena is not None and capturing:
-            raise RuntimeError("dispatch: zero_copy=True cannot be captured in a CUDA graph while the Buffer's "
-                               "zero-copy dispatch area is an arena (dispatch_arena, MOE_EP_DISPATCH_ARENA=1)")
-        # MOE_EP_DISPATCH_VIA_ZERO_COPY: through a slot, then out of it; an arena already gives recv_x its place.
-        copy_out = not zero_copy and self.via_zero_copy and not into_arena
-        zero_copy = (zero_copy or copy_out) and not into_arena
         cached = handle is not None
         worst = handle.num_worst_tokens if cached else num_worst_tokens
         if capturing and not worst:
@@ -401,56 +312,42 @@ class IntranodeBackend:
         if not cached and topk_idx is not None:
             topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
         num_topk = topk_idx.shape[1] if not cached and topk_idx is not None else 0
-        slot = region = None
-        if zero_copy:
-            slot = zero_copy_dispatch_layout(self.zero_copy_dispatch_bytes, x, scales, num_topk)
-            if worst > slot.capacity:  # before the count exchange: every rank finds the same
-                raise ValueError(zero_copy_dispatch_too_small(self.rank, worst, x, scales, num_topk,
-                                                              self.zero_copy_dispatch_bytes))
+        layout = region = None
         local = num_tokens_per_expert.shape[0] // self.num_ranks if not cached else 0
         send_counts = recv_counts = per_expert = None
         recv_x = recv_scales = recv_idx = recv_weights = None
-        slot_index = self._dispatch_next
-        # A zero-copy dispatch without num_worst_tokens starts before the host learns how many rows
-        # arrive (the kernel reads the count on the device): its side outputs are allocated for a full
-        # slot and cut to the count afterwards, and the host's wait overlaps the kernel. Into an arena,
-        # the call takes the largest free range, the kernel lays the rows out at its start, and the host
-        # keeps what they need once it knows the count. An ordinary one needs the count for its
-        # outputs: from the count exchange to the dispatch's launch in one call.
+        overflow = 0
+        # A fresh dispatch into the arena starts before the host learns how many rows arrive: it takes
+        # the arena's largest free range, the kernel lays the rows out at its start from the count it
+        # reads on the device, and the host keeps what they need once it knows the count (its wait
+        # overlaps the kernel). A two-pass one needs the count for its outputs: from the count exchange
+        # to the dispatch's launch in one call.
         fresh = not cached and not worst
-        early = fresh and (slot is not None or into_arena)
-        if fresh and not early:
+        if fresh and not into_arena:
             compute, state, recv_x, recv_scales, recv_idx, recv_weights, counts = self._dispatch_fresh(
                 x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, local, config,
                 previous_event, allocate_on_comm_stream)
             recv_counts, send_counts, per_expert = counts
-            overflow = 0
-        elif early:
-            if into_arena:
-                reserved = self.arena.reserve_largest()
-                start, length = reserved or (0, 0)
-                # The side outputs are allocated for the most rows the whole arena could hold, not the
-                # reserved range: the same size every call, so the caching allocator reuses its blocks
-                # (the range's length changes from call to call).
-                most = zero_copy_dispatch_rows_within(self.arena.size, row_bytes(x), row_bytes(scales), num_topk)
-                target = (start, most if reserved else 0, [0] * 5, length)
-            else:
-                target = (slot_index * slot.slot_bytes, slot.capacity, slot.offsets, -1)
-                self._dispatch_next ^= 1
+        elif fresh:
+            reserved = self.arena.reserve_largest()
+            start, length = reserved or (0, 0)
+            # The side outputs are allocated for the most rows the whole arena could hold, not the
+            # reserved range: the same size every call, so the caching allocator reuses its blocks.
+            most = arena_dispatch_rows_within(self.arena.size, row_bytes(x), row_bytes(scales), num_topk)
+            target = (start, most if reserved else 0, [0] * 5, length)
             try:
-                compute, state, recv_idx, recv_weights = self._launch_zero_copy_early(
+                compute, state, recv_idx, recv_weights = self._launch_arena_early(
                     x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, local, target, config,
                     previous_event, allocate_on_comm_stream)
                 send_counts, recv_counts, per_expert = self._wait_counts(local)
             except BaseException:
-                if into_arena and reserved is not None:  # else the arena's largest range stays taken
+                if reserved is not None:  # else the arena's largest range stays taken
                     self.arena.free(reserved[0])
                 raise
             rows = sum(recv_counts)
-            if into_arena:
-                slot, region = self._arena_keep(reserved, rows, x, scales, num_topk)
-            overflow = rows if rows > slot.capacity else 0
-            bound = min(rows, slot.capacity)
+            layout, region = self._arena_keep(reserved, rows, x, scales, num_topk)
+            overflow = rows if rows > layout.capacity else 0
+            bound = min(rows, layout.capacity)
             state.recv_src_idx = state.recv_src_idx[:bound]
             if recv_idx is not None:
                 recv_idx, recv_weights = recv_idx[:bound], recv_weights[:bound]
@@ -461,23 +358,18 @@ class IntranodeBackend:
                 rows = handle.num_recv_rows
             else:
                 state = self._launch_notify(x, is_token_in_rank, num_tokens_per_expert)
-                if worst:
-                    rows = worst
-                else:
-                    send_counts, recv_counts, per_expert = self._wait_counts(local)
-                    rows = sum(recv_counts)
+                rows = worst
             if into_arena:
-                slot, region = self._arena_region(rows, x, scales, num_topk)
-            # Rows the outputs are allocated for. More rows than a zero-copy slot holds: the kernel still
-            # runs (the peers' kernels wait for this rank's) and drops the rows past it; a ValueError follows.
-            bound = min(rows, slot.capacity) if slot is not None else rows
-            overflow = rows if slot is not None and rows > slot.capacity else 0
+                layout, region = self._arena_region(rows, x, scales, num_topk)
+            # With no room in the arena the kernel still runs (the peers' kernels wait for this rank's)
+            # and drops the rows; a ValueError follows.
+            bound = min(rows, layout.capacity) if layout is not None else rows
+            overflow = rows if layout is not None and rows > layout.capacity else 0
             if not cached:
                 with torch.cuda.stream(self.comm_stream):
                     state.recv_src_idx = torch.empty(bound, dtype=torch.int32, device=x.device)
-            alloc = self.comm_stream if allocate_on_comm_stream else compute
-            with torch.cuda.stream(alloc):
-                if slot is None:
+            with torch.cuda.stream(self.comm_stream if allocate_on_comm_stream else compute):
+                if layout is None:
                     recv_x = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
                     recv_scales = None if scales is None else torch.empty((rows, scales.shape[1]), dtype=scales.dtype,
                                                                           device=x.device)
@@ -486,49 +378,31 @@ class IntranodeBackend:
                     recv_weights = torch.empty((bound, topk_idx.shape[1]), dtype=torch.float32, device=x.device)
             with torch.cuda.stream(self.comm_stream):
                 ids = (None, None) if cached else (topk_idx, topk_weights)
-                if slot is None:
+                if layout is None:
                     self.ops.intranode_dispatch(
                         self.ctx, config.num_sms, x, scales, *ids, local, state.send_pos, state.recv_info, recv_x,
                         recv_scales, recv_idx, recv_weights, state.recv_src_idx, cached,
                     )
                 else:
-                    # This rank's receiving layout: a slot (the same on every rank) or its own region.
-                    start = slot_index * slot.slot_bytes if not into_arena else region.start if region else 0
                     self.ops.intranode_zero_copy_dispatch(
                         self.ctx, config.num_sms, x, scales, *ids, local, state.send_pos, state.recv_info, bound,
-                        recv_idx, recv_weights, state.recv_src_idx, self.zero_copy_dispatch.pointers.data_ptr(),
-                        start, slot.capacity, slot.offsets, -1, cached,
+                        recv_idx, recv_weights, state.recv_src_idx, self.arena_area.pointers.data_ptr(),
+                        region.start if region else 0, layout.capacity, layout.offsets, -1, cached,
                     )
-                    if not into_arena:
-                        self._dispatch_next ^= 1
         if into_arena:
-            recv_x = self._region_tensor(region, slot.x_offset, bound, x)
-            recv_scales = None if scales is None else self._region_tensor(region, slot.scale_offset, bound, scales)
-        elif slot is not None:
-            recv_x = self._zero_copy_dispatch_view(slot, slot_index, slot.x_offset, bound, x)
-            recv_scales = None if scales is None else self._zero_copy_dispatch_view(slot, slot_index, slot.scale_offset,
-                                                                                    bound, scales)
+            recv_x = self._region_tensor(region, layout.x_offset, bound, x)
+            recv_scales = None if scales is None else self._region_tensor(region, layout.scale_offset, bound, scales)
         recv = [recv_x] if scales is None else [recv_x, recv_scales]
-        if copy_out:
-            with torch.cuda.stream(self.comm_stream if allocate_on_comm_stream else compute):
-                owned = [torch.empty(view.shape, dtype=view.dtype, device=view.device) for view in recv]
-            with torch.cuda.stream(self.comm_stream):  # after the kernel, before the call's event
-                for out, view in zip(owned, recv):
-                    out.copy_(view)
-            recv = owned
-        # A zero-copy slot is not the caching allocator's memory (no record_stream): the Buffer keeps it.
+        # Arena tensors are not the caching allocator's memory (no record_stream): their regions hold it.
         event = self._leave(
             compute, async_finish, allocate_on_comm_stream,
             [x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert],
-            (recv if (slot is None and not into_arena) or copy_out else []) + [recv_idx, recv_weights],
+            ([] if into_arena else recv) + [recv_idx, recv_weights],
         )
         if overflow:
             self.comm_stream.synchronize()
             self._host[HOST_OVERFLOW] = 0  # reported here, not as a num_worst_tokens overflow
-            if into_arena:
-                raise ValueError(self._arena_full(overflow, x, scales, num_topk))
-            raise ValueError(zero_copy_dispatch_too_small(self.rank, overflow, x, scales, num_topk,
-                                                          self.zero_copy_dispatch_bytes))
+            raise ValueError(self._arena_full(overflow, x, scales, num_topk))
         if cached:
             return recv, None, None, None, None, event
         counts_list = []
@@ -589,7 +463,7 @@ class IntranodeBackend:
         state = IntranodeDispatchState(send_pos, recv_info, recv_src_idx)
         return torch.cuda.current_stream(), state, recv_x, recv_scales, recv_idx, recv_weights, counts
 
-    def _launch_zero_copy_early(self, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
+    def _launch_arena_early(self, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
                                 local: int, target: tuple, config: Config, previous_event: Optional[EventOverlap],
                                 allocate_on_comm_stream: bool):
         """A fresh zero-copy dispatch up to its launch in one call into the extension (the 2-rank call is
@@ -601,7 +475,7 @@ class IntranodeBackend:
         send_pos, recv_info, recv_src_idx, recv_idx, recv_weights = self.ops.intranode_zero_copy_dispatch_early(
             self.ctx, config.num_sms, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, local,
             self._nonce, self.recv_info_ints, self.comm_stream.cuda_stream, order_after_caller, allocate_on_comm_stream,
-            self.zero_copy_dispatch.pointers.data_ptr(), *target,
+            self.arena_area.pointers.data_ptr(), *target,
         )
         return torch.cuda.current_stream(), IntranodeDispatchState(send_pos, recv_info, recv_src_idx), recv_idx, recv_weights
 
@@ -637,7 +511,7 @@ class IntranodeBackend:
     def _arena_region(self, rows: int, x: torch.Tensor, scales: Optional[torch.Tensor], num_topk: int):
         """(layout, region) for `rows` received rows; with no room in the arena, a layout of no rows and
         no region: the kernel still runs (the peers' kernels wait for this rank's) and drops the rows."""
-        layout = zero_copy_dispatch_region(rows, row_bytes(x), row_bytes(scales), num_topk)
+        layout = arena_dispatch_region(rows, row_bytes(x), row_bytes(scales), num_topk)
         start = self.arena.alloc(layout.slot_bytes)
         if start is None:
             return self._no_rows(x, scales, num_topk)
@@ -647,7 +521,7 @@ class IntranodeBackend:
         """(layout, region) of `rows` at the start of the range a call reserved (None: the arena had no
         free byte), whose rest goes back; if they do not fit (the kernel, with the same formula, kept
         none), a layout of no rows and no region."""
-        layout = zero_copy_dispatch_region(rows, row_bytes(x), row_bytes(scales), num_topk)
+        layout = arena_dispatch_region(rows, row_bytes(x), row_bytes(scales), num_topk)
         if reserved is None or layout.slot_bytes > reserved[1]:
             if reserved is not None:
                 self.arena.free(reserved[0])
@@ -658,11 +532,11 @@ class IntranodeBackend:
     @staticmethod
     def _no_rows(x: torch.Tensor, scales: Optional[torch.Tensor], num_topk: int):
         """(layout, region) of a dispatch that found no room: a layout of no rows, no region."""
-        return zero_copy_dispatch_region(0, row_bytes(x), row_bytes(scales), num_topk), None
+        return arena_dispatch_region(0, row_bytes(x), row_bytes(scales), num_topk), None
 
     def _region(self, start: int, nbytes: int) -> Region:
-        return Region(self.arena, start, nbytes, self.zero_copy_dispatch.addresses[self.rank],
-                      self.zero_copy_dispatch.device, keep=self.zero_copy_dispatch)
+        return Region(self.arena, start, nbytes, self.arena_area.addresses[self.rank], self.arena_area.device,
+                      keep=self.arena_area)
 
     @staticmethod
     def _region_tensor(region: Optional[Region], offset: int, rows: int, like: torch.Tensor) -> torch.Tensor:
@@ -671,54 +545,17 @@ class IntranodeBackend:
         return region.tensor(offset, rows, like.shape[1], like.dtype)
 
     def _arena_full(self, rows: int, x: torch.Tensor, scales: Optional[torch.Tensor], num_topk: int) -> str:
-        needed = zero_copy_dispatch_region(rows, row_bytes(x), row_bytes(scales), num_topk).slot_bytes
+        needed = arena_dispatch_region(rows, row_bytes(x), row_bytes(scales), num_topk).slot_bytes
         if needed > self.arena.size:
             why = f"more than the whole arena ({self.arena.size} bytes)"
         else:
             why = (f"{self.arena.free_bytes} of its {self.arena.size} are free, the rest held by "
                    f"{self.arena.used_regions} live recv_x tensors of earlier dispatches (drop them sooner)")
         return (
-            f"num_zero_copy_dispatch_bytes: rank {self.rank} receives {rows} rows, which need {needed} bytes of "
-            f"the dispatch arena (Buffer's dispatch_arena, MOE_EP_DISPATCH_ARENA=1): {why}. Or create the Buffer "
-            "with a larger area (config.zero_copy_dispatch_bytes sizes it)."
+            f"num_arena_bytes: rank {self.rank} receives {rows} rows, which need {needed} bytes of "
+            f"the Buffer's arena: {why}. Or create the Buffer with a larger arena (moe_ep.config.arena_bytes "
+            "sizes it)."
         )
-
-    # ---------------------------------------------------------------- zero-copy dispatch
-    def _zero_copy_dispatch_view(self, slot: ZeroCopyDispatchSlot, index: int, offset: int, rows: int,
-                                 like: torch.Tensor) -> torch.Tensor:
-        """[rows, like's columns] of like's dtype at `offset` of this rank's zero-copy dispatch slot `index`."""
-        key = (index, slot.slot_bytes)
-        base = self._dispatch_slot_bytes.get(key)
-        if base is None:  # kept: a view of mapped memory costs host time, slicing it little
-            address = self.zero_copy_dispatch.addresses[self.rank] + index * slot.slot_bytes
-            base = self._dispatch_slot_bytes[key] = device_view(address, slot.slot_bytes, self.zero_copy_dispatch.device)
-        width = like.shape[1] * like.element_size()
-        return base[offset: offset + rows * width].view(like.dtype).view(rows, like.shape[1])
-
-    # ---------------------------------------------------------------- zero-copy combine
-    def zero_copy_view(self, num_rows: int, hidden: int, dtype: torch.dtype, slot: int) -> torch.Tensor:
-        """Slot `slot` of this rank's zero-copy area as [num_rows, hidden] rows `pitch` bytes apart."""
-        if self.zero_copy is None:
-            raise ValueError(
-                "get_next_combine_buffer: this Buffer has no zero-copy combine area; pass "
-                "num_zero_copy_combine_bytes (the same on every rank) when creating it"
-            )
-        element = dtype.itemsize
-        slot_bytes, pitch, capacity = zero_copy_combine_slot(self.zero_copy_bytes, hidden * element)
-        if num_rows > capacity:
-            raise ValueError(
-                f"num_zero_copy_combine_bytes: {num_rows} received rows of hidden {hidden} need "
-                f"{2 * num_rows * pitch} bytes (two slots; config.zero_copy_combine_bytes), the Buffer has "
-                f"{self.zero_copy_bytes}"
-            )
-        key = (num_rows, hidden, dtype, slot)
-        if key not in self._zero_copy_views:  # kept: a view costs host time, and shapes repeat
-            address = self.zero_copy.addresses[self.rank] + slot * slot_bytes
-            base = device_view(address, slot_bytes, self.zero_copy.device)
-            if len(self._zero_copy_views) > 64:
-                self._zero_copy_views.clear()
-            self._zero_copy_views[key] = base.view(dtype).as_strided((num_rows, hidden), (pitch // element, 1))
-        return self._zero_copy_views[key]
 
     # ---------------------------------------------------------------- combine from the dispatch arena
     def combines_from_arena(self, x: torch.Tensor) -> bool:
@@ -743,7 +580,7 @@ class IntranodeBackend:
         """(x, (bytes from this rank's dispatch area to x's rows, their pitch, their count or -1 if there
         was no room, bytes to room for the weights), tensors to keep until the kernel is done). x outside
         the arena is copied into a region first (a pass over its bytes: empty_combine_input spares it)."""
-        rows, base = x.shape[0], self.zero_copy_dispatch.addresses[self.rank]
+        rows, base = x.shape[0], self.arena_area.addresses[self.rank]
         pitch = x.stride(0) * x.element_size() if x.dim() == 2 and x.stride(1) == 1 else -1
         at = x.data_ptr() - base
         inside = pitch >= row_bytes(x) and pitch % 16 == 0 and at % 16 == 0 and \
@@ -775,7 +612,7 @@ class IntranodeBackend:
                 "of this combine or their next). Write x into Buffer.empty_combine_input to spare the copy.")
 
     def _arena_no_room(self, what: str, needed: int) -> str:
-        return (f"num_zero_copy_dispatch_bytes: rank {self.rank}'s dispatch arena has no room for {what}, "
+        return (f"num_arena_bytes: rank {self.rank}'s dispatch arena has no room for {what}, "
                 f"{needed} bytes: {self.arena.free_bytes} of its {self.arena.size} are free, the rest held by "
                 f"{self.arena.used_regions} live tensors over it (recv_x, combine inputs).")
 
@@ -790,15 +627,13 @@ class IntranodeBackend:
         previous_event: Optional[EventOverlap],
         async_finish: bool,
         allocate_on_comm_stream: bool,
-        zero_copy_slot: Optional[int] = None,
     ):
-        """zero_copy_slot: None, or the slot of zero_copy_view that x is (its rows stay where they lie).
-        With a dispatch arena, a combine of rows of whole 16-byte vectors reads them from the arenas
-        (combines_from_arena)."""
+        """With an arena, a combine of rows of whole 16-byte vectors reads them from the arenas
+        (combines_from_arena); otherwise through the windows of the Buffer's buffer."""
         self._start_call("combine", config.num_sms)
         state: IntranodeDispatchState = handle.backend_state
-        from_arena = zero_copy_slot is None and self.combines_from_arena(x)
-        x = aligned(x) if zero_copy_slot is None and not from_arena else x
+        from_arena = self.combines_from_arena(x)
+        x = x if from_arena else aligned(x)
         topk_weights = None if topk_weights is None else topk_weights.contiguous()
         biases = [aligned(b) for b in biases] + [None] * (2 - len(biases))
         compute = self._enter(previous_event)
@@ -814,19 +649,14 @@ class IntranodeBackend:
             args = (self.ctx, config.num_sms, x, topk_weights, state.recv_src_idx, state.recv_info, state.send_pos,
                     biases[0], biases[1], out, out_weights)
             if from_arena:
-                self.ops.intranode_zero_copy_combine(*args, self.zero_copy_dispatch.pointers.data_ptr(), *where)
-            elif zero_copy_slot is None:
-                self.ops.intranode_combine(*args, config.num_max_nvl_chunked_send_tokens)
+                self.ops.intranode_zero_copy_combine(*args, self.arena_area.pointers.data_ptr(), *where)
             else:
-                slot_bytes, pitch, capacity = zero_copy_combine_slot(self.zero_copy_bytes, x.shape[1] * x.element_size())
-                self.ops.intranode_zero_copy_combine(
-                    *args, self.zero_copy.pointers.data_ptr(), zero_copy_slot * slot_bytes, pitch, capacity, -1
-                )
-        # The zero-copy view is not the caching allocator's memory (record_stream skips it): the Buffer
-        # keeps it. Arena tensors neither: an async call's event holds them (their regions go back to the
-        # arena after the kernel, which ends once every peer has read them); otherwise the current stream
-        # waits for the kernel before anything can reuse them.
-        inputs = [x, topk_weights, *biases] if zero_copy_slot is None else [topk_weights, *biases]
+                self.ops.intranode_combine(*args, config.num_max_nvl_chunked_send_tokens)
+        # Arena tensors are not the caching allocator's memory (record_stream skips them): an async call's
+        # event holds them (their regions go back to the arena after the kernel, which ends once every
+        # peer has read them); otherwise the current stream waits for the kernel before anything can
+        # reuse them.
+        inputs = [x, topk_weights, *biases]
         if from_arena:  # and the caller's x where it was copied: the copy reads it on this stream
             inputs += kept + ([given] if given is not x else [])
         event = self._leave(compute, async_finish, allocate_on_comm_stream, inputs, [out, out_weights])
@@ -843,7 +673,7 @@ class IntranodeBackend:
         if h[HOST_COMBINE_MISSING]:
             missing, h[HOST_COMBINE_MISSING] = h[HOST_COMBINE_MISSING] - 1, 0
             raise ValueError(
-                f"num_zero_copy_dispatch_bytes: rank {missing} had no room in its dispatch arena for its rows of a "
+                f"num_arena_bytes: rank {missing} had no room in its dispatch arena for its rows of a "
                 f"combine (this one or an earlier one), whose output on rank {self.rank} left them out (rank "
                 f"{missing} raised at that call)."
             )

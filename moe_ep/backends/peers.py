@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .. import _native
 from ..sync import ArrivalGate
+from .choices import kernel_choices
 from .descriptors import DescriptorsUnavailable, exchange_descriptors
 
 # host_info slots (csrc/kernels/api.cuh, intranode::HostInfo)
@@ -262,11 +263,11 @@ def bootstrap_nvshmem(group: dist.ProcessGroup, gate: ArrivalGate, symmetric_byt
         if ranks != _nvshmem_world:
             raise RuntimeError(
                 f"NVSHMEM runs for ranks {_nvshmem_world} in this process; a Buffer over ranks {ranks} cannot use "
-                "it (one NVSHMEM world per process): use MOE_EP_LL_MEMORY=ipc for it"
+                "it (one NVSHMEM world per process)"
             )
         return
     if not getattr(ops, "WITH_NVSHMEM", False):
-        raise RuntimeError(f"MOE_EP_LL_MEMORY=nvshmem: {getattr(ops, 'NVSHMEM_REASON', 'built without NVSHMEM')}")
+        raise RuntimeError(f"NVSHMEM buffers: {getattr(ops, 'NVSHMEM_REASON', 'built without NVSHMEM')}")
     # Room for two Buffers of this size plus NVSHMEM's own bookkeeping.
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(2 * symmetric_bytes + (256 << 20)))
     unique_id = ops.nvshmem_unique_id() if dist.get_rank(group) == 0 else b""
@@ -290,7 +291,7 @@ class NvshmemBuffers(MappedBuffers):
         own = self.ops.nvshmem_alloc(num_bytes)
         self.ops.device_zero(own, num_bytes)
         pointers = [own if r == self.rank else self.ops.nvshmem_peer_pointer(own, r) for r in range(self.num_ranks)]
-        if os.environ.get("MOE_EP_LL_PUTS") == "1":  # every peer through puts: tests the put path on one GPU
+        if kernel_choices.low_latency_puts:  # every peer through puts: the put path runs on one GPU
             pointers = [own if r == self.rank else 0 for r in range(self.num_ranks)]
         # Peers without a mapping (another host without NVLink) are reached through NVSHMEM puts, which
         # need the device library in the build.
@@ -312,30 +313,10 @@ class NvshmemBuffers(MappedBuffers):
         self.ops.nvshmem_release(self._own)  # collective, like the allocation
 
 
-MEMORY_KINDS = ("vmm", "ipc", "nvshmem")
-
-
-def peer_memory(low_latency: bool = False) -> str:
-    """The memory kind the environment asks for: MOE_EP_PEER_MEMORY ("vmm" or "ipc") for every Buffer,
-    MOE_EP_LL_MEMORY ("vmm", "ipc" or "nvshmem") for the low-latency kernels' buffers, which it
-    overrides. Unset: "auto", which is "vmm" where this GPU can export memory as file descriptors and
-    every rank can fetch every peer's, else "ipc" (map_peer_buffers decides)."""
-    variable, kinds = "MOE_EP_PEER_MEMORY", MEMORY_KINDS[:2]
-    if low_latency and os.environ.get("MOE_EP_LL_MEMORY"):
-        variable, kinds = "MOE_EP_LL_MEMORY", MEMORY_KINDS
-    memory = os.environ.get(variable, "")
-    if not memory:
-        return "auto"
-    if memory not in kinds:
-        raise ValueError(f"{variable}: expected one of {', '.join(repr(k) for k in kinds)}, got {memory!r}")
-    if memory == "vmm" and not _native.ops().vmm_supported():
-        raise RuntimeError(f"{variable}=vmm: this GPU or driver cannot export memory as file descriptors")
-    return memory
-
-
 def map_peer_buffers(group: dist.ProcessGroup, gate: ArrivalGate, num_bytes: int, call: str, memory: str):
-    """Collective. memory: one of MEMORY_KINDS or "auto" (see peer_memory); the result's `memory` says
-    which one it is."""
+    """Collective. memory: "vmm", "ipc", "nvshmem" or "auto", which is "vmm" where this GPU can export
+    memory as file descriptors and every rank can fetch every peer's, else "ipc"; the result's `memory`
+    says which one it is."""
     if memory == "auto":
         # Every rank sees the same GPUs and driver on one host, so every rank takes the same branch.
         if not _native.ops().vmm_supported():
@@ -345,5 +326,7 @@ def map_peer_buffers(group: dist.ProcessGroup, gate: ArrivalGate, num_bytes: int
         except DescriptorsUnavailable as e:  # raised on every rank alike
             warnings.warn(f"{e}; mapping the peers' buffers through CUDA IPC handles instead", stacklevel=2)
             return PeerBuffers(group, gate, num_bytes, call)
+    if memory == "vmm" and not _native.ops().vmm_supported():
+        raise RuntimeError("peer memory vmm: this GPU or driver cannot export memory as file descriptors")
     kind = {"vmm": VmmBuffers, "ipc": PeerBuffers, "nvshmem": NvshmemBuffers}[memory]
     return kind(group, gate, num_bytes, call)

@@ -4,7 +4,8 @@ Importing this package registers the dispatcher type (see register.py)."""
 
 from .compat import install_as_deep_ep
 from .dispatcher import MoEEPTokenDispatcher, progress_reports
-from .register import DISPATCHER_TYPE, add_arguments, apply_arguments, register, set_zero_copy
+from .options import DispatcherOptions
+from .register import DISPATCHER_TYPE, add_arguments, apply_arguments, register
 
 register()
 
@@ -14,7 +15,7 @@ __all__ = [
     "register",
     "add_arguments",
     "apply_arguments",
-    "set_zero_copy",
+    "DispatcherOptions",
     "install_as_deep_ep",
     "DISPATCHER_TYPE",
 ]

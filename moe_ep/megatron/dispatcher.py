@@ -7,14 +7,10 @@ the result first waits for it (on the portable backend, calls complete before th
 waits are free). Communication state lives in one small object (`_CommState`) per dispatcher; the
 Buffer is one per process group, shared by every layer's dispatcher (`_buffer_for`).
 Autograd: the backward of dispatch is a combine over the same handle, the backward of combine is a
-cached dispatch. MOE_EP_ZERO_COPY_COMBINE=1: the local unpermute writes straight into the Buffer's
-zero-copy combine rows, which the token owners then sum where they lie (one pass less).
-MOE_EP_ZERO_COPY_DISPATCH=1: dispatches (also the backward's cached ones) store the rows straight into
-the receivers' zero-copy dispatch areas; recv_x lives there until the second dispatch after it, and
-the permute that follows each dispatch has read it long before. MOE_EP_DISPATCH_ARENA=1: the Buffer's
-zero-copy dispatch area becomes an arena (sized for four calls' rows): every dispatch stores its rows
-once into a region recv_x owns, and the local unpermute writes into Buffer.empty_combine_input, a
-region the combine reads where it lies (both one pass, both ordinary tensors).
+cached dispatch. By default (options.moe_ep_arena) the Buffer has an arena of four calls' rows: every
+dispatch stores its rows once into a region recv_x owns, and the local unpermute writes into
+Buffer.empty_combine_input, a region the combine reads where it lies (both one pass, both ordinary
+tensors).
 """
 
 from __future__ import annotations
@@ -29,12 +25,11 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization, pad_routing_map, permute, unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from ..backends.intranode import dispatch_arena
 from ..buffer import Buffer, default_config_size_hints
-from ..config import zero_copy_combine_bytes, zero_copy_dispatch_bytes
-from ..checks import env_switch
+from ..config import arena_bytes
 from ..events import EventOverlap
 from ..mps import missing_sm_share
+from .options import options_for
 
 
 @dataclass
@@ -47,10 +42,6 @@ class _CommState:
     tokens_per_expert: Optional[List[int]] = None
     # The exchange started by token_dispatch / token_combine, waited for by the next phase.
     pending: Optional[EventOverlap] = None
-    # combine_preprocess wrote its rows into the Buffer's zero-copy combine rows.
-    zero_copy_rows: bool = False
-    # Dispatches store into the Buffer's zero-copy dispatch area (MOE_EP_ZERO_COPY_DISPATCH).
-    zero_copy_dispatch: bool = False
 
     def wait(self) -> None:
         if self.pending is not None:
@@ -84,39 +75,29 @@ def _async() -> dict:
     return dict(previous_event=Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
 
 
-def _zero_copy_requested(direction: str) -> bool:
-    return env_switch(f"MOE_EP_ZERO_COPY_{direction.upper()}", "0")
-
-
 # One Buffer per process group, shared by every MoE layer's dispatcher (DeepEP's megatron integration
 # shares one too): one communication stream orders all layers' calls, and the peers' memory is mapped
 # once instead of once a layer.
 _buffers: Dict[dist.ProcessGroup, Buffer] = {}
 
 
-def _buffer_for(group, hidden_bytes: int, zero_copy_bytes: int = 0, zero_copy_dispatch: int = 0,
-                arena: bool = False) -> Buffer:
+def _buffer_for(group, hidden_bytes: int, arena: int = 0, timeout_s: Optional[float] = None) -> Buffer:
     """The group's shared Buffer, replaced (collectively: every rank asks for the same sizes) by a larger
-    one when it lacks room for rows of hidden_bytes, a zero-copy combine area of zero_copy_bytes or a
-    zero-copy dispatch area of zero_copy_dispatch, or by one whose zero-copy dispatch area is (`arena`)
-    or is not a dispatch arena, as asked."""
+    one when it lacks room for rows of hidden_bytes or an arena of `arena` bytes."""
     nvl, rdma = default_config_size_hints(hidden_bytes, group.size())
     current = _buffers.get(group)
     if (
         current is not None
-        and current.dispatch_arena == arena
         and current.num_nvl_bytes >= nvl
         and current.num_rdma_bytes >= rdma
-        and current.num_zero_copy_combine_bytes >= zero_copy_bytes
-        and current.num_zero_copy_dispatch_bytes >= zero_copy_dispatch
+        and current.num_arena_bytes >= arena
+        and (arena > 0) == (current.num_arena_bytes > 0)
     ):
         return current
     if current is not None:  # a dispatcher's handles keep it alive while their calls need it
         nvl, rdma = max(nvl, current.num_nvl_bytes), max(rdma, current.num_rdma_bytes)
-        zero_copy_bytes = max(zero_copy_bytes, current.num_zero_copy_combine_bytes)
-        zero_copy_dispatch = max(zero_copy_dispatch, current.num_zero_copy_dispatch_bytes)
-    _buffers[group] = Buffer(group, nvl, rdma, num_zero_copy_combine_bytes=zero_copy_bytes,
-                             num_zero_copy_dispatch_bytes=zero_copy_dispatch, dispatch_arena=arena)
+        arena = max(arena, current.num_arena_bytes) if arena else 0
+    _buffers[group] = Buffer(group, nvl, rdma, num_arena_bytes=arena, timeout_s=timeout_s)
     return _buffers[group]
 
 
@@ -146,7 +127,6 @@ class _Dispatch(torch.autograd.Function):
             num_tokens_per_expert=per_expert,
             topk_idx=topk_idx,
             topk_weights=topk_weights,
-            zero_copy=state.zero_copy_dispatch,
             **_async(),
         )
         state.handle, state.recv_topk_idx, state.tokens_per_expert = handle, recv_idx, counts
@@ -175,8 +155,7 @@ class _Into:
 
 class _UnpermuteInto(torch.autograd.Function):
     """megatron's unpermute without probs (each received token's rows of the local experts summed back
-    into its row), written into `into` (the zero-copy combine rows, or a tensor from the arena) instead
-    of a new tensor."""
+    into its row), written into `into` (a tensor in the Buffer's arena) instead of a new tensor."""
 
     @staticmethod
     def forward(ctx, permuted, sorted_indices, into: _Into):
@@ -195,18 +174,15 @@ class _UnpermuteInto(torch.autograd.Function):
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, state: _CommState):
-        if state.zero_copy_rows:  # x holds the rows where the Buffer reads them: no copy
-            combined, _, event = state.buffer.combine(x, state.handle, zero_copy=True, **_async())
-        else:
-            combined, _, event = state.buffer.combine(x.contiguous(), state.handle, **_async())
+        combined, _, event = state.buffer.combine(x.contiguous(), state.handle, **_async())
         state.pending = event  # combine_postprocess waits for it before the result is read
-        ctx.buffer, ctx.handle, ctx.zero_copy_dispatch = state.buffer, state.handle, state.zero_copy_dispatch
+        ctx.buffer, ctx.handle = state.buffer, state.handle
         return combined
 
     @staticmethod
     @phase_range("combine_backward")
     def backward(ctx, grad):
-        recv_grad = ctx.buffer.dispatch(grad.contiguous(), handle=ctx.handle, zero_copy=ctx.zero_copy_dispatch)[0]
+        recv_grad = ctx.buffer.dispatch(grad.contiguous(), handle=ctx.handle)[0]
         return recv_grad, None
 
 
@@ -221,11 +197,10 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         self.group = self.tp_ep_group
         self.num_experts = self.tp_size * config.num_moe_experts
         self.router_topk = self.tp_size * config.moe_router_topk
-        num_sms = getattr(config, "moe_deepep_num_sms", None)
-        if num_sms:
-            Buffer.set_num_sms(num_sms)
-        self._state = _CommState(zero_copy_dispatch=_zero_copy_requested("dispatch"))
-        self._zero_copy = _zero_copy_requested("combine")
+        self.options = options_for(config)
+        if self.options.moe_ep_num_sms:
+            Buffer.set_num_sms(self.options.moe_ep_num_sms)
+        self._state = _CommState()
 
     def set_shared_experts(self, shared_experts):
         raise NotImplementedError(
@@ -264,19 +239,13 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
     @phase_range("token_dispatch")
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         hidden_bytes = hidden_states.shape[1] * max(hidden_states.element_size(), 2)
-        # Two slots of every row this rank could receive: each token once from every rank of the group.
-        rows = hidden_states.shape[0] * self.group.size()
-        zero_copy_bytes = 0
-        if self._zero_copy:
-            zero_copy_bytes = zero_copy_combine_bytes(rows, hidden_states.shape[1] * hidden_states.element_size())
-        zero_copy_dispatch = 0
-        arena = dispatch_arena()
-        if self._state.zero_copy_dispatch or arena:  # the rows, their top-k, any fp8 rows' scales
-            zero_copy_dispatch = zero_copy_dispatch_bytes(rows, hidden_bytes, hidden_states.shape[1] // 128 * 4,
-                                                          self.router_topk)
-            if arena:  # a dispatch's recv_x, the combine's input, the backward's two
-                zero_copy_dispatch *= 2
-        self._state.buffer = _buffer_for(self.group, hidden_bytes, zero_copy_bytes, zero_copy_dispatch, arena)
+        arena = 0
+        if self.options.moe_ep_arena:
+            # Every row this rank could receive (each token once from every rank of the group), for a
+            # dispatch's recv_x, the combine's input and the backward's two.
+            rows = hidden_states.shape[0] * self.group.size()
+            arena = arena_bytes(rows, hidden_bytes, hidden_states.shape[1] // 128 * 4, self.router_topk, num_live=4)
+        self._state.buffer = _buffer_for(self.group, hidden_bytes, arena, self.options.moe_ep_timeout_s)
         return _Dispatch.apply(hidden_states, probs, self._topk_idx, self.num_experts, self._state)
 
     @phase_range("dispatch_postprocess")
@@ -324,14 +293,9 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
     @phase_range("combine_preprocess")
     def combine_preprocess(self, hidden_states: torch.Tensor):
         state = self._state
-        into_buffer = hidden_states.dtype in (torch.bfloat16, torch.float32)
-        state.zero_copy_rows = self._zero_copy and into_buffer
-        rows = None
-        if state.zero_copy_rows:
-            rows = state.buffer.get_next_combine_buffer(state.handle, hidden_states.shape[-1], hidden_states.dtype)
-        elif into_buffer and state.buffer.dispatch_arena:  # an ordinary combine's x, in the arena
+        if hidden_states.dtype in (torch.bfloat16, torch.float32) and state.buffer.num_arena_bytes:
+            # The combine's x, in the arena: read where it lies.
             rows = state.buffer.empty_combine_input(state.handle, hidden_states.shape[-1], hidden_states.dtype)
-        if rows is not None:
             return _UnpermuteInto.apply(hidden_states, self.reversed_mapping, _Into(rows))
         return unpermute(
             hidden_states,

@@ -3,10 +3,10 @@ megatron: MoELayer picks its dispatcher with a fixed if/elif, so its constructor
 
 from __future__ import annotations
 
+import argparse
 import functools
-import os
 
-from ..zero_copy_modes import ZERO_COPY_CHOICES, set_zero_copy
+from .options import set_defaults
 
 DISPATCHER_TYPE = "deepep"
 # The cheapest built-in dispatcher to construct (no streams, no buffers); replaced right after.
@@ -59,32 +59,24 @@ def add_arguments(parser):
         help="SMs moe_ep's normal kernels may use (even); default: moe_ep's tuned value",
     )
     group.add_argument(
-        "--moe-ep-zero-copy",
-        choices=ZERO_COPY_CHOICES,
+        "--moe-ep-arena",
+        action=argparse.BooleanOptionalAction,
         default=None,
-        help="one-pass intranode calls: the dispatches store rows straight into the receivers' zero-copy "
-        "areas, the combines read the expert outputs where they lie (MOE_EP_ZERO_COPY_DISPATCH / _COMBINE; "
-        "each costs a mapped area of two slots of every row a rank can receive); arena: both one pass into "
-        "and from a dispatch arena whose outputs are ordinary tensors (MOE_EP_DISPATCH_ARENA; four calls' rows)",
+        help="one-pass intranode calls through an arena of four calls' rows per rank (default: on); "
+        "--no-moe-ep-arena takes the two-pass calls and maps no arena",
     )
     group.add_argument(
         "--moe-ep-timeout-s",
         type=float,
         default=None,
-        help="seconds to wait for a peer before raising TimeoutError (MOE_EP_TIMEOUT_S)",
+        help="seconds to wait for a peer before raising TimeoutError (default: MOE_EP_TIMEOUT_S, else 100)",
     )
     return parser
 
 
 def apply_arguments(args) -> None:
-    """Applies the `--moe-ep-*` options parsed with add_arguments (Megatron-LM copies only options named
-    like TransformerConfig fields into the config, so these are applied here)."""
-    from ..buffer import Buffer
-
-    if getattr(args, "moe_ep_num_sms", None):
-        Buffer.set_num_sms(args.moe_ep_num_sms)
-    if getattr(args, "moe_ep_timeout_s", None):
-        os.environ["MOE_EP_TIMEOUT_S"] = str(args.moe_ep_timeout_s)
-    if getattr(args, "moe_ep_zero_copy", None):
-        set_zero_copy(args.moe_ep_zero_copy)
-
+    """Applies the `--moe-ep-*` options parsed with add_arguments to every dispatcher built afterwards
+    (Megatron-LM copies only options named like TransformerConfig fields into the config, so they
+    become the defaults of configs that carry no `moe_ep_*` attribute)."""
+    fields = {name: getattr(args, name, None) for name in ("moe_ep_num_sms", "moe_ep_arena", "moe_ep_timeout_s")}
+    set_defaults(**{name: value for name, value in fields.items() if value is not None})

@@ -1,0 +1,48 @@
+"""moe_ep's options for the megatron dispatcher, carried from the model's config (or Megatron-LM's
+command line) to the dispatcher; never through environment variables.
+
+Each option is a `moe_ep_*` attribute a TransformerConfig may carry (set it on the config before the
+model is built); where the config has none, the value `set_defaults` (which `apply_arguments` calls
+for Megatron-LM's `--moe-ep-*` flags) gave, else the field's default here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class DispatcherOptions:
+    # The one-pass intranode path: every dispatch stores its rows once into a region of the Buffer's
+    # arena and the local unpermute writes into the arena, so the combine reads the rows where they lie.
+    # Costs a mapped arena of four calls' rows per rank; off: the two-pass path, no arena.
+    moe_ep_arena: bool = True
+    # SMs the normal kernels may use (even); None: moe_ep's tuned value.
+    moe_ep_num_sms: Optional[int] = None
+    # Seconds to wait for a peer before TimeoutError; None: MOE_EP_TIMEOUT_S, else 100.
+    moe_ep_timeout_s: Optional[float] = None
+
+
+_defaults = DispatcherOptions()
+# megatron-core's own name for the SM budget of its DeepEP path, honoured as well.
+_MEGATRON_NUM_SMS = "moe_deepep_num_sms"
+
+
+def set_defaults(**fields) -> None:
+    """Process-wide values for configs that carry no `moe_ep_*` attribute of their own."""
+    global _defaults
+    _defaults = dataclasses.replace(_defaults, **fields)
+
+
+def options_for(config) -> DispatcherOptions:
+    """The options a dispatcher built from `config` runs with."""
+    values = {}
+    for f in dataclasses.fields(DispatcherOptions):
+        values[f.name] = getattr(config, f.name, getattr(_defaults, f.name))
+    if values["moe_ep_num_sms"] is None:
+        values["moe_ep_num_sms"] = getattr(config, _MEGATRON_NUM_SMS, None)
+    if not isinstance(values["moe_ep_arena"], bool):
+        raise TypeError(f"moe_ep_arena: expected a bool, got {type(values['moe_ep_arena']).__name__}")
+    return DispatcherOptions(**values)
