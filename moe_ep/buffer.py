@@ -15,17 +15,20 @@ import torch
 import torch.distributed as dist
 
 from . import _native
+from .backends.base import Backend, CombineCall, DispatchCall, LowLatencyCombineCall, LowLatencyDispatchCall
 from .backends.choices import kernel_choices
 from .backends.intranode import IntranodeBackend, IntranodeDispatchState
 from .backends.low_latency import LowLatencyBackend, LowLatencyKernelState
 from .backends.portable import PortableBackend, dispatch_layout
 from .checks import FP8_BLOCK, check_expert_ids, check_fp8_pair, check_int, check_tensor, debug_checks_enabled
 from .config import NUM_MAX_NVL_PEERS, NUM_MAX_TOPK, Config, combine_config, dispatch_config, low_latency_rdma_size_hint
-from .events import EventOverlap, capture_current_stream, wait_previous
+from .events import EventOverlap, capture_current_stream, finish_event, wait_previous
 from .handles import DispatchHandle, LowLatencyHandle
 from .sync import ArrivalGate, check_timeout, next_buffer_serial, timeout_seconds
 
 topk_idx_t = torch.int64
+_NO_SHRINK = ("{call}: moe_ep has no shrink mode (enable_shrink=True is not supported), so there is no mask "
+              "buffer of ranks to update, query or clean; every rank of the group takes part in every call")
 HIDDEN_DTYPES = (torch.bfloat16, torch.float32)
 XLike = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
@@ -33,10 +36,12 @@ XLike = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 class Buffer:
     """Communication buffers of one expert-parallel group.
 
-    Arguments are deep_ep's. `allow_nvlink_for_low_latency_mode`, `allow_mnnvl`, `use_fabric`,
-    `enable_shrink` and `num_qps_per_rank` tune transports moe_ep chooses by itself; they are accepted
-    and checked for type only. `comm` (an mpi4py communicator in deep_ep) is accepted but unused: moe_ep
-    bootstraps through `group`.
+    Arguments are deep_ep's. `allow_nvlink_for_low_latency_mode`, `allow_mnnvl`, `use_fabric` and
+    `num_qps_per_rank` tune transports moe_ep chooses by itself; they are accepted and checked for type
+    only. `enable_shrink=True` (masking ranks out of low-latency calls) raises NotImplementedError.
+    `comm` (an mpi4py communicator in deep_ep) is ignored beside a `group`, and without one raises
+    NotImplementedError: moe_ep bootstraps through a torch.distributed group. deep_ep's `runtime`
+    (its C++ object) has no counterpart.
     (ext) `ranks_per_node`: ranks that share a host's NVLink domain; default: env MOE_EP_RANKS_PER_NODE,
     else the group's ranks on this host, found by host names.
     (ext) `num_arena_bytes`: an arena mapped on every rank of one host (the same size on each;
@@ -54,7 +59,7 @@ class Buffer:
 
     def __init__(
         self,
-        group: dist.ProcessGroup,
+        group: Optional[dist.ProcessGroup],
         num_nvl_bytes: int = 0,
         num_rdma_bytes: int = 0,
         low_latency_mode: bool = False,
@@ -70,6 +75,11 @@ class Buffer:
         num_arena_bytes: int = 0,
         timeout_s: Optional[float] = None,
     ):
+        if group is None and comm is not None:
+            raise NotImplementedError(
+                "comm: moe_ep bootstraps through a torch.distributed ProcessGroup, not an mpi4py communicator; "
+                "pass group= (a group over the same ranks, e.g. dist.new_group) instead"
+            )
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(
                 f"group: expected a torch.distributed ProcessGroup, got {type(group).__name__}"
@@ -94,6 +104,11 @@ class Buffer:
         ):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+        if enable_shrink:
+            raise NotImplementedError(
+                "enable_shrink: moe_ep has no shrink mode (no mask buffer to take ranks out of low-latency "
+                "calls); pass enable_shrink=False, every rank of the group then takes part in every call"
+            )
         self.group = group
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
@@ -102,6 +117,7 @@ class Buffer:
         self.num_arena_bytes = num_arena_bytes
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
         self.ranks_per_node = self._resolve_ranks_per_node(ranks_per_node)
         self.serial = next_buffer_serial()
         self.timeout_s = timeout_s
@@ -121,9 +137,6 @@ class Buffer:
         self._sizes_that_fit = set()
         self._destroyed = False
         self._local_buffers = {}
-        self._ll_combine_buffers: List[Optional[torch.Tensor]] = [None, None]
-        self._ll_combine_in_place = [False, False]  # per slot: a view of the kernels' mapped buffer
-        self._ll_next = 0
         self._ll_shapes_that_fit = set()  # (tokens, hidden, experts) the low-latency buffer was checked for
 
     # ------------------------------------------------------------------ construction helpers
@@ -176,13 +189,25 @@ class Buffer:
                                f"{'low-latency' if low_latency else 'normal'} calls: {reason}")
         return reason is None
 
-    def _low_latency_kernels_move(self, x: torch.Tensor) -> bool:
+    def _normal_backend(self, x: torch.Tensor) -> Backend:
+        """The backend that moves x in normal calls; the first time the kernels do, maps the peers'
+        buffers (every rank of the group makes the same call with tensors of the same kind, so this is
+        collective)."""
+        if not (x.is_cuda and self._kernels):
+            return self._portable
+        if self._intranode is None:
+            self._intranode = IntranodeBackend(self.group, self._gate, self.num_nvl_bytes, self.get_comm_stream(),
+                                               self.num_arena_bytes)
+        return self._intranode
+
+    def _low_latency_backend(self, x: torch.Tensor) -> Backend:
+        """The backend that moves x in low-latency calls (collective the first time, as _normal_backend)."""
         if not (x.is_cuda and self._ll_kernels):
-            return False
-        if self._low_latency is None:  # collective: every rank makes the same first call
+            return self._portable
+        if self._low_latency is None:
             self._low_latency = LowLatencyBackend(self.group, self._gate, self.num_rdma_bytes,
                                                   kernel_choices.low_latency_memory)
-        return True
+        return self._low_latency
 
     # ------------------------------------------------------------------ static helpers
     @staticmethod
@@ -226,8 +251,6 @@ class Buffer:
                 backend.close()
         self._intranode = self._low_latency = None
         self._local_buffers.clear()
-        self._ll_combine_buffers = [None, None]
-        self._ll_combine_in_place = [False, False]
         self._destroyed = True
 
     @property
@@ -292,12 +315,6 @@ class Buffer:
             raise ValueError(
                 "allocate_on_comm_stream=True needs previous_event (an EventOverlap) and async_finish=True"
             )
-
-    def _finish(self, async_finish: bool, tensors) -> EventOverlap:
-        if async_finish:
-            event = capture_current_stream()
-            return EventOverlap(event.event, [t for t in tensors if isinstance(t, torch.Tensor)])
-        return EventOverlap()
 
     def _check_data(self, x: torch.Tensor) -> bool:
         """Data-dependent checks ride on the host synchronisation of the portable backend and of CPU
@@ -374,7 +391,7 @@ class Buffer:
             )
         else:
             outs = dispatch_layout(topk_idx, num_experts, self.group_size, self.ranks_per_node)
-        return (*outs, self._finish(async_finish, [topk_idx, *outs]))
+        return (*outs, finish_event(async_finish, [topk_idx, *outs]))
 
     # ------------------------------------------------------------------ normal dispatch / combine
     def _split_x(self, x: XLike) -> List[torch.Tensor]:
@@ -444,26 +461,10 @@ class Buffer:
         def make_handle(**fields) -> DispatchHandle:
             return DispatchHandle(buffer_serial=self.serial, **fields)
 
-        if self._uses_kernels(x_parts[0]):
-            recv_x, recv_idx, recv_weights, counts, new_handle, event = self._intranode.dispatch(
-                x_parts, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, expert_alignment,
-                num_worst_tokens, handle, make_handle, config, previous_event, async_finish, allocate_on_comm_stream,
-            )
-        else:
-            wait_previous(previous_event)
-            recv_x, recv_idx, recv_weights, counts, new_handle = self._portable.dispatch(
-                x_parts,
-                topk_idx,
-                topk_weights,
-                is_token_in_rank,
-                num_tokens_per_rank,
-                num_tokens_per_expert,
-                expert_alignment,
-                num_worst_tokens,
-                handle,
-                make_handle,
-            )
-            event = self._finish(async_finish, [*x_parts, *recv_x])
+        call = DispatchCall(x_parts, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                            topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
+                            allocate_on_comm_stream, make_handle)
+        recv_x, recv_idx, recv_weights, counts, new_handle, event = self._normal_backend(x_parts[0]).dispatch(call)
         recv = tuple(recv_x) if len(recv_x) == 2 else recv_x[0]
         return recv, recv_idx, recv_weights, counts, new_handle, event
 
@@ -552,12 +553,47 @@ class Buffer:
                 )
         biases = self._split_bias(bias, handle.num_tokens, x)
         self._check_handle_backend(handle, x, IntranodeDispatchState, self._kernels, "dispatch")
-        if self._uses_kernels(x):
-            return self._intranode.combine(
-                x, handle, topk_weights, biases, config, previous_event, async_finish, allocate_on_comm_stream)
-        wait_previous(previous_event)
-        combined_x, combined_w = self._portable.combine(x, handle, topk_weights, biases)
-        return combined_x, combined_w, self._finish(async_finish, [x, combined_x])
+        call = CombineCall(x, handle, topk_weights, biases, config, previous_event, async_finish,
+                           allocate_on_comm_stream)
+        return self._normal_backend(x).combine(call)
+
+    def internode_dispatch(
+        self,
+        x: XLike,
+        handle: Optional[DispatchHandle] = None,
+        num_tokens_per_rank: Optional[torch.Tensor] = None,
+        num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+        is_token_in_rank: Optional[torch.Tensor] = None,
+        num_tokens_per_expert: Optional[torch.Tensor] = None,
+        topk_idx: Optional[torch.Tensor] = None,
+        topk_weights: Optional[torch.Tensor] = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """deep_ep's multi-node entry point: the same call as dispatch, which picks the transport for
+        the group by itself (config=None takes the default config, as dispatch does)."""
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                             config, previous_event, async_finish, allocate_on_comm_stream)
+
+    def internode_combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: Optional[torch.Tensor] = None,
+        bias: Union[torch.Tensor, Tuple[torch.Tensor, ...], None] = None,
+        config: Optional[Config] = None,
+        previous_event: Optional[EventOverlap] = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """deep_ep's multi-node entry point: the same call as combine."""
+        return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                            allocate_on_comm_stream)
 
     def empty_combine_input(self, handle: DispatchHandle, hidden: int,
                             dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -566,10 +602,8 @@ class Buffer:
         (num_arena_bytes) that memory is a region of this rank's arena, so the combine reads its rows where
         they lie (one pass; an x elsewhere is first copied into the arena). Otherwise a plain tensor."""
         self._check_combine_rows(handle, hidden, dtype)
-        arena = self._intranode.arena if self._intranode is not None else None
-        if isinstance(handle.backend_state, IntranodeDispatchState) and arena is not None:
-            return self._intranode.arena_tensor(handle.num_recv_rows, hidden, dtype)
-        return torch.empty((handle.num_recv_rows, hidden), dtype=dtype, device=handle.is_token_in_rank.device)
+        made_by_kernels = isinstance(handle.backend_state, IntranodeDispatchState)
+        return (self._intranode if made_by_kernels else self._portable).combine_input(handle, hidden, dtype)
 
     def _check_combine_rows(self, handle: DispatchHandle, hidden: int, dtype: torch.dtype) -> None:
         """The arguments of the tensor a combine of `handle` reads (empty_combine_input)."""
@@ -578,16 +612,6 @@ class Buffer:
         check_int("hidden", hidden, minimum=1)
         if dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"dtype: expected torch.bfloat16 or torch.float32, got {dtype}")
-
-    def _uses_kernels(self, x: torch.Tensor) -> bool:
-        """Whether the kernels move x; the first time, maps the peers' buffers (every rank of the
-        group makes the same call with tensors of the same kind, so this is collective)."""
-        if not (x.is_cuda and self._kernels):
-            return False
-        if self._intranode is None:
-            self._intranode = IntranodeBackend(self.group, self._gate, self.num_nvl_bytes, self.get_comm_stream(),
-                                               self.num_arena_bytes)
-        return True
 
     @staticmethod
     def _check_handle_backend(handle, x: torch.Tensor, kernel_state: type, kernels_on: bool, call: str) -> bool:
@@ -635,6 +659,7 @@ class Buffer:
         num_max_dispatch_tokens_per_rank: int,
         num_experts: int,
         cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+        dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
         use_fp8: bool = True,
         round_scale: bool = False,
         use_ue8m0: bool = False,
@@ -643,6 +668,7 @@ class Buffer:
     ):
         """-> (recv_x, recv_count, handle, event, hook)"""
         self._check_alive()
+        _refuse_wait_cost_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)
         check_tensor("x", x, dtype=torch.bfloat16, ndim=2)
         num_tokens, hidden = x.shape
         check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
@@ -689,20 +715,11 @@ class Buffer:
         handle = LowLatencyHandle(
             self.serial, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_tokens, topk_idx.shape[1], x.device
         )
-        backend = self._low_latency if self._low_latency_kernels_move(x) else self._portable
-        recv_x, recv_count, hook = backend.low_latency_dispatch(
-            x,
-            topk_idx,
-            num_max_dispatch_tokens_per_rank,
-            num_experts,
-            cumulative_local_expert_recv_stats,
-            use_fp8,
-            round_scale,
-            use_ue8m0,
-            return_recv_hook,
-            handle,
-        )
-        return recv_x, recv_count, handle, self._finish(async_finish, [x, recv_count]), hook
+        call = LowLatencyDispatchCall(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                      cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0, async_finish,
+                                      return_recv_hook, handle)
+        recv_x, recv_count, event, hook = self._low_latency_backend(x).low_latency_dispatch(call)
+        return recv_x, recv_count, handle, event, hook
 
     def low_latency_combine(
         self,
@@ -710,13 +727,23 @@ class Buffer:
         topk_idx: torch.Tensor,
         topk_weights: torch.Tensor,
         handle: LowLatencyHandle,
+        use_logfmt: bool = False,
         zero_copy: bool = False,
         async_finish: bool = False,
         return_recv_hook: bool = False,
         out: Optional[torch.Tensor] = None,
+        combine_wait_recv_cost_stats: Optional[torch.Tensor] = None,
     ):
         """-> (combined_x [N, H] bf16, event, hook)"""
         self._check_alive()
+        if not isinstance(use_logfmt, bool):
+            raise TypeError(f"use_logfmt: expected a bool, got {type(use_logfmt).__name__}")
+        if use_logfmt:
+            raise NotImplementedError(
+                "use_logfmt: moe_ep sends combine rows as bf16 and has no LogFMT encoding (which would change "
+                "the result); pass use_logfmt=False"
+            )
+        _refuse_wait_cost_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats)
         self._check_handle(handle, LowLatencyHandle, "low_latency_dispatch")
         local = handle.num_experts // self.group_size
         rows = self.group_size * handle.num_max_dispatch_tokens_per_rank
@@ -738,20 +765,14 @@ class Buffer:
             check_tensor("out", out, dtype=torch.bfloat16, shape=(handle.num_tokens, handle.hidden), device=x.device)
         if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook: choose one (the hook already defers the receive)")
-        slot = self._ll_next
+        if not isinstance(zero_copy, bool):
+            raise TypeError(f"zero_copy: expected a bool, got {type(zero_copy).__name__}")
+        self._check_handle_backend(handle, x, LowLatencyKernelState, self._ll_kernels, "low_latency_dispatch")
+        backend = self._low_latency_backend(x)
         if zero_copy:
-            x = self.get_next_low_latency_combine_buffer(handle)
-        made_by_kernels = self._check_handle_backend(
-            handle, x, LowLatencyKernelState, self._ll_kernels, "low_latency_dispatch"
-        )
-        self._ll_next ^= 1
-        if made_by_kernels:  # the combine owns zero-copy slot `slot`: the caller's rows, or x's rows staged there
-            combined, hook = self._low_latency.low_latency_combine(
-                x, topk_idx, topk_weights, handle, return_recv_hook, out, slot=slot, zero_copy=zero_copy
-            )
-        else:
-            combined, hook = self._portable.low_latency_combine(x, topk_idx, topk_weights, handle, return_recv_hook, out)
-        return combined, self._finish(async_finish, [x, combined]), hook
+            x = backend.low_latency_combine_buffer(handle)
+        call = LowLatencyCombineCall(x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out)
+        return backend.low_latency_combine(call)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The [L, R*max, H] bf16 tensor the next low_latency_combine(zero_copy=True) reads: write the
@@ -761,24 +782,13 @@ class Buffer:
         the Buffer lives."""
         self._check_alive()
         self._check_handle(handle, LowLatencyHandle, "low_latency_dispatch")
-        shape = (
-            handle.num_experts // self.group_size,
-            self.group_size * handle.num_max_dispatch_tokens_per_rank,
-            handle.hidden,
-        )
         self._check_low_latency(  # the view must lie inside the buffer
             "get_next_low_latency_combine_buffer", handle.num_max_dispatch_tokens_per_rank, handle.hidden,
             handle.num_experts,
         )
-        current = self._ll_combine_buffers[self._ll_next]
+        # With the kernels the rows live in this rank's mapped buffer and the peers read them there.
         kernels = isinstance(handle.backend_state, LowLatencyKernelState) and self._low_latency is not None
-        if current is None or tuple(current.shape) != shape or kernels != self._ll_combine_in_place[self._ll_next]:
-            # With the kernels the rows live in this rank's mapped buffer and the peers read them there.
-            current = (self._low_latency.zero_copy_rows(handle, self._ll_next) if kernels
-                       else torch.zeros(shape, dtype=torch.bfloat16, device=handle.device))
-            self._ll_combine_buffers[self._ll_next] = current
-            self._ll_combine_in_place[self._ll_next] = kernels
-        return current
+        return (self._low_latency if kernels else self._portable).low_latency_combine_buffer(handle)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Clears the low-latency buffer for calls of this shape: the kernels' flags of both halves on
@@ -790,13 +800,32 @@ class Buffer:
         check_int("hidden", hidden, minimum=1)
         self._check_num_experts(num_experts)
         self._check_low_latency("clean_low_latency_buffer", num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        if self._low_latency is not None:
-            shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
-            self._low_latency.clear_flags("clean_low_latency_buffer", shape)
-        for staging in self._ll_combine_buffers:
-            if staging is not None:
-                staging.zero_()
+        shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        for backend in (self._low_latency, self._portable):
+            if backend is not None:
+                backend.clean_low_latency_buffer(shape)
 
+
+    # deep_ep's shrink mode (a mask buffer that takes ranks out of low-latency calls) is not built:
+    # Buffer(enable_shrink=True) is refused, so these calls have no mask buffer to work on.
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        raise NotImplementedError(_NO_SHRINK.format(call="low_latency_update_mask_buffer"))
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        raise NotImplementedError(_NO_SHRINK.format(call="low_latency_query_mask_buffer"))
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        raise NotImplementedError(_NO_SHRINK.format(call="low_latency_clean_mask_buffer"))
+
+
+def _refuse_wait_cost_stats(name: str, stats: Optional[torch.Tensor]) -> None:
+    """A statistics tensor moe_ep would leave unwritten is refused rather than silently left stale."""
+    if stats is not None:
+        raise NotImplementedError(
+            f"{name}: moe_ep does not measure the time each rank waits for each source rank's rows; "
+            f"pass {name}=None (cumulative_local_expert_recv_stats of low_latency_dispatch counts the "
+            "received tokens per local expert)"
+        )
 
 def default_config_size_hints(hidden_bytes: int, num_ranks: int) -> Tuple[int, int]:
     """(num_nvl_bytes, num_rdma_bytes) for a Buffer whose dispatches and combines of rows of hidden_bytes

@@ -8,7 +8,7 @@ portable backend runs unchanged on the kernels.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List
 
 from .checks import check_int
 

@@ -45,3 +45,12 @@ def wait_previous(previous_event: Optional[EventOverlap]) -> None:
     """The Buffer checks the type at its boundary (Buffer._check_events) before calling this."""
     if previous_event is not None:
         previous_event.current_stream_wait()
+
+
+def finish_event(async_finish: bool, tensors) -> EventOverlap:
+    """What a call returns as its event: with async_finish, one on the current stream holding `tensors`
+    (None entries skipped); else an empty one (the call's work is ordered before the caller's next)."""
+    if async_finish:
+        event = capture_current_stream()
+        return EventOverlap(event.event, [t for t in tensors if isinstance(t, torch.Tensor)])
+    return EventOverlap()

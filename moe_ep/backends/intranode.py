@@ -19,6 +19,7 @@ from ..arena import Arena, Region
 from ..config import (
     INTRANODE_SLOT_ALIGN, Config, arena_dispatch_region, arena_dispatch_rows_within,
 )
+from .base import Backend, CombineCall, DispatchCall
 from .choices import kernel_choices
 from ..events import EventOverlap
 from ..handles import DispatchHandle
@@ -67,7 +68,7 @@ class IntranodeDispatchState:
     recv_src_idx: torch.Tensor  # [rows] int32: source token index of each received row (-1: padding)
 
 
-class IntranodeBackend:
+class IntranodeBackend(Backend):
     def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_nvl_bytes: int, comm_stream: torch.cuda.Stream,
                  arena_bytes: int = 0):
         self.peers = map_peer_buffers(group, gate, num_nvl_bytes, "dispatch", kernel_choices.peer_memory)
@@ -278,7 +279,23 @@ class IntranodeBackend:
         return result
 
     # ---------------------------------------------------------------- dispatch
-    def dispatch(
+    def dispatch(self, call: DispatchCall):
+        return self._dispatch(call.x_parts, call.topk_idx, call.topk_weights, call.is_token_in_rank,
+                              call.num_tokens_per_expert, call.expert_alignment, call.num_worst_tokens, call.handle,
+                              call.make_handle, call.config, call.previous_event, call.async_finish,
+                              call.allocate_on_comm_stream)
+
+    def combine(self, call: CombineCall):
+        return self._combine(call.x, call.handle, call.topk_weights, call.biases, call.config, call.previous_event,
+                             call.async_finish, call.allocate_on_comm_stream)
+
+    def combine_input(self, handle: DispatchHandle, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        """With an arena, a region of it (the combine then reads the rows where they lie)."""
+        if self.arena is None:
+            return super().combine_input(handle, hidden, dtype)
+        return self.arena_tensor(handle.num_recv_rows, hidden, dtype)
+
+    def _dispatch(
         self,
         x_parts: List[torch.Tensor],
         topk_idx: Optional[torch.Tensor],
@@ -617,7 +634,7 @@ class IntranodeBackend:
                 f"{self.arena.used_regions} live tensors over it (recv_x, combine inputs).")
 
     # ---------------------------------------------------------------- combine
-    def combine(
+    def _combine(
         self,
         x: torch.Tensor,
         handle: DispatchHandle,

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
+from ..config import LowLatencyLayout
+from ..events import finish_event
 from ..handles import LowLatencyHandle
 from ..sync import ArrivalGate
-from ..config import LowLatencyLayout
+from .base import Backend, LowLatencyCombineCall, LowLatencyDispatchCall
 from .peers import aligned, device_view, map_peer_buffers
 
 
@@ -31,7 +33,7 @@ class LowLatencyKernelState:
     received: bool = False
 
 
-class LowLatencyBackend:
+class LowLatencyBackend(Backend):
     def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_rdma_bytes: int, memory: str = "auto"):
         """memory: "vmm" (the driver's virtual-memory API), "ipc" (CUDA IPC handles), "nvshmem"
         (NVSHMEM's symmetric heap, bootstrapped through `group`) or "auto": peers.peer_memory."""
@@ -42,6 +44,34 @@ class LowLatencyBackend:
         self._pending: Optional[str] = None  # the call whose hook has not run yet
         self._contexts = {}
         self._shape = None  # (max tokens, hidden, experts) of the last call: the buffer's layout now
+        # The zero-copy rows slot (0 or 1) the next combine owns, and the views handed out of each.
+        self._combine_next = 0
+        self._combine_rows: List[Optional[torch.Tensor]] = [None, None]
+
+    # ---------------------------------------------------------------- the Backend interface
+    def low_latency_dispatch(self, call: LowLatencyDispatchCall):
+        recv_x, recv_count, hook = self._dispatch(
+            call.x, call.topk_idx, call.stats, call.use_fp8, call.round_scale, call.use_ue8m0,
+            call.return_recv_hook, call.handle)
+        return recv_x, recv_count, finish_event(call.async_finish, [call.x, recv_count]), hook
+
+    def low_latency_combine(self, call: LowLatencyCombineCall):
+        # The combine owns the zero-copy slot: the caller's rows, or x's rows staged there.
+        slot, self._combine_next = self._combine_next, self._combine_next ^ 1
+        combined, hook = self._combine(call.x, call.topk_idx, call.topk_weights, call.handle, call.return_recv_hook,
+                                       call.out, slot=slot, zero_copy=call.zero_copy)
+        return combined, finish_event(call.async_finish, [call.x, combined]), hook
+
+    def low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        rows = self._combine_rows[self._combine_next]
+        shape = (handle.num_experts // self.num_ranks, self.num_ranks * handle.num_max_dispatch_tokens_per_rank,
+                 handle.hidden)
+        if rows is None or tuple(rows.shape) != shape:
+            rows = self._combine_rows[self._combine_next] = self.zero_copy_rows(handle, self._combine_next)
+        return rows
+
+    def clean_low_latency_buffer(self, shape) -> None:
+        self.clear_flags("clean_low_latency_buffer", shape)
 
     def close(self) -> None:
         self.peers.close()
@@ -110,12 +140,10 @@ class LowLatencyBackend:
 
         return hook
 
-    def low_latency_dispatch(
+    def _dispatch(
         self,
         x: torch.Tensor,
         topk_idx: torch.Tensor,
-        num_max_tokens: int,
-        num_experts: int,
         stats: Optional[torch.Tensor],
         use_fp8: bool,
         round_scale: bool,
@@ -174,7 +202,7 @@ class LowLatencyBackend:
         view = device_view(address, local * rows * hidden * 2, self.peers.device)
         return view.view(torch.bfloat16).view(local, rows, hidden)
 
-    def low_latency_combine(
+    def _combine(
         self,
         x: torch.Tensor,
         topk_idx: torch.Tensor,

@@ -23,8 +23,10 @@ import torch.distributed as dist
 
 from .. import fp8
 from ..checks import FP8_DTYPE
+from ..events import finish_event, wait_previous
 from ..handles import DispatchHandle, LowLatencyHandle
 from ..sync import ArrivalGate
+from .base import Backend, CombineCall, DispatchCall, LowLatencyCombineCall, LowLatencyDispatchCall
 
 
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_node: int):
@@ -85,7 +87,9 @@ class _LowLatencyState:
     arrival_row: Optional[torch.Tensor] = None  # [M'] its row in recv_x[expert]
 
 
-class PortableBackend:
+class PortableBackend(Backend):
+    """Every call completes before it returns (its event is empty unless async_finish asks for one)."""
+
     def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate):
         self.group = group
         self.rank = dist.get_rank(group)
@@ -93,6 +97,48 @@ class PortableBackend:
         self.gate = gate
         # gloo moves host memory only; NCCL moves device memory.
         self.comm_on_host = dist.get_backend(group) == "gloo"
+        # The two [L, R * max, H] row sets low_latency_combine(zero_copy=True) alternates between.
+        self._combine_rows: List[Optional[torch.Tensor]] = [None, None]
+        self._combine_next = 0
+
+    # ---------------------------------------------------------------- the Backend interface
+    def dispatch(self, call: DispatchCall):
+        wait_previous(call.previous_event)
+        recv_x, recv_idx, recv_weights, counts, handle = self._dispatch(
+            call.x_parts, call.topk_idx, call.topk_weights, call.is_token_in_rank, call.num_tokens_per_rank,
+            call.num_tokens_per_expert, call.expert_alignment, call.num_worst_tokens, call.handle, call.make_handle)
+        return recv_x, recv_idx, recv_weights, counts, handle, finish_event(call.async_finish, [*call.x_parts, *recv_x])
+
+    def combine(self, call: CombineCall):
+        wait_previous(call.previous_event)
+        combined_x, combined_w = self._combine(call.x, call.handle, call.topk_weights, call.biases)
+        return combined_x, combined_w, finish_event(call.async_finish, [call.x, combined_x])
+
+    def low_latency_dispatch(self, call: LowLatencyDispatchCall):
+        recv_x, recv_count, hook = self._low_latency_dispatch(
+            call.x, call.topk_idx, call.num_max_tokens, call.num_experts, call.stats, call.use_fp8, call.round_scale,
+            call.use_ue8m0, call.return_recv_hook, call.handle)
+        return recv_x, recv_count, finish_event(call.async_finish, [call.x, recv_count]), hook
+
+    def low_latency_combine(self, call: LowLatencyCombineCall):
+        self._combine_next ^= 1
+        combined, hook = self._low_latency_combine(call.x, call.topk_idx, call.topk_weights, call.handle,
+                                                   call.return_recv_hook, call.out)
+        return combined, finish_event(call.async_finish, [call.x, combined]), hook
+
+    def low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        shape = (handle.num_experts // self.num_ranks, self.num_ranks * handle.num_max_dispatch_tokens_per_rank,
+                 handle.hidden)
+        rows = self._combine_rows[self._combine_next]
+        if rows is None or tuple(rows.shape) != shape or rows.device != handle.device:
+            rows = self._combine_rows[self._combine_next] = torch.zeros(shape, dtype=torch.bfloat16,
+                                                                        device=handle.device)
+        return rows
+
+    def clean_low_latency_buffer(self, shape) -> None:
+        for rows in self._combine_rows:
+            if rows is not None:
+                rows.zero_()
 
     # ---------------------------------------------------------------- collectives on raw bytes
     def _comm_device(self, like: torch.Tensor) -> torch.device:
@@ -139,7 +185,7 @@ class PortableBackend:
         return recv.tolist()
 
     # ---------------------------------------------------------------- normal mode
-    def dispatch(
+    def _dispatch(
         self,
         x_parts: List[torch.Tensor],
         topk_idx: Optional[torch.Tensor],
@@ -218,7 +264,7 @@ class PortableBackend:
         """Token indices in send order: destination rank major, token index minor."""
         return is_token_in_rank.t().nonzero(as_tuple=True)[1]
 
-    def combine(
+    def _combine(
         self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor], biases: List[torch.Tensor]
     ):
         self.gate.enter("combine")
@@ -247,7 +293,7 @@ class PortableBackend:
         return acc
 
     # ---------------------------------------------------------------- low-latency mode
-    def low_latency_dispatch(
+    def _low_latency_dispatch(
         self,
         x: torch.Tensor,
         topk_idx: torch.Tensor,
@@ -320,7 +366,7 @@ class PortableBackend:
         recv = (recv_x, recv_scales) if use_fp8 else recv_x
         return recv, recv_count, hook
 
-    def low_latency_combine(
+    def _low_latency_combine(
         self,
         x: torch.Tensor,
         topk_idx: torch.Tensor,
