@@ -249,14 +249,43 @@ void check_rows(const torch::Tensor& t, const char* name) {
 int64_t row_bytes(const torch::Tensor& t) { return t.dim() < 2 ? 0 : t.size(1) * t.element_size(); }
 
 void intranode_notify(const IntranodeCtx& c, const torch::Tensor& is_token_in_rank,
-                      const torch::Tensor& num_tokens_per_expert, const torch::Tensor& send_pos,
-                      const torch::Tensor& recv_info, int64_t nonce) {
+                      const torch::Tensor& num_tokens_per_rank, const torch::Tensor& num_tokens_per_expert,
+                      const torch::Tensor& send_pos, const torch::Tensor& recv_info, int64_t nonce) {
     const c10::cuda::CUDAGuard guard(is_token_in_rank.device());
-    for (const auto* t : {&is_token_in_rank, &num_tokens_per_expert, &send_pos, &recv_info})
+    for (const auto* t : {&is_token_in_rank, &num_tokens_per_rank, &num_tokens_per_expert, &send_pos, &recv_info})
         TORCH_CHECK(t->is_cuda() && t->is_contiguous(), "intranode_notify: expected contiguous CUDA tensors");
     intranode::notify(make_ctx(c, c.num_ranks), is_token_in_rank.data_ptr<bool>(), static_cast<int>(is_token_in_rank.size(0)),
-                      num_tokens_per_expert.data_ptr<int>(), static_cast<int>(num_tokens_per_expert.size(0)),
-                      send_pos.data_ptr<int>(), recv_info.data_ptr<int>(), static_cast<int>(nonce));
+                      num_tokens_per_rank.data_ptr<int>(), num_tokens_per_expert.data_ptr<int>(),
+                      static_cast<int>(num_tokens_per_expert.size(0)), send_pos.data_ptr<int>(), recv_info.data_ptr<int>(),
+                      static_cast<int>(nonce));
+}
+
+// The agreement on a call's path (agree_kernel); recv_info (a fresh dispatch's): its room is found on
+// the device for rows of x_bytes / scale_bytes / num_topk in a region of region_bytes.
+void launch_agree(const IntranodeCtx& c, int64_t vote, bool copy_ok, const torch::Tensor& choice, int64_t nonce,
+                  const int* recv_info = nullptr, int64_t x_bytes = 0, int64_t scale_bytes = 0, int64_t num_topk = 0,
+                  int64_t region_bytes = 0) {
+    TORCH_CHECK(choice.is_cuda() && choice.scalar_type() == torch::kInt32 && choice.numel() == 1,
+                "choice: expected one int32 on the GPU");
+    const intranode::AgreeArgs a{static_cast<int>(vote), copy_ok, recv_info, x_bytes, scale_bytes,
+                                 static_cast<int>(num_topk), region_bytes, choice.data_ptr<int>(), static_cast<int>(nonce)};
+    intranode::agree(make_ctx(c, c.num_ranks), a);
+}
+
+void intranode_agree(const IntranodeCtx& c, int64_t vote, bool copy_ok, const torch::Tensor& choice, int64_t nonce) {
+    const c10::cuda::CUDAGuard guard(choice.device());
+    launch_agree(c, vote, copy_ok, choice, nonce);
+}
+
+// A data kernel queued behind an agreement runs only where it was chosen (and needs no rendezvous:
+// the agreement met every rank).
+void set_choice(intranode::DispatchArgs& a, const std::optional<torch::Tensor>& choice, int64_t run_if) {
+    a.choice = optional_ptr<const int>(choice);
+    a.run_if = static_cast<int>(run_if);
+}
+void set_choice(intranode::CombineArgs& a, const std::optional<torch::Tensor>& choice, int64_t run_if) {
+    a.choice = optional_ptr<const int>(choice);
+    a.run_if = static_cast<int>(run_if);
 }
 
 // The arguments both dispatches share; each sets where the rows go.
@@ -293,7 +322,7 @@ void intranode_dispatch(const IntranodeCtx& c, int64_t num_blocks, const torch::
                         const std::optional<torch::Tensor>& recv_scales,
                         const std::optional<torch::Tensor>& recv_topk_idx,
                         const std::optional<torch::Tensor>& recv_topk_weights, const torch::Tensor& recv_src_idx,
-                        bool cached) {
+                        bool cached, const std::optional<torch::Tensor>& choice, int64_t run_if) {
     const c10::cuda::CUDAGuard guard(x.device());
     check_rows(recv_x, "recv_x");
     intranode::DispatchArgs a = dispatch_args(x, scales, topk_idx, topk_weights, experts_per_rank, send_pos, recv_info,
@@ -301,7 +330,9 @@ void intranode_dispatch(const IntranodeCtx& c, int64_t num_blocks, const torch::
     a.recv_x = recv_x.data_ptr();
     a.recv_scales = optional_ptr<void>(recv_scales);
     a.num_recv_rows = static_cast<int>(recv_x.size(0));
-    intranode::dispatch(data_ctx(c, num_blocks, /*combine=*/false, cached ? intranode::kKernelDispatch : 0), a);
+    set_choice(a, choice, run_if);
+    const int opens = cached && !choice.has_value() ? intranode::kKernelDispatch : 0;
+    intranode::dispatch(data_ctx(c, num_blocks, /*combine=*/false, opens), a);
 }
 
 // Zero-copy dispatch: the rows go straight into the receivers' zero-copy areas (areas: device int64
@@ -316,17 +347,18 @@ void intranode_zero_copy_dispatch(const IntranodeCtx& c, int64_t num_blocks, con
                                   const std::optional<torch::Tensor>& recv_topk_weights,
                                   const torch::Tensor& recv_src_idx, int64_t areas, int64_t slot_offset,
                                   int64_t capacity_rows, const std::vector<int64_t>& offsets, int64_t region_bytes,
-                                  bool cached) {
+                                  bool cached, const std::optional<torch::Tensor>& choice, int64_t run_if) {
     const c10::cuda::CUDAGuard guard(x.device());
     TORCH_CHECK(offsets.size() == 5, "offsets: expected x, scale, idx, weight and src offsets");
     TORCH_CHECK(num_recv_rows <= capacity_rows, "num_recv_rows: more than a zero-copy slot holds");
     intranode::DispatchArgs a = dispatch_args(x, scales, topk_idx, topk_weights, experts_per_rank, send_pos, recv_info,
                                               recv_topk_idx, recv_topk_weights, recv_src_idx);
     a.num_recv_rows = static_cast<int>(num_recv_rows);
+    set_choice(a, choice, run_if);
     const intranode::ZeroCopyDispatchArgs z{reinterpret_cast<uint8_t* const*>(areas), slot_offset, capacity_rows,
                                             offsets[0], offsets[1], offsets[2], offsets[3], offsets[4], region_bytes};
-    intranode::zero_copy_dispatch(
-        data_ctx(c, num_blocks, /*combine=*/false, cached ? intranode::kKernelZeroCopyDispatch : 0), a, z);
+    const int opens = cached && !choice.has_value() ? intranode::kKernelZeroCopyDispatch : 0;
+    intranode::zero_copy_dispatch(data_ctx(c, num_blocks, /*combine=*/false, opens), a, z);
 }
 
 // The communication stream waits for the caller's stream (else the caller made it wait for its
@@ -363,12 +395,14 @@ std::pair<std::optional<torch::Tensor>, std::optional<torch::Tensor>> recv_topk_
 // The count exchange of a fresh dispatch on the communication stream (current): (send_pos, recv_info).
 std::pair<torch::Tensor, torch::Tensor> launch_notify(const IntranodeCtx& c, const torch::Tensor& x,
                                                       const torch::Tensor& is_token_in_rank,
+                                                      const torch::Tensor& num_tokens_per_rank,
                                                       const torch::Tensor& num_tokens_per_expert, int64_t nonce,
                                                       int64_t recv_info_ints) {
     const auto ints = x.options().dtype(torch::kInt32);
     torch::Tensor send_pos = torch::empty({x.size(0), c.num_ranks}, ints);
     torch::Tensor recv_info = torch::empty({recv_info_ints}, ints);
-    intranode_notify(c, is_token_in_rank.contiguous(), num_tokens_per_expert.contiguous(), send_pos, recv_info, nonce);
+    intranode_notify(c, is_token_in_rank.contiguous(), num_tokens_per_rank.contiguous(),
+                     num_tokens_per_expert.contiguous(), send_pos, recv_info, nonce);
     return {send_pos, recv_info};
 }
 
@@ -384,10 +418,11 @@ std::pair<torch::Tensor, torch::Tensor> launch_notify(const IntranodeCtx& c, con
 py::tuple intranode_zero_copy_dispatch_early(
     const IntranodeCtx& c, int64_t num_blocks, const torch::Tensor& x, const std::optional<torch::Tensor>& scales,
     const std::optional<torch::Tensor>& topk_idx, const std::optional<torch::Tensor>& topk_weights,
-    const torch::Tensor& is_token_in_rank, const torch::Tensor& num_tokens_per_expert, int64_t experts_per_rank,
+    const torch::Tensor& is_token_in_rank, const torch::Tensor& num_tokens_per_rank,
+    const torch::Tensor& num_tokens_per_expert, int64_t experts_per_rank,
     int64_t nonce, int64_t recv_info_ints, int64_t comm_stream, bool order_after_caller, bool allocate_on_comm_stream,
     int64_t areas, int64_t slot_offset, int64_t capacity_rows, const std::vector<int64_t>& offsets,
-    int64_t region_bytes) {
+    int64_t region_bytes, const torch::Tensor& choice) {
     const c10::cuda::CUDAGuard guard(x.device());
     const c10::cuda::CUDAStream compute = c10::cuda::getCurrentCUDAStream();
     const c10::cuda::CUDAStream comm = external_stream(comm_stream, x);
@@ -395,7 +430,8 @@ py::tuple intranode_zero_copy_dispatch_early(
     torch::Tensor send_pos, recv_info, recv_src_idx;
     {
         const c10::cuda::CUDAStreamGuard on_comm(comm);
-        std::tie(send_pos, recv_info) = launch_notify(c, x, is_token_in_rank, num_tokens_per_expert, nonce, recv_info_ints);
+        std::tie(send_pos, recv_info) = launch_notify(c, x, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert, nonce,
+                                                    recv_info_ints);
         recv_src_idx = torch::empty({capacity_rows}, x.options().dtype(torch::kInt32));
     }
     std::optional<torch::Tensor> recv_topk_idx, recv_topk_weights;
@@ -405,9 +441,14 @@ py::tuple intranode_zero_copy_dispatch_early(
     }
     {
         const c10::cuda::CUDAStreamGuard on_comm(comm);
+        // Every rank's room for the rows its count exchange brings, agreed on behind it: the one-pass
+        // kernel runs where all have room; the host reads the choice with the counts.
+        launch_agree(c, intranode::kVoteRoom | intranode::kVoteInPlace, false, choice, nonce, recv_info.data_ptr<int>(),
+                     row_bytes(x), scales.has_value() ? row_bytes(*scales) : 0,
+                     topk_idx.has_value() ? topk_idx->size(1) : 0, region_bytes);
         intranode_zero_copy_dispatch(c, num_blocks, x, scales, topk_idx, topk_weights, experts_per_rank, send_pos,
                                      recv_info, -1, recv_topk_idx, recv_topk_weights, recv_src_idx, areas, slot_offset,
-                                     capacity_rows, offsets, region_bytes, /*cached=*/false);
+                                     capacity_rows, offsets, region_bytes, /*cached=*/false, choice, 1);
     }
     return py::make_tuple(send_pos, recv_info, recv_src_idx, or_none(recv_topk_idx), or_none(recv_topk_weights));
 }
@@ -424,7 +465,8 @@ py::tuple intranode_zero_copy_dispatch_early(
 py::object intranode_dispatch_fresh(
     const IntranodeCtx& c, int64_t num_blocks, const torch::Tensor& x, const std::optional<torch::Tensor>& scales,
     const std::optional<torch::Tensor>& topk_idx, const std::optional<torch::Tensor>& topk_weights,
-    const torch::Tensor& is_token_in_rank, const torch::Tensor& num_tokens_per_expert, int64_t experts_per_rank,
+    const torch::Tensor& is_token_in_rank, const torch::Tensor& num_tokens_per_rank,
+    const torch::Tensor& num_tokens_per_expert, int64_t experts_per_rank,
     int64_t nonce, int64_t recv_info_ints, int64_t comm_stream, bool order_after_caller, bool allocate_on_comm_stream,
     int64_t host_done, int64_t host_counts, double wait_s) {
     const c10::cuda::CUDAGuard guard(x.device());
@@ -434,7 +476,8 @@ py::object intranode_dispatch_fresh(
     torch::Tensor send_pos, recv_info;
     {
         const c10::cuda::CUDAStreamGuard on_comm(comm);
-        std::tie(send_pos, recv_info) = launch_notify(c, x, is_token_in_rank, num_tokens_per_expert, nonce, recv_info_ints);
+        std::tie(send_pos, recv_info) = launch_notify(c, x, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert, nonce,
+                                                    recv_info_ints);
     }
     if (!wait_host_value(c.host_info, host_done, nonce, wait_s)) return py::none();
     const int* h = c.host_info.data_ptr<int>() + host_counts;
@@ -459,7 +502,8 @@ py::object intranode_dispatch_fresh(
     {
         const c10::cuda::CUDAStreamGuard on_comm(comm);
         intranode_dispatch(c, num_blocks, x, scales, topk_idx, topk_weights, experts_per_rank, send_pos, recv_info,
-                           recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, /*cached=*/false);
+                           recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, /*cached=*/false,
+                           std::nullopt, 0);
     }
     return py::make_tuple(send_pos, recv_info, recv_src_idx, recv_x, or_none(recv_scales), or_none(recv_topk_idx),
                           or_none(recv_topk_weights), recv_counts, send_counts, per_expert);
@@ -495,12 +539,14 @@ void intranode_combine(const IntranodeCtx& c, int64_t num_blocks, const torch::T
                        const std::optional<torch::Tensor>& topk_weights, const torch::Tensor& recv_src_idx,
                        const torch::Tensor& recv_info, const torch::Tensor& send_pos,
                        const std::optional<torch::Tensor>& bias0, const std::optional<torch::Tensor>& bias1,
-                       const torch::Tensor& out, const std::optional<torch::Tensor>& out_weights, int64_t send_chunk) {
+                       const torch::Tensor& out, const std::optional<torch::Tensor>& out_weights, int64_t send_chunk,
+                       const std::optional<torch::Tensor>& choice, int64_t run_if) {
     const c10::cuda::CUDAGuard guard(x.device());
     check_rows(x, "x");
     intranode::CombineArgs a = combine_args(x, topk_weights, recv_src_idx, recv_info, send_pos, bias0, bias1, out, out_weights);
     a.send_chunk = static_cast<int>(std::min<int64_t>(std::max<int64_t>(send_chunk, 0), 1 << 24));
-    intranode::combine(data_ctx(c, num_blocks, /*combine=*/true, intranode::kKernelCombine), a);
+    set_choice(a, choice, run_if);
+    intranode::combine(data_ctx(c, num_blocks, /*combine=*/true, choice.has_value() ? 0 : intranode::kKernelCombine), a);
 }
 
 // x: the view Buffer.get_next_combine_buffer handed out, whose rows lie in this rank's zero-copy area
@@ -513,7 +559,7 @@ void intranode_zero_copy_combine(const IntranodeCtx& c, int64_t num_blocks, cons
                                  const std::optional<torch::Tensor>& bias0, const std::optional<torch::Tensor>& bias1,
                                  const torch::Tensor& out, const std::optional<torch::Tensor>& out_weights,
                                  int64_t areas, int64_t slot_offset, int64_t pitch, int64_t capacity_rows,
-                                 int64_t weights_offset) {
+                                 int64_t weights_offset, const std::optional<torch::Tensor>& choice, int64_t run_if) {
     const c10::cuda::CUDAGuard guard(x.device());
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.stride(0) * x.element_size() == pitch,
                 "x: expected rows ", pitch, " bytes apart in mapped memory");
@@ -521,10 +567,11 @@ void intranode_zero_copy_combine(const IntranodeCtx& c, int64_t num_blocks, cons
                 "x: rows in mapped memory must start 16-byte aligned");
     const intranode::ZeroCopyArgs z{reinterpret_cast<uint8_t* const*>(areas), slot_offset, pitch, capacity_rows,
                                     weights_offset};
-    intranode::zero_copy_combine(data_ctx(c, num_blocks, /*combine=*/true, intranode::kKernelZeroCopyCombine),
-                                 combine_args(x, topk_weights, recv_src_idx, recv_info, send_pos, bias0, bias1, out,
-                                              out_weights),
-                                 z);
+    intranode::CombineArgs a = combine_args(x, topk_weights, recv_src_idx, recv_info, send_pos, bias0, bias1, out,
+                                            out_weights);
+    set_choice(a, choice, run_if);
+    intranode::zero_copy_combine(
+        data_ctx(c, num_blocks, /*combine=*/true, choice.has_value() ? 0 : intranode::kKernelZeroCopyCombine), a, z);
 }
 
 void intranode_check_blocks(const IntranodeCtx& c, int64_t num_blocks) { intranode::check_blocks_fit(make_ctx(c, num_blocks)); }
@@ -660,6 +707,7 @@ py::dict intranode_layout(int64_t num_ranks, int64_t num_nvl_bytes, int64_t x_by
     d["wait_slots"] = intranode::kWaitSlots;
     d["kernel_log_ints"] = intranode::kernel_log_ints();
     d["recv_info_ints"] = intranode::recv_info_ints(r);
+    d["recv_info_prefix_matrix"] = intranode::recv_info_prefix_matrix(r);
     return d;
 }
 
@@ -722,6 +770,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("intranode_stream_ring_rows", &moe_ep::intranode_stream_ring_rows,
           "rows per ring of the streaming combine (0: the combine uses windows)");
     m.def("intranode_notify", &moe_ep::intranode_notify, "count exchange of an intranode dispatch");
+    m.def("intranode_agree", &moe_ep::intranode_agree, "the ranks' agreement on the path of the call that follows");
     m.def("intranode_dispatch", &moe_ep::intranode_dispatch, "intranode dispatch data movement");
     m.def("intranode_zero_copy_dispatch", &moe_ep::intranode_zero_copy_dispatch,
           "intranode dispatch straight into every rank's zero-copy area");

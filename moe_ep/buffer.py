@@ -44,13 +44,15 @@ class Buffer:
     (its C++ object) has no counterpart.
     (ext) `ranks_per_node`: ranks that share a host's NVLink domain; default: env MOE_EP_RANKS_PER_NODE,
     else the group's ranks on this host, found by host names.
-    (ext) `num_arena_bytes`: an arena mapped on every rank of one host (the same size on each;
-    moe_ep.config.arena_bytes sizes it). Every kernel dispatch then stores each received row once, at
-    its final place in a region of the receiver's arena that recv_x owns like any tensor, and every
-    combine reads the expert outputs from the arenas: one pass over memory instead of two. Write the
-    expert outputs into `empty_combine_input(handle, hidden)` to spare their copy into the arena. A
-    dispatch or combine that finds no room raises ValueError on that rank; under CUDA-graph capture the
-    calls take the two-pass path.
+    (ext) `num_arena_bytes`: the arena the intranode kernels map on every rank of one host. A dispatch
+    stores each received row once, at its final place in a region of the receiver's arena that recv_x
+    owns like any tensor, and a combine sums the expert outputs where they lie in the arenas (write them
+    into `empty_combine_input(handle, hidden)`): one pass over memory instead of two. A call takes the
+    one-pass path where every rank has room for it (the ranks agree on the device, without a host
+    round trip), else the two-pass path through the num_nvl_bytes buffer, as under CUDA-graph capture.
+    None (default): an arena of num_nvl_bytes that grows after a dispatch finds no room; 0: none (every
+    call two-pass); a size: that arena, fixed (moe_ep.config.arena_bytes sizes one; the same on every
+    rank).
     (ext) `timeout_s`: seconds to wait for a peer before TimeoutError; default: env MOE_EP_TIMEOUT_S,
     else 100.
     """
@@ -72,7 +74,7 @@ class Buffer:
         comm=None,
         *,
         ranks_per_node: Optional[int] = None,
-        num_arena_bytes: int = 0,
+        num_arena_bytes: Optional[int] = None,
         timeout_s: Optional[float] = None,
     ):
         if group is None and comm is not None:
@@ -92,7 +94,8 @@ class Buffer:
         check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
         check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
         check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
-        check_int("num_arena_bytes", num_arena_bytes, minimum=0)
+        if num_arena_bytes is not None:
+            check_int("num_arena_bytes", num_arena_bytes, minimum=0)
         timeout_s = timeout_seconds() if timeout_s is None else check_timeout("timeout_s", timeout_s)
         for name, flag in (
             ("low_latency_mode", low_latency_mode),
@@ -196,8 +199,9 @@ class Buffer:
         if not (x.is_cuda and self._kernels):
             return self._portable
         if self._intranode is None:
+            auto = self.num_arena_bytes is None
             self._intranode = IntranodeBackend(self.group, self._gate, self.num_nvl_bytes, self.get_comm_stream(),
-                                               self.num_arena_bytes)
+                                               self.num_nvl_bytes if auto else self.num_arena_bytes, arena_grows=auto)
         return self._intranode
 
     def _low_latency_backend(self, x: torch.Tensor) -> Backend:

@@ -114,7 +114,9 @@ _INTRANODE_LAYOUT_FIELDS = 7  # a zero-copy dispatch's receiving layout, per ran
 def intranode_header_bytes(num_ranks: int) -> int:
     signals = (_INTRANODE_FIXED_SIGNALS + (_INTRANODE_SIGNAL_ARRAYS + _INTRANODE_STREAM_SIGNALS
                                            + _INTRANODE_LAYOUT_FIELDS) * num_ranks) * 8
-    return _align(signals + 4 * (2 * num_ranks + INTRANODE_MAX_EXPERTS), INTRANODE_HEADER_ALIGN)
+    # The counts area: a row per source of [tokens, tokens for this rank, tokens per rank, per expert].
+    counts = 2 * num_ranks + num_ranks * num_ranks + INTRANODE_MAX_EXPERTS
+    return _align(signals + 4 * counts, INTRANODE_HEADER_ALIGN)
 
 
 class IntranodeLayout:

@@ -68,11 +68,18 @@ enum HostInfo : int {
     kHostErrorPeerStartedMs = 14,
     kHostErrorPeerBlocks = 15,  // ... and how many blocks of its running kernel had started
     kHostErrorBlocks = 16,      // the failed wait's kernel: its blocks (gridDim.x)
-    kHostCounts = 17,       // notify: [R] rows from each rank, [R] tokens to each rank, [E/R] per local expert
+    kHostChoice = 17,       // agree: the path every rank agreed on (1: one pass, 0: two passes)
+    kHostChoiceDone = 18,   // agree: the nonce of the last finished agreement, written after kHostChoice
+    kHostCounts = 19,       // notify: [R] rows from each rank, [R] tokens to each rank, [E/R] per local expert
 };
 enum KernelId : int {
     kKernelNotify = 1, kKernelDispatch, kKernelCombine, kKernelStreamCombine, kKernelZeroCopyDispatch,
-    kKernelZeroCopyCombine, kKernelRendezvous,
+    kKernelZeroCopyCombine, kKernelRendezvous, kKernelAgree,
+};
+// A rank's vote on the path of a call with an arena (agree): bits of what this rank can do.
+enum Vote : int {
+    kVoteRoom = 1,     // its arena has room for what the one-pass kernel needs of it
+    kVoteInPlace = 2,  // its rows already lie in its arena (a combine's x), so one pass copies nothing
 };
 enum ErrorKind : int {
     kErrNone = 0, kErrNotify, kErrStaged, kErrReleased, kErrOpen, kErrPushed,
@@ -96,8 +103,10 @@ constexpr int kKernelLogEntries = 4096;
 inline int kernel_log_ints(int entries = kKernelLogEntries) { return 1 + 3 * entries; }
 
 // Device int32 summary of a count exchange: [max tokens, total rows, base row of each source (R + 1),
-// tokens of each source (R), this rank's first row at each peer (R; with Ctx::zero_copy_bases)].
-inline int recv_info_ints(int num_ranks) { return 2 + (num_ranks + 1) + 2 * num_ranks; }
+// tokens of each source (R), this rank's first row at each peer (R), the rank prefix matrix (R x R:
+// entry [i][j] = tokens ranks 0..i send to rank j)].
+__host__ __device__ inline int recv_info_prefix_matrix(int num_ranks) { return 3 + 3 * num_ranks; }
+inline int recv_info_ints(int num_ranks) { return recv_info_prefix_matrix(num_ranks) + num_ranks * num_ranks; }
 
 struct Ctx {
     uint8_t* const* buffers;  // device array [R]: every rank's buffer as mapped in this process
@@ -121,10 +130,28 @@ struct Ctx {
 };
 
 // Count exchange. is_token_in_rank [N, R] -> send_pos [N, R] (row of each token among those this
-// rank sends to r, -1 where not sent); every rank's counts reach every peer; recv_info gets the
-// summary and host_info its copy, then host_info[kHostDone] = nonce.
-void notify(const Ctx& ctx, const bool* is_token_in_rank, int num_tokens, const int* num_tokens_per_expert,
-            int num_experts, int* send_pos, int* recv_info, int nonce);
+// rank sends to r, -1 where not sent); every rank's counts (num_tokens_per_rank [R] among them) reach
+// every peer; recv_info gets the summary and host_info its copy, then host_info[kHostDone] = nonce.
+void notify(const Ctx& ctx, const bool* is_token_in_rank, int num_tokens, const int* num_tokens_per_rank,
+            const int* num_tokens_per_expert, int num_experts, int* send_pos, int* recv_info, int nonce);
+
+// The ranks' agreement on the path of the call whose kernels follow on the stream: one block meets
+// every rank's vote (Vote bits), as a rendezvous does, and writes the choice, 1 (the one-pass kernel
+// runs) where every rank has room and every rank's rows are in place or copy_ok, else 0 (the two-pass
+// kernel runs), to *choice and to host_info (kHostChoice, then kHostChoiceDone = nonce). With
+// recv_info, a dispatch's room is found here: whether the rows its count exchange brings fit a region
+// of region_bytes (dispatch_region).
+struct AgreeArgs {
+    int vote;
+    bool copy_ok;
+    const int* recv_info;   // null, or a fresh dispatch's count exchange
+    int64_t x_bytes, scale_bytes;
+    int num_topk;
+    int64_t region_bytes;
+    int* choice;            // device int32
+    int nonce;
+};
+void agree(const Ctx& ctx, const AgreeArgs& args);
 
 struct DispatchArgs {
     const void* x;                // [N, x_bytes] raw rows (bf16, float32 or e4m3)
@@ -145,6 +172,8 @@ struct DispatchArgs {
     int* recv_src_idx;            // [num_recv_rows] source token index of each row (for combine)
     int num_recv_rows;            // rows allocated; rows past the received ones are padding; -1
                                   // (zero-copy dispatch only): exactly the received rows, read on the device
+    const int* choice;            // null, or an agreement's choice: the kernel returns at once unless
+    int run_if;                   // *choice == run_if
 };
 // Throws std::invalid_argument when the blocks of all ranks on this GPU cannot be resident together;
 // check_blocks_fit(ctx) says so before a call starts (the count exchange would run otherwise).
@@ -176,6 +205,8 @@ struct CombineArgs {
     // num_max_nvl_chunked_send_tokens), so the owner sums a round's rows while the next is written;
     // 0: as many as the owner's ring has room for.
     int send_chunk;
+    const int* choice;            // null, or an agreement's choice: the kernel returns at once unless
+    int run_if;                   // *choice == run_if
 };
 void combine(const Ctx& ctx, const CombineArgs& args);
 // Zero-copy combine: every rank's rows (args.x) already lie in its zero-copy area, slot `slot_offset`,

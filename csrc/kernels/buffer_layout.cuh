@@ -114,12 +114,15 @@ __host__ __device__ constexpr DispatchRegion dispatch_region(int64_t rows, int64
 __host__ __device__ constexpr int64_t signal_bytes(int num_ranks) {
     return (kFixedSignals + (kNumArraySlots + kNumStreamArrays * kStreamChannels + kLayoutFields) * static_cast<int64_t>(num_ranks)) * 8;
 }
-// Row of source rank s in the counts area: [num_tokens, tokens for this rank, per local expert counts].
+// Row of source rank s in the counts area: [num_tokens, tokens for this rank, tokens for each rank (R),
+// per local expert counts]: every rank learns the whole count matrix from the rows it receives.
+constexpr int kCountsPerRankAt = 2;
 __host__ __device__ constexpr int counts_row_ints(int num_ranks, int num_experts) {
-    return 2 + num_experts / num_ranks;
+    return 2 + num_ranks + num_experts / num_ranks;
 }
 __host__ __device__ constexpr int64_t header_bytes(int num_ranks) {
-    return align_up(signal_bytes(num_ranks) + 4LL * (2 * num_ranks + kMaxExperts), kHeaderAlign);
+    return align_up(signal_bytes(num_ranks) + 4LL * (2 * num_ranks + static_cast<int64_t>(num_ranks) * num_ranks + kMaxExperts),
+                    kHeaderAlign);
 }
 __host__ __device__ constexpr int64_t half_bytes(int64_t num_nvl_bytes, int num_ranks) {
     return num_nvl_bytes <= header_bytes(num_ranks) ? 0

@@ -200,6 +200,7 @@ __device__ __forceinline__ int list_part(const int* starts, int parts, int entry
 // finish waits for every rank's counts and sums them up. One block waits, not R: where ranks share a GPU,
 // R waiting blocks a rank (64 in all at 8 ranks) hold SMs a late peer's GEMMs may need (as the rendezvous below).
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Ctx c, const bool* __restrict__ in_rank, int num_tokens,
+                                                                const int* __restrict__ tokens_per_rank,
                                                                 const int* __restrict__ tokens_per_expert,
                                                                 int num_experts, int* __restrict__ send_pos,
                                                                 int* __restrict__ recv_info, int nonce) {
@@ -231,9 +232,10 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Ctx c, const boo
         if (threadIdx.x == 0) carry += block_total;
         __syncthreads();
     }
-    // Our row in rank d's counts area: [tokens, tokens for d, counts of d's experts].
+    // Our row in rank d's counts area: [tokens, tokens for d, tokens for each rank, counts of d's experts].
     int* row = reinterpret_cast<int*>(e.buffers[d] + signal_bytes(R)) + e.rank * row_ints;
-    for (int i = threadIdx.x; i < local; i += blockDim.x) row[2 + i] = tokens_per_expert[d * local + i];
+    for (int i = threadIdx.x; i < R; i += blockDim.x) row[kCountsPerRankAt + i] = tokens_per_rank[i];
+    for (int i = threadIdx.x; i < local; i += blockDim.x) row[kCountsPerRankAt + R + i] = tokens_per_expert[d * local + i];
     if (threadIdx.x == 0) {
         row[0] = num_tokens;
         row[1] = carry;
@@ -268,23 +270,19 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Ctx c, const boo
     }
     for (int i = threadIdx.x; i < local; i += blockDim.x) {
         int sum = 0;
-        for (int s = 0; s < R; ++s) sum += __ldcg(counts + s * row_ints + 2 + i);
+        for (int s = 0; s < R; ++s) sum += __ldcg(counts + s * row_ints + kCountsPerRankAt + R + i);
         e.host[kHostCounts + 2 * R + i] = sum;
     }
-    if (c.zero_copy_bases) {
-        // Where this rank's rows start at each peer r (a zero-copy dispatch writes them there, a zero-copy
-        // combine reads them there): the rows of r's sources before this rank, from r's counts area once
-        // each of them has written there.
-        // Safe to read: a source rewrites its row at r only in its next count exchange, which follows
-        // a dispatch that needs this rank's, which follows this notify.
-        for (int r = threadIdx.x; r < R; r += blockDim.x) {
-            const int* counts_r = reinterpret_cast<const int*>(e.buffers[r] + signal_bytes(R));
-            int base = 0;
-            for (int s = 0; s < e.rank; ++s) {
-                if (!wait_flag(e, e.peer_array(r, kNotifyFrom, s), tag(e.seq, 0), kErrNotify, s, 0)) break;
-                base += __ldcg(counts_r + s * row_ints + 1);
-            }
-            recv_info[3 + 2 * R + r] = base;
+    // The rank prefix matrix (every source's tokens for every rank, summed over the sources up to it),
+    // and where this rank's rows start at each peer r (the one-pass kernels write and read them there):
+    // the tokens r's sources before this rank send it.
+    int* prefix = recv_info + recv_info_prefix_matrix(R);
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        int sum = 0;
+        for (int s = 0; s < R; ++s) {
+            if (s == e.rank) recv_info[3 + 2 * R + r] = sum;
+            sum += __ldcg(counts + s * row_ints + kCountsPerRankAt + r);
+            prefix[s * R + r] = sum;
         }
     }
     __syncthreads();
@@ -314,6 +312,45 @@ __global__ void __launch_bounds__(kRendezvousThreads) rendezvous_kernel(Ctx c) {
         block_wait(e, kArrivedFrom, 0, e.num_ranks, tag(e.seq, 0), kErrRendezvous, c.rendezvous_before);
     }
     finish_kernel(e, e.own(kDoneCount));
+}
+
+// ------------------------------------------------------------------ agree
+// Where a call can take the one-pass or the two-pass path, both kernels are queued behind this one and
+// each returns at once unless it is the one chosen: the choice is made here, on the device, from every
+// rank's vote, so it needs no host round trip. Its one block also serves as the call's rendezvous. A
+// vote rides on the arrival flag itself (the step of its tag), which no peer raises again before this
+// rank's next call: each peer's next call waits for this rank in the data kernel chosen here.
+constexpr int kAgreeThreads = 64;
+__global__ void __launch_bounds__(kAgreeThreads) agree_kernel(Ctx c, AgreeArgs a) {
+    c.wait_ns = nullptr;  // the wait profile is the data kernels' (its slots are theirs)
+    const Env e = make_env(c, kKernelAgree);
+    int vote = a.vote;
+    if (a.recv_info != nullptr &&
+        dispatch_region(a.recv_info[1], a.x_bytes, a.scale_bytes, a.num_topk).bytes > a.region_bytes)
+        vote &= ~kVoteRoom;
+    bool ok = load_volatile(e.own(kAbort)) == 0;
+    if (ok) {
+        for (int r = threadIdx.x; r < e.num_ranks; r += blockDim.x)
+            raise_flag(e.peer_array(r, kArrivedFrom, e.rank), tag(e.seq, vote));
+        ok = block_wait(e, kArrivedFrom, 0, e.num_ranks, tag(e.seq, 0), kErrRendezvous, kKernelAgree);
+    }
+    if (threadIdx.x == 0) {
+        int all = kVoteRoom | kVoteInPlace;
+        for (int r = 0; r < e.num_ranks; ++r)
+            all &= static_cast<int>((load_volatile(e.peer_array(e.rank, kArrivedFrom, r)) & 0xFFFFFF) - 1);
+        const int one_pass = ok && (all & kVoteRoom) && ((all & kVoteInPlace) || a.copy_ok);
+        *a.choice = one_pass;
+        volatile int* host = reinterpret_cast<volatile int*>(e.host);
+        host[kHostChoice] = one_pass;
+        __threadfence_system();
+        host[kHostChoiceDone] = a.nonce;
+    }
+    finish_kernel(e, e.own(kDoneCount));
+}
+
+// Whether a data kernel queued behind an agreement is the one it chose (always, without one).
+__device__ __forceinline__ bool chosen(const int* choice, int run_if) {
+    return choice == nullptr || __ldcg(choice) == run_if;
 }
 
 // ------------------------------------------------------------------ dispatch
@@ -556,7 +593,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     const int max_tokens = a.recv_info[0], total = a.recv_info[1];
     const int num_windows = max(1, ceil_div(max_tokens, window_tokens));
     const Warps warps = grid_warps<S::kWarps>();
-    bool ok = load_volatile(e.own(kAbort)) == 0;
+    bool ok = load_volatile(e.own(kAbort)) == 0 && chosen(a.choice, a.run_if);
     uint64_t since = e.start;
     for (int w = 0; ok && w < num_windows; ++w) {
         ok = stage_window<S>(e, a, slot, window_tokens, warps, w);
@@ -786,7 +823,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     const int max_tokens = a.recv_info[0];
     const int num_windows = max(1, ceil_div(max_tokens, window_tokens));
     const Warps warps = grid_warps<S::kWarps>();
-    bool ok = load_volatile(e.own(kAbort)) == 0;
+    bool ok = load_volatile(e.own(kAbort)) == 0 && chosen(a.choice, a.run_if);
     // Windows 0 and 1 of this rank accept rows from now on (the previous kernel left them unused).
     if (ok && blockIdx.x == 0 && threadIdx.x == 0)
         for (int r = 0; r < e.num_ranks; ++r) raise_flag(e.peer_array(r, kOpenFrom, e.rank), tag(e.seq, 1));
@@ -1069,7 +1106,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     const int64_t x_bytes = static_cast<int64_t>(a.hidden) * sizeof(T);
     const StreamCall call{a, slot_bytes, x_bytes, align_up(x_bytes, kSlotAlign), ring_rows, channels,
                           a.recv_info + 2, a.recv_info + 3 + e.num_ranks};
-    if (load_volatile(e.own(kAbort)) == 0) {
+    if (load_volatile(e.own(kAbort)) == 0 && chosen(a.choice, a.run_if)) {
         if (blockIdx.x < channels) {
             stream_receive<T, V, S>(e, call, blockIdx.x);
             end_phase(e, kPhaseReduce, e.start);
@@ -1269,7 +1306,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
         receiving.x_offset = d.x, receiving.scale_offset = d.scale, receiving.idx_offset = d.idx;
         receiving.weight_offset = d.weight, receiving.src_offset = d.src;
     }
-    bool ok = load_volatile(e.own(kAbort)) == 0;
+    bool ok = load_volatile(e.own(kAbort)) == 0 && chosen(a.choice, a.run_if);
     if (ok && blockIdx.x == 0) {
         for (int r = threadIdx.x; r < R; r += blockDim.x) {
             int64_t* layout = reinterpret_cast<int64_t*>(e.signals(r) + layout_index(R, me, 0));
@@ -1405,7 +1442,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     const bool published = z.weights_offset >= 0;
     const int total = min(static_cast<int64_t>(a.recv_info[1]), max(z.capacity_rows, int64_t{0}));
     const int* first_row_at = a.recv_info + 3 + 2 * R;  // this rank's first row at each peer
-    bool ok = load_volatile(e.own(kAbort)) == 0;
+    bool ok = load_volatile(e.own(kAbort)) == 0 && chosen(a.choice, a.run_if);
     if (ok && a.topk_weights != nullptr) {
         uint8_t* rows = z.areas[me] + z.slot_offset;
         for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < static_cast<int64_t>(total) * K;
@@ -1416,7 +1453,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0 && arrive_last(e.own(kPushCount), gridDim.x))
+    if (threadIdx.x == 0 && arrive_last(e.own(kPushCount), gridDim.x) && chosen(a.choice, a.run_if))
         for (int r = 0; r < R; ++r) {
             if (published) {
                 int64_t* layout = reinterpret_cast<int64_t*>(e.signals(r) + layout_index(R, me, 0));
@@ -1571,15 +1608,20 @@ int combine_window_tokens(int num_ranks, int64_t num_nvl_bytes, int64_t x_bytes,
     return static_cast<int>(tokens < (1 << 22) ? tokens : (1 << 22));
 }
 
-void notify(const Ctx& ctx, const bool* is_token_in_rank, int num_tokens, const int* num_tokens_per_expert,
-            int num_experts, int* send_pos, int* recv_info, int nonce) {
+void notify(const Ctx& ctx, const bool* is_token_in_rank, int num_tokens, const int* num_tokens_per_rank,
+            const int* num_tokens_per_expert, int num_experts, int* send_pos, int* recv_info, int nonce) {
     if (num_experts > kMaxExperts)
         throw std::runtime_error("moe_ep: intranode dispatch supports at most " + std::to_string(kMaxExperts) +
                                  " experts, got " + std::to_string(num_experts));
     notify_kernel<<<ctx.num_ranks, kNotifyThreads, 0, ctx.stream>>>(ctx, is_token_in_rank, num_tokens,
-                                                                     num_tokens_per_expert, num_experts, send_pos,
-                                                                     recv_info, nonce);
+                                                                     num_tokens_per_rank, num_tokens_per_expert,
+                                                                     num_experts, send_pos, recv_info, nonce);
     MOE_EP_LAUNCH_CHECK("intranode notify_kernel");
+}
+
+void agree(const Ctx& ctx, const AgreeArgs& args) {
+    agree_kernel<<<1, kAgreeThreads, 0, ctx.stream>>>(ctx, args);
+    MOE_EP_LAUNCH_CHECK("intranode agree_kernel");
 }
 
 void dispatch(const Ctx& ctx, const DispatchArgs& args) {

@@ -26,7 +26,7 @@ from ..handles import DispatchHandle
 from ..mps import process_sm_share
 from ..sync import ArrivalGate
 from .peers import (
-    HOST_COMBINE_MISSING, HOST_COUNTS, HOST_DONE, HOST_ERROR, HOST_OVERFLOW, PHASE_NAMES, WAIT_NAMES, MappedBuffers,
+    HOST_CHOICE, HOST_CHOICE_DONE, HOST_COUNTS, HOST_DONE, HOST_ERROR, HOST_OVERFLOW, VOTE_IN_PLACE, VOTE_ROOM, PHASE_NAMES, WAIT_NAMES, MappedBuffers,
     aligned, kernel_progress, map_peer_buffers,
 )
 
@@ -38,6 +38,12 @@ RECENT_CALLS = 4
 # The streaming combine (per-channel rings, sending and receiving blocks at once) beat the windowed one
 # from 4 ranks up and lost at 2, on one GPU and on two (`moe-ep-bench intranode --stream-combine`).
 STREAM_COMBINE_MIN_RANKS = 4
+# Copying a combine's x into the arena to sum it in one pass paid from 4 ranks up and lost at 2 on one
+# H200 (`moe-ep-bench intranode --modes combine`): below, only an x already in the arena goes one pass.
+COPY_INTO_ARENA_MIN_RANKS = 4
+# An arena the Buffer sizes itself grows to room for this many regions of the largest need seen: a
+# dispatch's recv_x, a cached dispatch's, a combine's input and its weights.
+ARENA_GROWTH_CALLS = 4
 
 
 def row_bytes(t: Optional[torch.Tensor]) -> int:
@@ -70,7 +76,8 @@ class IntranodeDispatchState:
 
 class IntranodeBackend(Backend):
     def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_nvl_bytes: int, comm_stream: torch.cuda.Stream,
-                 arena_bytes: int = 0):
+                 arena_bytes: int = 0, arena_grows: bool = False):
+        """arena_bytes: the arena's size (0: none); arena_grows: it grows when a dispatch finds no room."""
         self.peers = map_peer_buffers(group, gate, num_nvl_bytes, "dispatch", kernel_choices.peer_memory)
         self.memory = self.peers.memory  # the arena is mapped the same way
         self.ops = self.peers.ops
@@ -80,6 +87,7 @@ class IntranodeBackend(Backend):
         self.host_info, self._host = self.peers.host_info, self.peers.host
         layout = self.ops.intranode_layout(self.num_ranks, num_nvl_bytes, 0, 0, 0)
         self.recv_info_ints = layout["recv_info_ints"]
+        self.prefix_matrix_at = layout["recv_info_prefix_matrix"]  # where recv_info holds rank_prefix_matrix
         self.ctx = self.ops.IntranodeCtx(
             self.peers.pointers.data_ptr(), self.rank, self.num_ranks, num_nvl_bytes, self.host_info, self.timeout_s,
             self.peers.ranks_on_device,
@@ -93,6 +101,10 @@ class IntranodeBackend(Backend):
         # from which every combine reads the expert outputs where they lie.
         self.arena_area: Optional[MappedBuffers] = None
         self.arena: Optional[Arena] = None
+        self.arena_grows = arena_grows
+        self._group, self._gate = group, gate
+        # The agreement's result (1: one pass), which a call's two data kernels read on the device.
+        self._choice = torch.zeros(1, dtype=torch.int32, device=self.peers.device)
         if arena_bytes > 0:
             sizes = [int.from_bytes(p, "little") for p in
                      gate.exchange("dispatch (arena sizes)", arena_bytes.to_bytes(8, "little"))]
@@ -281,7 +293,8 @@ class IntranodeBackend(Backend):
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, call: DispatchCall):
         return self._dispatch(call.x_parts, call.topk_idx, call.topk_weights, call.is_token_in_rank,
-                              call.num_tokens_per_expert, call.expert_alignment, call.num_worst_tokens, call.handle,
+                              call.num_tokens_per_rank, call.num_tokens_per_expert, call.expert_alignment,
+                              call.num_worst_tokens, call.handle,
                               call.make_handle, call.config, call.previous_event, call.async_finish,
                               call.allocate_on_comm_stream)
 
@@ -291,9 +304,9 @@ class IntranodeBackend(Backend):
 
     def combine_input(self, handle: DispatchHandle, hidden: int, dtype: torch.dtype) -> torch.Tensor:
         """With an arena, a region of it (the combine then reads the rows where they lie)."""
-        if self.arena is None:
-            return super().combine_input(handle, hidden, dtype)
-        return self.arena_tensor(handle.num_recv_rows, hidden, dtype)
+        tensor = None if self.arena is None else self._arena_tensor_or_none(handle.num_recv_rows, hidden, dtype)
+        # Without room, an ordinary tensor: the combine then copies it into the arena or takes two passes.
+        return super().combine_input(handle, hidden, dtype) if tensor is None else tensor
 
     def _dispatch(
         self,
@@ -301,6 +314,7 @@ class IntranodeBackend(Backend):
         topk_idx: Optional[torch.Tensor],
         topk_weights: Optional[torch.Tensor],
         is_token_in_rank: Optional[torch.Tensor],
+        num_tokens_per_rank: Optional[torch.Tensor],
         num_tokens_per_expert: Optional[torch.Tensor],
         expert_alignment: int,
         num_worst_tokens: int,
@@ -312,7 +326,9 @@ class IntranodeBackend(Backend):
         allocate_on_comm_stream: bool,
     ):
         """With an arena, the senders store every row once into a region of it that recv_x owns (one
-        pass); otherwise the rows pass through the windows of the Buffer's buffer (two passes)."""
+        pass) when every rank has room for its rows; otherwise the rows pass through the windows of the
+        Buffer's buffer (two passes). The ranks agree on the device, in the call (agree_kernel), so the
+        choice costs no host round trip."""
         self._start_call("dispatch", config.num_sms)
         capturing = torch.cuda.is_current_stream_capturing()
         # A graph would replay into the region it was captured with, long after recv_x returned it.
@@ -329,23 +345,22 @@ class IntranodeBackend(Backend):
         if not cached and topk_idx is not None:
             topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
         num_topk = topk_idx.shape[1] if not cached and topk_idx is not None else 0
-        layout = region = None
         local = num_tokens_per_expert.shape[0] // self.num_ranks if not cached else 0
         send_counts = recv_counts = per_expert = None
-        recv_x = recv_scales = recv_idx = recv_weights = None
-        overflow = 0
-        # A fresh dispatch into the arena starts before the host learns how many rows arrive: it takes
-        # the arena's largest free range, the kernel lays the rows out at its start from the count it
-        # reads on the device, and the host keeps what they need once it knows the count (its wait
-        # overlaps the kernel). A two-pass one needs the count for its outputs: from the count exchange
-        # to the dispatch's launch in one call.
         fresh = not cached and not worst
         if fresh and not into_arena:
+            # The two-pass kernel needs the count for its outputs: from the count exchange to the
+            # dispatch's launch in one call.
             compute, state, recv_x, recv_scales, recv_idx, recv_weights, counts = self._dispatch_fresh(
-                x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, local, config,
-                previous_event, allocate_on_comm_stream)
+                x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
+                local, config, previous_event, allocate_on_comm_stream)
             recv_counts, send_counts, per_expert = counts
         elif fresh:
+            # Into the arena the kernel starts before the host learns how many rows arrive: it lays them
+            # out at the start of the arena's largest free range from the count it reads on the device,
+            # where every rank has room (the ranks agree on the device), and the host keeps what they
+            # need once it knows the count (its wait overlaps the kernel). Where some rank has no room
+            # the kernel returns at once, and the two-pass kernel runs behind it.
             reserved = self.arena.reserve_largest()
             start, length = reserved or (0, 0)
             # The side outputs are allocated for the most rows the whole arena could hold, not the
@@ -354,91 +369,145 @@ class IntranodeBackend(Backend):
             target = (start, most if reserved else 0, [0] * 5, length)
             try:
                 compute, state, recv_idx, recv_weights = self._launch_arena_early(
-                    x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, local, target, config,
-                    previous_event, allocate_on_comm_stream)
-                send_counts, recv_counts, per_expert = self._wait_counts(local)
+                    x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
+                    local, target, config, previous_event, allocate_on_comm_stream)
+                send_counts, recv_counts, per_expert, one_pass = self._wait_choice(local)
             except BaseException:
                 if reserved is not None:  # else the arena's largest range stays taken
                     self.arena.free(reserved[0])
                 raise
             rows = sum(recv_counts)
-            layout, region = self._arena_keep(reserved, rows, x, scales, num_topk)
-            overflow = rows if rows > layout.capacity else 0
-            bound = min(rows, layout.capacity)
-            state.recv_src_idx = state.recv_src_idx[:bound]
-            if recv_idx is not None:
-                recv_idx, recv_weights = recv_idx[:bound], recv_weights[:bound]
+            if one_pass:
+                layout, region = self._arena_keep(reserved, rows, x, scales, num_topk)
+                recv_x = self._region_tensor(region, layout.x_offset, rows, x)
+                recv_scales = None if scales is None else self._region_tensor(region, layout.scale_offset, rows, scales)
+                state.recv_src_idx = state.recv_src_idx[:rows]
+                if recv_idx is not None:
+                    recv_idx, recv_weights = recv_idx[:rows], recv_weights[:rows]
+            else:
+                if reserved is not None:
+                    self.arena.free(reserved[0])
+                recv_x, recv_scales, recv_idx, recv_weights = self._two_pass_outputs(
+                    state, rows, x, scales, topk_idx, compute, allocate_on_comm_stream, cached=False)
+                self._launch_dispatch(config, x, scales, topk_idx, topk_weights, local, state, recv_x, recv_scales,
+                                      recv_idx, recv_weights, cached=False)
+                self._grow_arena(arena_dispatch_region(rows, row_bytes(x), row_bytes(scales), num_topk).slot_bytes)
         else:
             compute = self._enter(previous_event)
             if cached:
                 state: IntranodeDispatchState = handle.backend_state
                 rows = handle.num_recv_rows
             else:
-                state = self._launch_notify(x, is_token_in_rank, num_tokens_per_expert)
+                state = self._launch_notify(x, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert)
                 rows = worst
+            layout = region = None
             if into_arena:
-                layout, region = self._arena_region(rows, x, scales, num_topk)
-            # With no room in the arena the kernel still runs (the peers' kernels wait for this rank's)
-            # and drops the rows; a ValueError follows.
-            bound = min(rows, layout.capacity) if layout is not None else rows
-            overflow = rows if layout is not None and rows > layout.capacity else 0
-            if not cached:
+                # Rows the host knows before the call: a region of exactly those, where there is room;
+                # both kernels are queued and the agreement picks one, so nothing waits on the host.
+                layout = arena_dispatch_region(rows, row_bytes(x), row_bytes(scales), num_topk)
+                start = self.arena.alloc(layout.slot_bytes)
+                region = None if start is None else self._region(start, layout.slot_bytes)
+                self._agree(VOTE_ROOM | VOTE_IN_PLACE if region is not None else VOTE_IN_PLACE)
+            recv_x, recv_scales, recv_idx, recv_weights = self._two_pass_outputs(
+                state, rows, x, scales, topk_idx, compute, allocate_on_comm_stream, cached, region, layout)
+            if into_arena:
+                if layout is None or region is None:
+                    layout = arena_dispatch_region(0, row_bytes(x), row_bytes(scales), num_topk)
                 with torch.cuda.stream(self.comm_stream):
-                    state.recv_src_idx = torch.empty(bound, dtype=torch.int32, device=x.device)
-            with torch.cuda.stream(self.comm_stream if allocate_on_comm_stream else compute):
-                if layout is None:
-                    recv_x = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
-                    recv_scales = None if scales is None else torch.empty((rows, scales.shape[1]), dtype=scales.dtype,
-                                                                          device=x.device)
-                if not cached and topk_idx is not None:
-                    recv_idx = torch.empty((bound, topk_idx.shape[1]), dtype=torch.int64, device=x.device)
-                    recv_weights = torch.empty((bound, topk_idx.shape[1]), dtype=torch.float32, device=x.device)
-            with torch.cuda.stream(self.comm_stream):
-                ids = (None, None) if cached else (topk_idx, topk_weights)
-                if layout is None:
-                    self.ops.intranode_dispatch(
-                        self.ctx, config.num_sms, x, scales, *ids, local, state.send_pos, state.recv_info, recv_x,
-                        recv_scales, recv_idx, recv_weights, state.recv_src_idx, cached,
-                    )
-                else:
+                    ids = (None, None) if cached else (topk_idx, topk_weights)
                     self.ops.intranode_zero_copy_dispatch(
-                        self.ctx, config.num_sms, x, scales, *ids, local, state.send_pos, state.recv_info, bound,
-                        recv_idx, recv_weights, state.recv_src_idx, self.arena_area.pointers.data_ptr(),
-                        region.start if region else 0, layout.capacity, layout.offsets, -1, cached,
+                        self.ctx, config.num_sms, x, scales, *ids, local, state.send_pos, state.recv_info,
+                        layout.capacity, recv_idx, recv_weights, state.recv_src_idx,
+                        self.arena_area.pointers.data_ptr(), region.start if region else 0, layout.capacity,
+                        layout.offsets, -1, cached, self._choice, 1,
                     )
-        if into_arena:
-            recv_x = self._region_tensor(region, layout.x_offset, bound, x)
-            recv_scales = None if scales is None else self._region_tensor(region, layout.scale_offset, bound, scales)
+            self._launch_dispatch(config, x, scales, topk_idx, topk_weights, local, state, recv_x, recv_scales, recv_idx,
+                                  recv_weights, cached, choice=self._choice if into_arena else None)
         recv = [recv_x] if scales is None else [recv_x, recv_scales]
         # Arena tensors are not the caching allocator's memory (no record_stream): their regions hold it.
         event = self._leave(
             compute, async_finish, allocate_on_comm_stream,
-            [x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert],
-            ([] if into_arena else recv) + [recv_idx, recv_weights],
+            [x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert],
+            ([] if self._in_arena(recv_x) else recv) + [recv_idx, recv_weights],
         )
-        if overflow:
-            self.comm_stream.synchronize()
-            self._host[HOST_OVERFLOW] = 0  # reported here, not as a num_worst_tokens overflow
-            raise ValueError(self._arena_full(overflow, x, scales, num_topk))
         if cached:
             return recv, None, None, None, None, event
         counts_list = []
         if not worst:
             counts_list = per_expert if expert_alignment == 1 else \
                 [-(-c // expert_alignment) * expert_alignment for c in per_expert]
+        r = self.num_ranks
         new_handle = make_handle(
             num_tokens=x.shape[0],
             is_token_in_rank=is_token_in_rank,
             send_counts=send_counts,
             recv_counts=recv_counts,
             num_worst_tokens=worst,
+            rank_prefix_matrix=state.recv_info[self.prefix_matrix_at: self.prefix_matrix_at + r * r].view(r, r),
             recv_src_idx=state.recv_src_idx,
             backend_state=state,
             _send_pos=state.send_pos,
         )
         return recv, recv_idx, recv_weights, counts_list, new_handle, event
 
-    def _launch_notify(self, x, is_token_in_rank, num_tokens_per_expert) -> IntranodeDispatchState:
+    def _two_pass_outputs(self, state, rows: int, x, scales, topk_idx, compute, allocate_on_comm_stream: bool,
+                          cached: bool, region: Optional[Region] = None, layout=None):
+        """recv_x and recv_scales (in `region` where one was taken), the received top-k and, for a fresh
+        dispatch, the handle's source indices, for `rows` rows."""
+        recv_idx = recv_weights = None
+        if not cached:
+            with torch.cuda.stream(self.comm_stream):
+                state.recv_src_idx = torch.empty(rows, dtype=torch.int32, device=x.device)
+        with torch.cuda.stream(self.comm_stream if allocate_on_comm_stream else compute):
+            if region is not None:
+                recv_x = self._region_tensor(region, layout.x_offset, rows, x)
+                recv_scales = None if scales is None else self._region_tensor(region, layout.scale_offset, rows, scales)
+            else:
+                recv_x = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
+                recv_scales = None if scales is None else torch.empty((rows, scales.shape[1]), dtype=scales.dtype,
+                                                                      device=x.device)
+            if not cached and topk_idx is not None:
+                recv_idx = torch.empty((rows, topk_idx.shape[1]), dtype=torch.int64, device=x.device)
+                recv_weights = torch.empty((rows, topk_idx.shape[1]), dtype=torch.float32, device=x.device)
+        return recv_x, recv_scales, recv_idx, recv_weights
+
+    def _launch_dispatch(self, config: Config, x, scales, topk_idx, topk_weights, local: int, state, recv_x, recv_scales,
+                         recv_idx, recv_weights, cached: bool, choice: Optional[torch.Tensor] = None) -> None:
+        """The two-pass dispatch kernel on the communication stream; with `choice`, it returns at once
+        where the agreement chose the one-pass kernel."""
+        with torch.cuda.stream(self.comm_stream):
+            ids = (None, None) if cached else (topk_idx, topk_weights)
+            self.ops.intranode_dispatch(
+                self.ctx, config.num_sms, x, scales, *ids, local, state.send_pos, state.recv_info, recv_x,
+                recv_scales, recv_idx, recv_weights, state.recv_src_idx, cached, choice, 0,
+            )
+
+    def _agree(self, vote: int, copy_ok: bool = False) -> None:
+        """Every rank's vote on the path of the call that follows, on the device (the one-block agree
+        kernel, which also serves as the call's rendezvous): one pass where every rank has room
+        (VOTE_ROOM) and every rank's rows lie in place (VOTE_IN_PLACE) or copying them there pays
+        (copy_ok). The result lands in self._choice, which the call's two kernels read."""
+        with torch.cuda.stream(self.comm_stream):
+            self._nonce += 1
+            self.ops.intranode_agree(self.ctx, vote, copy_ok, self._choice, self._nonce)
+
+    def _grow_arena(self, needed: int) -> None:
+        """After a fresh dispatch that fell back to two passes for want of room (every rank learns it in
+        the same call), an arena of the Buffer's own sizing grows, so that the next calls of that size
+        take the one-pass path: collectively, to room for four calls' regions of the largest rank's
+        need. Regions of the old arena live on (their tensors hold its mapping)."""
+        if not self.arena_grows:
+            return
+        sizes = [int.from_bytes(p, "little") for p in
+                 self._gate.exchange("dispatch (growing the arena)", needed.to_bytes(8, "little"))]
+        size = max(2 * self.arena.size, ARENA_GROWTH_CALLS * max(sizes))
+        # The old area stays mapped until the next growth: this call's skipped one-pass kernel was
+        # queued with its addresses.
+        self._retired_area = self.arena_area
+        self.arena_area = map_peer_buffers(self._group, self._gate, size, "dispatch (arena)", self.memory)
+        self.arena = Arena(size, INTRANODE_SLOT_ALIGN)
+
+    def _launch_notify(self, x, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert) -> IntranodeDispatchState:
         """The count exchange of a fresh dispatch, on the communication stream (after _enter)."""
         with torch.cuda.stream(self.comm_stream):
             state = IntranodeDispatchState(
@@ -447,8 +516,8 @@ class IntranodeBackend(Backend):
                 recv_src_idx=None,
             )
             self._nonce += 1
-            self.ops.intranode_notify(self.ctx, is_token_in_rank.contiguous(), num_tokens_per_expert.contiguous(),
-                                      state.send_pos, state.recv_info, self._nonce)
+            self.ops.intranode_notify(self.ctx, is_token_in_rank.contiguous(), num_tokens_per_rank.contiguous(),
+                                      num_tokens_per_expert.contiguous(), state.send_pos, state.recv_info, self._nonce)
         return state
 
     def _begin_fresh_call(self, previous_event: Optional[EventOverlap]) -> bool:
@@ -461,8 +530,8 @@ class IntranodeBackend(Backend):
         self._nonce += 1
         return order_after_caller
 
-    def _dispatch_fresh(self, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
-                        local: int, config: Config, previous_event: Optional[EventOverlap],
+    def _dispatch_fresh(self, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
+                        num_tokens_per_expert, local: int, config: Config, previous_event: Optional[EventOverlap],
                         allocate_on_comm_stream: bool):
         """A fresh ordinary dispatch without num_worst_tokens in one call into the extension (the 2-rank
         call is bound by its host path): the stream order, the count exchange, the wait for the counts,
@@ -470,7 +539,8 @@ class IntranodeBackend(Backend):
         recv_weights, (recv_counts, send_counts, per_expert_counts))"""
         order_after_caller = self._begin_fresh_call(previous_event)
         done = self.ops.intranode_dispatch_fresh(
-            self.ctx, config.num_sms, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, local,
+            self.ctx, config.num_sms, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
+            num_tokens_per_expert, local,
             self._nonce, self.recv_info_ints, self.comm_stream.cuda_stream, order_after_caller, allocate_on_comm_stream,
             HOST_DONE, HOST_COUNTS, self.timeout_s + _HOST_GRACE_S,
         )
@@ -480,26 +550,32 @@ class IntranodeBackend(Backend):
         state = IntranodeDispatchState(send_pos, recv_info, recv_src_idx)
         return torch.cuda.current_stream(), state, recv_x, recv_scales, recv_idx, recv_weights, counts
 
-    def _launch_arena_early(self, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
-                                local: int, target: tuple, config: Config, previous_event: Optional[EventOverlap],
-                                allocate_on_comm_stream: bool):
-        """A fresh zero-copy dispatch up to its launch in one call into the extension (the 2-rank call is
+    def _launch_arena_early(self, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
+                            num_tokens_per_expert, local: int, target: tuple, config: Config,
+                            previous_event: Optional[EventOverlap], allocate_on_comm_stream: bool):
+        """A fresh one-pass dispatch up to its launch in one call into the extension (the 2-rank call is
         bound by its host path): the stream order, the state, the side outputs for the most rows the
-        target holds, the count exchange and the dispatch. target: (offset in the area, capacity rows,
-        part offsets, region bytes), a slot's (region bytes -1) or an arena range's that the kernel lays
-        out. -> (the caller's stream, state, recv_idx, recv_weights)."""
+        target holds, the count exchange, the agreement (room for every rank's rows) and the one-pass
+        kernel. target: (offset in the arena, capacity rows, part offsets, region bytes) of the range the
+        kernel lays the rows out in. -> (the caller's stream, state, recv_idx, recv_weights)."""
         order_after_caller = self._begin_fresh_call(previous_event)
         send_pos, recv_info, recv_src_idx, recv_idx, recv_weights = self.ops.intranode_zero_copy_dispatch_early(
-            self.ctx, config.num_sms, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, local,
-            self._nonce, self.recv_info_ints, self.comm_stream.cuda_stream, order_after_caller, allocate_on_comm_stream,
-            self.arena_area.pointers.data_ptr(), *target,
+            self.ctx, config.num_sms, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
+            num_tokens_per_expert, local, self._nonce, self.recv_info_ints, self.comm_stream.cuda_stream,
+            order_after_caller, allocate_on_comm_stream, self.arena_area.pointers.data_ptr(), *target, self._choice,
         )
         return torch.cuda.current_stream(), IntranodeDispatchState(send_pos, recv_info, recv_src_idx), recv_idx, recv_weights
 
-    def _wait_counts(self, local: int):
-        """The count exchange's result, read from host-mapped memory once the notify kernel is done."""
-        if not self.ops.wait_host_value(self.host_info, HOST_DONE, self._nonce, self.timeout_s + _HOST_GRACE_S):
+    def _wait_choice(self, local: int):
+        """(send counts, receive counts, per-expert counts, one pass?) of a fresh dispatch into the arena,
+        read from host-mapped memory once its agreement is done (behind its count exchange)."""
+        if not self.ops.wait_host_value(self.host_info, HOST_CHOICE_DONE, self._nonce,
+                                        self.timeout_s + _HOST_GRACE_S):
             self._count_exchange_timed_out()
+        return (*self._read_counts(local), bool(self._host[HOST_CHOICE]))
+
+    def _read_counts(self, local: int):
+        """The count exchange's result in host-mapped memory (its kernel is done)."""
         h, r = self._host, self.num_ranks
         # Slices of the ctypes array: one C-level copy each (indexing per element cost ~13 us a call
         # with 128 local experts).
@@ -525,31 +601,15 @@ class IntranodeBackend(Backend):
         )
 
     # ---------------------------------------------------------------- dispatch arena
-    def _arena_region(self, rows: int, x: torch.Tensor, scales: Optional[torch.Tensor], num_topk: int):
-        """(layout, region) for `rows` received rows; with no room in the arena, a layout of no rows and
-        no region: the kernel still runs (the peers' kernels wait for this rank's) and drops the rows."""
-        layout = arena_dispatch_region(rows, row_bytes(x), row_bytes(scales), num_topk)
-        start = self.arena.alloc(layout.slot_bytes)
-        if start is None:
-            return self._no_rows(x, scales, num_topk)
-        return layout, self._region(start, layout.slot_bytes)
-
     def _arena_keep(self, reserved, rows: int, x: torch.Tensor, scales: Optional[torch.Tensor], num_topk: int):
-        """(layout, region) of `rows` at the start of the range a call reserved (None: the arena had no
-        free byte), whose rest goes back; if they do not fit (the kernel, with the same formula, kept
-        none), a layout of no rows and no region."""
+        """(layout, region) of `rows` at the start of the range a one-pass call reserved, whose rest goes
+        back (the agreement found room for them: the kernel laid them out with the same formula); no
+        region for no rows where nothing was free."""
         layout = arena_dispatch_region(rows, row_bytes(x), row_bytes(scales), num_topk)
-        if reserved is None or layout.slot_bytes > reserved[1]:
-            if reserved is not None:
-                self.arena.free(reserved[0])
-            return self._no_rows(x, scales, num_topk)
+        if reserved is None:
+            return layout, None
         self.arena.shrink(reserved[0], layout.slot_bytes)
         return layout, self._region(reserved[0], layout.slot_bytes)
-
-    @staticmethod
-    def _no_rows(x: torch.Tensor, scales: Optional[torch.Tensor], num_topk: int):
-        """(layout, region) of a dispatch that found no room: a layout of no rows, no region."""
-        return arena_dispatch_region(0, row_bytes(x), row_bytes(scales), num_topk), None
 
     def _region(self, start: int, nbytes: int) -> Region:
         return Region(self.arena, start, nbytes, self.arena_area.addresses[self.rank], self.arena_area.device,
@@ -561,18 +621,12 @@ class IntranodeBackend(Backend):
             return torch.empty((0, like.shape[1]), dtype=like.dtype, device=like.device)
         return region.tensor(offset, rows, like.shape[1], like.dtype)
 
-    def _arena_full(self, rows: int, x: torch.Tensor, scales: Optional[torch.Tensor], num_topk: int) -> str:
-        needed = arena_dispatch_region(rows, row_bytes(x), row_bytes(scales), num_topk).slot_bytes
-        if needed > self.arena.size:
-            why = f"more than the whole arena ({self.arena.size} bytes)"
-        else:
-            why = (f"{self.arena.free_bytes} of its {self.arena.size} are free, the rest held by "
-                   f"{self.arena.used_regions} live recv_x tensors of earlier dispatches (drop them sooner)")
-        return (
-            f"num_arena_bytes: rank {self.rank} receives {rows} rows, which need {needed} bytes of "
-            f"the Buffer's arena: {why}. Or create the Buffer with a larger arena (moe_ep.config.arena_bytes "
-            "sizes it)."
-        )
+    def _in_arena(self, t: torch.Tensor) -> bool:
+        """Whether t lies in this rank's current arena."""
+        if self.arena_area is None:
+            return False
+        at = t.data_ptr() - self.arena_area.addresses[self.rank]
+        return 0 <= at < self.arena.size
 
     # ---------------------------------------------------------------- combine from the dispatch arena
     def combines_from_arena(self, x: torch.Tensor) -> bool:
@@ -581,30 +635,22 @@ class IntranodeBackend(Backend):
         in a CUDA graph (whose replays would reuse regions the call gave back), as the dispatch."""
         return self.arena is not None and row_bytes(x) % 16 == 0 and not torch.cuda.is_current_stream_capturing()
 
-    def arena_tensor(self, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
-        """[rows, hidden] of dtype in this rank's dispatch arena, owning its region like recv_x."""
-        tensor = self._arena_tensor_or_none(rows, hidden, dtype)
-        if tensor is None:
-            raise ValueError(self._arena_no_room(f"a combine input of {rows} rows", rows * hidden * dtype.itemsize))
-        return tensor
 
     def _arena_tensor_or_none(self, rows: int, columns: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
         nbytes = rows * columns * dtype.itemsize
         start = self.arena.alloc(nbytes)
         return None if start is None else self._region(start, nbytes).tensor(0, rows, columns, dtype)
 
-    def _arena_combine_rows(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor]):
-        """(x, (bytes from this rank's dispatch area to x's rows, their pitch, their count or -1 if there
-        was no room, bytes to room for the weights), tensors to keep until the kernel is done). x outside
-        the arena is copied into a region first (a pass over its bytes: empty_combine_input spares it)."""
+    def _arena_combine_rows(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor], inside: bool):
+        """(x, (bytes from this rank's arena to x's rows, their pitch, their count or -1 if there was no
+        room, bytes to room for the weights), tensors to keep until the kernel is done). x outside the
+        arena is copied into a region first (a pass over its bytes: empty_combine_input spares it)."""
         rows, base = x.shape[0], self.arena_area.addresses[self.rank]
-        pitch = x.stride(0) * x.element_size() if x.dim() == 2 and x.stride(1) == 1 else -1
+        pitch = x.stride(0) * x.element_size() if inside else row_bytes(x)
         at = x.data_ptr() - base
-        inside = pitch >= row_bytes(x) and pitch % 16 == 0 and at % 16 == 0 and \
-            0 <= at and at + max(rows - 1, 0) * pitch + row_bytes(x) <= self.arena.size
         kept = []
         if rows == 0:
-            return x, (0, row_bytes(x), 0, 0), kept
+            return x.contiguous(), (0, row_bytes(x), 0, 0), kept
         if not inside:
             copy = self._arena_tensor_or_none(rows, x.shape[1], x.dtype)
             if copy is None:
@@ -621,18 +667,6 @@ class IntranodeBackend(Backend):
             kept.append(weights)
         return x, (at, pitch, rows, weights_at), kept
 
-    def _arena_combine_full(self, x: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> str:
-        needed = x.shape[0] * (row_bytes(x) + row_bytes(topk_weights))
-        return (self._arena_no_room(f"a combine of {x.shape[0]} rows (x's copy, where x lies outside the arena, "
-                                    "and the weights)", needed)
-                + " Its rows were left out of every rank's output of this combine (the others raise at the end "
-                "of this combine or their next). Write x into Buffer.empty_combine_input to spare the copy.")
-
-    def _arena_no_room(self, what: str, needed: int) -> str:
-        return (f"num_arena_bytes: rank {self.rank}'s dispatch arena has no room for {what}, "
-                f"{needed} bytes: {self.arena.free_bytes} of its {self.arena.size} are free, the rest held by "
-                f"{self.arena.used_regions} live tensors over it (recv_x, combine inputs).")
-
     # ---------------------------------------------------------------- combine
     def _combine(
         self,
@@ -645,12 +679,14 @@ class IntranodeBackend(Backend):
         async_finish: bool,
         allocate_on_comm_stream: bool,
     ):
-        """With an arena, a combine of rows of whole 16-byte vectors reads them from the arenas
-        (combines_from_arena); otherwise through the windows of the Buffer's buffer."""
+        """With an arena, the owners of the tokens sum the rows where they lie in the arenas (one pass)
+        when every rank has room and its x lies there (Buffer.empty_combine_input), or, from
+        COPY_INTO_ARENA_MIN_RANKS ranks up, where copying x there first pays; the ranks agree on the
+        device. Otherwise the rows pass through the windows of the Buffer's buffer (two passes)."""
         self._start_call("combine", config.num_sms)
         state: IntranodeDispatchState = handle.backend_state
         from_arena = self.combines_from_arena(x)
-        x = x if from_arena else aligned(x)
+        copy_ok = self.num_ranks >= COPY_INTO_ARENA_MIN_RANKS
         topk_weights = None if topk_weights is None else topk_weights.contiguous()
         biases = [aligned(b) for b in biases] + [None] * (2 - len(biases))
         compute = self._enter(previous_event)
@@ -659,38 +695,38 @@ class IntranodeBackend(Backend):
             out_weights = None
             if topk_weights is not None:
                 out_weights = torch.empty((handle.num_tokens, topk_weights.shape[1]), dtype=torch.float32, device=x.device)
+        given, kept = x, []
         with torch.cuda.stream(self.comm_stream):
-            if from_arena:  # x itself, or its copy into the arena (on this stream)
-                given = x
-                x, where, kept = self._arena_combine_rows(x, topk_weights)
-            args = (self.ctx, config.num_sms, x, topk_weights, state.recv_src_idx, state.recv_info, state.send_pos,
-                    biases[0], biases[1], out, out_weights)
             if from_arena:
-                self.ops.intranode_zero_copy_combine(*args, self.arena_area.pointers.data_ptr(), *where)
-            else:
-                self.ops.intranode_combine(*args, config.num_max_nvl_chunked_send_tokens)
+                inside = self._rows_in_arena(x)
+                arena_x, where = x.contiguous(), (0, row_bytes(x), -1, 0)  # no room: a vote for two passes
+                if inside or copy_ok:  # x itself, or its copy into the arena (on this stream)
+                    arena_x, where, kept = self._arena_combine_rows(x, topk_weights, inside)
+                vote = (VOTE_ROOM if where[2] >= 0 else 0) | (VOTE_IN_PLACE if inside else 0)
+                self._agree(vote, copy_ok)
+                self.ops.intranode_zero_copy_combine(
+                    self.ctx, config.num_sms, arena_x, topk_weights, state.recv_src_idx, state.recv_info,
+                    state.send_pos, biases[0], biases[1], out, out_weights, self.arena_area.pointers.data_ptr(),
+                    *where, self._choice, 1)
+            x = aligned(x)
+            self.ops.intranode_combine(
+                self.ctx, config.num_sms, x, topk_weights, state.recv_src_idx, state.recv_info, state.send_pos,
+                biases[0], biases[1], out, out_weights, config.num_max_nvl_chunked_send_tokens,
+                self._choice if from_arena else None, 0)
         # Arena tensors are not the caching allocator's memory (record_stream skips them): an async call's
         # event holds them (their regions go back to the arena after the kernel, which ends once every
         # peer has read them); otherwise the current stream waits for the kernel before anything can
         # reuse them.
-        inputs = [x, topk_weights, *biases]
-        if from_arena:  # and the caller's x where it was copied: the copy reads it on this stream
-            inputs += kept + ([given] if given is not x else [])
+        inputs = [x, given, topk_weights, *biases, *kept]
         event = self._leave(compute, async_finish, allocate_on_comm_stream, inputs, [out, out_weights])
-        if from_arena and where[2] < 0:
-            raise ValueError(self._arena_combine_full(x, topk_weights))
-        self._report_missing_rows()
         return out, out_weights, event
 
-    def _report_missing_rows(self) -> None:
-        """ValueError if a combine from the arena (this one, if its kernel already ran, or an earlier one)
-        lacked a peer's rows, which that peer had no room for. Raised once this call's kernel is queued,
-        so that every rank ran the same kernels: the Buffer stays in step."""
-        h = self._host
-        if h[HOST_COMBINE_MISSING]:
-            missing, h[HOST_COMBINE_MISSING] = h[HOST_COMBINE_MISSING] - 1, 0
-            raise ValueError(
-                f"num_arena_bytes: rank {missing} had no room in its dispatch arena for its rows of a "
-                f"combine (this one or an earlier one), whose output on rank {self.rank} left them out (rank "
-                f"{missing} raised at that call)."
-            )
+    def _rows_in_arena(self, x: torch.Tensor) -> bool:
+        """Whether x's rows lie in this rank's arena as the one-pass combine reads them (no rows: nothing
+        to read, so in place)."""
+        if x.shape[0] == 0:
+            return True
+        pitch = x.stride(0) * x.element_size() if x.dim() == 2 and x.stride(1) == 1 else -1
+        at = x.data_ptr() - self.arena_area.addresses[self.rank]
+        return (pitch >= row_bytes(x) and pitch % 16 == 0 and at % 16 == 0 and 0 <= at
+                and at + max(x.shape[0] - 1, 0) * pitch + row_bytes(x) <= self.arena.size)

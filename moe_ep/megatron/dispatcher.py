@@ -7,10 +7,9 @@ the result first waits for it (on the portable backend, calls complete before th
 waits are free). Communication state lives in one small object (`_CommState`) per dispatcher; the
 Buffer is one per process group, shared by every layer's dispatcher (`_buffer_for`).
 Autograd: the backward of dispatch is a combine over the same handle, the backward of combine is a
-cached dispatch. By default (options.moe_ep_arena) the Buffer has an arena of four calls' rows: every
-dispatch stores its rows once into a region recv_x owns, and the local unpermute writes into
-Buffer.empty_combine_input, a region the combine reads where it lies (both one pass, both ordinary
-tensors).
+cached dispatch. By default (options.moe_ep_arena) the Buffer keeps its arena: dispatches store their
+rows once into regions recv_x owns, and the local unpermute writes into Buffer.empty_combine_input, a
+region the combine reads where it lies (both one pass, both ordinary tensors).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantizat
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from ..buffer import Buffer, default_config_size_hints
-from ..config import arena_bytes
 from ..events import EventOverlap
 from ..mps import missing_sm_share
 from .options import options_for
@@ -81,23 +79,22 @@ def _async() -> dict:
 _buffers: Dict[dist.ProcessGroup, Buffer] = {}
 
 
-def _buffer_for(group, hidden_bytes: int, arena: int = 0, timeout_s: Optional[float] = None) -> Buffer:
+def _buffer_for(group, hidden_bytes: int, arena: bool = True, timeout_s: Optional[float] = None) -> Buffer:
     """The group's shared Buffer, replaced (collectively: every rank asks for the same sizes) by a larger
-    one when it lacks room for rows of hidden_bytes or an arena of `arena` bytes."""
+    one when it lacks room for rows of hidden_bytes, or by one with (the Buffer's own, growing) or
+    without an arena, as asked."""
     nvl, rdma = default_config_size_hints(hidden_bytes, group.size())
     current = _buffers.get(group)
     if (
         current is not None
         and current.num_nvl_bytes >= nvl
         and current.num_rdma_bytes >= rdma
-        and current.num_arena_bytes >= arena
-        and (arena > 0) == (current.num_arena_bytes > 0)
+        and (current.num_arena_bytes != 0) == arena
     ):
         return current
     if current is not None:  # a dispatcher's handles keep it alive while their calls need it
         nvl, rdma = max(nvl, current.num_nvl_bytes), max(rdma, current.num_rdma_bytes)
-        arena = max(arena, current.num_arena_bytes) if arena else 0
-    _buffers[group] = Buffer(group, nvl, rdma, num_arena_bytes=arena, timeout_s=timeout_s)
+    _buffers[group] = Buffer(group, nvl, rdma, num_arena_bytes=None if arena else 0, timeout_s=timeout_s)
     return _buffers[group]
 
 
@@ -239,13 +236,8 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
     @phase_range("token_dispatch")
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         hidden_bytes = hidden_states.shape[1] * max(hidden_states.element_size(), 2)
-        arena = 0
-        if self.options.moe_ep_arena:
-            # Every row this rank could receive (each token once from every rank of the group), for a
-            # dispatch's recv_x, the combine's input and the backward's two.
-            rows = hidden_states.shape[0] * self.group.size()
-            arena = arena_bytes(rows, hidden_bytes, hidden_states.shape[1] // 128 * 4, self.router_topk, num_live=4)
-        self._state.buffer = _buffer_for(self.group, hidden_bytes, arena, self.options.moe_ep_timeout_s)
+        self._state.buffer = _buffer_for(self.group, hidden_bytes, self.options.moe_ep_arena,
+                                         self.options.moe_ep_timeout_s)
         return _Dispatch.apply(hidden_states, probs, self._topk_idx, self.num_experts, self._state)
 
     @phase_range("dispatch_postprocess")
@@ -293,7 +285,7 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
     @phase_range("combine_preprocess")
     def combine_preprocess(self, hidden_states: torch.Tensor):
         state = self._state
-        if hidden_states.dtype in (torch.bfloat16, torch.float32) and state.buffer.num_arena_bytes:
+        if hidden_states.dtype in (torch.bfloat16, torch.float32) and state.buffer.num_arena_bytes != 0:
             # The combine's x, in the arena: read where it lies.
             rows = state.buffer.empty_combine_input(state.handle, hidden_states.shape[-1], hidden_states.dtype)
             return _UnpermuteInto.apply(hidden_states, self.reversed_mapping, _Into(rows))

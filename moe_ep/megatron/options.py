@@ -17,7 +17,7 @@ from typing import Optional
 class DispatcherOptions:
     # The one-pass intranode path: every dispatch stores its rows once into a region of the Buffer's
     # arena and the local unpermute writes into the arena, so the combine reads the rows where they lie.
-    # Costs a mapped arena of four calls' rows per rank; off: the two-pass path, no arena.
+    # Costs a mapped arena (the Buffer's own sizing, grown to four calls' rows); off: two passes, no arena.
     moe_ep_arena: bool = True
     # SMs the normal kernels may use (even); None: moe_ep's tuned value.
     moe_ep_num_sms: Optional[int] = None
