@@ -1,4 +1,4 @@
-"""The intranode backend: CUDA kernels over peers' buffers mapped with CUDA IPC (csrc/kernels/intranode.cu).
+"""The intranode backend: CUDA kernels over peers' buffers mapped with CUDA IPC (csrc/kernels/intranode/).
 
 Used for CUDA tensors when every rank of the group is on this host (also several ranks on one GPU).
 It keeps the portable backend's results bit for bit; the Buffer has checked every argument before a
@@ -65,7 +65,7 @@ def zero_copy_dispatch_too_small(rank: int, rows: int, x: torch.Tensor, scales: 
 
 def fit_blocks() -> bool:
     """Whether the data kernels fit their block count to the ranks sharing a GPU and the combines try
-    1024-thread blocks first (fitted_blocks in intranode.cu; MOE_EP_FIT_BLOCKS=0 takes the SM budget as
+    1024-thread blocks first (fitted_blocks in intranode/launch.cu; MOE_EP_FIT_BLOCKS=0 takes the SM budget as
     the count and the 512-thread shapes, as before the twentieth session)."""
     return env_switch("MOE_EP_FIT_BLOCKS", "1")
 
