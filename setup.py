@@ -64,8 +64,10 @@ def cuda_extension():
         return None, "nvcc not found (set CUDA_HOME)"
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(CUDA_HOME, "include", "cccl")]
+    # The intranode kernels, one file per kernel family: every file there is built.
+    intranode = sorted(glob.glob("csrc/kernels/intranode/*.cu", root_dir=ROOT))
     sources = ["csrc/bindings.cpp", "csrc/peer_memory.cpp", "csrc/kernels/layout.cu", "csrc/kernels/fp8.cu",
-               "csrc/kernels/intranode.cu", "csrc/kernels/low_latency.cu"]
+               *intranode, "csrc/kernels/low_latency.cu"]
     define_macros, libraries, extra_link = [], [], []
     if "9.0" in os.environ["TORCH_CUDA_ARCH_LIST"]:
         define_macros.append(("MOE_EP_SM90_COMPILED", "1"))

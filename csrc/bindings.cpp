@@ -187,7 +187,7 @@ struct IntranodeCtx {
     bool stream_combine = false;  // set from Python (backends/intranode.py: use_stream_combine)
     bool zero_copy_bases = false;  // set from Python when the Buffer has a zero-copy area
     // Set from Python, the same on every rank (where any GPU holds several of the group's ranks): the
-    // combines and the cached dispatches start behind a rendezvous kernel (intranode.cu), the other
+    // combines and the cached dispatches start behind a rendezvous kernel (intranode/rendezvous.cu), the other
     // dispatches behind their count exchange already.
     bool rendezvous = false;
     // The group's largest count of ranks on one GPU, for fitted_blocks; 0: the data kernels take the SM

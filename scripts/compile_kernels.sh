@@ -25,10 +25,10 @@ JOBS=${MAX_JOBS:-$(nproc)}
 status=0
 compile() { echo "  $*" | sed 's/ -I[^ ]*//g' | cut -c1-160; "$@" || { echo "FAILED: $*" | cut -c1-200; return 1; }; }
 pids=()
-for src in $(ls csrc/kernels/*.cu | grep -v nvshmem_puts.cu); do
+for src in $(ls csrc/kernels/*.cu csrc/kernels/intranode/*.cu | grep -v nvshmem_puts.cu); do
   compile "$NVCC" "${COMMON[@]}" -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 \
     "${TORCH_NVCC[@]}" \
-    -c "$src" -o "$OUT/$(basename "$src").o" &
+    -c "$src" -o "$OUT/$(echo "${src#csrc/kernels/}" | tr / _).o" &
   pids+=($!)
   if (( ${#pids[@]} >= JOBS )); then wait "${pids[0]}" || status=1; pids=("${pids[@]:1}"); fi
 done

@@ -11,7 +11,7 @@ from moe_ep.mps import client_sm_share
 from .host_headers import run_against_headers
 
 H200_SMS = 132
-# Blocks an SM holds in each shape (intranode.cu): Solo and Full 1, Wide 2, Narrow 4.
+# Blocks an SM holds in each shape (intranode/launch.cuh): Solo and Full 1, Wide 2, Narrow 4.
 SHAPES_PER_SM = (1, 2, 4)
 
 

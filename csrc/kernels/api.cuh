@@ -121,7 +121,7 @@ struct Ctx {
     int64_t* kernel_log;      // null, or the kernel log (kKernelLogEntries above)
     bool stream_combine;      // combine through per-channel rings instead of windows (up to 32 ranks)
     bool zero_copy_bases;     // notify also finds where this rank's rows start at every peer
-    bool full_first;          // launches try 1024-thread blocks first, not 512 at one an SM (intranode.cu)
+    bool full_first;          // launches try 1024-thread blocks first, not 512 at one an SM (intranode/launch.cuh)
     int rendezvous_before;    // KernelId of a data kernel that waits for every rank to reach the call
                               // before it starts (a one-block rendezvous kernel ahead of it), 0: none
     bool start_together;      // every data kernel starts behind a rendezvous or its call's count exchange

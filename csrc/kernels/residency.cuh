@@ -1,6 +1,6 @@
 // When the intranode kernels' blocks can all be resident at once (they wait on each other across
 // ranks). Plain arithmetic, free of CUDA, so that tests compile it for the host
-// (tests/test_residency.py); intranode.cu asks the occupancy API for `own` and `per_sm`.
+// (tests/test_residency.py); intranode/launch.cu asks the occupancy API for `own` and `per_sm`.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-"""The intranode backend: CUDA kernels over peers' buffers mapped with CUDA IPC (csrc/kernels/intranode.cu).
+"""The intranode backend: CUDA kernels over peers' buffers mapped with CUDA IPC (csrc/kernels/intranode/).
 
 Used for CUDA tensors when every rank of the group is on this host (also several ranks on one GPU).
 It keeps the portable backend's results bit for bit; the Buffer has checked every argument before a
