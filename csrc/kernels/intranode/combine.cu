@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     const int max_tokens = a.recv_info[0];
     const int num_windows = max(1, ceil_div(max_tokens, window_tokens));
     const Warps warps = grid_warps<S::kWarps>();
-    bool ok = load_volatile(e.own(kAbort)) == 0;
+    bool ok = load_volatile(e.own(kAbort)) == 0 && chosen(a.choice, a.run_if);
     // Windows 0 and 1 of this rank accept rows from now on (the previous kernel left them unused).
     if (ok && blockIdx.x == 0 && threadIdx.x == 0)
         for (int r = 0; r < e.num_ranks; ++r) raise_flag(e.peer_array(r, kOpenFrom, e.rank), tag(e.seq, 1));
@@ -423,7 +423,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     const int64_t x_bytes = static_cast<int64_t>(a.hidden) * sizeof(T);
     const StreamCall call{a, slot_bytes, x_bytes, align_up(x_bytes, kSlotAlign), ring_rows, channels,
                           a.recv_info + 2, a.recv_info + 3 + e.num_ranks};
-    if (load_volatile(e.own(kAbort)) == 0) {
+    if (load_volatile(e.own(kAbort)) == 0 && chosen(a.choice, a.run_if)) {
         if (blockIdx.x < channels) {
             stream_receive<T, V, S>(e, call, blockIdx.x);
             end_phase(e, kPhaseReduce, e.start);

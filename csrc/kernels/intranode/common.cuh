@@ -140,6 +140,11 @@ __device__ __forceinline__ void finish_kernel(const Env& e, uint64_t* done_count
     if (threadIdx.x == 0 && arrive_last(done_counter, gridDim.x)) end_of_kernel(e);
 }
 
+// Whether a data kernel queued behind an agreement (agree.cu) is the one it chose; always without one.
+__device__ __forceinline__ bool chosen(const int* choice, int run_if) {
+    return choice == nullptr || __ldcg(choice) == run_if;
+}
+
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 __device__ __forceinline__ int clamp_count(int n, int first, int capacity) { return max(0, min(n - first, capacity)); }
 // The part a list entry falls in, for `parts` parts laid back to back, part j from entry starts[j];

@@ -224,7 +224,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     const int max_tokens = a.recv_info[0], total = a.recv_info[1];
     const int num_windows = max(1, ceil_div(max_tokens, window_tokens));
     const Warps warps = grid_warps<S::kWarps>();
-    bool ok = load_volatile(e.own(kAbort)) == 0;
+    bool ok = load_volatile(e.own(kAbort)) == 0 && chosen(a.choice, a.run_if);
     uint64_t since = e.start;
     for (int w = 0; ok && w < num_windows; ++w) {
         ok = stage_window<S>(e, a, slot, window_tokens, warps, w);

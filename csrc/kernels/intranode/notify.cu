@@ -19,6 +19,7 @@ constexpr int kScanItems = 4;
 // finish waits for every rank's counts and sums them up. One block waits, not R: where ranks share a GPU,
 // R waiting blocks a rank (64 in all at 8 ranks) hold SMs a late peer's GEMMs may need (as rendezvous.cu says).
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Ctx c, const bool* __restrict__ in_rank, int num_tokens,
+                                                                const int* __restrict__ tokens_per_rank,
                                                                 const int* __restrict__ tokens_per_expert,
                                                                 int num_experts, int* __restrict__ send_pos,
                                                                 int* __restrict__ recv_info, int nonce) {
@@ -50,9 +51,10 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Ctx c, const boo
         if (threadIdx.x == 0) carry += block_total;
         __syncthreads();
     }
-    // Our row in rank d's counts area: [tokens, tokens for d, counts of d's experts].
+    // Our row in rank d's counts area: [tokens, tokens for d, tokens for each rank, counts of d's experts].
     int* row = reinterpret_cast<int*>(e.buffers[d] + signal_bytes(R)) + e.rank * row_ints;
-    for (int i = threadIdx.x; i < local; i += blockDim.x) row[2 + i] = tokens_per_expert[d * local + i];
+    for (int i = threadIdx.x; i < R; i += blockDim.x) row[kCountsPerRankAt + i] = tokens_per_rank[i];
+    for (int i = threadIdx.x; i < local; i += blockDim.x) row[kCountsPerRankAt + R + i] = tokens_per_expert[d * local + i];
     if (threadIdx.x == 0) {
         row[0] = num_tokens;
         row[1] = carry;
@@ -87,23 +89,19 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Ctx c, const boo
     }
     for (int i = threadIdx.x; i < local; i += blockDim.x) {
         int sum = 0;
-        for (int s = 0; s < R; ++s) sum += __ldcg(counts + s * row_ints + 2 + i);
+        for (int s = 0; s < R; ++s) sum += __ldcg(counts + s * row_ints + kCountsPerRankAt + R + i);
         e.host[kHostCounts + 2 * R + i] = sum;
     }
-    if (c.zero_copy_bases) {
-        // Where this rank's rows start at each peer r (a zero-copy dispatch writes them there, a zero-copy
-        // combine reads them there): the rows of r's sources before this rank, from r's counts area once
-        // each of them has written there.
-        // Safe to read: a source rewrites its row at r only in its next count exchange, which follows
-        // a dispatch that needs this rank's, which follows this notify.
-        for (int r = threadIdx.x; r < R; r += blockDim.x) {
-            const int* counts_r = reinterpret_cast<const int*>(e.buffers[r] + signal_bytes(R));
-            int base = 0;
-            for (int s = 0; s < e.rank; ++s) {
-                if (!wait_flag(e, e.peer_array(r, kNotifyFrom, s), tag(e.seq, 0), kErrNotify, s, 0)) break;
-                base += __ldcg(counts_r + s * row_ints + 1);
-            }
-            recv_info[3 + 2 * R + r] = base;
+    // The rank prefix matrix (every source's tokens for every rank, summed over the sources up to it),
+    // and where this rank's rows start at each peer r (the one-pass kernels write and read them there):
+    // the tokens r's sources before this rank send it.
+    int* prefix = recv_info + recv_info_prefix_matrix(R);
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        int sum = 0;
+        for (int s = 0; s < R; ++s) {
+            if (s == e.rank) recv_info[3 + 2 * R + r] = sum;
+            sum += __ldcg(counts + s * row_ints + kCountsPerRankAt + r);
+            prefix[s * R + r] = sum;
         }
     }
     __syncthreads();
@@ -116,14 +114,14 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Ctx c, const boo
 
 }  // namespace
 
-void notify(const Ctx& ctx, const bool* is_token_in_rank, int num_tokens, const int* num_tokens_per_expert,
-            int num_experts, int* send_pos, int* recv_info, int nonce) {
+void notify(const Ctx& ctx, const bool* is_token_in_rank, int num_tokens, const int* num_tokens_per_rank,
+            const int* num_tokens_per_expert, int num_experts, int* send_pos, int* recv_info, int nonce) {
     if (num_experts > kMaxExperts)
         throw std::runtime_error("moe_ep: intranode dispatch supports at most " + std::to_string(kMaxExperts) +
                                  " experts, got " + std::to_string(num_experts));
     notify_kernel<<<ctx.num_ranks, kNotifyThreads, 0, ctx.stream>>>(ctx, is_token_in_rank, num_tokens,
-                                                                     num_tokens_per_expert, num_experts, send_pos,
-                                                                     recv_info, nonce);
+                                                                     num_tokens_per_rank, num_tokens_per_expert,
+                                                                     num_experts, send_pos, recv_info, nonce);
     MOE_EP_LAUNCH_CHECK("intranode notify_kernel");
 }
 

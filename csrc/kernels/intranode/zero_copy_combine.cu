@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     const bool published = z.weights_offset >= 0;
     const int total = min(static_cast<int64_t>(a.recv_info[1]), max(z.capacity_rows, int64_t{0}));
     const int* first_row_at = a.recv_info + 3 + 2 * R;  // this rank's first row at each peer
-    bool ok = load_volatile(e.own(kAbort)) == 0;
+    bool ok = load_volatile(e.own(kAbort)) == 0 && chosen(a.choice, a.run_if);
     if (ok && a.topk_weights != nullptr) {
         uint8_t* rows = z.areas[me] + z.slot_offset;
         for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < static_cast<int64_t>(total) * K;
@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0 && arrive_last(e.own(kPushCount), gridDim.x))
+    if (threadIdx.x == 0 && arrive_last(e.own(kPushCount), gridDim.x) && chosen(a.choice, a.run_if))
         for (int r = 0; r < R; ++r) {
             if (published) {
                 int64_t* layout = reinterpret_cast<int64_t*>(e.signals(r) + layout_index(R, me, 0));

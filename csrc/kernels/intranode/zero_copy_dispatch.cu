@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
         receiving.x_offset = d.x, receiving.scale_offset = d.scale, receiving.idx_offset = d.idx;
         receiving.weight_offset = d.weight, receiving.src_offset = d.src;
     }
-    bool ok = load_volatile(e.own(kAbort)) == 0;
+    bool ok = load_volatile(e.own(kAbort)) == 0 && chosen(a.choice, a.run_if);
     if (ok && blockIdx.x == 0) {
         for (int r = threadIdx.x; r < R; r += blockDim.x) {
             int64_t* layout = reinterpret_cast<int64_t*>(e.signals(r) + layout_index(R, me, 0));
