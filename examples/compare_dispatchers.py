@@ -17,8 +17,6 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from moe_ep.zero_copy_modes import ZERO_COPY_CHOICES  # noqa: E402  (the choices train_moe.py takes)
 DISPATCHERS = ("alltoall", "deepep")
 
 
@@ -32,8 +30,8 @@ def run(dispatcher: str, args, log_path: str) -> list:
            "--dispatcher", dispatcher, "--json-log", log_path]
     if args.steps:
         cmd += ["--steps", str(args.steps)]
-    if dispatcher == "deepep" and args.zero_copy:
-        cmd += ["--zero-copy", args.zero_copy]
+    if dispatcher == "deepep" and args.no_arena:
+        cmd += ["--no-arena"]
     if args.profile:
         cmd += ["--profile", os.path.join(args.profile, f"profile_{dispatcher}.txt")]
     # megatron-core warns at length about optional packages it falls back from; keep the table readable.
@@ -80,8 +78,9 @@ def main(argv=None) -> int:
     parser.add_argument("--torchrun-args", default="", help="extra torchrun arguments, e.g. multi-node")
     parser.add_argument("--plot", default=os.path.join(ROOT, "out", "compare_dispatchers.png"))
     parser.add_argument("--json", help="write the summary here")
-    parser.add_argument("--zero-copy", choices=ZERO_COPY_CHOICES,
-                        help="moe_ep's one-pass intranode calls for the deepep run (train_moe.py --zero-copy)")
+    parser.add_argument("--no-arena", action="store_true",
+                        help="moe_ep's two-pass intranode calls and no arena for the deepep run (train_moe.py "
+                             "--no-arena)")
     parser.add_argument("--profile", metavar="DIR",
                         help="write each run's operator table of three steps here (train_moe.py --profile)")
     args = parser.parse_args(argv)

@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from moe_ep.zero_copy_modes import ZERO_COPY_CHOICES  # noqa: E402  (megatron-core is imported later)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # moe_ep, when not installed
 
 
 def parse_args(argv=None):
@@ -37,8 +36,9 @@ def parse_args(argv=None):
                         help="overrides model.moe_token_dispatcher_type")
     parser.add_argument("--steps", type=int, help="overrides train.steps")
     parser.add_argument("--ranks-per-node", type=int, help="moe_ep: ranks sharing a node (default: by host name)")
-    parser.add_argument("--zero-copy", choices=ZERO_COPY_CHOICES,
-                        help="moe_ep: which intranode calls are one-pass ones (default: none)")
+    parser.add_argument("--no-arena", action="store_true",
+                        help="moe_ep: the two-pass intranode calls and no arena (default: the dispatcher's arena, "
+                             "one pass over memory per call)")
     parser.add_argument("--json-log", help="JSON lines, one per step (rank 0)")
     parser.add_argument("--profile", help="rank 0's operator table of three profiled steps, written here")
     parser.add_argument("--stall-dump", type=float, metavar="S",
@@ -119,7 +119,7 @@ def init_distributed(use_cuda: bool) -> None:
     dist.init_process_group(backend)
 
 
-def build_model(model_cfg: dict, data_cfg: dict, use_cuda: bool, seed: int):
+def build_model(model_cfg: dict, data_cfg: dict, use_cuda: bool, seed: int, moe_ep_arena: bool = True):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -129,6 +129,8 @@ def build_model(model_cfg: dict, data_cfg: dict, use_cuda: bool, seed: int):
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
     config = TransformerConfig(**model_cfg, expert_model_parallel_size=dist.get_world_size(),
                                use_cpu_initialization=not use_cuda, moe_router_dtype="fp32")
+    # moe_ep's dispatcher reads its options from the config it is built with (moe_ep.megatron.options).
+    config.moe_ep_arena = moe_ep_arena
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     model = GPTModel(config, spec, vocab_size=data_cfg["vocab_size"], max_sequence_length=data_cfg["seq_length"])
     # float32 parameters everywhere (TF32 matrix products on the GPU): the comparison is about the
@@ -185,13 +187,11 @@ def train(args) -> list:
     enable_cpu_execution()
     if args.ranks_per_node:
         os.environ["MOE_EP_RANKS_PER_NODE"] = str(args.ranks_per_node)
-    if args.zero_copy:
-        moe_ep.megatron.set_zero_copy(args.zero_copy)
     if args.profile:
         label_alltoall_phases()
     rank = dist.get_rank()
     torch.manual_seed(train_cfg["seed"])
-    model = build_model(model_cfg, data_cfg, use_cuda, train_cfg["seed"])
+    model = build_model(model_cfg, data_cfg, use_cuda, train_cfg["seed"], moe_ep_arena=not args.no_arena)
     optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg["lr"])
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     tokens_per_step = data_cfg["micro_batch_size"] * data_cfg["seq_length"] * dist.get_world_size()

@@ -51,12 +51,14 @@ if $PY -c "import megatron.core" 2>/dev/null; then
     summary "megatron tests (CPU ranks): $(tail -1 "$OUT/megatron_tests.log")"
   fi
   if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
-    # EP=1, then EP=4 with four ranks sharing this GPU (the launcher's MPS and SM share) through the arena;
-    # COMPARE_EPS="1 4 8" adds eight ranks (another ~110 s on one H200).
+    # EP=1 on the two-pass calls, then EP=4 with four ranks sharing this GPU (the launcher's MPS and SM
+    # share) through the dispatcher's default arena; COMPARE_EPS="1 4 8" adds eight ranks (another ~110 s
+    # on one H200).
     for ep in ${COMPARE_EPS:-1 4}; do
-      zero_copy=none; [[ $ep -gt 1 ]] && zero_copy=arena
+      arena=--no-arena; [[ $ep -gt 1 ]] && arena=
+      # shellcheck disable=SC2086  # arena: no argument or one
       timeout 240 $PY examples/compare_dispatchers.py --config configs/single_gpu_small.yaml --nproc $ep --steps 30 \
-        --warmup 5 --zero-copy $zero_copy --plot "$OUT/compare_ep$ep.png" --json "$OUT/compare_ep$ep.json" 2>&1 \
+        --warmup 5 $arena --plot "$OUT/compare_ep$ep.png" --json "$OUT/compare_ep$ep.json" 2>&1 \
         | grep -v "step/s" | tail -6 | tee -a "$OUT/summary.txt"
     done
   fi
@@ -73,8 +75,8 @@ if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
   # Both combines forced on the same problems (the default streams from 4 ranks up): BENCH_OTHER_COMBINE=1.
   if [[ ${BENCH_OTHER_COMBINE:-0} == 1 ]]; then
     for forced in 0 1; do
-      MOE_EP_STREAM_COMBINE=$forced timeout 300 $PY -m moe_ep.bench.intranode --ranks 2 4 8 --sms ${BENCH_SMS:-24} \
-        --modes combine --json "$OUT/bench.jsonl" 2>&1 | sed "s/^/MOE_EP_STREAM_COMBINE=$forced: /" | tee -a "$OUT/summary.txt"
+      timeout 300 $PY -m moe_ep.bench.intranode --ranks 2 4 8 --sms ${BENCH_SMS:-24} --stream-combine $forced \
+        --modes combine --json "$OUT/bench.jsonl" 2>&1 | sed "s/^/--stream-combine $forced: /" | tee -a "$OUT/summary.txt"
     done
   fi
   # Where the intranode kernels' time goes (their blocks' waits on peers), apart from the figures above.
@@ -88,7 +90,7 @@ if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
   timeout 60 $PY -m moe_ep.bench.profile_low_latency_call --python-profile 10 2>&1 | tee -a "$OUT/summary.txt"
   # Device time per kernel inside the calls (BENCH_TRACE=0 skips it); torch.profiler's warning per rank left out.
   if [[ ${BENCH_TRACE:-1} == 1 ]]; then
-    for trace in "--mode low_latency" "--mode normal" "--mode normal --zero-copy"; do
+    for trace in "--mode low_latency" "--mode normal" "--mode normal --arena"; do
       # shellcheck disable=SC2086  # trace: the arguments of one run
       timeout 120 $PY -m moe_ep.bench.trace_kernels $trace --ranks 2 8 2>&1 \
         | grep -v -e "Profiler clears events" -e "_warn_once(" | tee -a "$OUT/summary.txt"

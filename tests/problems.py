@@ -173,24 +173,3 @@ def same_bits(a, b) -> bool:
         return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
     return a == b
 
-
-def check_zero_copy_dispatch_rounds(per_rank_results, seed) -> None:
-    """rank_fns.zero_copy_dispatch_rounds' results: every zero-copy dispatch gave an ordinary one's
-    outputs, and every recv_x outlived the next zero-copy dispatch."""
-    for rank, results in enumerate(per_rank_results):
-        for i, (zero_copy, plain, intact) in enumerate(results):
-            assert same_bits(zero_copy, plain), f"seed {seed} rank {rank}, dispatch {i}"
-            assert intact in (None, True), f"seed {seed} rank {rank}, dispatch {i}: the previous recv_x changed"
-
-
-def check_zero_copy_dispatch_refusals(per_rank_outcomes, capacity_rows: int, worst_rows: int) -> None:
-    """rank_fns.zero_copy_dispatch_overflow's outcomes: a ValueError naming the bytes where a rank
-    received more rows than a slot holds (and only there), for num_worst_tokens past the slot, and
-    without the area."""
-    for first, received, worst, without in per_rank_outcomes:
-        if received > capacity_rows:
-            assert "num_zero_copy_dispatch_bytes: rank" in first and f"receives {received} rows" in first, first
-        else:
-            assert first == "returned", first
-        assert "num_zero_copy_dispatch_bytes" in worst and f"receives {worst_rows} rows" in worst, worst
-        assert "zero_copy: this Buffer has no zero-copy dispatch area" in without, without

@@ -10,10 +10,11 @@ import torch.distributed as dist
 
 import moe_ep
 from moe_ep import Buffer, Config, fp8
+from moe_ep.backends.choices import overridden
 from moe_ep.buffer import default_config_size_hints
-from moe_ep.config import zero_copy_combine_bytes, zero_copy_dispatch_bytes, zero_copy_dispatch_region
+from moe_ep.config import arena_bytes
 
-from .problems import Problem, bias_for, expert_output, make_inputs
+from .problems import Problem, bias_for, expert_output, make_inputs, same_bits
 
 
 def device() -> torch.device:
@@ -44,27 +45,28 @@ def normal_buffer(hidden: int, config: Config = None, **kwargs) -> Buffer:
 
 
 def profiled_round(p: Problem):
-    """normal_round on a Buffer of its own with MOE_EP_PROFILE_WAITS=1: (its results, the wait profile,
-    the kernel log)."""
+    """normal_round on a Buffer of its own whose kernels profile their waits (profile_waits): (its
+    results, the wait profile, the kernel log)."""
 
     def run():
-        buffer = normal_buffer(p.hidden)
+        buffer = normal_buffer(p.hidden, **TWO_PASS)  # the two-pass kernels' phases and log
         result = normal_round(p, buffer=buffer)
         kernels = buffer._intranode
         if kernels is None:
             return result, {}, []
         return result, kernels.wait_profile(), kernels.kernel_log()
 
-    return with_env({"MOE_EP_PROFILE_WAITS": "1"}, run)
+    return with_choices(dict(profile_waits=True), run)
 
 
 def forced_combine_round(p: Problem, stream: bool, config: Config = None, **kwargs):
-    """normal_round on a Buffer of its own with MOE_EP_STREAM_COMBINE forced to `stream`: (its results,
-    the rows per ring its combine had; 0: the windowed combine ran)."""
+    """normal_round on a Buffer of its own with the streaming combine forced on or off (`stream`): (its
+    results, the rows per ring its combine had; 0: the windowed combine ran)."""
 
     def run():
         wide = kwargs.get("dtype") == torch.float32
-        buffer = normal_buffer(p.hidden * 2 if wide else p.hidden, config)
+        # No arena: a combine from it would run instead of the forced one.
+        buffer = normal_buffer(p.hidden * 2 if wide else p.hidden, config, **TWO_PASS)
         result = normal_round(p, buffer=buffer, config=config, **kwargs)
         kernels = buffer._intranode
         if kernels is None:
@@ -73,27 +75,27 @@ def forced_combine_round(p: Problem, stream: bool, config: Config = None, **kwar
         rows = kernels.ops.intranode_stream_ring_rows(kernels.ctx, num_sms, p.hidden * (4 if wide else 2), p.num_topk)
         return result, rows
 
-    return with_env({"MOE_EP_STREAM_COMBINE": "1" if stream else "0"}, run)
+    return with_choices(dict(stream_combine=stream), run)
 
 
 def fitted_blocks_round(p: Problem, fit: bool, num_sms: int, **kwargs):
-    """normal_round (and a zero-copy dispatch) at an SM budget of num_sms on a Buffer of its own, with
-    MOE_EP_FIT_BLOCKS forced to `fit`: (its results, the blocks its kernels ran on: the dispatches',
-    the combines')."""
+    """normal_round at an SM budget of num_sms on a Buffer of its own without an arena (the two-pass
+    kernels), and the same round on a Buffer with one (the one-pass kernels), with block fitting forced
+    on or off (`fit`): (its results with the arena round's combined rows as "arena", the blocks its
+    kernels ran on: the dispatches', the combines')."""
 
     def run():
         config = dataclasses.replace(Buffer.get_combine_config(p.num_ranks), num_sms=num_sms)
-        area = zero_copy_dispatch_area(p)
-        buffer = normal_buffer(p.hidden, config, num_zero_copy_dispatch_bytes=area)
+        buffer = normal_buffer(p.hidden, config, **TWO_PASS)
         result = normal_round(p, buffer=buffer, config=config, **kwargs)
-        result["zero_copy"] = normal_round(p, buffer=buffer, config=config, zero_copy_dispatch=True,
-                                           **kwargs)["combined"]
+        with_arena = normal_buffer(p.hidden, config, **arena_area(p))
+        result["arena"] = normal_round(p, buffer=with_arena, config=config, **kwargs)["combined"]
         kernels = buffer._intranode
         if kernels is None:
             return result, (num_sms, num_sms)
         return result, (kernels.launch_blocks(num_sms), kernels.launch_blocks(num_sms, combine=True))
 
-    return with_env({"MOE_EP_FIT_BLOCKS": "1" if fit else "0"}, run)
+    return with_choices(dict(fit_blocks=fit), run)
 
 
 def low_latency_buffer(p: Problem) -> Buffer:
@@ -111,42 +113,48 @@ def cpu(t):
     return t.cpu() if isinstance(t, torch.Tensor) else t
 
 
-def zero_copy_dispatch_area(p: Problem, rows: int = None) -> int:
-    """num_zero_copy_dispatch_bytes for `rows` received rows (default: all tokens of all ranks) of any
-    row this Problem makes (float32 rows; fp8 scales; its top-k)."""
-    rows = dist.get_world_size() * p.max_tokens if rows is None else rows
-    return zero_copy_dispatch_bytes(rows, p.hidden * 4, p.hidden // 128 * 4, p.num_topk)
+def arena_area(p: Problem, num_worst_tokens: int = 0, num_live: int = 4) -> dict:
+    """Buffer arguments of an arena with room for num_live calls' tensors (a round's are four: recv_x,
+    the cached dispatch's, the combine's input and its copy) of any rows this Problem makes (float32
+    rows, fp8 scales, its top-k), a call receiving at most every token of every rank, or
+    num_worst_tokens rows."""
+    rows = max(dist.get_world_size() * p.max_tokens, num_worst_tokens)
+    return dict(num_arena_bytes=arena_bytes(rows, p.hidden * 4, p.hidden // 128 * 4, p.num_topk, num_live=num_live))
 
 
-def arena_area(p: Problem, num_worst_tokens: int = 0) -> dict:
-    """Buffer arguments of a dispatch arena with room for four calls' rows (recv_x, the cached
-    dispatch's, the combine's input and its copy) of this Problem."""
-    rows = 4 * dist.get_world_size() * max(p.max_tokens, num_worst_tokens)
-    return dict(num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p, rows), dispatch_arena=True)
+# Buffer arguments of a Buffer without an arena: every call of its kernels takes the two-pass path.
+TWO_PASS = dict(num_arena_bytes=0)
+
+
+def arena_kwargs(p: Problem, arena, num_worst_tokens: int = 0, num_live: int = 4) -> dict:
+    """Buffer arguments for `arena`: None, the Buffer's default (an arena of its own, which grows where a
+    dispatch finds no room); False, no arena (TWO_PASS); True, one with room for num_live calls'
+    tensors (arena_area), fixed."""
+    if arena is None:
+        return {}
+    return arena_area(p, num_worst_tokens, num_live) if arena else dict(TWO_PASS)
 
 
 def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, num_worst_tokens: int = 0,
                  num_biases: int = 0, with_topk: bool = True, config: Config = None, buffer: Buffer = None,
-                 stream_args: bool = False, dtype: torch.dtype = torch.bfloat16, zero_copy_dispatch: bool = False,
-                 arena: bool = False, combine_x: str = "tensor", busy: bool = False):
+                 stream_args: bool = False, dtype: torch.dtype = torch.bfloat16, arena: bool = None,
+                 combine_x: str = "tensor", busy: bool = False):
     """Layout, dispatch, cached dispatch, combine: everything a test compares, per rank. stream_args:
-    the calls chain through previous_event/async_finish/allocate_on_comm_stream. zero_copy_dispatch:
-    both dispatches are zero-copy ones (so recv_x must outlive the cached dispatch's slot). arena:
-    Buffer(dispatch_arena=True), with room for four calls' rows. combine_x: what combine's x is: a
-    tensor of its own ("tensor"), Buffer.empty_combine_input ("empty_combine_input"), or the cached
-    dispatch's recv_x, overwritten ("recv_x": bf16 rows only). busy: matmuls on the current stream
-    while each call's kernels run (with stream_args: as a training step overlaps them)."""
+    the calls chain through previous_event/async_finish/allocate_on_comm_stream. arena (arena_kwargs):
+    the Buffer's own arena (None), none (False: the two-pass kernels), or one with room for the round's
+    four calls' tensors (True: with the kernels both dispatches store into it, so recv_x must outlive the
+    cached dispatch, and the combine reads from it). combine_x: what combine's x is: a tensor of its own
+    ("tensor"), Buffer.empty_combine_input ("empty_combine_input"), or the cached dispatch's recv_x,
+    overwritten ("recv_x": bf16 rows only). busy: matmuls on the current stream while each call's kernels
+    run (with stream_args: as a training step overlaps them)."""
     rank = dist.get_rank()
     inp = my_inputs(p)
     inp["x"] = inp["x"].to(dtype)
+    area = arena_kwargs(p, arena, num_worst_tokens)
     # normal_buffer sizes for 2-byte elements: float32 rows are twice as wide.
-    area = dict(num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p)) if zero_copy_dispatch else {}
-    if arena:
-        area = arena_area(p, num_worst_tokens)
     buffer = buffer if buffer is not None else normal_buffer(p.hidden * (2 if dtype == torch.float32 else 1), config,
                                                              **area)
     extra = dict(config=config) if config is not None else {}
-    dispatch_extra = dict(zero_copy=True) if zero_copy_dispatch else {}
     if stream_args:
         extra.update(previous_event=Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
     layout = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
@@ -155,13 +163,13 @@ def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, n
     topk = dict(topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"]) if with_topk else {}
     recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-        expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens, **topk, **extra, **dispatch_extra)
+        expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens, **topk, **extra)
     if busy:
         _keep_gpu_busy()
     event.current_stream_wait()
     if stream_args:
         extra["previous_event"] = Buffer.capture()
-    cached = buffer.dispatch(x, handle=handle, **extra, **dispatch_extra)
+    cached = buffer.dispatch(x, handle=handle, **extra)
     if busy:
         _keep_gpu_busy()
     cached[-1].current_stream_wait()
@@ -189,13 +197,13 @@ def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, n
                     combined=combined, combined_w=combined_w, num_recv_rows=handle.num_recv_rows))
 
 
-def buffers_made_while_calls_run(p: Problem, num_buffers: int = 3, arena: bool = False):
+def buffers_made_while_calls_run(p: Problem, num_buffers: int = 3, arena: bool = None):
     """A Buffer per layer, each made (collectively) right after the previous one's async calls were
     issued and their outputs left unread, matmuls beside every call: how megatron's dispatcher used
     Buffers through the twenty-fifth session. -> each Buffer's (recv_x, combined), per rank."""
     rank = dist.get_rank()
     inp = my_inputs(p)
-    area = arena_area(p) if arena else {}
+    area = arena_kwargs(p, arena)
     buffers, outputs = [], []
     for _ in range(num_buffers):
         buffers.append(normal_buffer(p.hidden, **area))
@@ -220,14 +228,14 @@ def buffers_made_while_calls_run(p: Problem, num_buffers: int = 3, arena: bool =
     return cpu(outputs)
 
 
-def inputs_dropped_after_async_calls(p: Problem, num_worst_tokens: int, arena: bool = False):
+def inputs_dropped_after_async_calls(p: Problem, num_worst_tokens: int, arena: bool = None):
     """An async dispatch and combine whose caller drops every input right after the call and writes other
     data into new tensors of the same sizes (on a GPU the caching allocator hands them the freed memory),
     while an earlier kernel still holds the communication stream: the calls must still read the inputs as
     they were. -> (recv_x, recv_idx, recv_w, combined, combined_w)"""
     rank = dist.get_rank()
     inp = my_inputs(p)
-    buffer = normal_buffer(p.hidden, **(arena_area(p, num_worst_tokens) if arena else {}))
+    buffer = normal_buffer(p.hidden, **arena_kwargs(p, arena, num_worst_tokens))
     extra = dict(async_finish=True, allocate_on_comm_stream=True, num_worst_tokens=num_worst_tokens)
 
     def hold_comm_stream():  # the call's kernels start only after the compute stream has moved on
@@ -285,13 +293,14 @@ def _expert_gemms(repeats: int):
         t.grad = None
 
 
-def normal_steps_beside_gemms(p: Problem, steps: int, arena: bool = False):
+def normal_steps_beside_gemms(p: Problem, steps: int, arena: bool = None):
     """`steps` training-like steps: an async dispatch, expert GEMMs, an async combine, with rank r running
     r + 1 times rank 0's GEMMs between the two calls, so the later ranks still compute while the earlier
     ones' combines wait for them. -> per step (recv_x, recv_idx, recv_w, counts, combined, combined_w)"""
     rank = dist.get_rank()
     inp = my_inputs(p)
-    buffer = normal_buffer(p.hidden, **(arena_area(p) if arena else {}))
+    # Every step's recv_x is kept until the end, beside a step's combine input and its copy.
+    buffer = normal_buffer(p.hidden, **arena_kwargs(p, arena, num_live=steps + 3))
     results = []
     for _ in range(steps):
         args = dispatch_args(buffer, inp, p)
@@ -505,7 +514,7 @@ def worst_tokens_overflow(p: Problem, num_worst_tokens: int, use_fp8: bool):
     again where it raises: the kernels report an overflow at the rank's next call, the portable backend
     at once). Both dispatches' recv_x and top-k, and what each attempt raised."""
     inp = my_inputs(p)
-    buffer = normal_buffer(p.hidden)
+    buffer = normal_buffer(p.hidden, **TWO_PASS)  # the two-pass kernels' overflow report
     args = dispatch_args(buffer, inp, p)
     x = fp8.per_token_cast_to_fp8(inp["x"]) if use_fp8 else inp["x"]
 
@@ -558,21 +567,20 @@ def _digest(value) -> str:
     return h.hexdigest()
 
 
-def graph_round(p: Problem, q: Problem, num_worst_tokens: int, zero_copy: bool = False):
+def graph_round(p: Problem, q: Problem, num_worst_tokens: int, arena: bool = None):
     """Layout, dispatch and combine captured in one CUDA graph on the inputs of p, replayed on the
-    inputs of q (same shapes), next to the same calls made eagerly on q. zero_copy: the dispatch is a
-    zero-copy one (every replay writes the slot it was captured with)."""
+    inputs of q (same shapes), next to the same calls made eagerly on q. arena (arena_kwargs): where the
+    Buffer has an arena, the eager calls use it and the captured ones do not (a replay would write
+    regions given back long before): they take the two-pass path."""
     inp_p, inp_q = my_inputs(p), my_inputs(q)
     assert inp_p["x"].shape == inp_q["x"].shape
     rank = dist.get_rank()
-    area = dict(num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p, num_worst_tokens)) if zero_copy else {}
-    buffer = normal_buffer(p.hidden, **area)
+    buffer = normal_buffer(p.hidden, **arena_kwargs(p, arena, num_worst_tokens))
     static = {k: v.clone() for k, v in inp_p.items()}
 
     def step(inp):
         recv_x, recv_idx, recv_w, _, handle, _ = buffer.dispatch(
-            inp["x"], **dispatch_args(buffer, inp, p), num_worst_tokens=num_worst_tokens,
-            **({"zero_copy": True} if zero_copy else {}))
+            inp["x"], **dispatch_args(buffer, inp, p), num_worst_tokens=num_worst_tokens)
         y = (recv_x.float() * (rank + 1)).to(torch.bfloat16)
         combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w)
         return recv_x, recv_idx, recv_w, combined, combined_w
@@ -580,7 +588,7 @@ def graph_round(p: Problem, q: Problem, num_worst_tokens: int, zero_copy: bool =
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):  # warm-up outside the graph (allocator, lazy init; both zero-copy slots' views)
+        for _ in range(2):  # warm-up outside the graph (allocator, lazy init)
             step(static)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
@@ -626,7 +634,7 @@ def skip_after_warmup(skipping_rank: int, phase: str):
     p = Problem(21, dist.get_world_size(), dist.get_world_size() * 2, 128, 4, max_tokens=64, drop=0.0, skew=False,
                 zero_token_rank=False)
     inp = my_inputs(p)
-    buffer = normal_buffer(p.hidden)
+    buffer = normal_buffer(p.hidden, **TWO_PASS)  # the two-pass kernels' waits (an arena's agreement waits first)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
     recv_x, _, _, _, handle, _ = buffer.dispatch(inp["x"], **layout)
@@ -675,6 +683,14 @@ def with_env(env: dict, fn, *args, **kwargs):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def with_choices(choices: dict, fn, *args, **kwargs):
+    """fn(*args, **kwargs) with the kernels' choices of moe_ep.backends.choices overridden (e.g.
+    stream_combine=True): the Backends of the Buffers fn makes take them. They live in the process, so
+    a test enters them here, on its ranks."""
+    with overridden(**choices):
+        return fn(*args, **kwargs)
 
 
 def low_latency_graph_round(p: Problem, q: Problem, use_fp8: bool):
@@ -735,14 +751,15 @@ def low_latency_peer_missing(skipping_rank: int):
 
 def nvshmem_put_round(num_bytes: int):
     """Rank 0 puts `num_bytes` of its NVSHMEM buffer into rank 1's, then a signal there ordered after
-    them (run it through with_env with MOE_EP_LL_MEMORY=nvshmem). Rank 1 returns whether the bytes it
+    them (run it through with_choices with low_latency_memory="nvshmem"). Rank 1 returns whether the bytes it
     holds once it sees the signal are the ones sent; the others return None."""
     from moe_ep import _native
     from moe_ep.backends.peers import device_view
 
     rank = dist.get_rank()
     buffer = Buffer(dist.group.WORLD, 0, 8 << 20, low_latency_mode=True)
-    assert buffer._low_latency_kernels_move(torch.empty(1, device=device())), "the low-latency kernels are off"
+    buffer._low_latency_backend(torch.empty(1, device=device()))  # maps the peers' buffers (collective)
+    assert buffer._low_latency is not None, "the low-latency kernels are off"
     peers = buffer._low_latency.peers
     own = peers.addresses[rank]  # this PE's symmetric address: what a put names on every PE
     src_at, dst_at, signal_at, value = 1 << 20, 2 << 20, 3 << 20, 7
@@ -768,7 +785,7 @@ def nvshmem_put_round(num_bytes: int):
 
 
 def zero_copy_refused_then_round(p: Problem):
-    """With every peer reached through puts (MOE_EP_LL_PUTS=1): a zero-copy combine buffer is refused
+    """With every peer reached through puts (low_latency_puts=True): a zero-copy combine buffer is refused
     with its reason, and an ordinary round on the same Buffer still works. -> (message, round)"""
     buffer = low_latency_buffer(p)
     inp = my_inputs(p)
@@ -796,43 +813,43 @@ def stall_on_rank(stalling_rank: int, seconds: float):
     return dist.get_rank()
 
 
-def zero_copy_round(p: Problem, num_biases: int, repeats: int, cached: bool = False):
-    """Dispatch (and a cached dispatch when `cached`), then `repeats` zero-copy combines of the expert
-    outputs written into get_next_combine_buffer, each next to an ordinary combine of the same rows:
-    per repeat (zero-copy result, weights, ordinary result, weights)."""
+def arena_combine_rounds(p: Problem, num_biases: int, repeats: int, cached: bool = False):
+    """A dispatch (and a cached dispatch when `cached`) on a Buffer with an arena and on one without,
+    then `repeats` combines of the expert outputs on each: on the arena's Buffer from
+    empty_combine_input (read where they lie) and from a tensor of their own (copied into the arena
+    first where that pays, else the two-pass way), on the other the two-pass combine. Per repeat (in
+    place, its weights, from a tensor, its weights, two-pass, its weights)."""
     rank = dist.get_rank()
     inp = my_inputs(p)
-    # Two slots of every received row (at most all tokens of all ranks) for this hidden.
-    rows = dist.get_world_size() * p.max_tokens
-    zero_copy_bytes = zero_copy_combine_bytes(rows, p.hidden * 2)
-    buffer = normal_buffer(p.hidden, num_zero_copy_combine_bytes=zero_copy_bytes)
-    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(inp["x"], **dispatch_args(buffer, inp, p))
+    buffer = normal_buffer(p.hidden, **arena_area(p))
+    bare = normal_buffer(p.hidden, **TWO_PASS)
+    args = dispatch_args(bare, inp, p)
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(inp["x"], **args)
+    bare_x, _, bare_w, _, bare_handle, _ = bare.dispatch(inp["x"], **args)
     if cached:
         recv_x = buffer.dispatch(inp["x"], handle=handle)[0]
+        bare_x = bare.dispatch(inp["x"], handle=bare_handle)[0]
     biases = [bias_for(p, rank, inp["x"].shape[0], i).to(device()) for i in range(num_biases)]
     bias = None if num_biases == 0 else (biases[0] if num_biases == 1 else tuple(biases))
     results = []
     for i in range(repeats):
         y = expert_output(recv_x, rank + i)
-        view = buffer.get_next_combine_buffer(handle, p.hidden)
-        view.copy_(y)
-        combined, combined_w, _ = buffer.combine(view, handle, topk_weights=recv_w, bias=bias, zero_copy=True)
-        plain, plain_w, _ = buffer.combine(y, handle, topk_weights=recv_w, bias=bias)
-        results.append(cpu((combined, combined_w, plain, plain_w)))
+        in_place = buffer.empty_combine_input(handle, p.hidden).copy_(y)
+        results.append(cpu((*buffer.combine(in_place, handle, topk_weights=recv_w, bias=bias)[:2],
+                            *buffer.combine(y, handle, topk_weights=recv_w, bias=bias)[:2],
+                            *bare.combine(expert_output(bare_x, rank + i), bare_handle, topk_weights=bare_w,
+                                          bias=bias)[:2])))
     return results
 
 
-def zero_copy_misuse():
-    """What get_next_combine_buffer, empty_combine_input and combine(zero_copy=True) refuse: (exception
-    type, message) each."""
+def combine_input_misuse():
+    """What empty_combine_input refuses: (exception type, message) each."""
     p = Problem(5, dist.get_world_size(), dist.get_world_size() * 2, 128, 2, max_tokens=8)
     inp = my_inputs(p)
     buffer = normal_buffer(p.hidden)
     recv_x, _, _, _, handle, _ = buffer.dispatch(inp["x"], **dispatch_args(buffer, inp, p))
     outcomes = []
-    for attempt in (lambda: buffer.combine(recv_x, handle, zero_copy=True),
-                    lambda: buffer.get_next_combine_buffer(handle, 0),
-                    lambda: buffer.empty_combine_input(handle, 0),
+    for attempt in (lambda: buffer.empty_combine_input(handle, 0),
                     lambda: buffer.empty_combine_input(handle, p.hidden, torch.float16),
                     lambda: buffer.empty_combine_input(recv_x, p.hidden)):
         try:
@@ -857,74 +874,21 @@ def combine_of_empty_combine_input():
     return torch.equal(a, b) and torch.equal(a_w, b_w)
 
 
-def zero_copy_without_area():
-    """get_next_combine_buffer on a kernels Buffer made without num_zero_copy_combine_bytes."""
-    p = Problem(6, dist.get_world_size(), dist.get_world_size() * 2, 128, 2, max_tokens=8)
-    inp = my_inputs(p)
-    buffer = normal_buffer(p.hidden)
-    handle = buffer.dispatch(inp["x"], **dispatch_args(buffer, inp, p))[4]
-    try:
-        buffer.get_next_combine_buffer(handle, p.hidden)
-    except ValueError as exc:
-        return str(exc)
-    return "returned"
-
-
-def zero_copy_dispatch_rounds(p: Problem, repeats: int, use_fp8: bool, num_worst_tokens: int = 0):
-    """`repeats` zero-copy dispatches (slots 0, 1, 0, ...) of different rows, each next to an ordinary
-    dispatch of the same: per repeat (zero-copy outputs, ordinary outputs, whether the previous
-    zero-copy recv_x still held its rows after this one's zero-copy dispatch)."""
-    inp = my_inputs(p)
-    buffer = normal_buffer(p.hidden, num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p))
-    args = dict(dispatch_args(buffer, inp, p), num_worst_tokens=num_worst_tokens)
-    results, previous = [], None
-    for i in range(repeats):
-        x = inp["x"] * (i + 1)
-        x = fp8.per_token_cast_to_fp8(x) if use_fp8 else x
-        zero_copy = buffer.dispatch(x, zero_copy=True, **args)
-        intact = None if previous is None else torch.equal(previous[0].view(torch.uint8), previous[1].view(torch.uint8))
-        plain = buffer.dispatch(x, **args)
-        recv = zero_copy[0][0] if use_fp8 else zero_copy[0]
-        previous = (recv, recv.clone())
-        results.append((cpu(zero_copy[:4]), cpu(plain[:4]), intact))
-    return results
-
-
-def dispatches_via_zero_copy(p: Problem, use_fp8: bool, num_worst_tokens: int = 0):
-    """Run under MOE_EP_DISPATCH_VIA_ZERO_COPY=1: three ordinary dispatches of different rows (through
-    the zero-copy slots in turn), each next to a zero-copy dispatch of the same: per dispatch (its
-    outputs, the zero-copy one's, whether its recv_x still held its rows after all six)."""
-    inp = my_inputs(p)
-    buffer = normal_buffer(p.hidden, num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p))
-    args = dict(dispatch_args(buffer, inp, p), num_worst_tokens=num_worst_tokens)
-    results, kept = [], []
-    for i in range(3):
-        x = inp["x"] * (i + 1)
-        x = fp8.per_token_cast_to_fp8(x) if use_fp8 else x
-        plain = buffer.dispatch(x, **args)
-        recv = plain[0][0] if use_fp8 else plain[0]
-        kept.append((recv, recv.clone()))
-        results.append([cpu(plain[:4]), cpu(buffer.dispatch(x, zero_copy=True, **args)[:4])])
-    for result, (recv, copy) in zip(results, kept):
-        result.append(torch.equal(recv.view(torch.uint8), copy.view(torch.uint8)))
-    return results
-
-
 def dispatches_into_arena(p: Problem, use_fp8: bool, num_worst_tokens: int = 0):
-    """Run under MOE_EP_DISPATCH_ARENA=1: three ordinary and three zero-copy dispatches of different rows
-    into the arena, and a cached one, each next to the same dispatch on a Buffer without the area (the
-    two-pass kernels): (per dispatch: its outputs, the bare Buffer's, whether its recv_x still held its
-    rows after all of them; whether the arena was whole again once every output was dropped)."""
+    """Six dispatches of different rows into a Buffer's arena, and a cached one, each next to the same
+    dispatch on a Buffer without an arena (the two-pass kernels): (per dispatch: its outputs, the bare
+    Buffer's, whether its recv_x still held its rows after all of them; whether the arena was whole
+    again once every output was dropped)."""
     inp = my_inputs(p)
-    buffer = normal_buffer(p.hidden, num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p, 2 * dist.get_world_size() * p.max_tokens))
-    bare = normal_buffer(p.hidden)
+    buffer = normal_buffer(p.hidden, **arena_area(p, num_worst_tokens, num_live=8))  # the six recv_x kept, and more
+    bare = normal_buffer(p.hidden, **TWO_PASS)
     args = dict(dispatch_args(buffer, inp, p), num_worst_tokens=num_worst_tokens)
     results, kept = [], []
     handle = bare_handle = None
     for i in range(6):
         x = inp["x"] * (i + 1)
         x = fp8.per_token_cast_to_fp8(x) if use_fp8 else x
-        out = buffer.dispatch(x, zero_copy=i >= 3, **args)
+        out = buffer.dispatch(x, **args)
         reference = bare.dispatch(x, **args)
         handle, bare_handle = handle or out[4], bare_handle or reference[4]
         recv = out[0][0] if use_fp8 else out[0]
@@ -941,96 +905,43 @@ def dispatches_into_arena(p: Problem, use_fp8: bool, num_worst_tokens: int = 0):
     return results, arena.free_bytes == arena.size and arena.used_regions == 0
 
 
-def arena_without_room(p: Problem):
-    """A dispatch arena with room for one dispatch and a half of the largest rank's rows: (rows a first
-    dispatch received, what a second made while the first's recv_x lived, whether a third after it was
-    dropped equals the bare Buffer's)."""
+def arena_tensor_outlives_its_buffer(p: Problem) -> bool:
+    """Whether a recv_x from the arena kept past its Buffer's destroy() still holds the two-pass
+    dispatch's rows (the arena is released when the last such tensor dies)."""
     inp = my_inputs(p)
-    bare = normal_buffer(p.hidden)
-    args = dispatch_args(bare, inp, p)
-    rows = torch.tensor([bare.dispatch(inp["x"], **args)[0].shape[0]])
-    dist.all_reduce(rows, op=dist.ReduceOp.MAX)
-    region = zero_copy_dispatch_region(int(rows), p.hidden * 2, 0, p.num_topk).slot_bytes
-    buffer = normal_buffer(p.hidden, num_zero_copy_dispatch_bytes=region * 3 // 2)
-    first = buffer.dispatch(inp["x"], **args)[0]
-    try:
-        buffer.dispatch(inp["x"] * 2, **args)
-        second = "ok"
-    except ValueError as exc:
-        second = str(exc)
-    received = first.shape[0]
-    del first
-    third = buffer.dispatch(inp["x"] * 3, **args)[0]
-    return received, second, torch.equal(third.cpu(), bare.dispatch(inp["x"] * 3, **args)[0].cpu())
-
-
-def arena_combine_without_room(p: Problem):
-    """A combine from the arena while rank 0's arena is full: (what combine A, with rank 0's arena full,
-    and B, after rank 0 freed it, made: "ok" or the ValueError's message; whether C, after both, equals
-    the combine before any of them; the rows this rank received)."""
-    inp = my_inputs(p)
-    buffer = normal_buffer(p.hidden, num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p), dispatch_arena=True)
-    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(inp["x"], **dispatch_args(buffer, inp, p))
-    y = expert_output(recv_x, dist.get_rank())  # a tensor of its own: each combine copies it into the arena
-    want = cpu(buffer.combine(y, handle, topk_weights=recv_w)[:2])
-    filler = []
-    while dist.get_rank() == 0 and y.shape[0] > 0:
-        try:
-            filler.append(buffer.empty_combine_input(handle, p.hidden))
-        except ValueError:
-            break
-    outcomes = []
-    for _ in range(2):
-        try:
-            buffer.combine(y, handle, topk_weights=recv_w)
-            outcomes.append("ok")
-        except ValueError as exc:
-            outcomes.append(str(exc))
-        filler.clear()
-        torch.cuda.synchronize()  # the kernel has flagged the missing rows by now
-    got = cpu(buffer.combine(y, handle, topk_weights=recv_w)[:2])
-    return outcomes, all(torch.equal(a, b) for a, b in zip(got, want)), y.shape[0]
-
-
-def arena_tensor_outlives_its_buffer(p: Problem, **arena) -> bool:
-    """With the arena (MOE_EP_DISPATCH_ARENA=1, or `arena`: dispatch_arena=True): whether a recv_x kept
-    past its Buffer's destroy() still holds the two-pass dispatch's rows (the area is released when the
-    last such tensor dies), and whether the Buffer had the arena."""
-    inp = my_inputs(p)
-    bare = normal_buffer(p.hidden)
-    buffer = normal_buffer(p.hidden, num_zero_copy_dispatch_bytes=zero_copy_dispatch_area(p), explicitly_destroy=True,
-                           **arena)
-    has_arena = buffer.dispatch_arena
+    bare = normal_buffer(p.hidden, **TWO_PASS)
+    buffer = normal_buffer(p.hidden, explicitly_destroy=True, **arena_area(p))
     args = dispatch_args(bare, inp, p)
     recv = buffer.dispatch(inp["x"], **args)[0]
     torch.cuda.synchronize()
     buffer.destroy()
     expected = bare.dispatch(inp["x"], **args)[0]
-    return has_arena and torch.equal(recv.cpu(), expected.cpu())
+    return torch.equal(recv.cpu(), expected.cpu())
 
 
-def zero_copy_dispatch_overflow(p: Problem, capacity_rows: int):
-    """A zero-copy dispatch area of `capacity_rows` rows per slot: (what the zero-copy dispatch did,
-    rows an ordinary dispatch then received, what a num_worst_tokens zero-copy dispatch past the
-    capacity did, what one without the area did)."""
+def arena_too_small(p: Problem, capacity_rows: int):
+    """A fixed arena that holds one region of `capacity_rows` bf16 rows, against a Buffer without an
+    arena: whether each equals the other's outputs for a dispatch that some ranks' rows do not fit, a
+    num_worst_tokens dispatch past the capacity (no rank has room: both take two passes), and then a
+    dispatch of at most one token a rank (every rank has room: one pass), with a combine of each; and
+    the rows the first dispatch brings this rank."""
+    rank = dist.get_rank()
     inp = my_inputs(p)
-    area = zero_copy_dispatch_bytes(capacity_rows, p.hidden * 2, 0, p.num_topk)  # bf16 rows: exactly that many
-    buffer = normal_buffer(p.hidden, num_zero_copy_dispatch_bytes=area)
-    bare = normal_buffer(p.hidden)
-    args = dispatch_args(buffer, inp, p)
-
-    def outcome(call):
-        try:
-            call()
-            return "returned"
-        except ValueError as exc:
-            return str(exc)
-
-    first = outcome(lambda: buffer.dispatch(inp["x"], zero_copy=True, **args))
-    received = buffer.dispatch(inp["x"], **args)[0].shape[0]
-    worst = outcome(lambda: buffer.dispatch(inp["x"], zero_copy=True, num_worst_tokens=capacity_rows + 100, **args))
-    without = outcome(lambda: bare.dispatch(inp["x"], zero_copy=True, **args))
-    return first, received, worst, without
+    buffer = normal_buffer(p.hidden, num_arena_bytes=arena_bytes(capacity_rows, p.hidden * 2, 0, p.num_topk,
+                                                                 num_live=1))
+    bare = normal_buffer(p.hidden, **TWO_PASS)
+    one = {k: v[:1] for k, v in inp.items()}  # at most a row from each rank: within the capacity
+    same, received = [], None
+    for rows_in, extra in ((inp, {}), (inp, dict(num_worst_tokens=capacity_rows + 100)), (one, {})):
+        args = dict(dispatch_args(bare, rows_in, p), **extra)
+        outputs = []
+        for b in (buffer, bare):
+            recv_x, recv_idx, recv_w, _, handle, _ = b.dispatch(rows_in["x"], **args)
+            combined = b.combine(expert_output(recv_x, rank), handle, topk_weights=recv_w)[:2]
+            outputs.append(cpu((recv_x, recv_idx, recv_w, *combined)))
+        received = outputs[1][0].shape[0] if received is None else received
+        same.append(same_bits(*outputs))
+    return same, received
 
 
 def descriptor_round(skipping_rank: int = -1, unreachable_rank: int = -1):
@@ -1070,8 +981,8 @@ def descriptor_round(skipping_rank: int = -1, unreachable_rank: int = -1):
 
 
 def mapped_memory_kinds(p: Problem):
-    """How a Buffer's peers' buffers were mapped with the environment as it is: (intranode, low latency),
-    after one round of each on their own Buffers."""
+    """How a Buffer's peers' buffers were mapped with the kernels' choices as they are: (intranode, low
+    latency), after one round of each on their own Buffers."""
     normal = normal_buffer(p.hidden)
     normal_round(p, buffer=normal)
     low = low_latency_buffer(p)
@@ -1080,12 +991,18 @@ def mapped_memory_kinds(p: Problem):
             low._low_latency.peers.memory if low._low_latency else None)
 
 
-def dispatch_arena_choices():
-    """Buffer.dispatch_arena for (no area, an area, an area with dispatch_arena=False, an area with
-    dispatch_arena=True), under whatever MOE_EP_DISPATCH_ARENA the caller set."""
-    area = dict(num_zero_copy_dispatch_bytes=1 << 20)
-    return tuple(Buffer(dist.group.WORLD, 1024, **kwargs).dispatch_arena
-                 for kwargs in ({}, area, dict(area, dispatch_arena=False), dict(area, dispatch_arena=True)))
+def buffers_the_kernels_cannot_serve():
+    """Buffers over a group split into nodes of one rank (which the kernels do not serve), made under the
+    caller's MOE_EP_BACKEND: for the normal and for the low-latency calls, (exception type, message) or
+    ("returned", "")."""
+    outcomes = []
+    for args, kwargs in (((1 << 20,), {}), ((0, 1 << 20), dict(low_latency_mode=True))):
+        try:
+            Buffer(dist.group.WORLD, *args, ranks_per_node=1, **kwargs)
+            outcomes.append(("returned", ""))
+        except Exception as exc:  # noqa: BLE001
+            outcomes.append((type(exc).__name__, str(exc)))
+    return outcomes
 
 
 def calls_after_the_sm_budget_changes(p: Problem):

@@ -58,49 +58,70 @@ def test_config_positional_order_is_deep_eps():
             c.num_max_rdma_chunked_send_tokens, c.num_max_rdma_chunked_recv_tokens) == (24, 8, 256, 6, 128)
 
 
-def test_the_combine_streams_from_four_ranks_unless_forced(monkeypatch):
+def test_the_combine_streams_from_four_ranks_unless_forced():
+    from moe_ep.backends.choices import overridden
     from moe_ep.backends.intranode import use_stream_combine
-    monkeypatch.delenv("MOE_EP_STREAM_COMBINE", raising=False)
     assert [use_stream_combine(r) for r in (2, 3, 4, 8)] == [False, False, True, True]
-    monkeypatch.setenv("MOE_EP_STREAM_COMBINE", "1")
-    assert use_stream_combine(2)
-    monkeypatch.setenv("MOE_EP_STREAM_COMBINE", "0")
-    assert not use_stream_combine(8)
-    monkeypatch.setenv("MOE_EP_STREAM_COMBINE", "yes")
-    with pytest.raises(ValueError, match="MOE_EP_STREAM_COMBINE: expected 0 or 1"):
-        use_stream_combine(4)
+    with overridden(stream_combine=True):
+        assert use_stream_combine(2)
+    with overridden(stream_combine=False):
+        assert not use_stream_combine(8)
+    assert use_stream_combine(8), "the choice is the default again after the block"
 
 
-@pytest.mark.parametrize("variable,switch", [("MOE_EP_DISPATCH_VIA_ZERO_COPY", "dispatch_via_zero_copy"),
-                                             ("MOE_EP_DISPATCH_ARENA", "dispatch_arena")])
-def test_dispatch_paths_are_off_unless_switched_on(monkeypatch, variable, switch):
-    from moe_ep.backends import intranode
-    is_on = getattr(intranode, switch)
-    monkeypatch.delenv(variable, raising=False)
-    assert not is_on()
-    monkeypatch.setenv(variable, "1")
-    assert is_on()
-    monkeypatch.setenv(variable, "yes")
-    with pytest.raises(ValueError, match=f"{variable}: expected 0 or 1"):
-        is_on()
+def test_kernel_choices_are_overridden_for_a_block_and_checked():
+    """The kernels' own choices: the library's picks by default, another value inside overridden() only,
+    and a bad value or name refused without changing any."""
+    from moe_ep.backends.choices import KernelChoices, kernel_choices, overridden
+    assert kernel_choices == KernelChoices()
+    assert (kernel_choices.peer_memory, kernel_choices.low_latency_memory, kernel_choices.stream_combine) == \
+        ("auto", "auto", None)
+    assert kernel_choices.fit_blocks and kernel_choices.rendezvous
+    assert not kernel_choices.profile_waits and not kernel_choices.low_latency_puts
+    with overridden(fit_blocks=False, rendezvous=False, profile_waits=True) as inside:
+        assert inside is kernel_choices
+        assert (inside.fit_blocks, inside.rendezvous, inside.profile_waits) == (False, False, True)
+    assert kernel_choices == KernelChoices()
+    with pytest.raises(RuntimeError, match="raised inside"):
+        with overridden(peer_memory="ipc"):
+            raise RuntimeError("raised inside")
+    assert kernel_choices == KernelChoices(), "an exception in the block leaves the defaults behind too"
+    with pytest.raises(ValueError, match="low_latency_memory: expected one of"):
+        with overridden(fit_blocks=False, low_latency_memory="shared"):
+            pass
+    with pytest.raises(TypeError, match="fit"):
+        with overridden(fit=False):
+            pass
+    assert kernel_choices == KernelChoices()
 
 
-def test_the_dispatch_arena_follows_the_buffer_argument_then_the_environment(pools):
-    """dispatch_arena=None takes MOE_EP_DISPATCH_ARENA where the Buffer has the zero-copy dispatch area."""
-    for env, expected in (("0", (False, False, False, True)), ("1", (False, True, False, True))):
-        for choices in pools(2).run(rank_fns.with_env, {"MOE_EP_DISPATCH_ARENA": env}, rank_fns.dispatch_arena_choices):
-            assert choices == expected, f"MOE_EP_DISPATCH_ARENA={env}: {choices}"
+def test_backend_environment_variable(monkeypatch):
+    """MOE_EP_BACKEND=portable keeps CUDA tensors on the portable backend and says so; an unknown value is
+    refused by name."""
+    monkeypatch.setenv("MOE_EP_BACKEND", "portable")
+    info = moe_ep.backend_info()
+    assert info["cuda_kernels"] is False and info["reason"] == "MOE_EP_BACKEND=portable"
+    monkeypatch.setenv("MOE_EP_BACKEND", "fast")
+    with pytest.raises(ValueError, match="MOE_EP_BACKEND: expected one of auto, portable, kernels, got 'fast'"):
+        moe_ep.backend_info()
 
 
-def test_block_fitting_is_on_unless_switched_off(monkeypatch):
-    from moe_ep.backends.intranode import fit_blocks
-    monkeypatch.delenv("MOE_EP_FIT_BLOCKS", raising=False)
-    assert fit_blocks()
-    monkeypatch.setenv("MOE_EP_FIT_BLOCKS", "0")
-    assert not fit_blocks()
-    monkeypatch.setenv("MOE_EP_FIT_BLOCKS", "off")
-    with pytest.raises(ValueError, match="MOE_EP_FIT_BLOCKS: expected 0 or 1"):
-        fit_blocks()
+@pytest.mark.parametrize("backend", ["kernels", "portable"])
+def test_buffers_the_kernels_cannot_serve(pools, backend):
+    """MOE_EP_BACKEND=kernels: a Buffer the kernels cannot serve (here a group of two one-rank nodes, or
+    on a machine without the extension any Buffer) raises a RuntimeError that says why, for its normal
+    and its low-latency calls alike; MOE_EP_BACKEND=portable takes it on the portable backend."""
+    from moe_ep import _native
+    outcomes = pools(2).run(rank_fns.with_env, {"MOE_EP_BACKEND": backend}, rank_fns.buffers_the_kernels_cannot_serve)
+    why = _native.unavailable_reason() or "the group spans 2 nodes of 1 ranks"
+    for (normal, low_latency) in outcomes:
+        if backend == "portable":
+            assert normal == low_latency == ("returned", ""), (normal, low_latency)
+            continue
+        for (kind, message), calls in ((normal, "normal"), (low_latency, "low-latency")):
+            assert kind == "RuntimeError", (kind, message)
+            assert message.startswith(f"MOE_EP_BACKEND=kernels: the kernels cannot serve this Buffer's {calls} calls")
+            assert why in message, message
 
 
 def test_event_overlap_on_cpu_is_an_empty_event():

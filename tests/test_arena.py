@@ -1,6 +1,6 @@
-"""The dispatch arena's allocator and its regions' lifetime (moe_ep/arena.py), and the intranode
-backend's host side of the dispatches into it and the combines from it (launches stubbed); the kernels
-over it run on a GPU (tests/test_intranode.py)."""
+"""The arena's allocator and its regions' lifetime (moe_ep/arena.py), and the intranode backend's host
+side of the dispatches into it and the combines from it (launches stubbed); the kernels over it run on
+a GPU (tests/test_intranode.py)."""
 import random
 import threading
 import time
@@ -141,38 +141,42 @@ def test_tensors_over_a_region_keep_it_until_the_last_view_dies():
     assert arena.used_regions == 0 and arena.free_bytes == arena.size
 
 
-# The backend's arena path on CPU: the extension's launches stubbed (moe_ep.bench.profile_dispatch_call),
-# so what is checked is the host's side: the range a fresh dispatch reserves, what it keeps, what it
-# gives back, and recv_x's place. Every token of 3 ranks comes here: 48 rows of bf16 [.., 64].
+# The backend's arena path on CPU: the extension's launches stubbed (moe_ep.bench.profile_dispatch_call,
+# whose agreement is this rank's vote alone), so what is checked is the host's side: the range a fresh
+# dispatch reserves, what it keeps, what it gives back, recv_x's place, and what a call without room
+# falls back to. Every token of 3 ranks comes here: 48 rows of bf16 [.., 64].
 _RANKS, _TOKENS, _HIDDEN, _TOPK = 3, 16, 64, 2
 
 
 @pytest.fixture
 def stubbed(monkeypatch):
     from moe_ep.bench.profile_dispatch_call import stub_backend
-    from moe_ep.config import INTRANODE_SLOT_ALIGN
 
     x = torch.randn(_TOKENS, _HIDDEN).to(torch.bfloat16)
     topk_idx = torch.rand(_TOKENS, 6).topk(_TOPK, dim=1).indices
-    backend, call = stub_backend(_RANKS, x, topk_idx, torch.rand(_TOKENS, _TOPK), 6, monkeypatch.setattr)
-    backend.arena = Arena(backend.zero_copy_dispatch_bytes, INTRANODE_SLOT_ALIGN)
-    launched = []
+    backend, call = stub_backend(_RANKS, x, topk_idx, torch.rand(_TOKENS, _TOPK), 6, monkeypatch.setattr, arena=True)
+    launched = []  # per fresh dispatch: (offset, rows the side outputs hold, part offsets, bytes) of its range
     early = backend.ops.intranode_zero_copy_dispatch_early
     monkeypatch.setattr(backend.ops, "intranode_zero_copy_dispatch_early",
-                        lambda *args: launched.append(args[-4:]) or early(*args))
+                        lambda *args: launched.append(args[-5:-1]) or early(*args))
     backend.call = call  # the other ways into the arena
-    return backend, (lambda: call([x], False)[0][0]), launched
+    return backend, (lambda: call([x])[0][0]), launched
 
 
 def _region_bytes(rows: int) -> int:
-    from moe_ep.config import zero_copy_dispatch_region
+    from moe_ep.config import arena_dispatch_region
 
-    return zero_copy_dispatch_region(rows, 2 * _HIDDEN, 0, _TOPK).slot_bytes
+    return arena_dispatch_region(rows, 2 * _HIDDEN, 0, _TOPK).slot_bytes
+
+
+def _in_arena(backend, t: torch.Tensor) -> bool:
+    base = backend.arena_area.addresses[0]
+    return base <= t.data_ptr() < base + backend.arena.size
 
 
 def test_a_fresh_dispatch_reserves_the_largest_range_and_keeps_what_its_rows_need(stubbed):
     backend, dispatch, launched = stubbed
-    arena, base, rows = backend.arena, backend.zero_copy_dispatch.addresses[0], _RANKS * _TOKENS
+    arena, base, rows = backend.arena, backend.arena_area.addresses[0], _RANKS * _TOKENS
     first = dispatch()
     start, capacity, _, region_bytes = launched[0]
     assert (start, region_bytes) == (0, arena.size)  # the whole arena was free: the kernel may use it all
@@ -187,15 +191,20 @@ def test_a_fresh_dispatch_reserves_the_largest_range_and_keeps_what_its_rows_nee
     assert arena.used_regions == 0 and arena.free_bytes == arena.size
 
 
-def test_no_room_raises_names_the_switch_and_gives_the_range_back(stubbed):
+def test_without_room_a_dispatch_takes_two_passes_and_gives_the_range_back(stubbed, monkeypatch):
+    """The agreement finds no room: the range goes back, recv_x is an ordinary tensor that the two-pass
+    kernel (queued behind the one-pass one, which returns at once) fills."""
     backend, dispatch, _ = stubbed
-    kept = [dispatch(), dispatch()]  # the area holds two dispatches' rows
+    two_pass = []
+    monkeypatch.setattr(backend.ops, "intranode_dispatch", lambda *args: two_pass.append(args), raising=False)
+    kept = [dispatch(), dispatch()]  # the arena holds two dispatches' rows
+    assert two_pass == []
     free = backend.arena.free_bytes
-    with pytest.raises(ValueError, match="MOE_EP_DISPATCH_ARENA=1.*2 live recv_x"):
-        dispatch()
+    third = dispatch()
+    assert third.shape == (_RANKS * _TOKENS, _HIDDEN) and not _in_arena(backend, third) and len(two_pass) == 1
     assert backend.arena.free_bytes == free and backend.arena.used_regions == 2
     kept.pop()
-    assert dispatch().shape[0] == _RANKS * _TOKENS  # room again once a recv_x died
+    assert _in_arena(backend, dispatch()) and len(two_pass) == 1  # room again once a recv_x died
 
 
 def test_a_count_exchange_that_times_out_gives_the_range_back(stubbed, monkeypatch):
@@ -239,111 +248,121 @@ def test_a_count_exchange_stuck_behind_a_kernel_names_the_peer_that_kernel_repor
         backend._host[HOST_ERROR] = 0
 
 
-def test_scales_zero_copy_and_num_worst_tokens_dispatches_take_regions_too(stubbed):
-    from moe_ep.config import zero_copy_dispatch_region
+def test_scales_num_worst_tokens_and_cached_dispatches_take_regions_too(stubbed, monkeypatch):
+    from moe_ep.config import arena_dispatch_region
 
     backend, _, launched = stubbed
-    arena, base, rows = backend.arena, backend.zero_copy_dispatch.addresses[0], _RANKS * _TOKENS
+    arena, base, rows = backend.arena, backend.arena_area.addresses[0], _RANKS * _TOKENS
     x = torch.randn(_TOKENS, _HIDDEN).to(torch.float8_e4m3fn)
     scales = torch.rand(_TOKENS, _HIDDEN // 32)  # 8 bytes of scales a row
-    (recv_x, recv_scales), *_ = backend.call([x, scales], False)
-    layout = zero_copy_dispatch_region(rows, _HIDDEN, 8, _TOPK)
+    (recv_x, recv_scales), *_ = backend.call([x, scales])
+    layout = arena_dispatch_region(rows, _HIDDEN, 8, _TOPK)
     assert recv_x.dtype == x.dtype and recv_x.shape == (rows, _HIDDEN) and recv_x.data_ptr() == base
     assert recv_scales.shape == (rows, 2) and recv_scales.data_ptr() == base + layout.scale_offset
     del recv_x
     assert arena.used_regions == 1  # the scales hold the region
     del recv_scales
-    zero_copy = backend.call([x, scales], True)[0][0]  # zero_copy=True: the arena as well, no slot
-    assert zero_copy.data_ptr() == base and len(launched) == 2 and backend._dispatch_next == 0
-    worst = backend.call([x, scales], False, num_worst_tokens=rows + 5)[0][0]  # rows known: no reservation
-    assert len(launched) == 2 and worst.shape[0] == rows + 5
-    assert worst.data_ptr() == base + zero_copy_dispatch_region(rows, _HIDDEN, 8, _TOPK).slot_bytes
-    del zero_copy, worst
+    # Rows the host knows before the call: the one-pass kernel (its region's offset, rows and part
+    # offsets) and the two-pass one are both queued, behind the agreement.
+    stored = []
+    monkeypatch.setattr(backend.ops, "intranode_zero_copy_dispatch", lambda *args: stored.append(args[-7:-4]),
+                        raising=False)
+    (worst, _), *_, handle, _ = backend.call([x, scales], num_worst_tokens=rows + 5)  # rows known: no reservation
+    worst_layout = arena_dispatch_region(rows + 5, _HIDDEN, 8, _TOPK)
+    assert len(launched) == 1 and worst.shape[0] == rows + 5 and worst.data_ptr() == base
+    assert stored == [(0, rows + 5, worst_layout.offsets)] and backend._choice.item() == 1
+    (cached, cached_scales), *rest = backend.call([x, scales], handle=handle)  # no count exchange, a region of its own
+    assert len(launched) == 1 and rest[:4] == [None] * 4 and cached.shape[0] == rows + 5
+    assert cached.data_ptr() == base + worst_layout.slot_bytes and stored[1][0] == worst_layout.slot_bytes
+    del worst, cached, cached_scales, handle
     assert arena.used_regions == 0 and arena.free_bytes == arena.size
 
 
+def test_a_num_worst_tokens_dispatch_without_room_votes_for_two_passes(stubbed):
+    backend, _, launched = stubbed
+    x = torch.randn(_TOKENS, _HIDDEN).to(torch.bfloat16)
+    (recv_x,), *_ = backend.call([x], num_worst_tokens=10 * _RANKS * _TOKENS)  # more than the whole arena
+    assert backend._choice.item() == 0 and not _in_arena(backend, recv_x) and launched == []
+    assert backend.arena.used_regions == 0
+
+
 # The combine from the arena, host side (the launch stubbed): where the rows are said to lie, the copy
-# of an x elsewhere, a rank without room, and a peer without room reported after the launch.
+# of an x elsewhere where that pays, and the vote where there is no room.
 @pytest.fixture
 def combining(stubbed, monkeypatch):
+    from moe_ep.backends.base import CombineCall
     from moe_ep.config import Config
 
     backend, _, _ = stubbed
     x = torch.randn(_TOKENS, _HIDDEN).to(torch.bfloat16)
-    (recv_x,), _, recv_weights, _, handle, _ = backend.call([x], False)
+    (recv_x,), _, recv_weights, _, handle, _ = backend.call([x])
     launched = []
     monkeypatch.setattr(backend.ops, "intranode_zero_copy_combine", lambda *args: launched.append(args))
     config = Config(24, 6, 256, 6, 128)
 
     def combine(rows):
-        return backend.combine(rows, handle, recv_weights, [], config, None, False, False)
+        return backend.combine(CombineCall(x=rows, handle=handle, topk_weights=recv_weights, biases=[], config=config,
+                                           previous_event=None, async_finish=False, allocate_on_comm_stream=False))
 
+    backend.handle = handle
     return backend, combine, launched, recv_x.shape[0]
 
 
 def _where(launch):
-    """(x given to the kernel, bytes from the area's start to its rows, pitch, rows or -1, weights' bytes)"""
-    return (launch[2], *launch[-4:])
+    """(x given to the one-pass kernel, bytes from the arena's start to its rows, pitch, rows or -1 (no
+    room), weights' bytes)"""
+    return (launch[2], *launch[-6:-2])
 
 
 def test_a_combine_input_in_the_arena_is_read_where_it_lies(combining):
     backend, combine, launched, rows = combining
-    arena, base = backend.arena, backend.zero_copy_dispatch.addresses[0]
-    x = backend.arena_tensor(rows, _HIDDEN, torch.bfloat16)
+    arena, base = backend.arena, backend.arena_area.addresses[0]
+    x = backend.combine_input(backend.handle, _HIDDEN, torch.bfloat16)
+    assert _in_arena(backend, x) and x.shape == (rows, _HIDDEN)
     used, free = arena.used_regions, arena.free_bytes
     combine(x)
     given, at, pitch, count, weights_at = _where(launched[-1])
     assert given is x and (at, pitch, count) == (x.data_ptr() - base, 2 * _HIDDEN, rows)
     assert not (at <= weights_at < at + rows * pitch)  # the weights' room is a region of its own
+    assert backend._choice.item() == 1
     assert (arena.used_regions, arena.free_bytes) == (used, free)  # which went back after the call
 
 
-def test_an_x_elsewhere_is_copied_into_the_arena_first(combining):
+def test_an_x_elsewhere_is_copied_into_the_arena_only_where_that_pays(combining, monkeypatch):
+    """Below COPY_INTO_ARENA_MIN_RANKS ranks (3 here) an x outside the arena votes for two passes and is
+    not copied; from there up it is copied into a region first."""
+    from moe_ep.backends import intranode
+
     backend, combine, launched, rows = combining
-    arena, base = backend.arena, backend.zero_copy_dispatch.addresses[0]
+    arena, base = backend.arena, backend.arena_area.addresses[0]
     free = arena.free_bytes
     y = torch.randn(rows, _HIDDEN).to(torch.bfloat16)
     combine(y)
+    given, _, _, count, _ = _where(launched[-1])
+    assert not _in_arena(backend, given) and count == -1 and backend._choice.item() == 0
+    monkeypatch.setattr(intranode, "COPY_INTO_ARENA_MIN_RANKS", _RANKS)
+    combine(y)
     given, at, pitch, count, _ = _where(launched[-1])
     assert given is not y and torch.equal(given, y) and given.data_ptr() == base + at
-    assert (pitch, count) == (2 * _HIDDEN, rows)
+    assert (pitch, count) == (2 * _HIDDEN, rows) and backend._choice.item() == 1
     del given
     launched.clear()
     assert arena.free_bytes == free
 
 
-def test_no_room_for_the_copy_raises_after_the_launch_and_gives_everything_back(combining):
+def test_no_room_for_the_copy_votes_for_two_passes_and_gives_everything_back(combining, monkeypatch):
+    from moe_ep.backends import intranode
+
     backend, combine, launched, rows = combining
+    monkeypatch.setattr(intranode, "COPY_INTO_ARENA_MIN_RANKS", _RANKS)
     arena = backend.arena
     filler = []
-    while True:
-        try:
-            filler.append(backend.arena_tensor(rows, _HIDDEN, torch.bfloat16))
-        except ValueError as exc:
-            assert "rank 0's dispatch arena has no room for a combine input" in str(exc)
-            break
-    free = arena.free_bytes
-    with pytest.raises(ValueError, match="no room for a combine of .* left out of every rank's output"):
-        combine(torch.randn(rows, _HIDDEN).to(torch.bfloat16))
-    assert _where(launched[-1])[3] == -1  # the kernel ran all the same: the peers wait for it
+    while (taken := arena.reserve_largest()) is not None:  # every free byte of the arena held
+        filler.append(backend._region(*taken))
+    x = backend.combine_input(backend.handle, _HIDDEN, torch.bfloat16)
+    assert not _in_arena(backend, x), "without room, empty_combine_input hands out an ordinary tensor"
+    combine(x.copy_(torch.randn(rows, _HIDDEN).to(torch.bfloat16)))
+    assert _where(launched[-1])[3] == -1 and backend._choice.item() == 0  # the two-pass kernel reads x
     launched.clear()
-    assert arena.free_bytes == free
-
-
-def test_a_peer_without_room_is_reported_after_this_combine_is_launched(combining):
-    from moe_ep.backends.peers import HOST_COMBINE_MISSING
-
-    backend, combine, launched, rows = combining
-    backend._host[HOST_COMBINE_MISSING] = 3  # rank 2, as the kernel writes it
-    with pytest.raises(ValueError, match="rank 2 had no room in its dispatch arena"):
-        combine(backend.arena_tensor(rows, _HIDDEN, torch.bfloat16))
-    assert len(launched) == 1 and backend._host[HOST_COMBINE_MISSING] == 0
-    combine(backend.arena_tensor(rows, _HIDDEN, torch.bfloat16))  # reported once
-
-
-def test_dispatch_via_zero_copy_leaves_recv_x_in_the_arena(stubbed):
-    """With both switches on, the arena already gives recv_x its place: no copy out of it."""
-    backend, dispatch, _ = stubbed
-    backend.via_zero_copy = True  # MOE_EP_DISPATCH_VIA_ZERO_COPY=1
-    recv_x = dispatch()
-    assert recv_x.data_ptr() == backend.zero_copy_dispatch.addresses[0] and backend.arena.used_regions == 1
+    filler.clear()
+    assert arena.free_bytes == arena.size and arena.used_regions == 0

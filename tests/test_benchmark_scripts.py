@@ -57,12 +57,12 @@ def test_an_sm_budget_the_kernels_refuse_is_skipped_not_fatal():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_intranode_benchmark_sweep_skips_budgets_too_large_for_the_ranks_on_one_gpu(tmp_path):
-    """8 ranks on one GPU cannot hold 48 blocks per kernel each: that budget is reported and skipped, the
-    others are timed."""
+    """8 ranks on one GPU cannot hold 400 blocks per kernel each: that budget is reported and skipped, the
+    others are timed (short windows keep the buffer such a budget asks for small)."""
     assert TINY[:3] == ["--cpu", "--ranks", "2"]
-    out = _run("moe_ep.bench.intranode", *TINY[3:], "--ranks", "8", "--tokens", "64", "--sms", "8", "48",
-               "--modes", "dispatch_bf16", "--json", str(tmp_path / "b.jsonl"))
-    assert "48  skipped: num_sms (Config)" in out, out
+    out = _run("moe_ep.bench.intranode", *TINY[3:], "--ranks", "8", "--tokens", "64", "--sms", "8", "400",
+               "--recv-tokens", "32", "--modes", "dispatch_bf16", "--json", str(tmp_path / "b.jsonl"))
+    assert "400  skipped: num_sms (Config)" in out, out
     assert [json.loads(line)["sms"] for line in (tmp_path / "b.jsonl").read_text().splitlines()] == [8]
 
 
@@ -85,17 +85,30 @@ def test_intranode_benchmark_times_only_the_modes_asked(tmp_path):
 
 
 def test_intranode_benchmark_cached_dispatch_modes(tmp_path):
-    """The *_cached modes (a handle, no count exchange) run only when asked, zero-copy ones too."""
-    modes = ["dispatch_fp8_cached", "dispatch_bf16_zero_copy_cached"]
+    """The *_cached modes (a handle, no count exchange) run only when asked, arena ones too."""
+    modes = ["dispatch_fp8_cached", "dispatch_bf16_arena_cached"]
     _run("moe_ep.bench.intranode", *TINY, "--tokens", "64", "--modes", *modes, "--json", str(tmp_path / "b.jsonl"))
     rows = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
     assert [r["mode"] for r in rows] == modes and all(r["aggregate_gbps"] > 0 for r in rows)
 
 
+def test_intranode_benchmark_takes_the_kernels_choices(tmp_path):
+    """--stream-combine, --no-fit-blocks, --no-rendezvous, --peer-memory and --profile-waits are entered on
+    every rank (the portable backend here has no use for them), beside the combines from the arena; the
+    JSON lines say which combine was asked for."""
+    _run("moe_ep.bench.intranode", *TINY, "--tokens", "32", "--modes", "combine", "combine_arena",
+         "combine_arena_input", "--stream-combine", "0", "--no-fit-blocks", "--no-rendezvous", "--peer-memory", "ipc", "--profile-waits",
+         "--json", str(tmp_path / "b.jsonl"))
+    rows = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    assert [r["mode"] for r in rows] == ["combine", "combine_arena_input", "combine_arena"]
+    assert all(r["stream_combine"] == "0" and r["aggregate_gbps"] > 0 for r in rows)
+
+
 def test_low_latency_benchmark(tmp_path):
-    out = _run("moe_ep.bench.low_latency", *TINY, "--tokens", "16", "--json", str(tmp_path / "b.jsonl"))
+    out = _run("moe_ep.bench.low_latency", *TINY, "--tokens", "16", "--peer-memory", "ipc", "--json",
+               str(tmp_path / "b.jsonl"))
     row = json.loads((tmp_path / "b.jsonl").read_text())
-    assert row["ranks"] == 2 and row["experts"] == 16 and len(row["per_rank"]) == 2
+    assert row["ranks"] == 2 and row["experts"] == 16 and len(row["per_rank"]) == 2 and row["peer_memory"] == "ipc"
     assert "portable" in out
 
 
@@ -112,7 +125,7 @@ def test_low_latency_benchmark_device_times_from_graphs(tmp_path):
 
 def test_kernel_trace_of_both_modes():
     for mode, tokens, extra in (("low_latency", "16", []), ("low_latency", "16", ["--dispatch-only", "--lockstep"]),
-                                ("normal", "64", []), ("normal", "64", ["--zero-copy"])):
+                                ("normal", "64", []), ("normal", "64", ["--arena"])):
         out = _run("moe_ep.bench.trace_kernels", *TINY[:-2], "--mode", mode, "--tokens", tokens, "--rounds", "2",
                    *extra)
         assert "wall time per round" in out and "2 ranks" in out
@@ -126,8 +139,8 @@ def test_dispatch_call_profile_times_each_launch():
     for row in ("host: whole call", "host: intranode_dispatch_fresh", "device: intranode_dispatch_fresh",
                 "rank 1 under cProfile"):
         assert row in out, out
-    # A fresh zero-copy dispatch launches both kernels from one entry point.
-    out = _run("moe_ep.bench.profile_dispatch_call", *shape, "--zero-copy", "--fp8")
+    # A fresh dispatch into the arena launches both kernels from one entry point.
+    out = _run("moe_ep.bench.profile_dispatch_call", *shape, "--arena", "--fp8")
     for row in ("host: whole call", "host: wait_host_value", "device: intranode_zero_copy_dispatch_early"):
         assert row in out, out
 
@@ -135,7 +148,7 @@ def test_dispatch_call_profile_times_each_launch():
 def test_dispatch_call_profile_with_stubbed_launches():
     out = _run("moe_ep.bench.profile_dispatch_call", "--stub-kernels", "--ranks", "4", "--tokens", "256",
                "--hidden", "256", "--python-profile", "3")
-    for row in ("Buffer.dispatch checks", "backend dispatch ", "backend dispatch, zero-copy",
+    for row in ("Buffer.dispatch checks", "backend dispatch ", "backend dispatch, into the arena ",
                 "backend dispatch, into the arena under cProfile", "intranode.py"):
         assert row in out, out
 
@@ -171,7 +184,7 @@ def test_deepep_reference_only_for_its_shape():
     args = types.SimpleNamespace(tokens=4096, hidden=7168, topk=8, experts=256, cpu=False)
     if torch.cuda.device_count() > 1:
         pytest.skip("ranks on GPUs of their own: the figures are for ranks sharing one GPU")
-    assert deepep_v1_reference(args, 4, 24, "dispatch_fp8_zero_copy") == 220
+    assert deepep_v1_reference(args, 4, 24, "dispatch_fp8_arena") == 220
     assert deepep_v1_reference(args, 2, 24, "dispatch_bf16_cached") == 283
     assert deepep_v1_reference(args, 8, 24, "combine_arena_input") == 94
     assert deepep_v1_reference(args, 4, 24, NCCL_MODE) is None
@@ -182,9 +195,10 @@ def test_deepep_reference_only_for_its_shape():
 
 
 def test_kernel_log_times_split_a_call_into_its_kernels():
-    """The intranode benchmark's reading of a rank's kernel log (MOE_EP_PROFILE_WAITS): spans, the time
+    """The intranode benchmark's reading of a rank's kernel log (--profile-waits): spans, the time
     before each data kernel, the opening kernel's span, the period, and the ranks' start skew."""
-    from moe_ep.backends.peers import KERNEL_DISPATCH, KERNEL_NOTIFY, KERNEL_RENDEZVOUS, KERNEL_STREAM_COMBINE
+    from moe_ep.backends.peers import (KERNEL_AGREE, KERNEL_DISPATCH, KERNEL_NOTIFY, KERNEL_RENDEZVOUS,
+                                       KERNEL_STREAM_COMBINE, KERNEL_ZERO_COPY_COMBINE)
     from moe_ep.bench.intranode import kernel_log_times, start_skew_us
 
     # Three combines (a rendezvous, then the streaming combine), times in ns: a 10-us rendezvous, a 2-us
@@ -199,6 +213,9 @@ def test_kernel_log_times_split_a_call_into_its_kernels():
     # A fresh dispatch's count exchange (1) before its data kernel (2): the gap holds the host's round.
     times, _ = kernel_log_times([(KERNEL_NOTIFY, 0, 5_000), (KERNEL_DISPATCH, 45_000, 345_000)], calls=20)
     assert times == {"span us": 300.0, "gap us": 40.0, "lead us": 5.0}
+    # With an arena the agreement on the call's path opens it.
+    times, _ = kernel_log_times([(KERNEL_AGREE, 0, 3_000), (KERNEL_ZERO_COPY_COMBINE, 5_000, 105_000)], calls=1)
+    assert times == {"span us": 100.0, "gap us": 2.0, "lead us": 3.0}
     assert kernel_log_times([], calls=2) == ({}, [])
     assert kernel_log_times([(KERNEL_RENDEZVOUS, 0, 1)], calls=2) == ({}, [])
     assert start_skew_us([[0, 1_000_000], [4_000, 1_010_000]]) == 7.0

@@ -2,8 +2,6 @@
 peers), and the choice of peer memory; CPU only."""
 import pytest
 
-from moe_ep.backends import peers
-
 from . import rank_fns
 
 
@@ -33,14 +31,19 @@ def test_a_rank_that_cannot_reach_its_peers_fails_every_rank_alike_and_at_once(p
     # Waiting on the servers first would end in a TimeoutError after 60 s instead (the kind checked above).
 
 
-@pytest.mark.parametrize("variable,low_latency", [("MOE_EP_PEER_MEMORY", False), ("MOE_EP_LL_MEMORY", True)])
-def test_an_unknown_peer_memory_is_refused_by_name(monkeypatch, variable, low_latency):
-    monkeypatch.setenv(variable, "shared")
-    with pytest.raises(ValueError, match=f"{variable}: expected one of 'vmm', 'ipc'"):
-        peers.peer_memory(low_latency=low_latency)
+@pytest.mark.parametrize("choice", ["peer_memory", "low_latency_memory"])
+def test_an_unknown_peer_memory_is_refused_by_name(choice):
+    from moe_ep.backends.choices import kernel_choices, overridden
+    with pytest.raises(ValueError, match=f"{choice}: expected one of .*'vmm', 'ipc'.*got 'shared'"):
+        with overridden(**{choice: "shared"}):
+            pass
+    assert getattr(kernel_choices, choice) == "auto"
 
 
-def test_nvshmem_is_for_the_low_latency_buffers_only(monkeypatch):
-    monkeypatch.setenv("MOE_EP_PEER_MEMORY", "nvshmem")
-    with pytest.raises(ValueError, match="MOE_EP_PEER_MEMORY: expected one of 'vmm', 'ipc', got 'nvshmem'"):
-        peers.peer_memory()
+def test_nvshmem_is_for_the_low_latency_buffers_only():
+    from moe_ep.backends.choices import kernel_choices, overridden
+    with pytest.raises(ValueError, match="peer_memory: expected one of .*got 'nvshmem'"):
+        with overridden(peer_memory="nvshmem"):
+            pass
+    with overridden(low_latency_memory="nvshmem"):
+        assert kernel_choices.low_latency_memory == "nvshmem"

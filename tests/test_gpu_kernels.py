@@ -85,11 +85,12 @@ def test_ranks_sharing_a_gpu_match_cpu_ranks(pools, gpu_pools, seed, num_ranks):
 
 def test_peers_are_mapped_through_file_descriptors_by_default(gpu_pools, seed):
     """The default ("auto") maps through the virtual-memory API where the GPU can (every H100/H200), and
-    MOE_EP_PEER_MEMORY=ipc through CUDA IPC handles, for the intranode and the low-latency buffers alike."""
+    "ipc" (peer_memory for the intranode buffers, low_latency_memory for the low-latency ones) through
+    CUDA IPC handles."""
     p = Problem(seed, 2, 8, 256, 4, max_tokens=32)
     assert gpu_pools(2).run(rank_fns.mapped_memory_kinds, p) == [("vmm", "vmm")] * 2
-    ipc = gpu_pools(2).run(rank_fns.with_env, {"MOE_EP_PEER_MEMORY": "ipc"}, rank_fns.mapped_memory_kinds, p)
-    assert ipc == [("ipc", "ipc")] * 2
+    for choices, kinds in ((dict(peer_memory="ipc"), ("ipc", "vmm")), (dict(low_latency_memory="ipc"), ("vmm", "ipc"))):
+        assert gpu_pools(2).run(rank_fns.with_choices, choices, rank_fns.mapped_memory_kinds, p) == [kinds] * 2, choices
 
 
 def test_backend_info_reports_the_kernels(gpu_pools):

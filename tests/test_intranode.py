@@ -12,8 +12,7 @@ from moe_ep.launch import ranks_share_a_gpu
 from moe_ep.backends.peers import KERNEL_COMBINE, KERNEL_DISPATCH, KERNEL_NOTIFY, KERNEL_RENDEZVOUS, KERNEL_STREAM_COMBINE
 
 from . import rank_fns
-from .problems import Problem, check_zero_copy_dispatch_refusals, check_zero_copy_dispatch_rounds
-from .problems import make_inputs, ref_dispatch
+from .problems import Problem, make_inputs, ref_dispatch
 from .problems import same_bits as _same
 
 pytestmark = [
@@ -28,14 +27,18 @@ FIELDS = ("recv_x", "recv_idx", "recv_w", "counts", "cached", "cached_rest", "co
           "num_recv_rows")
 
 
-def _compare(seed, on_gpu, on_cpu):
+def _compare(seed, on_gpu, on_cpu, against="the portable backend"):
     for rank, (g, c) in enumerate(zip(on_gpu, on_cpu)):
         for field in FIELDS:
-            assert _same(g[field], c[field]), f"seed {seed} rank {rank}: {field} differs from the portable backend"
+            assert _same(g[field], c[field]), f"seed {seed} rank {rank}: {field} differs from {against}"
 
 
 def _both(pools, gpu_pools, num_ranks, fn, *args, **kwargs):
     return gpu_pools(num_ranks).run(fn, *args, **kwargs), pools(num_ranks).run(fn, *args, **kwargs)
+
+
+# The Buffer's default arena (its own, grown where a dispatch finds no room), and none (two passes).
+ARENAS = pytest.mark.parametrize("arena", [None, False], ids=["default_arena", "two_pass"])
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])
@@ -47,9 +50,31 @@ def _both(pools, gpu_pools, num_ranks, fn, *args, **kwargs):
     dict(use_fp8=False, with_topk=False),
     dict(use_fp8=False, stream_args=True, num_biases=2),
 ])
-def test_intranode_equals_portable(pools, gpu_pools, seed, num_ranks, variant):
+@ARENAS
+def test_intranode_equals_portable(pools, gpu_pools, seed, num_ranks, variant, arena):
     p = Problem(seed, num_ranks, num_ranks * 8, 512, 6, max_tokens=96)
-    _compare(seed, *_both(pools, gpu_pools, num_ranks, rank_fns.normal_round, p, **variant))
+    on_gpu = gpu_pools(num_ranks).run(rank_fns.normal_round, p, arena=arena, **variant)
+    _compare(seed, on_gpu, pools(num_ranks).run(rank_fns.normal_round, p, **variant))
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+@pytest.mark.parametrize("variant", [
+    dict(combine_x="empty_combine_input"),
+    dict(combine_x="tensor", num_biases=1),
+    dict(combine_x="empty_combine_input", use_fp8=True, num_biases=2),
+    dict(combine_x="tensor", use_fp8=True, num_worst_tokens=768),  # 8 ranks x 96 tokens: any load fits
+    dict(combine_x="empty_combine_input", num_worst_tokens=768, with_topk=False),
+])
+def test_arena_rounds_equal_two_pass_rounds(gpu_pools, seed, num_ranks, variant):
+    """With an arena with room every dispatch (fresh, cached, num_worst_tokens; bf16 and fp8) stores its
+    rows once into it and every combine reads them from the arenas, an x from empty_combine_input where
+    it lies, an ordinary x after its copy (where that pays: from 4 ranks up): the same kernels' two-pass
+    round on a Buffer without an arena, bit for bit."""
+    p = Problem(seed, num_ranks, num_ranks * 8, 512, 6, max_tokens=96)
+    pool = gpu_pools(num_ranks)
+    with_arena = pool.run(rank_fns.normal_round, p, arena=True, **variant)
+    _compare(seed, with_arena, pool.run(rank_fns.normal_round, p, arena=False, **variant),
+             against="the two-pass round")
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])
@@ -61,15 +86,15 @@ def test_intranode_equals_portable(pools, gpu_pools, seed, num_ranks, variant):
     dict(combine_x="tensor", dtype=torch.float32, stream_args=True),
 ])
 def test_combines_from_the_arena_equal_portable(pools, gpu_pools, seed, num_ranks, variant):
-    """With a dispatch arena every plain combine reads the rows from the ranks' arenas, wherever x lies
-    there (a tensor from empty_combine_input, a recv_x written over) or after copying it there."""
+    """With an arena every plain combine reads the rows from the ranks' arenas, wherever x lies there (a
+    tensor from empty_combine_input, a recv_x written over) or after copying it there."""
     p = Problem(seed, num_ranks, num_ranks * 8, 512, 6, max_tokens=96)
     on_gpu = gpu_pools(num_ranks).run(rank_fns.normal_round, p, arena=True, **variant)
     _compare(seed, on_gpu, pools(num_ranks).run(rank_fns.normal_round, p, **variant))
 
 
 @pytest.mark.parametrize("num_ranks", [4, 8])
-@pytest.mark.parametrize("arena", [False, True])
+@pytest.mark.parametrize("arena", [None, False, True], ids=["default_arena", "two_pass", "arena"])
 def test_calls_beside_compute_kernels_equal_portable(pools, gpu_pools, seed, num_ranks, arena):
     """Every call async, with matmuls on the current stream while its kernels run (ranks sharing the GPU
     run theirs too): what a training step does. The ranks' kernels wait on each other while other
@@ -81,7 +106,7 @@ def test_calls_beside_compute_kernels_equal_portable(pools, gpu_pools, seed, num
 
 
 @pytest.mark.parametrize("num_ranks", [4, 8])
-@pytest.mark.parametrize("arena", [False, True])
+@pytest.mark.parametrize("arena", [None, False, True], ids=["default_arena", "two_pass", "arena"])
 def test_buffers_made_while_another_buffers_calls_run(pools, gpu_pools, seed, num_ranks, arena):
     """Several Buffers over one group, each made right after the previous one's async calls were issued,
     with matmuls beside them (megatron's dispatcher made one per layer so until the twenty-sixth session,
@@ -93,7 +118,7 @@ def test_buffers_made_while_another_buffers_calls_run(pools, gpu_pools, seed, nu
             assert _same(got, expected), f"seed {seed} rank {rank}: Buffer {layer}'s recv_x/combined differ"
 
 
-@pytest.mark.parametrize("num_worst_tokens,arena", [(0, False), (256, False), (0, True)])
+@pytest.mark.parametrize("num_worst_tokens,arena", [(0, False), (256, False), (0, True), (0, None)])
 def test_async_calls_keep_their_inputs(pools, gpu_pools, seed, num_worst_tokens, arena):
     """Inputs the caller drops right after an async call, their memory rewritten at once on its stream
     while the call still waits behind an earlier kernel: the results are the inputs' (with
@@ -113,7 +138,9 @@ def test_odd_rank_counts_and_row_sizes(pools, gpu_pools, seed, num_ranks, hidden
     (the streaming combine) rows of fewer vectors than a warp has lanes, or not a whole number of a
     warp's trips (its lanes once left the trips unevenly and hung in a shuffle)."""
     p = Problem(seed, num_ranks, num_ranks * 4, hidden, 3, max_tokens=40)
-    _compare(seed, *_both(pools, gpu_pools, num_ranks, rank_fns.normal_round, p, num_biases=2, dtype=dtype))
+    kwargs = dict(num_biases=2, dtype=dtype)
+    _compare(seed, gpu_pools(num_ranks).run(rank_fns.normal_round, p, arena=False, **kwargs),
+             pools(num_ranks).run(rank_fns.normal_round, p, **kwargs))
 
 
 @pytest.mark.parametrize("num_ranks,hidden,dtype,small_buffer,num_biases", [
@@ -124,7 +151,7 @@ def test_odd_rank_counts_and_row_sizes(pools, gpu_pools, seed, num_ranks, hidden
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "windowed"])
 def test_both_combines_give_the_same_bits(pools, gpu_pools, seed, num_ranks, hidden, dtype, small_buffer, num_biases,
                                           stream):
-    """Either combine, whatever the rank count picks by default (MOE_EP_STREAM_COMBINE forces it): the
+    """Either combine, whatever the rank count picks by default (stream_combine forces it): the
     same bits, with rings or windows of a few rows in a small buffer (batches of fewer tokens than
     warps; from 8 ranks the streaming receive goes per warp, its releases a row or two apart), odd
     rank counts, 8-byte rows and float32 rows."""
@@ -153,7 +180,7 @@ def test_blocks_fitted_to_ranks_sharing_a_gpu(pools, gpu_pools, seed, num_ranks,
     """Where ranks share a GPU the kernels may run on fewer blocks than the SM budget (the count whose
     shape keeps the most loads in flight, the combines' 1024-thread blocks first): never more
     than the budget, the same counts on every rank, and the portable backend's bits with and without
-    fitting (streaming combine from 4 ranks up, windowed below, zero-copy dispatch too)."""
+    fitting (streaming combine from 4 ranks up, windowed below, a round through the arena too)."""
     p = Problem(seed, num_ranks, num_ranks * 8, 2048, 6, max_tokens=96)
     on_cpu = pools(num_ranks).run(rank_fns.normal_round, p)
     for fit in (True, False):
@@ -164,85 +191,60 @@ def test_blocks_fitted_to_ranks_sharing_a_gpu(pools, gpu_pools, seed, num_ranks,
         if fit:
             assert all(1 <= count <= num_sms for count in counts), f"fitted {counts} blocks for a budget of {num_sms}"
         else:
-            assert counts == (num_sms, num_sms), f"MOE_EP_FIT_BLOCKS=0 ran {counts} blocks for a budget of {num_sms}"
+            assert counts == (num_sms, num_sms), f"fit_blocks=False ran {counts} blocks for a budget of {num_sms}"
         _compare(seed, [result for result, _ in on_gpu], on_cpu)
         for rank, (result, _) in enumerate(on_gpu):
-            assert torch.equal(result["zero_copy"], on_cpu[rank]["combined"]), f"rank {rank}: zero-copy dispatch"
+            assert torch.equal(result["arena"], on_cpu[rank]["combined"]), f"rank {rank}: the round through the arena"
 
 
 @pytest.mark.parametrize("num_ranks,hidden,cached", [(2, 7168, False), (3, 2052, True), (4, 512, False),
                                                      (8, 1024, True)])
-def test_zero_copy_combine_gives_the_ordinary_bits(gpu_pools, seed, num_ranks, hidden, cached):
-    """Rows written into get_next_combine_buffer, summed where they lie by the ranks that own the
-    tokens: the bits of the ordinary combine of the same rows, over three combines (both slots, then
-    the first again), also after a cached dispatch and with rows of 8-byte vectors."""
+def test_repeated_combines_from_the_arena_give_the_two_pass_bits(gpu_pools, seed, num_ranks, hidden, cached):
+    """Three combines in a row, each of rows written into empty_combine_input (summed where they lie by
+    the ranks that own the tokens) and of the same rows from a tensor of their own (copied into the
+    arena): the bits of the two-pass combine on a Buffer without an arena, also after a cached dispatch
+    and with rows of 8-byte vectors (which the two-pass kernels take)."""
     p = Problem(seed, num_ranks, num_ranks * 8, hidden, 6, max_tokens=64)
-    for rank, results in enumerate(gpu_pools(num_ranks).run(rank_fns.zero_copy_round, p, 2, 3, cached)):
-        for i, (combined, combined_w, plain, plain_w) in enumerate(results):
-            assert torch.equal(combined, plain), f"rank {rank}, combine {i}: rows"
-            assert torch.equal(combined_w, plain_w), f"rank {rank}, combine {i}: weights"
-
-
-def test_zero_copy_combine_needs_its_area(gpu_pools):
-    for message in gpu_pools(2).run(rank_fns.zero_copy_without_area):
-        assert "num_zero_copy_combine_bytes" in message, message
+    for rank, results in enumerate(gpu_pools(num_ranks).run(rank_fns.arena_combine_rounds, p, 2, 3, cached)):
+        for i, (in_place, in_place_w, copied, copied_w, two_pass, two_pass_w) in enumerate(results):
+            assert torch.equal(in_place, two_pass) and torch.equal(copied, two_pass), f"rank {rank}, combine {i}: rows"
+            assert torch.equal(in_place_w, two_pass_w) and torch.equal(copied_w, two_pass_w), \
+                f"rank {rank}, combine {i}: weights"
 
 
 @pytest.mark.parametrize("num_ranks,hidden,variant", [
     (2, 512, dict(use_fp8=True, num_biases=1)),
-    (3, 132, dict()),  # rows of 264 bytes: not 16-byte vectors, one copy per destination
+    (3, 132, dict()),  # rows of 264 bytes: not 16-byte vectors
     (4, 512, dict(with_topk=False, stream_args=True)),
     (5, 2052, dict(num_worst_tokens=480)),  # 5 ranks x 96 tokens: any load fits
     (8, 2048, dict(use_fp8=True, num_worst_tokens=768)),
 ])
-def test_zero_copy_dispatch_equals_portable(pools, gpu_pools, seed, num_ranks, hidden, variant):
-    """Both dispatches of a round zero-copy (rows stored straight into the receivers' slots): the
-    portable backend's bits, the first recv_x read after the cached dispatch filled the other slot."""
+def test_arena_rounds_of_any_row_size_equal_portable(pools, gpu_pools, seed, num_ranks, hidden, variant):
+    """Both dispatches of a round into the arena (rows stored straight at their place in the receivers'
+    regions): the portable backend's bits, the first recv_x read after the cached dispatch took a region
+    of its own, for odd rank counts and rows of any size."""
     p = Problem(seed, num_ranks, num_ranks * 8, hidden, 6, max_tokens=96)
-    _compare(seed, *_both(pools, gpu_pools, num_ranks, rank_fns.normal_round, p, zero_copy_dispatch=True, **variant))
+    _compare(seed, *_both(pools, gpu_pools, num_ranks, rank_fns.normal_round, p, arena=True, **variant))
 
 
-@pytest.mark.parametrize("num_ranks,zero_copy_dispatch", [(2, False), (8, True)])
-def test_buffers_mapped_through_cuda_ipc(pools, gpu_pools, seed, num_ranks, zero_copy_dispatch):
-    """MOE_EP_PEER_MEMORY=ipc: the peers' buffers and zero-copy areas opened from CUDA IPC handles
-    instead of file descriptors (the default where the GPU can export them): the same bits."""
+@pytest.mark.parametrize("num_ranks,arena", [(2, False), (8, True)])
+def test_buffers_mapped_through_cuda_ipc(pools, gpu_pools, seed, num_ranks, arena):
+    """peer_memory="ipc": the peers' buffers and arenas opened from CUDA IPC handles instead of file
+    descriptors (the default where the GPU can export them): the same bits."""
     p = Problem(seed, num_ranks, num_ranks * 8, 512, 6, max_tokens=96)
     args = (rank_fns.normal_round, p)
-    on_gpu = gpu_pools(num_ranks).run(rank_fns.with_env, {"MOE_EP_PEER_MEMORY": "ipc"}, *args,
-                                      zero_copy_dispatch=zero_copy_dispatch, use_fp8=True)
-    _compare(seed, on_gpu, pools(num_ranks).run(*args, zero_copy_dispatch=zero_copy_dispatch, use_fp8=True))
-
-
-@pytest.mark.parametrize("num_ranks,use_fp8,num_worst_tokens", [(2, True, 0), (4, False, 256), (8, False, 0)])
-def test_zero_copy_dispatch_slots_alternate(gpu_pools, seed, num_ranks, use_fp8, num_worst_tokens):
-    """Three zero-copy dispatches (slots 0, 1, 0) of different rows: an ordinary dispatch's outputs
-    each time, and each recv_x intact after the next zero-copy dispatch."""
-    p = Problem(seed, num_ranks, num_ranks * 4, 1024, 4, max_tokens=64)
-    check_zero_copy_dispatch_rounds(gpu_pools(num_ranks).run(rank_fns.zero_copy_dispatch_rounds, p, 3, use_fp8,
-                                                              num_worst_tokens), seed)
-
-
-@pytest.mark.parametrize("num_ranks,use_fp8,num_worst_tokens", [(2, True, 0), (4, False, 256), (8, True, 0)])
-def test_ordinary_dispatches_via_zero_copy_own_their_outputs(gpu_pools, seed, num_ranks, use_fp8, num_worst_tokens):
-    """MOE_EP_DISPATCH_VIA_ZERO_COPY=1: an ordinary dispatch runs as a zero-copy one and copies its rows
-    out: a zero-copy dispatch's outputs, in tensors of its own (intact after five more dispatches)."""
-    p = Problem(seed, num_ranks, num_ranks * 4, 1024, 4, max_tokens=64)
-    per_rank = gpu_pools(num_ranks).run(rank_fns.with_env, {"MOE_EP_DISPATCH_VIA_ZERO_COPY": "1"},
-                                        rank_fns.dispatches_via_zero_copy, p, use_fp8, num_worst_tokens)
-    for rank, results in enumerate(per_rank):
-        for i, (plain, zero_copy, intact) in enumerate(results):
-            assert _same(plain, zero_copy), f"seed {seed} rank {rank}, dispatch {i}"
-            assert intact, f"seed {seed} rank {rank}, dispatch {i}: its recv_x changed with later dispatches"
+    on_gpu = gpu_pools(num_ranks).run(rank_fns.with_choices, dict(peer_memory="ipc"), *args, arena=arena,
+                                      use_fp8=True)
+    _compare(seed, on_gpu, pools(num_ranks).run(*args, arena=arena, use_fp8=True))
 
 
 @pytest.mark.parametrize("num_ranks,use_fp8,num_worst_tokens", [(2, True, 0), (4, False, 256), (8, False, 0), (3, True, 0)])
 def test_dispatches_into_the_arena_equal_the_two_pass_ones(gpu_pools, seed, num_ranks, use_fp8, num_worst_tokens):
-    """MOE_EP_DISPATCH_ARENA=1: ordinary, zero-copy and cached dispatches store their rows once, into
-    regions that recv_x owns: the two-pass dispatch's bits, intact after six more dispatches, and every
-    region back in the arena once the outputs are gone."""
+    """Fresh, num_worst_tokens and cached dispatches store their rows once, into regions that recv_x
+    owns: the two-pass dispatch's bits, each recv_x intact after six more dispatches, and every region
+    back in the arena once the outputs are gone."""
     p = Problem(seed, num_ranks, num_ranks * 4, 1024, 4, max_tokens=64)
-    per_rank = gpu_pools(num_ranks).run(rank_fns.with_env, {"MOE_EP_DISPATCH_ARENA": "1"},
-                                        rank_fns.dispatches_into_arena, p, use_fp8, num_worst_tokens)
+    per_rank = gpu_pools(num_ranks).run(rank_fns.dispatches_into_arena, p, use_fp8, num_worst_tokens)
     for rank, (results, whole) in enumerate(per_rank):
         for i, (into_arena, two_pass, intact) in enumerate(results):
             assert _same(into_arena, two_pass), f"seed {seed} rank {rank}, dispatch {i}"
@@ -250,54 +252,21 @@ def test_dispatches_into_the_arena_equal_the_two_pass_ones(gpu_pools, seed, num_
         assert whole, f"seed {seed} rank {rank}: regions not returned to the arena"
 
 
-def test_a_full_arena_is_refused_and_the_buffer_goes_on(gpu_pools, seed):
-    """No room in the arena while an earlier recv_x lives: that rank's ValueError names the switch, the
-    ranks stay in step, and once the recv_x is dropped the next dispatch is right."""
-    p = Problem(seed, 3, 12, 256, 3, max_tokens=32)
-    outcomes = gpu_pools(3).run(rank_fns.with_env, {"MOE_EP_DISPATCH_ARENA": "1"}, rank_fns.arena_without_room, p)
-    refused = 0
-    for rank, (received, second, third_right) in enumerate(outcomes):
-        assert third_right, f"seed {seed} rank {rank}: the dispatch after the refusal differs"
-        if second != "ok":
-            refused += 1
-            assert "MOE_EP_DISPATCH_ARENA" in second and "live recv_x" in second, second
-    assert refused >= 1, f"seed {seed}: no rank ran out of room ({outcomes})"
-
-
-def test_a_combine_without_room_in_the_arena_is_reported_everywhere(gpu_pools, seed):
-    """Rank 0's arena full for the copy of its combine rows: it raises at once, every other rank at that
-    combine or the next (their outputs lacked its rows), the ranks stay in step, and a combine after
-    rank 0 made room is right."""
-    p = Problem(seed, 3, 12, 256, 3, max_tokens=32)
-    results = gpu_pools(3).run(rank_fns.arena_combine_without_room, p)
-    if results[0][2] == 0:
-        pytest.skip(f"seed {seed}: rank 0 received no rows, so it needs no room")
-    for rank, (outcomes, right_after, _) in enumerate(results):
-        assert right_after, f"seed {seed} rank {rank}: the combine after the refusal differs"
-        raised = [o for o in outcomes if o != "ok"]
-        if rank == 0:
-            assert outcomes[1] == "ok" and "rank 0's dispatch arena has no room" in outcomes[0], outcomes
-        else:
-            assert len(raised) == 1 and "rank 0 had no room" in raised[0], outcomes
-
-
-@pytest.mark.parametrize("by", ["environment", "argument"])
-def test_a_recv_x_from_the_arena_outlives_its_buffer(gpu_pools, seed, by):
-    """destroy() with an arena's recv_x alive: the tensor keeps its memory (and its rows) until it dies.
-    The arena from MOE_EP_DISPATCH_ARENA=1, or from Buffer(dispatch_arena=True) with the variable at 0."""
+def test_a_recv_x_from_the_arena_outlives_its_buffer(gpu_pools, seed):
+    """destroy() with an arena's recv_x alive: the tensor keeps its memory (and its rows) until it dies."""
     p = Problem(seed, 2, 8, 512, 2, max_tokens=32)
-    env, arena = ("1", {}) if by == "environment" else ("0", {"dispatch_arena": True})
-    outcomes = gpu_pools(2).run(rank_fns.with_env, {"MOE_EP_DISPATCH_ARENA": env},
-                                rank_fns.arena_tensor_outlives_its_buffer, p, **arena)
+    outcomes = gpu_pools(2).run(rank_fns.arena_tensor_outlives_its_buffer, p)
     assert all(outcomes), f"seed {seed}: {outcomes}"
 
 
-def test_zero_copy_dispatch_too_small_is_refused_and_the_buffer_goes_on(gpu_pools, seed):
-    """A slot too small for a rank's rows: that rank gets the ValueError after a kernel that kept every
-    rank in step (the next dispatch works); num_worst_tokens past the slot and a Buffer without the
-    area are refused before anything runs."""
-    outcomes = gpu_pools(3).run(rank_fns.zero_copy_dispatch_overflow, Problem(seed, 3, 12, 128, 3, max_tokens=24), 5)
-    check_zero_copy_dispatch_refusals(outcomes, capacity_rows=5, worst_rows=105)
+def test_rows_an_arena_cannot_hold_take_two_passes(gpu_pools, seed):
+    """A fixed arena too small for some ranks' rows (every rank's, with num_worst_tokens past it): the
+    ranks agree on the two-pass path, so each call gives the two-pass results, and a dispatch that fits
+    every rank afterwards takes one pass with the same results."""
+    outcomes = gpu_pools(3).run(rank_fns.arena_too_small, Problem(seed, 3, 12, 128, 3, max_tokens=24), 5)
+    for rank, (same, received) in enumerate(outcomes):
+        assert same == [True, True, True], \
+            f"seed {seed} rank {rank} ({received} rows): {same} (short of room, num_worst_tokens, fits)"
 
 
 def _first_rows(value, n):
@@ -339,12 +308,13 @@ def test_many_windows_in_a_small_buffer(pools, gpu_pools, seed, num_ranks, use_f
     many windows (and both halves) per call."""
     config = Config(4, 2, 4, 2, 4)
     p = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=200)
-    _compare(seed, *_both(pools, gpu_pools, num_ranks, rank_fns.normal_round, p, use_fp8=use_fp8, num_biases=1,
-                          config=config))
+    kwargs = dict(use_fp8=use_fp8, num_biases=1, config=config)
+    _compare(seed, gpu_pools(num_ranks).run(rank_fns.normal_round, p, arena=False, **kwargs),
+             pools(num_ranks).run(rank_fns.normal_round, p, **kwargs))
 
 
 def test_wait_profile_adds_up(pools, gpu_pools, seed):
-    """MOE_EP_PROFILE_WAITS: results unchanged; every block's waits inside the kernel fit in its time, and
+    """The wait profile (profile_waits): results unchanged; every block's waits inside the kernel fit in its time, and
     so do its phases (which include those waits), both of which take time."""
     p = Problem(seed, 4, 16, 256, 4, max_tokens=64)
     got = gpu_pools(4).run(rank_fns.profiled_round, p)
@@ -362,7 +332,7 @@ def test_wait_profile_adds_up(pools, gpu_pools, seed):
 
 
 def test_kernel_log_lists_each_calls_kernels_in_order(gpu_pools, seed):
-    """MOE_EP_PROFILE_WAITS: every intranode kernel of a rank is logged once, in the order it ran (one
+    """With profile_waits every intranode kernel of a rank is logged once, in the order it ran (one
     stream: each starts after the one before ended), a fresh dispatch as its count exchange and data
     kernel, a combine behind a rendezvous where ranks share a GPU."""
     p = Problem(seed, 4, 16, 256, 4, max_tokens=64)
@@ -393,14 +363,15 @@ def test_twenty_repeats_give_identical_bits(pools, gpu_pools, seed, num_ranks):
         assert set(got) == {want[0]}, f"seed {seed} rank {rank}: {len(set(got))} distinct results in 20 repeats"
 
 
-@pytest.mark.parametrize("num_ranks,zero_copy", [(2, False), (4, False), (3, True)])
-def test_cuda_graph_capture_and_replay(gpu_pools, seed, num_ranks, zero_copy):
+@pytest.mark.parametrize("num_ranks,arena", [(2, False), (4, False), (3, True)])
+def test_cuda_graph_capture_and_replay(gpu_pools, seed, num_ranks, arena):
     """num_worst_tokens: no host synchronisation, so layout, dispatch and combine capture in one graph;
-    replays on new data equal eager calls on that data (also with a zero-copy dispatch)."""
+    replays on new data equal eager calls on that data (also under an arena, which the captured calls
+    leave for the two-pass path while the eager ones take it)."""
     # Same seed, so the same token counts (the graph's shapes are fixed) and rows; other -1 entries.
     p = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=64, drop=0.2)
     q = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=64, drop=0.5)
-    results = gpu_pools(num_ranks).run(rank_fns.graph_round, p, q, num_ranks * 64, zero_copy)
+    results = gpu_pools(num_ranks).run(rank_fns.graph_round, p, q, num_ranks * 64, arena)
     for rank, (replays, eager_q, eager_p) in enumerate(results):
         for i, want in enumerate((eager_q, eager_p, eager_q)):
             assert _same(replays[i], want), f"seed {seed} rank {rank}: replay {i} differs from the eager call"
@@ -414,15 +385,15 @@ def test_a_peer_missing_at_the_first_dispatch_is_named(gpu_pools):
 
 
 @pytest.mark.parametrize("phase,waited_for,stream,num_ranks", [
-    ("dispatch", "its token counts", "0", 3), ("combine", "combine rows", "0", 3), ("combine", "combine rows", "1", 3),
-    ("combine", "combine rows", "1", 8),
+    ("dispatch", "its token counts", False, 3), ("combine", "combine rows", False, 3),
+    ("combine", "combine rows", True, 3), ("combine", "combine rows", True, 8),
 ])
 def test_a_peer_missing_in_a_kernel_is_named(gpu_pools, phase, waited_for, stream, num_ranks):
     """The kernels' waits have a deadline: they report the rank they waited for and return; no hang
-    (either combine: stream = MOE_EP_STREAM_COMBINE; at 8 ranks the streaming receive goes per warp)."""
-    env = dict(SHORT_TIMEOUT, MOE_EP_STREAM_COMBINE=stream)
+    (either combine: stream = stream_combine; at 8 ranks the streaming receive goes per warp)."""
     missing = num_ranks - 1
-    results = gpu_pools(num_ranks).run(rank_fns.with_env, env, rank_fns.skip_after_warmup, missing, phase)
+    results = gpu_pools(num_ranks).run(rank_fns.with_env, SHORT_TIMEOUT, rank_fns.with_choices,
+                                       dict(stream_combine=stream), rank_fns.skip_after_warmup, missing, phase)
     skipped, report = results[missing]
     # Where the skipping rank stood: its warm-up dispatch launched, done on the device, the stream idle.
     assert skipped == "skipped" and report.startswith(f"rank {missing}: calls launched by the host, oldest "

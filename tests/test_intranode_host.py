@@ -17,23 +17,24 @@ def stubbed(monkeypatch):
     topk_idx = torch.rand(_TOKENS, _EXPERTS).topk(_TOPK, dim=1).indices
     backend, call = stub_backend(_RANKS, x, topk_idx, torch.rand(_TOKENS, _TOPK), _EXPERTS, monkeypatch.setattr)
     launched = []
-    # The data kernels' last argument, `cached`: where ranks share a GPU such a launch starts behind a
-    # rendezvous kernel (the others behind their count exchange).
+    # The data kernels' argument `cached` (before the agreement's result and the path they run for):
+    # where ranks share a GPU such a launch starts behind a rendezvous kernel (the others behind their
+    # count exchange).
     backend.cached_launches = []
 
     def launch(*args, name):
         launched.append(name)
         if name != "intranode_notify":
-            backend.cached_launches.append(args[-1])
+            backend.cached_launches.append(args[-3])
 
-    for name in ("intranode_notify", "intranode_dispatch", "intranode_zero_copy_dispatch"):
+    for name in ("intranode_notify", "intranode_dispatch"):
         monkeypatch.setattr(backend.ops, name, functools.partial(launch, name=name), raising=False)
     return backend, call, x, launched
 
 
 def test_a_fresh_dispatch_sizes_its_outputs_by_the_counts(stubbed):
     _, call, x, _ = stubbed
-    (recv_x,), recv_idx, recv_w, counts, handle, _ = call([x], False)
+    (recv_x,), recv_idx, recv_w, counts, handle, _ = call([x])
     rows = _RANKS * _TOKENS
     assert recv_x.shape == (rows, _HIDDEN) and recv_idx.shape == recv_w.shape == (rows, _TOPK)
     assert handle.recv_counts == [_TOKENS] * _RANKS and handle.num_recv_rows == rows
@@ -43,7 +44,7 @@ def test_a_fresh_dispatch_sizes_its_outputs_by_the_counts(stubbed):
 def test_num_worst_tokens_pads_the_outputs_and_learns_no_counts(stubbed):
     _, call, x, launched = stubbed
     worst = _RANKS * _TOKENS + 7
-    (recv_x,), recv_idx, recv_w, counts, handle, _ = call([x], False, num_worst_tokens=worst)
+    (recv_x,), recv_idx, recv_w, counts, handle, _ = call([x], num_worst_tokens=worst)
     assert recv_x.shape == (worst, _HIDDEN) and recv_idx.shape == recv_w.shape == (worst, _TOPK)
     assert counts == [] and handle.num_worst_tokens == worst and handle.num_recv_rows == worst
     assert launched == ["intranode_notify", "intranode_dispatch"]  # the count exchange, then the dispatch
@@ -51,54 +52,12 @@ def test_num_worst_tokens_pads_the_outputs_and_learns_no_counts(stubbed):
 
 def test_a_cached_dispatch_reuses_the_layout_without_a_count_exchange(stubbed):
     backend, call, x, launched = stubbed
-    *_, handle, _ = call([x], False, num_worst_tokens=_RANKS * _TOKENS + 3)
+    *_, handle, _ = call([x], num_worst_tokens=_RANKS * _TOKENS + 3)
     launched.clear()
-    (recv_x,), recv_idx, recv_w, counts, new_handle, _ = call([x], False, handle=handle)
+    (recv_x,), recv_idx, recv_w, counts, new_handle, _ = call([x], handle=handle)
     assert recv_x.shape == (handle.num_recv_rows, _HIDDEN)
     assert (recv_idx, recv_w, counts, new_handle) == (None, None, None, None)
     assert launched == ["intranode_dispatch"]
-    assert backend.cached_launches == [False, True]
-
-
-def _in_area(backend, t: torch.Tensor) -> bool:
-    slots = backend.zero_copy_dispatch.slots
-    return slots.data_ptr() <= t.data_ptr() < slots.data_ptr() + slots.numel()
-
-
-def test_zero_copy_dispatches_alternate_slots_and_return_views_of_them(stubbed):
-    backend, call, x, launched = stubbed
-    rows = _RANKS * _TOKENS
-    (fresh,), *_ = call([x], True)  # early: launched with the count exchange from one entry point
-    assert fresh.shape == (rows, _HIDDEN) and _in_area(backend, fresh) and backend._dispatch_next == 1
-    (worst,), *_ = call([x], True, num_worst_tokens=rows)  # the stub's area holds two slots of `rows`
-    assert worst.shape == (rows, _HIDDEN) and _in_area(backend, worst) and backend._dispatch_next == 0
-    assert launched == ["intranode_notify", "intranode_zero_copy_dispatch"]
-
-
-def test_a_zero_copy_dispatch_beyond_its_slot_is_refused_before_the_count_exchange(stubbed):
-    backend, call, x, launched = stubbed
-    with pytest.raises(ValueError, match="num_zero_copy_dispatch_bytes"):
-        call([x], True, num_worst_tokens=10 * _RANKS * _TOKENS)
-    assert launched == [] and backend._dispatch_next == 0
-
-
-def test_via_zero_copy_copies_recv_x_out_of_the_slot(stubbed):
-    backend, call, x, _ = stubbed
-    backend.via_zero_copy = True  # MOE_EP_DISPATCH_VIA_ZERO_COPY=1
-    (recv_x,), recv_idx, *_ = call([x], False)
-    assert recv_x.shape == (_RANKS * _TOKENS, _HIDDEN) and not _in_area(backend, recv_x)
-    assert recv_idx.shape == (_RANKS * _TOKENS, _TOPK) and backend._dispatch_next == 1
-
-
-def test_a_cached_zero_copy_dispatch_takes_the_other_slot(stubbed):
-    backend, call, x, launched = stubbed
-    rows = _RANKS * _TOKENS
-    *_, handle, _ = call([x], True, num_worst_tokens=rows)
-    assert backend._dispatch_next == 1
-    launched.clear()
-    (again,), *_ = call([x], True, handle=handle)
-    assert again.shape == (rows, _HIDDEN) and _in_area(backend, again) and backend._dispatch_next == 0
-    assert launched == ["intranode_zero_copy_dispatch"]  # no count exchange
     assert backend.cached_launches == [False, True]
 
 
@@ -108,18 +67,15 @@ def test_no_listed_call_shares_its_ordering_event_with_a_later_one(stubbed):
     marks the caller's stream itself)."""
     backend, call, x, _ = stubbed
     for _ in range(6):
-        call([x], False, num_worst_tokens=_RANKS * _TOKENS)
+        call([x], num_worst_tokens=_RANKS * _TOKENS)
     events = [event for _, _, event in backend._recent_calls]
     assert len(events) == 4 and len({id(e) for e in events}) == 4
 
 
-def test_the_rendezvous_is_taken_where_any_gpu_holds_several_ranks(monkeypatch):
+def test_the_rendezvous_is_taken_where_any_gpu_holds_several_ranks():
+    from moe_ep.backends.choices import overridden
     from moe_ep.backends.intranode import rendezvous_first
 
-    monkeypatch.delenv("MOE_EP_RENDEZVOUS", raising=False)
     assert not rendezvous_first(1) and rendezvous_first(2) and rendezvous_first(8)
-    monkeypatch.setenv("MOE_EP_RENDEZVOUS", "0")
-    assert not rendezvous_first(8)
-    monkeypatch.setenv("MOE_EP_RENDEZVOUS", "yes")
-    with pytest.raises(ValueError, match="MOE_EP_RENDEZVOUS: expected 0 or 1"):
-        rendezvous_first(8)
+    with overridden(rendezvous=False):
+        assert not rendezvous_first(8)

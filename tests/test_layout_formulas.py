@@ -4,7 +4,7 @@ free of CUDA): a formula changed on one side only fails here on any machine with
 only end to end on a GPU."""
 import pytest
 
-from moe_ep.config import intranode_header_bytes, IntranodeLayout, LowLatencyLayout, zero_copy_dispatch_region
+from moe_ep.config import arena_dispatch_region, intranode_header_bytes, IntranodeLayout, LowLatencyLayout
 
 from .host_headers import run_against_headers
 
@@ -58,7 +58,7 @@ def from_the_header(tmp_path_factory):
 def test_an_arena_region_is_laid_out_alike(from_the_header, case):
     """The early arena dispatch lays its region out on the device, the host once it knows the rows."""
     rows, x_bytes, scale_bytes, num_topk = REGION_CASES[case]
-    host = zero_copy_dispatch_region(rows, x_bytes, scale_bytes, num_topk)
+    host = arena_dispatch_region(rows, x_bytes, scale_bytes, num_topk)
     assert from_the_header[0][case] == [*host.offsets, host.slot_bytes], REGION_CASES[case]
 
 

@@ -3,9 +3,10 @@ intranode kernels, for every rank count and default config (the kernels refuse a
 import pytest
 
 from moe_ep import Buffer, Config
+from moe_ep.arena import Arena
 from moe_ep.config import (
-    IntranodeLayout, LowLatencyLayout, intranode_header_bytes, zero_copy_combine_bytes, zero_copy_combine_slot,
-    zero_copy_dispatch_bytes, zero_copy_dispatch_region, zero_copy_dispatch_slot,
+    INTRANODE_SLOT_ALIGN, IntranodeLayout, LowLatencyLayout, arena_bytes, arena_dispatch_region,
+    arena_dispatch_rows_within, intranode_header_bytes,
 )
 
 
@@ -40,10 +41,11 @@ def test_low_latency_layout_has_room_for_every_slot():
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_zero_copy_dispatch_slots_hold_what_their_size_says(seed):
-    """The kernels write a slot at the offsets config.py computes (no other copy of the formula): every
-    part 16-byte aligned, the parts in order without overlap, all inside the slot; the size helper's
-    bytes hold exactly the rows asked for, and 16 bytes fewer do not hold them all."""
+def test_arena_regions_hold_what_their_size_says(seed):
+    """The kernels write a region at the offsets config.py computes (an early dispatch lays them out on
+    the device by the same formula: tests/test_layout_formulas.py): every part 16-byte aligned, the parts
+    in order without overlap, all inside the region; arena_dispatch_rows_within bounds the rows from
+    above, and an arena of arena_bytes holds num_live such regions one after another."""
     import random
     rng = random.Random(seed)
     for _ in range(200):
@@ -51,37 +53,35 @@ def test_zero_copy_dispatch_slots_hold_what_their_size_says(seed):
         scale_bytes = rng.choice([0, 4, 64, 224])
         num_topk = rng.randint(0, 32)
         rows = rng.randint(0, 5000)
-        area = zero_copy_dispatch_bytes(rows, x_bytes, scale_bytes, num_topk)
-        slot = zero_copy_dispatch_slot(area, x_bytes, scale_bytes, num_topk)
-        assert slot.capacity >= rows and 2 * slot.slot_bytes <= area
-        parts = [(slot.x_offset, x_bytes), (slot.scale_offset, scale_bytes), (slot.idx_offset, 8 * num_topk),
-                 (slot.weight_offset, 4 * num_topk), (slot.src_offset, 4)]
+        region = arena_dispatch_region(rows, x_bytes, scale_bytes, num_topk)
+        assert region.capacity == rows and region.slot_bytes % 16 == 0
+        parts = [(region.x_offset, x_bytes), (region.scale_offset, scale_bytes), (region.idx_offset, 8 * num_topk),
+                 (region.weight_offset, 4 * num_topk), (region.src_offset, 4)]
         end = 0
         for offset, row_bytes in parts:
             assert offset % 16 == 0 and offset >= end
-            end = offset + slot.capacity * row_bytes
-        assert end <= slot.slot_bytes
-        if rows:
-            assert zero_copy_dispatch_slot(area - 32, x_bytes, scale_bytes, num_topk).capacity < rows
-
-
-def test_zero_copy_combine_slots_hold_what_their_size_says():
-    for rows, row_bytes in [(0, 14336), (1, 14336), (4096 * 8, 14336), (77, 264), (5, 8)]:
-        area = zero_copy_combine_bytes(rows, row_bytes)
-        slot_bytes, pitch, capacity = zero_copy_combine_slot(area, row_bytes)
-        assert pitch % 16 == 0 and pitch >= row_bytes + 4 * 32
-        assert capacity >= rows and 2 * slot_bytes <= area
+            end = offset + rows * row_bytes
+        assert end <= region.slot_bytes < end + 16
+        assert arena_dispatch_rows_within(region.slot_bytes, x_bytes, scale_bytes, num_topk) >= rows
+        num_live = rng.randint(1, 6)
+        arena = Arena(arena_bytes(rows, x_bytes, scale_bytes, num_topk, num_live=num_live), INTRANODE_SLOT_ALIGN)
+        assert all(arena.alloc(region.slot_bytes) is not None for _ in range(num_live))
 
 
 @pytest.mark.parametrize("rows,x_bytes,scale_bytes,num_topk", [(0, 14336, 0, 8), (1, 7168, 224, 8), (777, 264, 8, 3)])
-def test_an_arena_region_is_a_slot_of_exactly_its_rows(rows, x_bytes, scale_bytes, num_topk):
-    """A dispatch arena's region: the parts of a slot of the same capacity, and its size their end."""
-    region = zero_copy_dispatch_region(rows, x_bytes, scale_bytes, num_topk)
+def test_an_arena_region_is_exactly_its_rows(rows, x_bytes, scale_bytes, num_topk):
+    """A region holds its rows' parts and ends with the last of them (16-byte aligned)."""
+    region = arena_dispatch_region(rows, x_bytes, scale_bytes, num_topk)
     assert region.capacity == rows
     assert region.slot_bytes >= rows * (x_bytes + scale_bytes + 12 * num_topk + 4)
     assert all(offset % 16 == 0 for offset in region.offsets + [region.slot_bytes])
     assert region.src_offset + 4 * rows <= region.slot_bytes
-    if rows:
-        slot = zero_copy_dispatch_slot(zero_copy_dispatch_bytes(rows, x_bytes, scale_bytes, num_topk), x_bytes,
-                                       scale_bytes, num_topk)
-        assert slot.capacity == rows and slot.offsets == region.offsets
+
+
+def test_arena_bytes_checks_its_arguments():
+    assert arena_bytes(0, 14336) > 0  # room for the parts' alignment even without rows
+    assert arena_bytes(100, 14336, num_live=2) < arena_bytes(100, 14336, num_live=3)
+    with pytest.raises(ValueError, match="num_live: expected an int >= 1"):
+        arena_bytes(100, 14336, num_live=0)
+    with pytest.raises(ValueError, match="num_rows: expected an int >= 0"):
+        arena_bytes(-1, 14336)

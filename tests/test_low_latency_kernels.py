@@ -1,8 +1,8 @@
 """Low-latency kernels against the portable backend, bit for bit, with ranks sharing one GPU.
 
-The kernels serve CUDA tensors by default; the rank functions set MOE_EP_LL_KERNELS=1 anyway, so that
-a caller's environment cannot turn these tests into portable-against-portable ones. Rows past
-recv_count are not data and are not compared.
+The kernels serve CUDA tensors by default; the rank functions run under MOE_EP_BACKEND=kernels anyway,
+so that a caller's environment cannot turn these tests into portable-against-portable ones (a Buffer
+the kernels cannot serve raises instead). Rows past recv_count are not data and are not compared.
 """
 import pytest
 import torch
@@ -17,7 +17,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
     pytest.mark.skipif(not _native.has_kernels(), reason=str(_native.unavailable_reason())),
 ]
-KERNELS = {"MOE_EP_LL_KERNELS": "1"}
+KERNELS = {"MOE_EP_BACKEND": "kernels"}
 
 
 def _bits(t):
@@ -133,18 +133,18 @@ def test_low_latency_layouts_agree(gpu_pools):
 
 
 def _round_on_memory(pools, gpu_pools, seed, num_ranks, memory):
-    """A hooked fp8 round with the buffers mapped as MOE_EP_LL_MEMORY=memory, against the CPU ranks."""
+    """A hooked fp8 round with the buffers mapped as low_latency_memory=memory, against the CPU ranks."""
     p = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=32)
     variant = dict(use_fp8=True, return_recv_hook=True)
-    env = dict(KERNELS, MOE_EP_LL_MEMORY=memory)
-    on_gpu = gpu_pools(num_ranks).run(rank_fns.with_env, env, rank_fns.low_latency_round, p, **variant)
+    on_gpu = gpu_pools(num_ranks).run(rank_fns.with_env, KERNELS, rank_fns.with_choices,
+                                      dict(low_latency_memory=memory), rank_fns.low_latency_round, p, **variant)
     on_cpu = pools(num_ranks).run(rank_fns.low_latency_round, p, **variant)
     _compare(seed, on_gpu, on_cpu, True)
 
 
 @pytest.mark.parametrize("num_ranks", [2, 8])
 def test_low_latency_kernels_on_cuda_ipc_memory(pools, gpu_pools, seed, num_ranks):
-    """MOE_EP_LL_MEMORY=ipc: the buffers opened from CUDA IPC handles instead of file descriptors."""
+    """low_latency_memory="ipc": the buffers opened from CUDA IPC handles instead of file descriptors."""
     _round_on_memory(pools, gpu_pools, seed, num_ranks, "ipc")
 
 
@@ -163,12 +163,13 @@ def test_low_latency_kernels_on_nvshmem_memory(pools, gpu_pools, seed, num_ranks
 def test_device_initiated_put_lands_before_its_signal(gpu_pools, num_bytes):
     """The building block of the puts to peers on other hosts: a put, then a signal ordered after it,
     from a kernel; on one GPU NVSHMEM carries it between the PEs without a network."""
-    results = gpu_pools(2).run(rank_fns.with_env, dict(KERNELS, MOE_EP_LL_MEMORY="nvshmem"),
+    results = gpu_pools(2).run(rank_fns.with_env, KERNELS, rank_fns.with_choices, dict(low_latency_memory="nvshmem"),
                                rank_fns.nvshmem_put_round, num_bytes)
     assert results == [None, True], results
 
 
-PUTS = dict(KERNELS, MOE_EP_LL_MEMORY="nvshmem", MOE_EP_LL_PUTS="1")
+# Every peer reached through NVSHMEM puts, even where loads and stores could reach it.
+PUTS = dict(low_latency_memory="nvshmem", low_latency_puts=True)
 
 
 @pytest.mark.skipif(not _native.has_nvshmem_device(), reason="built without NVSHMEM's device library")
@@ -179,11 +180,12 @@ PUTS = dict(KERNELS, MOE_EP_LL_MEMORY="nvshmem", MOE_EP_LL_PUTS="1")
     dict(use_fp8=True, round_scale=True, use_ue8m0=True),
 ])
 def test_low_latency_through_puts_equals_portable(pools, gpu_pools, seed, num_ranks, variant):
-    """Every peer reached through NVSHMEM puts (MOE_EP_LL_PUTS=1), as peers on another host would be:
+    """Every peer reached through NVSHMEM puts (low_latency_puts=True), as peers on another host would be:
     rows staged and put, flags as signals after the puts complete. On one GPU NVSHMEM carries them
     without a network; the results are the stores' bit for bit."""
     p = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=32)
-    on_gpu = gpu_pools(num_ranks).run(rank_fns.with_env, PUTS, rank_fns.low_latency_round, p, **variant)
+    on_gpu = gpu_pools(num_ranks).run(rank_fns.with_env, KERNELS, rank_fns.with_choices, PUTS,
+                                      rank_fns.low_latency_round, p, **variant)
     on_cpu = pools(num_ranks).run(rank_fns.low_latency_round, p, **variant)
     _compare(seed, on_gpu, on_cpu, variant["use_fp8"])
 
@@ -191,7 +193,8 @@ def test_low_latency_through_puts_equals_portable(pools, gpu_pools, seed, num_ra
 @pytest.mark.skipif(not _native.has_nvshmem_device(), reason="built without NVSHMEM's device library")
 def test_zero_copy_combine_refused_through_puts(pools, gpu_pools, seed):
     p = Problem(seed, 2, 8, 256, 4, max_tokens=16)
-    results = gpu_pools(2).run(rank_fns.with_env, PUTS, rank_fns.zero_copy_refused_then_round, p)
+    results = gpu_pools(2).run(rank_fns.with_env, KERNELS, rank_fns.with_choices, PUTS,
+                               rank_fns.zero_copy_refused_then_round, p)
     on_cpu = pools(2).run(rank_fns.low_latency_round, p, use_fp8=True)
     for message, _ in results:
         assert "zero_copy:" in message and "reached through NVSHMEM puts" in message, message

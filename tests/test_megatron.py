@@ -1,19 +1,24 @@
 """The megatron-core dispatcher ("deepep" type) on CPU ranks: forward and gradients equal the dense
-MoE layer and megatron's own alltoall dispatcher."""
-import os
+MoE layer and megatron's own alltoall dispatcher, with moe_ep's arena (the default) and without; and
+moe_ep's options for it."""
+import argparse
+import dataclasses
+import types
 
 import pytest
 import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
-from . import megatron_fns, rank_fns  # noqa: E402
+from . import megatron_fns  # noqa: E402
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
-def test_deepep_dispatcher_matches_dense_layer_and_alltoall(pools, seed, num_ranks):
+@pytest.mark.parametrize("arena", [True, False])
+def test_deepep_dispatcher_matches_dense_layer_and_alltoall(pools, seed, num_ranks, arena):
     args = (seed % 10000, num_ranks * 2, 2, 32)
-    ours = pools(num_ranks).run(megatron_fns.moe_forward_backward, *args, "deepep", 24)
+    ours = pools(num_ranks).run(megatron_fns.moe_forward_backward, *args, "deepep", 24,
+                                moe_ep_options=dict(moe_ep_arena=arena))
     theirs = pools(num_ranks).run(megatron_fns.moe_forward_backward, *args, "alltoall", 24)
     for rank, (a, b) in enumerate(zip(ours, theirs)):
         for key in ("out", "grad_x", "grad_logits"):
@@ -30,35 +35,28 @@ def test_layers_share_one_buffer(pools, seed):
     assert all(pools(2).run(megatron_fns.layers_share_a_buffer, seed % 10000, 4, 2, 32, 24))
 
 
-@pytest.mark.parametrize("env", [{"MOE_EP_ZERO_COPY_COMBINE": "1"}, {"MOE_EP_ZERO_COPY_DISPATCH": "1"},
-                                 {"MOE_EP_ZERO_COPY_COMBINE": "1", "MOE_EP_ZERO_COPY_DISPATCH": "1"},
-                                 {"MOE_EP_DISPATCH_ARENA": "1"}],
-                         ids=["combine", "dispatch", "both", "arena"])
-def test_zero_copy_in_the_dispatcher_changes_nothing(pools, seed, env):
-    """MOE_EP_ZERO_COPY_COMBINE=1: the unpermute writes into the Buffer's zero-copy combine rows;
-    MOE_EP_ZERO_COPY_DISPATCH=1: the dispatches (the backward's too) are zero-copy ones;
-    MOE_EP_DISPATCH_ARENA=1: the unpermute writes into Buffer.empty_combine_input. The forward and the
-    gradients stay those of the ordinary path."""
+def test_the_arena_in_the_dispatcher_changes_nothing(pools, seed):
+    """With the arena (the default) the dispatcher's unpermute writes into Buffer.empty_combine_input;
+    without it (moe_ep_arena=False) into a tensor of its own: the forward and the gradients are the same
+    bits either way."""
     args = (seed % 10000, 4, 2, 32)
-    ours = pools(2).run(rank_fns.with_env, env, megatron_fns.moe_forward_backward, *args, "deepep", 24)
-    plain = pools(2).run(megatron_fns.moe_forward_backward, *args, "deepep", 24)
-    for rank, (a, b) in enumerate(zip(ours, plain)):
+    with_arena = pools(2).run(megatron_fns.moe_forward_backward, *args, "deepep", 24)
+    without = pools(2).run(megatron_fns.moe_forward_backward, *args, "deepep", 24,
+                           moe_ep_options=dict(moe_ep_arena=False))
+    for rank, (a, b) in enumerate(zip(with_arena, without)):
         for key in ("out", "grad_x", "grad_logits"):
             assert torch.equal(a[key], b[key]), f"rank {rank} {key}"
 
 
-@pytest.mark.parametrize("zero_copy", ["none", "both", "arena"])
-def test_deepep_dispatcher_on_cuda_ranks_runs_on_the_kernels(gpu_pools, seed, zero_copy):
-    """CUDA ranks sharing the GPU (the intranode kernels move the tokens), with and without the one-pass
-    calls (zero-copy, or the dispatch arena): the forward and gradients of the dense layer."""
+@pytest.mark.parametrize("arena", [True, False])
+def test_deepep_dispatcher_on_cuda_ranks_runs_on_the_kernels(gpu_pools, seed, arena):
+    """CUDA ranks sharing the GPU (the intranode kernels move the tokens), with the arena (the one-pass
+    calls, the default) and without: the forward and gradients of the dense layer."""
     from moe_ep import _native
     if not _native.has_kernels():
         pytest.skip(str(_native.unavailable_reason()))
-    env = {"MOE_EP_ZERO_COPY_DISPATCH": "1" if zero_copy == "both" else "0",
-           "MOE_EP_ZERO_COPY_COMBINE": "1" if zero_copy == "both" else "0",
-           "MOE_EP_DISPATCH_ARENA": "1" if zero_copy == "arena" else "0"}
-    results = gpu_pools(4).run(rank_fns.with_env, env, megatron_fns.moe_forward_backward, seed % 10000, 8, 2, 64,
-                               "deepep", 24, cuda=True)
+    results = gpu_pools(4).run(megatron_fns.moe_forward_backward, seed % 10000, 8, 2, 64, "deepep", 24, cuda=True,
+                               moe_ep_options=dict(moe_ep_arena=arena))
     for rank, res in enumerate(results):
         for key in ("out", "grad_x", "grad_logits"):
             torch.testing.assert_close(res[key], res["ref_" + key], rtol=1e-4, atol=1e-4,
@@ -126,36 +124,60 @@ def test_dropped_routes_as_with_a_capacity_limit(pools, seed):
             torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-5)
 
 
-def test_megatron_lm_arguments_accept_deepep():
-    import argparse
+@pytest.fixture
+def option_defaults():
+    """moe_ep.megatron.options' process-wide defaults, put back as they were after the test."""
+    from moe_ep.megatron import options
+    saved = options.options_for(types.SimpleNamespace())
+    yield options
+    options.set_defaults(**dataclasses.asdict(saved))
 
-    from moe_ep import Buffer
+
+def test_megatron_lm_arguments_accept_deepep(option_defaults):
     from moe_ep.megatron import add_arguments, apply_arguments
     parser = argparse.ArgumentParser()
     parser.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"], default="allgather")
     add_arguments(parser)
     args = parser.parse_args(["--moe-token-dispatcher-type", "deepep", "--moe-ep-num-sms", "24"])
     assert args.moe_token_dispatcher_type == "deepep" and args.moe_ep_num_sms == 24
-    before = Buffer.num_sms
-    try:
-        apply_arguments(args)
-        assert Buffer.num_sms == 24
-    finally:
-        Buffer.set_num_sms(before)
+    apply_arguments(args)
+    assert option_defaults.options_for(types.SimpleNamespace()).moe_ep_num_sms == 24
 
 
-def test_megatron_lm_zero_copy_option_sets_the_switches(monkeypatch):
-    import argparse
-
-    from moe_ep.megatron import add_arguments, apply_arguments
+def test_apply_arguments_sets_the_defaults_it_was_given(option_defaults):
+    """Megatron-LM's --moe-ep-* flags become the defaults of configs without moe_ep_* attributes; a flag
+    left out leaves its default alone."""
+    from moe_ep.megatron import DispatcherOptions, add_arguments, apply_arguments
     parser = add_arguments(argparse.ArgumentParser())
-    for choice, dispatch, combine, arena in (("dispatch", "1", "0", "0"), ("both", "1", "1", "0"),
-                                             ("combine", "0", "1", "0"), ("none", "0", "0", "0"),
-                                             ("arena", "0", "0", "1")):
-        for name in ("MOE_EP_ZERO_COPY_DISPATCH", "MOE_EP_ZERO_COPY_COMBINE", "MOE_EP_DISPATCH_ARENA"):
-            monkeypatch.delenv(name, raising=False)
-        apply_arguments(parser.parse_args(["--moe-ep-zero-copy", choice]))
-        assert (os.environ["MOE_EP_ZERO_COPY_DISPATCH"], os.environ["MOE_EP_ZERO_COPY_COMBINE"],
-                os.environ["MOE_EP_DISPATCH_ARENA"]) == (dispatch, combine, arena), choice
+    bare = types.SimpleNamespace()
+    apply_arguments(parser.parse_args([]))
+    assert option_defaults.options_for(bare) == DispatcherOptions()
+    assert DispatcherOptions().moe_ep_arena is True, "the arena is on by default"
+    apply_arguments(parser.parse_args(["--no-moe-ep-arena", "--moe-ep-timeout-s", "7.5"]))
+    assert option_defaults.options_for(bare) == DispatcherOptions(moe_ep_arena=False, moe_ep_timeout_s=7.5)
+    apply_arguments(parser.parse_args(["--moe-ep-arena", "--moe-ep-num-sms", "16"]))
+    assert option_defaults.options_for(bare) == DispatcherOptions(moe_ep_arena=True, moe_ep_num_sms=16,
+                                                                  moe_ep_timeout_s=7.5)
     with pytest.raises(SystemExit):
-        parser.parse_args(["--moe-ep-zero-copy", "sometimes"])
+        parser.parse_args(["--moe-ep-arena", "sometimes"])
+
+
+def test_a_config_attribute_wins_over_the_defaults(option_defaults):
+    """A TransformerConfig's own moe_ep_* attributes win over the process-wide defaults; where it has
+    none, megatron-core's moe_deepep_num_sms gives the SM budget."""
+    option_defaults.set_defaults(moe_ep_arena=False, moe_ep_num_sms=24, moe_ep_timeout_s=30.0)
+    config = types.SimpleNamespace(moe_ep_arena=True, moe_ep_timeout_s=5.0)
+    got = option_defaults.options_for(config)
+    assert (got.moe_ep_arena, got.moe_ep_num_sms, got.moe_ep_timeout_s) == (True, 24, 5.0)
+    option_defaults.set_defaults(moe_ep_num_sms=None)
+    assert option_defaults.options_for(types.SimpleNamespace(moe_deepep_num_sms=20)).moe_ep_num_sms == 20
+    both = types.SimpleNamespace(moe_ep_num_sms=16, moe_deepep_num_sms=20)
+    assert option_defaults.options_for(both).moe_ep_num_sms == 16
+
+
+def test_a_bad_option_is_refused(option_defaults):
+    with pytest.raises(TypeError, match="moe_ep_arena: expected a bool, got str"):
+        option_defaults.options_for(types.SimpleNamespace(moe_ep_arena="no"))
+    with pytest.raises(TypeError, match="moe_ep_zero_copy"):
+        option_defaults.set_defaults(moe_ep_zero_copy="both")
+    assert option_defaults.options_for(types.SimpleNamespace()) == option_defaults.DispatcherOptions()

@@ -5,8 +5,7 @@ import torch
 from moe_ep import fp8
 
 from . import rank_fns
-from .problems import Problem, bias_for, expert_output, make_inputs, ref_combine, ref_dispatch, ref_recv_x
-from .problems import check_zero_copy_dispatch_refusals, check_zero_copy_dispatch_rounds
+from .problems import Problem, bias_for, expert_output, make_inputs, ref_combine, ref_dispatch, ref_recv_x, same_bits
 
 RANKS = [2, 3, 4, 8]
 
@@ -142,24 +141,41 @@ def test_num_worst_tokens_too_small_raises_on_every_rank(pools, seed):
         assert received == len(ref_dispatch(p, inputs, dst)[0]), "the next dispatch works"
 
 
-@pytest.mark.parametrize("num_ranks,num_biases", [(2, 0), (3, 2)])
-def test_zero_copy_combine_equals_the_ordinary_one(pools, seed, num_ranks, num_biases):
-    """get_next_combine_buffer + combine(zero_copy=True), slots alternating over three combines and
-    after a cached dispatch: the bits of an ordinary combine of the same rows."""
+@pytest.mark.parametrize("num_ranks", [2, 3])
+@pytest.mark.parametrize("variant", [
+    dict(combine_x="empty_combine_input", num_biases=1),
+    dict(combine_x="tensor", use_fp8=True, num_worst_tokens=100),
+    dict(combine_x="recv_x", with_topk=False, stream_args=True),
+])
+def test_an_arena_changes_nothing_on_the_portable_backend(pools, seed, num_ranks, variant):
+    """CPU tensors run on the portable backend, which has no arena: a Buffer given num_arena_bytes, or the
+    default, gives the outputs of one with num_arena_bytes=0, whatever combine's x is
+    (empty_combine_input is then a plain tensor)."""
     p = Problem(seed, num_ranks, num_ranks * 4, 128, 3, max_tokens=24)
-    for rank, results in enumerate(pools(num_ranks).run(rank_fns.zero_copy_round, p, num_biases, 3, True)):
-        for i, (combined, combined_w, plain, plain_w) in enumerate(results):
-            assert torch.equal(combined, plain) and torch.equal(combined_w, plain_w), f"rank {rank}, combine {i}"
+    without = pools(num_ranks).run(rank_fns.normal_round, p, arena=False, **variant)
+    for arena in (True, None):
+        for rank, (a, b) in enumerate(zip(pools(num_ranks).run(rank_fns.normal_round, p, arena=arena, **variant),
+                                          without)):
+            for field in a:
+                assert same_bits(a[field], b[field]), f"seed {seed} arena {arena} rank {rank}: {field}"
 
 
-def test_zero_copy_misuse_is_refused(pools):
-    for outcomes in pools(2).run(rank_fns.zero_copy_misuse):
-        (kind, message), (kind2, message2), *combine_input = outcomes
-        assert kind == "ValueError" and "x: with zero_copy=True" in message, message
-        assert kind2 == "ValueError" and "hidden" in message2, message2
-        for (kind, message), (want_kind, names) in zip(combine_input, [("ValueError", "hidden"),
-                                                                        ("ValueError", "dtype"),
-                                                                        ("TypeError", "handle")]):
+@pytest.mark.parametrize("num_ranks,num_biases", [(2, 0), (3, 2)])
+def test_repeated_combines_with_an_arena_equal_the_ordinary_one(pools, seed, num_ranks, num_biases):
+    """Three combines after a cached dispatch on a Buffer with an arena, of rows written into
+    empty_combine_input and of a tensor of their own: the bits of the same combines on a Buffer
+    without one."""
+    p = Problem(seed, num_ranks, num_ranks * 4, 128, 3, max_tokens=24)
+    for rank, results in enumerate(pools(num_ranks).run(rank_fns.arena_combine_rounds, p, num_biases, 3, True)):
+        for i, (in_place, in_place_w, copied, copied_w, plain, plain_w) in enumerate(results):
+            assert torch.equal(in_place, plain) and torch.equal(copied, plain), f"rank {rank}, combine {i}"
+            assert torch.equal(in_place_w, plain_w) and torch.equal(copied_w, plain_w), f"rank {rank}, combine {i}"
+
+
+def test_empty_combine_input_misuse_is_refused(pools):
+    for outcomes in pools(2).run(rank_fns.combine_input_misuse):
+        for (kind, message), (want_kind, names) in zip(outcomes, [("ValueError", "hidden"), ("ValueError", "dtype"),
+                                                                   ("TypeError", "handle")]):
             assert kind == want_kind and names in message, message
 
 
@@ -168,17 +184,3 @@ def test_empty_combine_input_is_a_tensor_for_combine(pools):
     combine of it is the combine of the same rows from any tensor."""
     for same in pools(2).run(rank_fns.combine_of_empty_combine_input):
         assert same
-
-
-@pytest.mark.parametrize("num_ranks,use_fp8,num_worst_tokens", [(2, False, 0), (3, True, 0), (3, False, 100)])
-def test_zero_copy_dispatch_equals_the_ordinary_one(pools, seed, num_ranks, use_fp8, num_worst_tokens):
-    """dispatch(zero_copy=True) three times (slots 0, 1, 0): the outputs of an ordinary dispatch, and
-    each recv_x still holds its rows after the next zero-copy dispatch."""
-    p = Problem(seed, num_ranks, num_ranks * 4, 256, 3, max_tokens=24)
-    check_zero_copy_dispatch_rounds(pools(num_ranks).run(rank_fns.zero_copy_dispatch_rounds, p, 3, use_fp8,
-                                                          num_worst_tokens), seed)
-
-
-def test_zero_copy_dispatch_too_small_or_missing_is_refused(pools, seed):
-    outcomes = pools(3).run(rank_fns.zero_copy_dispatch_overflow, Problem(seed, 3, 12, 128, 3, max_tokens=24), 5)
-    check_zero_copy_dispatch_refusals(outcomes, capacity_rows=5, worst_rows=105)

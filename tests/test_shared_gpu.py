@@ -39,7 +39,7 @@ def capped_pools():
 
     def get(num_ranks: int) -> RankPool:
         if num_ranks not in started or not started[num_ranks].alive:
-            env = {"MOE_EP_TEST_CUDA": "1", "MOE_EP_LL_KERNELS": "1"}
+            env = {"MOE_EP_TEST_CUDA": "1", "MOE_EP_BACKEND": "kernels"}
             if ranks_share_a_gpu(num_ranks):
                 env.update(sm_share_env(os.environ.get("MOE_EP_TEST_SM_SHARE", "auto"), num_ranks))
             started[num_ranks] = RankPool(num_ranks, use_cuda=True, backend="gloo", env=env)
@@ -51,7 +51,7 @@ def capped_pools():
 
 
 @pytest.mark.parametrize("num_ranks", [4, 8])
-@pytest.mark.parametrize("arena", [False, True])
+@pytest.mark.parametrize("arena", [None, False, True], ids=["default_arena", "two_pass", "arena"])
 def test_steps_beside_expert_gemms_equal_portable(pools, capped_pools, seed, num_ranks, arena):
     p = Problem(seed, num_ranks, num_ranks * 4, 1024, 6, max_tokens=512)
     on_gpu = capped_pools(num_ranks).run(rank_fns.normal_steps_beside_gemms, p, STEPS, arena=arena)

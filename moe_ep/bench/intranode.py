@@ -3,12 +3,15 @@ issue #6, the way DeepEP V1 was measured on the same machine).
 
 Per rank: received bytes / wall time per call (host work included; `--iters` calls after `--warmup`,
 a barrier before). bf16 rows count hidden * 2 bytes, fp8 rows hidden * (1 + 4/128) (values + scales);
-combine counts the bf16 rows sent back. The *_zero_copy modes are the one-pass calls: dispatch(zero_copy=True)
-(rows stored straight into the receivers' zero-copy dispatch areas) and combine(zero_copy=True) of rows
-written into get_next_combine_buffer. The aggregate over ranks is also given as a fraction of one
-process's plain device copy of the same number of bytes, measured in the same run, and the mean per
-rank against DeepEP V1's figure for the same operation where the run has that figure's shape (issue 6's,
-every rank on one GPU).
+combine counts the bf16 rows sent back. The *_arena modes run on a Buffer with an arena of a fixed size
+(num_arena_bytes) with room for every call, so they are the one-pass calls: the dispatch stores the rows
+straight into regions of the receivers' arenas, and combine_arena_input sums rows written into
+empty_combine_input where they lie (combine_arena: rows of a tensor of their own, which the combine
+copies into the arena first from 4 ranks up and sends the two-pass way below). The other modes run on a
+Buffer without an arena (num_arena_bytes=0: the two-pass calls). The aggregate over ranks is also given
+as a fraction of one process's plain device copy of the same number of bytes, measured in the same run,
+and the mean per rank against DeepEP V1's figure for the same operation where the run has that figure's
+shape (issue 6's, every rank on one GPU).
 
     python -m moe_ep.bench.intranode --ranks 2 4 8 --sms 24
     python -m moe_ep.bench.intranode --ranks 4 --sms 8 16 24 32 48     # SM sweep
@@ -18,10 +21,12 @@ every rank on one GPU).
     python -m moe_ep.bench.intranode --ranks 8 --profile-waits   # where the kernels' time goes
     python -m moe_ep.bench.intranode --ranks 8 --nccl     # one rank per GPU: also NCCL's all-to-all
     python -m moe_ep.bench.intranode --ranks 4 8 --modes combine   # only some of the modes
-    python -m moe_ep.bench.intranode --ranks 2 --modes dispatch_fp8_zero_copy dispatch_fp8_zero_copy_cached
+    python -m moe_ep.bench.intranode --ranks 2 --modes dispatch_fp8_arena dispatch_fp8_arena_cached
         # *_cached: from the first call's handle, no count exchange and no host wait (DeepEP's tests' way)
-    MOE_EP_DISPATCH_ARENA=1 python -m moe_ep.bench.intranode --ranks 2 4 8 --modes combine combine_arena_input
-        # the plain combine from the dispatch arena: of x elsewhere (copied in) and of x in empty_combine_input
+    python -m moe_ep.bench.intranode --ranks 2 4 8 --modes combine combine_arena combine_arena_input
+        # the combine from the arena: of x elsewhere (copied in) and of x in empty_combine_input
+    python -m moe_ep.bench.intranode --ranks 4 8 --modes combine --stream-combine 0   # the windowed combine
+    python -m moe_ep.bench.intranode --ranks 8 --peer-memory ipc   # peers mapped through CUDA IPC handles
 
 The buffer is sized by the size hint of the largest SM budget given (the kernels size their windows
 from the buffer, not from num_sms), once per --recv-tokens value.
@@ -36,29 +41,28 @@ import argparse
 import functools
 import itertools
 import json
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
 from moe_ep import Buffer, Config, fp8
-from moe_ep.config import zero_copy_combine_bytes, zero_copy_dispatch_bytes
+from moe_ep.config import arena_bytes
 from moe_ep.launch import RankPool
-from moe_ep.backends.intranode import dispatch_arena, dispatch_via_zero_copy
-from moe_ep.backends.peers import (KERNEL_COMBINE, KERNEL_DISPATCH, KERNEL_NOTIFY, KERNEL_RENDEZVOUS,
+from moe_ep.backends.choices import PEER_MEMORY_KINDS, overridden
+from moe_ep.backends.peers import (KERNEL_AGREE, KERNEL_COMBINE, KERNEL_DISPATCH, KERNEL_NOTIFY, KERNEL_RENDEZVOUS,
                                    KERNEL_STREAM_COMBINE, KERNEL_ZERO_COPY_COMBINE, KERNEL_ZERO_COPY_DISPATCH)
 
 from .timing import wall_seconds_per_call
 
-MODES = ("dispatch_fp8", "dispatch_bf16", "dispatch_fp8_zero_copy", "dispatch_bf16_zero_copy", "combine",
-         "combine_zero_copy")
+MODES = ("dispatch_fp8", "dispatch_bf16", "dispatch_fp8_arena", "dispatch_bf16_arena", "combine",
+         "combine_arena_input")
 # On request only: dispatches from the first call's handle (no count exchange, no host wait: the
 # kernels' own rate, and how DeepEP's tests time their dispatch).
 CACHED_MODES = tuple(f"{m}_cached" for m in MODES if m.startswith("dispatch"))
-# Also on request: the plain combine of rows the caller wrote into Buffer.empty_combine_input (with a
-# dispatch arena, MOE_EP_DISPATCH_ARENA=1, they lie in it and the combine reads them there).
-ALL_MODES = MODES + CACHED_MODES + ("combine_arena_input",)
+# Also on request: the combine from the arena of rows in a tensor of the caller's own, which it copies
+# into the arena first.
+ALL_MODES = MODES + CACHED_MODES + ("combine_arena",)
 # The order the modes run in: every dispatch, then the combines.
 RUN_ORDER = tuple(m for m in ALL_MODES if m.startswith("dispatch")) + tuple(m for m in ALL_MODES if m.startswith("combine"))
 NCCL_MODE = "nccl_all_to_all_bf16"
@@ -70,8 +74,8 @@ DEEPEP_V1_SHAPE = dict(tokens=4096, hidden=7168, topk=8, experts=256, sms=24)
 
 
 def deepep_v1_reference(args, num_ranks: int, num_sms: int, mode: str):
-    """DeepEP V1's figure for the same operation (any of its calls: zero-copy, cached, from the arena), where
-    this run has that figure's shape and ranks share one GPU; else None."""
+    """DeepEP V1's figure for the same operation (any of its calls: two-pass or through the arena, cached),
+    where this run has that figure's shape and ranks share one GPU; else None."""
     shape = dict(tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=args.experts, sms=num_sms)
     if (args.cpu or shape != DEEPEP_V1_SHAPE or num_ranks not in DEEPEP_V1_ONE_H200
             or num_ranks <= torch.cuda.device_count()):
@@ -86,7 +90,7 @@ def deepep_v1_reference(args, num_ranks: int, num_sms: int, mode: str):
 
 def wait_shares(profile: dict, mode: str, calls: int) -> dict:
     """What the mode's kernel blocks waited for, and their time in each phase ("in pull": waits included),
-    as shares of their time (MOE_EP_PROFILE_WAITS); "block us" is a block's mean device time per call, to
+    as shares of their time (--profile-waits); "block us" is a block's mean device time per call, to
     set against the call's wall time (a call much longer than its blocks waits on the host)."""
     kernel = profile.get("combine" if mode.startswith("combine") else "dispatch")  # dispatch includes notify
     if not kernel or not kernel.get("kernel"):
@@ -97,19 +101,21 @@ def wait_shares(profile: dict, mode: str, calls: int) -> dict:
     return shares
 
 
-# The kernels that move a call's rows, and those that open a call.
+# The kernels that move a call's rows, and those that open a call (with an arena, the agreement on its
+# path does, which is also the rendezvous of ranks sharing a GPU).
 DATA_KERNELS = (KERNEL_DISPATCH, KERNEL_COMBINE, KERNEL_STREAM_COMBINE, KERNEL_ZERO_COPY_DISPATCH,
                 KERNEL_ZERO_COPY_COMBINE)
-LEAD_KERNELS = (KERNEL_NOTIFY, KERNEL_RENDEZVOUS)
+LEAD_KERNELS = (KERNEL_NOTIFY, KERNEL_RENDEZVOUS, KERNEL_AGREE)
 
 
 def kernel_log_times(log: list, calls: int) -> tuple:
-    """From a rank's kernel log ([(KernelId, start ns, end ns)], MOE_EP_PROFILE_WAITS): the means over its
+    """From a rank's kernel log ([(KernelId, start ns, end ns)], --profile-waits): the means over its
     last `calls` data kernels, in us, of their span (block 0's start to the last block's end), the time
     from the kernel before them to their start ("gap": the host's part for a fresh dispatch, a launch
-    otherwise), the span of the call's opening kernel where there is one (count exchange or rendezvous:
-    "lead"), and the time from one data kernel's start to the next ("period", against the host's time per
-    call); and the data kernels' start times, to set against the other ranks' ({} and [] without a log)."""
+    otherwise), the span of the call's opening kernel where there is one (count exchange, rendezvous or
+    agreement: "lead"), and the time from one data kernel's start to the next ("period", against the
+    host's time per call); and the data kernels' start times, to set against the other ranks' ({} and []
+    without a log)."""
     data = [i for i, entry in enumerate(log) if entry[0] in DATA_KERNELS][-calls:]
     if not data:
         return {}, []
@@ -159,12 +165,26 @@ def unfit_sm_budget(buffer: Buffer, num_sms: int) -> str:
     return ""
 
 
+def uses_arena(mode: str) -> bool:
+    return "_arena" in mode
+
+
+def kernel_choices_of(args) -> dict:
+    """The kernels' choices the command line sets (moe_ep.backends.choices), entered on every rank."""
+    return dict(peer_memory=args.peer_memory, stream_combine={"auto": None, "0": False, "1": True}[args.stream_combine],
+                fit_blocks=not args.no_fit_blocks, rendezvous=not args.no_rendezvous, profile_waits=args.profile_waits)
+
+
 def rank_bench(args):
+    # The choices are read when a Buffer's kernel backend is made (its first dispatch of CUDA tensors).
+    with overridden(**kernel_choices_of(args)):
+        return _rank_bench(args)
+
+
+def _rank_bench(args):
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1000 + rank)
     device = "cpu" if args.cpu else "cuda"
-    if args.profile_waits:  # read when the kernels' backend is made (first dispatch of each Buffer)
-        os.environ["MOE_EP_PROFILE_WAITS"] = "1"
     scores = torch.rand(args.tokens, args.experts, device=device)
     topk_idx = scores.topk(args.topk, dim=1).indices
     topk_weights = torch.rand(args.tokens, args.topk, device=device)
@@ -172,53 +192,46 @@ def rank_bench(args):
     x_fp8 = fp8.per_token_cast_to_fp8(x)
     defaults = {m: (Buffer.get_combine_config if m.startswith("combine") else Buffer.get_dispatch_config)(num_ranks)
                 for m in ALL_MODES}
-    # combine_zero_copy: two slots of every row this rank could receive (all tokens of all ranks).
-    zero_copy_bytes = zero_copy_combine_bytes(args.tokens * num_ranks, args.hidden * 2) \
-        if "combine_zero_copy" in args.modes else 0
-    # dispatch_*_zero_copy: every row this rank could receive, as bf16 (fp8 rows and scales are smaller).
-    # (MOE_EP_DISPATCH_VIA_ZERO_COPY=1, MOE_EP_DISPATCH_ARENA=1: the ordinary dispatches use the area too.)
-    uses_area = dispatch_via_zero_copy() or dispatch_arena() or \
-        any(m.startswith("dispatch") and "zero_copy" in m for m in args.modes)
-    zero_copy_dispatch = zero_copy_dispatch_bytes(args.tokens * num_ranks, args.hidden * 2, 0, args.topk) \
-        if uses_area else 0
-    if dispatch_arena():  # the first recv_x, a call's outputs, a combine's input and its copy all live there
-        zero_copy_dispatch *= 2
+    # The *_arena modes' Buffer: every row this rank could receive (all tokens of all ranks), as bf16 rows
+    # with fp8 scales (either kind of row fits), for the tensors alive at once: the first dispatch's
+    # recv_x, the combine input in the arena, a call's outputs and a combine's copy of its input and its
+    # weights, with room to spare, since a call that finds none falls back to two passes unseen.
+    arena = arena_bytes(args.tokens * num_ranks, args.hidden * 2, args.hidden // 128 * 4, args.topk, num_live=6) \
+        if any(uses_arena(m) for m in args.modes) else 0
     results = []
     for recv_tokens in args.recv_tokens or [0]:
         configs = {m: [variant(defaults[m], s, recv_tokens) for s in args.sms] for m in ALL_MODES}
         nvl = max(c.get_nvl_buffer_size_hint(args.hidden * 2, num_ranks) for cs in configs.values() for c in cs)
-        buffer = Buffer(dist.group.WORLD, nvl, explicitly_destroy=True, num_zero_copy_combine_bytes=zero_copy_bytes,
-                        num_zero_copy_dispatch_bytes=zero_copy_dispatch)
-        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
-        layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                      topk_idx=topk_idx, topk_weights=topk_weights)
-        smallest = min(range(len(args.sms)), key=lambda i: args.sms[i])
-        recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, config=configs["dispatch_bf16"][smallest], **layout)
-        rows = recv_x.shape[0]
-        y = recv_x.clone()
-        if "combine_arena_input" in args.modes:
-            y_in_arena = buffer.empty_combine_input(handle, args.hidden).copy_(y)
-        if zero_copy_bytes:  # both slots hold the rows before the timing: the calls only combine
-            for _ in range(2):
-                view = buffer.get_next_combine_buffer(handle, args.hidden)
-                view.copy_(y)
-                buffer.combine(view, handle, topk_weights=recv_w, config=configs["combine_zero_copy"][smallest],
-                               zero_copy=True)
+        # The two-pass modes' Buffer and, for the *_arena ones, another with the arena: per Buffer, what its
+        # calls need (the Buffer, its first dispatch's handle and weights, the rows to combine).
+        setups = {}
+        for with_arena in ([False, True] if arena else [False]):
+            buffer = Buffer(dist.group.WORLD, nvl, explicitly_destroy=True, num_arena_bytes=arena if with_arena else 0)
+            per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
+            layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                          topk_idx=topk_idx, topk_weights=topk_weights)
+            smallest = min(range(len(args.sms)), key=lambda i: args.sms[i])
+            recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, config=configs["dispatch_bf16"][smallest], **layout)
+            rows = recv_x.shape[0]
+            y = recv_x.clone()
+            y_in_arena = buffer.empty_combine_input(handle, args.hidden).copy_(y) if with_arena else None
+            setups[with_arena] = dict(buffer=buffer, layout=layout, handle=handle, recv_w=recv_w, y=y,
+                                      y_in_arena=y_in_arena)
 
         def call(mode: str, config: Config):
-            """One call of `mode`; its name says what it is (fp8 or bf16 rows, zero-copy, from the handle)."""
-            if mode in ("combine", "combine_arena_input"):
-                return buffer.combine(y if mode == "combine" else y_in_arena, handle, topk_weights=recv_w, config=config)
-            if mode == "combine_zero_copy":
-                view = buffer.get_next_combine_buffer(handle, args.hidden)
-                return buffer.combine(view, handle, topk_weights=recv_w, config=config, zero_copy=True)
+            """One call of `mode`; its name says what it is (fp8 or bf16 rows, through the arena, from the handle)."""
+            setup = setups[uses_arena(mode)]
+            buffer, handle = setup["buffer"], setup["handle"]
+            if mode.startswith("combine"):
+                rows_in = setup["y_in_arena"] if mode == "combine_arena_input" else setup["y"]
+                return buffer.combine(rows_in, handle, topk_weights=setup["recv_w"], config=config)
             rows_in = x_fp8 if mode.startswith("dispatch_fp8") else x
-            route = dict(handle=handle) if mode.endswith("_cached") else layout
-            return buffer.dispatch(rows_in, config=config, zero_copy="_zero_copy" in mode, **route)
+            route = dict(handle=handle) if mode.endswith("_cached") else setup["layout"]
+            return buffer.dispatch(rows_in, config=config, **route)
 
         send_values = args.send_tokens or [0]  # 0: each config's own send chunk
         for (i, num_sms), send_tokens in itertools.product(enumerate(args.sms), send_values):
-            refused = unfit_sm_budget(buffer, num_sms)
+            refused = unfit_sm_budget(setups[False]["buffer"], num_sms)  # both Buffers' ranks share the GPUs alike
             if refused:  # the same on every rank of this GPU: all skip it
                 results.append(dict(rank=rank, sms=num_sms, mode=SKIPPED, reason=refused))
                 continue
@@ -227,7 +240,7 @@ def rank_bench(args):
                     continue
                 if mode != "combine" and send_tokens != send_values[0]:
                     continue  # only the plain combine streams: the other modes ran with the first send chunk
-                kernels = buffer._intranode  # None on the portable backend
+                kernels = setups[uses_arena(mode)]["buffer"]._intranode  # None on the portable backend
                 if kernels is not None:
                     kernels.reset_wait_profile()
                 config = variant(configs[mode][i], num_sms, 0, send_tokens)
@@ -243,9 +256,11 @@ def rank_bench(args):
                                     peer_memory=kernels.memory if kernels is not None else None,
                                     blocks=kernels.launch_blocks(num_sms, combine=mode.startswith("combine"))
                                     if kernels is not None else None))
-        buffer.destroy()  # collective: no peer reads this rank's windows any more
+        for setup in setups.values():
+            setup["buffer"].destroy()  # collective: no peer reads this rank's windows any more
+        layout = setups[False]["layout"]
     if args.nccl:  # the routing is the same for every buffer: the last one's layout serves
-        results.append(nccl_reference(args, x, in_rank, per_rank, rows))
+        results.append(nccl_reference(args, x, layout["is_token_in_rank"], layout["num_tokens_per_rank"], rows))
     return results
 
 
@@ -309,7 +324,18 @@ def main():
     parser.add_argument("--json", help="append one JSON line per (ranks, sms, mode) here")
     parser.add_argument("--cpu", action="store_true", help="CPU tensors (portable backend): checks the script anywhere")
     parser.add_argument("--profile-waits", action="store_true",
-                        help="MOE_EP_PROFILE_WAITS=1: print what the kernels' blocks wait for, as shares of their time")
+                        help="print what the kernels' blocks wait for, as shares of their time, and their kernel "
+                             "log's spans and gaps")
+    parser.add_argument("--stream-combine", choices=("auto", "0", "1"), default="auto",
+                        help="the streaming (1) or the windowed (0) intranode combine; auto: by rank count")
+    parser.add_argument("--no-fit-blocks", action="store_true",
+                        help="the data kernels run on the SM budget's block count even where ranks share a GPU")
+    parser.add_argument("--no-rendezvous", action="store_true",
+                        help="combines and cached dispatches start without the one-block rendezvous where ranks "
+                             "share a GPU")
+    parser.add_argument("--peer-memory", choices=PEER_MEMORY_KINDS, default="auto",
+                        help="how peers' buffers are mapped: the virtual-memory API (vmm), CUDA IPC handles (ipc), "
+                             "or auto (vmm where the GPU can)")
     args = parser.parse_args()
     if args.nccl and (args.cpu or any(n > torch.cuda.device_count() for n in args.ranks)):
         parser.error("--nccl needs one rank per GPU (NCCL refuses two ranks on one GPU)")
@@ -363,7 +389,7 @@ def main():
                                                 copy_gbps=copy, deepep_v1_gbps=reference, waits=waits,
                                                 peer_memory=rows[0].get("peer_memory"),
                                                 blocks=rows[0].get("blocks"),
-                                                stream_combine=os.environ.get("MOE_EP_STREAM_COMBINE", "auto"))) + "\n")
+                                                stream_combine=args.stream_combine)) + "\n")
         if len(args.recv_tokens) > 1 or len(args.send_tokens) > 1:
             for (num_sms, mode), (gbps, (recv_tokens, send_tokens)) in sorted(best.items()):
                 print(f"  best chunk at {num_ranks} ranks, {num_sms} SMs, {mode}: num_max_nvl_chunked_recv_tokens="

@@ -9,7 +9,8 @@ Bandwidth in DeepEP's metric: dispatch moves (hidden + hidden/128 * 4 + 16) byte
 selection in fp8, combine hidden * 2 bytes per selection.
 
     python -m moe_ep.bench.low_latency --ranks 8                 # 288 experts with 8 ranks
-    MOE_EP_LL_KERNELS=0 python -m moe_ep.bench.low_latency ...   # the portable backend on the GPU
+    python -m moe_ep.bench.low_latency --ranks 8 --peer-memory ipc   # the buffers mapped through CUDA IPC
+    MOE_EP_BACKEND=portable python -m moe_ep.bench.low_latency ...   # the portable backend on the GPU
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from moe_ep import Buffer
+from moe_ep.backends.choices import LOW_LATENCY_MEMORY_KINDS, overridden
 from moe_ep.launch import RankError, RankPool
 
 from .timing import cuda_kernel_us, device_sync, wall_seconds_per_call
@@ -53,6 +55,12 @@ def make_problem(args, num_experts: int, seed: int, device: str = "cuda"):
 
 
 def rank_bench(args, num_experts: int):
+    # The choice is read when the Buffer's kernel backend is made (its first low-latency call of CUDA tensors).
+    with overridden(low_latency_memory=args.peer_memory):
+        return _rank_bench(args, num_experts)
+
+
+def _rank_bench(args, num_experts: int):
     x, topk_idx, topk_weights, y, buffer = make_problem(args, num_experts, 2000, "cpu" if args.cpu else "cuda")
     selections = int((topk_idx >= 0).sum())
     device_sync()
@@ -122,6 +130,10 @@ def main():
     parser.add_argument("--json", help="append one JSON line per run here")
     parser.add_argument("--cpu", action="store_true", help="CPU tensors (portable backend): checks the script anywhere")
     parser.add_argument("--graph", action="store_true", help="also the device time per call, from CUDA-graph replays")
+    parser.add_argument("--peer-memory", choices=LOW_LATENCY_MEMORY_KINDS, default="auto",
+                        help="how the low-latency buffers are mapped (the kernels' low_latency_memory choice): the "
+                             "virtual-memory API (vmm), CUDA IPC handles (ipc), NVSHMEM's symmetric heap (nvshmem), "
+                             "or auto (vmm where the GPU can)")
     args = parser.parse_args()
     print(f"{'ranks':>5} {'experts':>7} {'backend':>8} {'dispatch us':>11} {'GB/s':>6} {'combine us':>10} {'GB/s':>6} "
           f"{'zero-copy us':>12} {'hook: send+recv us (dispatch / combine)':>40}")

@@ -1,5 +1,5 @@
 """Is a store into another rank's buffer slower than a load from it? Ranks on one GPU map each other's
-buffers as the kernels do (MOE_EP_PEER_MEMORY: vmm or ipc) and, all at once, move the same bytes four
+buffers as the kernels do (--peer-memory: vmm, ipc or auto) and, all at once, move the same bytes four
 ways with elementwise kernels: within their own buffer, from their buffer into the next rank's (a push), from
 the next rank's buffer into theirs (a pull), and from their buffer into every other rank's, a kernel
 per peer, each into its own 1/R of the peer's destination (pushes to every peer, one peer at a time:
@@ -17,7 +17,8 @@ import json
 import torch
 import torch.distributed as dist
 
-from moe_ep.backends.peers import device_view, map_peer_buffers, peer_memory
+from moe_ep.backends.choices import PEER_MEMORY_KINDS
+from moe_ep.backends.peers import device_view, map_peer_buffers
 from moe_ep.launch import RankPool
 from moe_ep.sync import ArrivalGate
 
@@ -33,7 +34,7 @@ def rank_copy(args):
     # Each rank's buffer: [source | destination]; rank r pushes into rank r + 1's destination and pulls
     # from rank r + 1's source, so every destination has one writer.
     gate = ArrivalGate(dist.group.WORLD, serial=0, timeout_s=60.0)  # the process's only gate
-    buffers = map_peer_buffers(dist.group.WORLD, gate, 2 * size, "bench_peer_copy", peer_memory())
+    buffers = map_peer_buffers(dist.group.WORLD, gate, 2 * size, "bench_peer_copy", args.peer_memory)
     try:
         nxt = (rank + 1) % num_ranks
 
@@ -86,6 +87,9 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--json", help="append one JSON line per (ranks, mode) here")
+    parser.add_argument("--peer-memory", choices=PEER_MEMORY_KINDS, default="auto",
+                        help="how the ranks map each other's buffers, as the kernels' peer_memory choice: the "
+                             "virtual-memory API (vmm), CUDA IPC handles (ipc), or auto (vmm where the GPU can)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a GPU (CUDA IPC between the ranks' processes)")
@@ -102,6 +106,7 @@ def main():
             if args.json:
                 with open(args.json, "a") as f:
                     f.write(json.dumps(dict(bench="peer_copy", ranks=num_ranks, mode=mode, mib=args.mib,
+                                            peer_memory=args.peer_memory,
                                             us=[s * 1e6 for s in seconds], per_rank_gbps=gbps)) + "\n")
 
 

@@ -1,6 +1,6 @@
 """Where one intranode dispatch call's time goes, host and device side by side, all ranks running.
 
-The benchmark's wall time per call can exceed the kernels' device time (at 2 ranks the zero-copy
+The benchmark's wall time per call can exceed the kernels' device time (at 2 ranks the one-pass
 dispatch's blocks run ~1/3 of it): this says whether the host or the GPU is the bottleneck. Every
 launch the call makes (count exchange, dispatch kernel) and the host's wait for the counts is timed
 on the host clock, and device events around each launch give the kernels' durations and the gaps
@@ -8,7 +8,7 @@ between them (a fresh dispatch makes all three in one call into the extension, t
 over the timed calls, per rank; the whole call also by its mean (the benchmark's measure), 90th
 percentile and slowest.
 
-    python -m moe_ep.bench.profile_dispatch_call --ranks 2 [--zero-copy] [--arena] [--fp8] [--python-profile 15]
+    python -m moe_ep.bench.profile_dispatch_call --ranks 2 [--arena] [--fp8] [--python-profile 15]
 
 --python-profile N: after the timed calls, as many again under cProfile, and each rank's N functions
 (Python and C: torch's calls included) of the largest own time per call: where the host's time before
@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from moe_ep import Buffer, fp8
 from moe_ep.arena import Arena
-from moe_ep.config import INTRANODE_SLOT_ALIGN, Config, zero_copy_dispatch_bytes
+from moe_ep.backends.base import DispatchCall
+from moe_ep.config import INTRANODE_SLOT_ALIGN, Config, arena_bytes, arena_dispatch_region
 from moe_ep.handles import DispatchHandle
 from moe_ep.launch import RankPool, free_port
 
@@ -83,17 +84,17 @@ def rank_profile(args):
     topk_idx = torch.rand(args.tokens, args.experts, device="cuda").topk(args.topk, dim=1).indices
     topk_weights = torch.rand(args.tokens, args.topk, device="cuda")
     config = Buffer.get_dispatch_config(num_ranks)
-    with_area = args.zero_copy or args.arena
-    extra = zero_copy_dispatch_bytes(args.tokens * num_ranks, args.hidden * 2, 0, args.topk) if with_area else 0
+    # Every row a rank could receive, as bf16 with fp8 scales (an upper bound for either kind of row).
+    received = args.tokens * num_ranks
+    arena = arena_bytes(received, args.hidden * 2, args.hidden // 128 * 4, args.topk) if args.arena else 0
     buffer = Buffer(dist.group.WORLD, config.get_nvl_buffer_size_hint(args.hidden * 2, num_ranks),
-                    explicitly_destroy=True, num_zero_copy_dispatch_bytes=extra,
-                    dispatch_arena=True if args.arena else None)
+                    explicitly_destroy=True, num_arena_bytes=arena)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                   topk_idx=topk_idx, topk_weights=topk_weights)
 
     def call():
-        return buffer.dispatch(x, config=config, zero_copy=args.zero_copy, **layout)
+        return buffer.dispatch(x, config=config, **layout)
 
     for _ in range(5):
         call()
@@ -149,22 +150,34 @@ def rank_profile(args):
 
 
 class _NoLaunches:
-    """The extension's intranode entry points doing nothing; the count wait finds the counts there."""
+    """The extension's intranode entry points doing nothing; the count wait finds the counts there, and a
+    one-pass call's agreement is this rank's vote alone (as if every peer had room too)."""
+
+    def __init__(self, host):
+        self._host = host  # the backend's host-mapped ints, where a fresh dispatch's agreement lands
 
     def wait_host_value(self, host_info, index, value, timeout_s):
         host_info[index] = value
         return True
 
-    def intranode_zero_copy_dispatch_early(self, ctx, num_sms, x, scales, topk_idx, topk_weights, in_rank, per_expert,
-                                           local, nonce, recv_info_ints, *rest):
-        capacity, num_topk = rest[-3], topk_idx.shape[1]
+    def intranode_zero_copy_dispatch_early(self, ctx, num_sms, x, scales, topk_idx, topk_weights, in_rank, per_rank,
+                                           per_expert, local, nonce, recv_info_ints, *rest):
+        from moe_ep.backends.peers import HOST_CHOICE
+
+        # rest ends with the target the kernel lays the rows out in (its offset, the most rows the side
+        # outputs hold, part offsets, its bytes) and the agreement's result.
+        capacity, length, num_topk = rest[-4], rest[-2], topk_idx.shape[1]
+        rows = x.shape[0] * in_rank.shape[1]  # every token to every rank, as stub_backend's counts say
+        needed = arena_dispatch_region(rows, x.shape[1] * x.element_size(),
+                                       0 if scales is None else scales.shape[1] * scales.element_size(), num_topk)
+        self._host[HOST_CHOICE] = int(capacity > 0 and needed.slot_bytes <= length)
         ints = dict(dtype=torch.int32)
         return (torch.empty(x.shape[0], in_rank.shape[1], **ints), torch.empty(recv_info_ints, **ints),
                 torch.empty(capacity, **ints), torch.empty(capacity, num_topk, dtype=torch.int64),
                 torch.empty(capacity, num_topk))
 
-    def intranode_dispatch_fresh(self, ctx, num_sms, x, scales, topk_idx, topk_weights, in_rank, per_expert, local,
-                                 nonce, recv_info_ints, *rest):
+    def intranode_dispatch_fresh(self, ctx, num_sms, x, scales, topk_idx, topk_weights, in_rank, per_rank, per_expert,
+                                 local, nonce, recv_info_ints, *rest):
         # The counts stubbed_python_layer put in host memory: every token to every rank.
         ranks, num_topk, ints = in_rank.shape[1], topk_idx.shape[1], dict(dtype=torch.int32)
         rows = x.shape[0] * ranks
@@ -172,6 +185,11 @@ class _NoLaunches:
                 torch.empty(rows, x.shape[1], dtype=x.dtype), None, torch.empty(rows, num_topk, dtype=torch.int64),
                 torch.empty(rows, num_topk), [x.shape[0]] * ranks, [x.shape[0]] * ranks,
                 [x.shape[0] * ranks // local] * local)
+
+    def intranode_agree(self, ctx, vote, copy_ok, choice, nonce):
+        from moe_ep.backends.peers import VOTE_IN_PLACE, VOTE_ROOM
+
+        choice[0] = int(bool(vote & VOTE_ROOM) and (bool(vote & VOTE_IN_PLACE) or copy_ok))
 
     def __getattr__(self, name):
         return lambda *args: None
@@ -196,12 +214,13 @@ class _NoEvent:
 
 
 def stub_backend(ranks: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, experts: int,
-                 setattr_=setattr):
+                 setattr_=setattr, arena: bool = False):
     """An IntranodeBackend on CPU tensors whose launches and torch.cuda stream calls do nothing (they are
     replaced through setattr_: pytest's monkeypatch.setattr undoes it), with `ranks` ranks' counts in its
-    host memory (every token of x to every rank) and a zero-copy dispatch area in host memory for two
-    such dispatches (no arena: set backend.arena). -> (backend, call(x_parts, zero_copy, num_worst_tokens=0,
-    handle=None) -> what the backend's dispatch returns)"""
+    host memory (every token of x to every rank) and, with `arena`, a fixed arena in host memory with
+    room for two such dispatches' rows, whose calls take one pass where this rank has room (its peers
+    are taken to agree). -> (backend, call(x_parts, num_worst_tokens=0, handle=None) -> what the
+    backend's dispatch returns)"""
     import contextlib
     import ctypes
     import types
@@ -217,8 +236,9 @@ def stub_backend(ranks: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
     host_info = torch.zeros(HOST_COUNTS + 2 * ranks + experts + 64, dtype=torch.int32)
     backend.host_info = host_info  # read as the real one is: a ctypes view of pinned memory
     backend._host = (ctypes.c_int32 * host_info.numel()).from_address(host_info.data_ptr())
-    backend.ops = _NoLaunches()
+    backend.ops = _NoLaunches(backend._host)
     backend.rank, backend.num_ranks, backend.recv_info_ints, backend.timeout_s = 0, ranks, 64, 20.0
+    backend.prefix_matrix_at, backend._choice = 0, torch.zeros(1, dtype=torch.int32)
     backend.ctx, backend.comm_stream = types.SimpleNamespace(wait_ns=0), _NoStream()
     backend._compute_ready, backend._compute_ready_next = [_NoEvent() for _ in range(intranode.RECENT_CALLS)], 0
     backend._comm_done = _NoEvent()
@@ -226,24 +246,30 @@ def stub_backend(ranks: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
     backend._recent_calls = collections.deque(maxlen=intranode.RECENT_CALLS)
     backend.peers = types.SimpleNamespace(timeout_error=lambda: None)
     backend._host[HOST_COUNTS: HOST_COUNTS + ranks] = [tokens] * ranks
-    area = zero_copy_dispatch_bytes(tokens * ranks, x.shape[1] * x.element_size(), 0, topk)
-    slots = torch.empty(area, dtype=torch.uint8)
-    backend.zero_copy_dispatch_bytes, backend._dispatch_next, backend._dispatch_slot_bytes = area, 0, {}
-    backend.zero_copy_dispatch = types.SimpleNamespace(addresses=[slots.data_ptr()] * ranks, device=torch.device("cpu"),
-                                                       pointers=torch.zeros(ranks, dtype=torch.int64), slots=slots)
-    backend.via_zero_copy, backend.arena = False, None
-    setattr_(intranode, "device_view", lambda address, num_bytes, device: slots[:num_bytes])
+    backend.arena_area = backend.arena = None
+    if arena:
+        area = arena_bytes(tokens * ranks, x.shape[1] * x.element_size(), 0, topk, num_live=2)
+        memory = torch.empty(area, dtype=torch.uint8)
+        backend.arena_area = types.SimpleNamespace(addresses=[memory.data_ptr()] * ranks, device=torch.device("cpu"),
+                                                   pointers=torch.zeros(ranks, dtype=torch.int64), memory=memory)
+        backend.arena = Arena(area, INTRANODE_SLOT_ALIGN)
+    backend.arena_grows = False  # growing maps a new area, collectively: not on a stub
     local = experts // ranks
     in_rank = torch.ones(tokens, ranks, dtype=torch.bool)
     per_expert = torch.full((experts,), tokens // local, dtype=torch.int32)
     config = Config(24, 6, 256, 6, 128)
 
-    def call(x_parts, zero_copy, num_worst_tokens=0, handle=None):
+    def call(x_parts, num_worst_tokens=0, handle=None):
         # A cached dispatch (handle) gets no layout, as Buffer.dispatch passes none with a handle.
-        layout = (None,) * 4 if handle is not None else (topk_idx, topk_weights, in_rank, per_expert)
-        return backend.dispatch(x_parts, *layout, 1, num_worst_tokens, handle,
-                                lambda **fields: DispatchHandle(buffer_serial=0, **fields), config, None, False, False,
-                                zero_copy)
+        layout = dict(num_tokens_per_rank=None, is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
+                      topk_weights=None)
+        if handle is None:
+            layout.update(num_tokens_per_rank=in_rank.sum(0, dtype=torch.int32), is_token_in_rank=in_rank,
+                          num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+        return backend.dispatch(DispatchCall(
+            x_parts=x_parts, handle=handle, **layout, expert_alignment=1, num_worst_tokens=num_worst_tokens,
+            config=config, previous_event=None, async_finish=False, allocate_on_comm_stream=False,
+            make_handle=lambda **fields: DispatchHandle(buffer_serial=0, **fields)))
 
     return backend, call
 
@@ -260,31 +286,26 @@ def stubbed_python_layer(args) -> None:
 
     # Buffer.dispatch: its checks, the backend's call answered at once.
     class Answer:
-        def dispatch(self, x_parts, topk_idx, topk_weights, *rest):
-            return x_parts, topk_idx, topk_weights, [], None, None
+        def dispatch(self, call):
+            return call.x_parts, call.topk_idx, call.topk_weights, [], None, None
 
-    buffer._uses_kernels, buffer._intranode, buffer._check_data = (lambda t: True), Answer(), (lambda t: False)
+    answer = Answer()
+    buffer._normal_backend, buffer._check_data = (lambda t: answer), (lambda t: False)
     checks = host_call_us(lambda: buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                                   num_tokens_per_expert=per_expert, topk_idx=topk_idx,
                                                   topk_weights=topk_weights), iters=2000, warmup=100)
 
-    # The kernel backend's dispatch, `ranks` ranks' worth of counts, torch.cuda's stream calls stubbed.
-    backend, backend_call = stub_backend(ranks, x, topk_idx, topk_weights, args.experts)
+    # The kernel backend's dispatch, `ranks` ranks' worth of counts, torch.cuda's stream calls stubbed:
+    # the two-pass one, then one into an arena.
     print(f"intranode dispatch, Python layer only (launches and stream calls stubbed), {ranks} ranks' counts, "
           f"{args.experts} experts: median us per call")
     print(f"  {'Buffer.dispatch checks':<40} {checks:8.1f}")
-    for zero_copy in (False, True):
-        us = host_call_us(lambda: backend_call([x], zero_copy), iters=2000, warmup=100)
-        print(f"  {'backend dispatch' + (', zero-copy' if zero_copy else ''):<40} {us:8.1f}")
-    if args.python_profile:
-        print_own_times("backend dispatch",
-                        own_time_per_call(lambda: backend_call([x], False), 2000, args.python_profile))
-    backend.arena = Arena(backend.zero_copy_dispatch_bytes, INTRANODE_SLOT_ALIGN)  # MOE_EP_DISPATCH_ARENA=1
-    us = host_call_us(lambda: backend_call([x], False), iters=2000, warmup=100)
-    print(f"  {'backend dispatch, into the arena':<40} {us:8.1f}")
-    if args.python_profile:
-        print_own_times("backend dispatch, into the arena",
-                        own_time_per_call(lambda: backend_call([x], False), 2000, args.python_profile))
+    for arena, name in ((False, "backend dispatch"), (True, "backend dispatch, into the arena")):
+        _, backend_call = stub_backend(ranks, x, topk_idx, topk_weights, args.experts, arena=arena)
+        us = host_call_us(lambda: backend_call([x]), iters=2000, warmup=100)
+        print(f"  {name:<40} {us:8.1f}")
+        if args.python_profile:
+            print_own_times(name, own_time_per_call(lambda: backend_call([x]), 2000, args.python_profile))
     dist.destroy_process_group()
 
 
@@ -297,8 +318,8 @@ def main():
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--fp8", action="store_true", help="fp8 rows with 1x128 scales (default bf16)")
-    parser.add_argument("--zero-copy", action="store_true", help="dispatch(zero_copy=True)")
-    parser.add_argument("--arena", action="store_true", help="Buffer(dispatch_arena=True): recv_x in the arena")
+    parser.add_argument("--arena", action="store_true",
+                        help="Buffer(num_arena_bytes=...): the one-pass dispatch, recv_x in the arena")
     parser.add_argument("--python-profile", type=int, default=0, metavar="N",
                         help="also each rank's N functions of most own time per call, under cProfile (with "
                              "--stub-kernels: the backend's two-pass and arena dispatches)")
@@ -314,7 +335,7 @@ def main():
         with RankPool(num_ranks, use_cuda=True) as pool:
             results = pool.run(rank_profile, args)
         per_rank = [timings for timings, _ in results]
-        kind = ("fp8" if args.fp8 else "bf16") + (" zero-copy" if args.zero_copy else "") + (" arena" if args.arena else "")
+        kind = ("fp8" if args.fp8 else "bf16") + (" arena" if args.arena else "")
         print(f"== {num_ranks} ranks, {kind} dispatch, {args.tokens} tokens, hidden {args.hidden}: median us per "
               f"call (rank 0 .. {num_ranks - 1})")
         for key in sorted(per_rank[0], key=lambda k: (not k.startswith("host: whole"), k)):

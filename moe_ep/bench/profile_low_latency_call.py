@@ -58,9 +58,9 @@ def stub_kernels(buffer: Buffer) -> None:
     backend.peers = types.SimpleNamespace(pointers=torch.zeros(1, dtype=torch.int64), ranks_on_device=1,
                                           host_info=None, timeout_s=buffer.timeout_s, timeout_error=lambda: None, unreachable=[])
     backend.ops, backend.rank, backend.num_ranks, backend._pending, backend._contexts = _NoLaunches(), 0, 1, None, {}
-    backend._shape = None
+    backend._shape, backend._combine_next, backend._combine_rows = None, 0, [None, None]
     buffer._low_latency = backend
-    buffer._low_latency_kernels_move = lambda x: True
+    buffer._low_latency_backend = lambda x: backend
     buffer._check_data = lambda x: False
     buffer._check_handle_backend = lambda *args: True
 

@@ -9,7 +9,7 @@ mean device microseconds per launch, the mean and the worst over ranks.
     python -m moe_ep.bench.trace_kernels --ranks 4 --mode normal          # 4096 tokens, fp8 dispatch + combine
     python -m moe_ep.bench.trace_kernels --ranks 2 --mode normal --trace-dir out/traces   # + chrome traces
     python -m moe_ep.bench.trace_kernels --ranks 8 --dispatch-only --lockstep   # one dispatch a round, rounds in step
-    python -m moe_ep.bench.trace_kernels --ranks 8 --mode normal --zero-copy   # the one-pass calls
+    python -m moe_ep.bench.trace_kernels --ranks 8 --mode normal --arena   # the one-pass calls
 
 With --cpu (portable backend on CPU tensors) it reports the CPU operators instead, which checks the
 script anywhere.
@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from moe_ep import Buffer, fp8
 from moe_ep.buffer import default_config_size_hints
-from moe_ep.config import zero_copy_combine_bytes, zero_copy_dispatch_bytes
+from moe_ep.config import arena_bytes
 from moe_ep.launch import RankPool
 
 from .timing import device_sync
@@ -53,7 +53,8 @@ def _low_latency_round(args, device):
 
 def _normal_round(args, device):
     """A round = one fp8 dispatch (with its count exchange) and one combine of the received rows; with
-    --zero-copy both are the one-pass calls (the rows copied into get_next_combine_buffer first)."""
+    --arena both are the one-pass calls through the Buffer's arena (the rows copied into
+    empty_combine_input first)."""
     num_ranks = dist.get_world_size()
     x = torch.randn(args.tokens, args.hidden, device=device).to(torch.bfloat16)
     x_fp8 = fp8.per_token_cast_to_fp8(x)
@@ -62,10 +63,10 @@ def _normal_round(args, device):
     dispatch_config, combine_config = Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)
     nvl = default_config_size_hints(args.hidden * 2, num_ranks)[0]
     rows = args.tokens * num_ranks  # the most a rank can receive
-    areas = dict(num_zero_copy_dispatch_bytes=zero_copy_dispatch_bytes(rows, args.hidden * 2, 0, args.topk),
-                 num_zero_copy_combine_bytes=zero_copy_combine_bytes(rows, args.hidden * 2)) if args.zero_copy else {}
-    buffer = Buffer(dist.group.WORLD, nvl, **areas)
-    zero_copy = dict(zero_copy=True) if args.zero_copy else {}
+    # Room for the first dispatch's recv_x, a round's and its combine input (bf16 rows with fp8 scales
+    # bound the fp8 ones).
+    arena = arena_bytes(rows, args.hidden * 2, args.hidden // 128 * 4, args.topk) if args.arena else 0
+    buffer = Buffer(dist.group.WORLD, nvl, num_arena_bytes=arena)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                   topk_idx=topk_idx, topk_weights=topk_weights, config=dispatch_config)
@@ -73,12 +74,9 @@ def _normal_round(args, device):
     y = torch.randn(recv.shape, device=device).to(torch.bfloat16)  # same routing every round: same rows
 
     def one_round():
-        _, _, recv_w, _, handle, _ = buffer.dispatch(x_fp8, **layout, **zero_copy)
-        rows = y
-        if args.zero_copy:
-            rows = buffer.get_next_combine_buffer(handle, args.hidden)
-            rows.copy_(y)
-        buffer.combine(rows, handle, topk_weights=recv_w, config=combine_config, **zero_copy)
+        _, _, recv_w, _, handle, _ = buffer.dispatch(x_fp8, **layout)
+        rows = buffer.empty_combine_input(handle, args.hidden).copy_(y) if args.arena else y
+        buffer.combine(rows, handle, topk_weights=recv_w, config=combine_config)
 
     return one_round
 
@@ -139,7 +137,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--top", type=int, default=15, help="kernels listed, by device time per round")
     parser.add_argument("--trace-dir", help="also write each rank's chrome trace here")
-    parser.add_argument("--zero-copy", action="store_true", help="normal mode: the one-pass dispatch and combine")
+    parser.add_argument("--arena", action="store_true",
+                        help="normal mode: the one-pass dispatch and combine, through an arena (num_arena_bytes)")
     parser.add_argument("--dispatch-only", action="store_true", help="low_latency mode: a round is one dispatch")
     parser.add_argument("--lockstep", action="store_true",
                         help="a device sync and a barrier before every round: no rank runs rounds ahead of the "
