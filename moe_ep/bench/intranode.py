@@ -165,10 +165,10 @@ def rank_bench(args):
     device = "cpu" if args.cpu else "cuda"
     if args.profile_waits:  # read when the kernels' backend is made (first dispatch of each Buffer)
         os.environ["MOE_EP_PROFILE_WAITS"] = "1"
-    scores = torch.rand(args.tokens, args.experts, device=device)
+    scores = torch.rand(args.tokens, args.experts, dtype=torch.float32, device=device)
     topk_idx = scores.topk(args.topk, dim=1).indices
-    topk_weights = torch.rand(args.tokens, args.topk, device=device)
-    x = torch.randn(args.tokens, args.hidden, device=device).to(torch.bfloat16)
+    topk_weights = torch.rand(args.tokens, args.topk, dtype=torch.float32, device=device)
+    x = torch.randn(args.tokens, args.hidden, dtype=torch.float32, device=device).to(torch.bfloat16)
     x_fp8 = fp8.per_token_cast_to_fp8(x)
     defaults = {m: (Buffer.get_combine_config if m.startswith("combine") else Buffer.get_dispatch_config)(num_ranks)
                 for m in ALL_MODES}
