@@ -120,6 +120,12 @@ class RankPool:
         backend: Optional[str] = None,
         env: Optional[Dict[str, str]] = None,
     ):
+        if use_cuda:
+            import torch
+
+            if not torch.cuda.is_available():  # the ranks would each fail to pick a GPU, saying nothing clear
+                raise RuntimeError("RankPool: use_cuda=True needs a GPU, and torch sees none here "
+                                   "(torch.cuda.is_available() is False)")
         self._exit = contextlib.ExitStack()
         env = dict(env or {})
         shares_gpu = use_cuda and ranks_share_a_gpu(num_ranks)

@@ -311,6 +311,9 @@ def main():
     parser.add_argument("--profile-waits", action="store_true",
                         help="MOE_EP_PROFILE_WAITS=1: print what the kernels' blocks wait for, as shares of their time")
     args = parser.parse_args()
+    if not args.cpu and not torch.cuda.is_available():
+        # The message alone: the usage that parser.error prints first would bury it.
+        parser.exit(2, f"{parser.prog}: error: no GPU here: pass --cpu (CPU tensors on the portable backend)\n")
     if args.nccl and (args.cpu or any(n > torch.cuda.device_count() for n in args.ranks)):
         parser.error("--nccl needs one rank per GPU (NCCL refuses two ranks on one GPU)")
     print(f"{'ranks':>5} {'sms':>4} {'chunk':>9} {'mode':>20} {'us/call':>9} {'GB/s per rank (min/mean)':>25} "

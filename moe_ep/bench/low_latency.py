@@ -123,6 +123,9 @@ def main():
     parser.add_argument("--cpu", action="store_true", help="CPU tensors (portable backend): checks the script anywhere")
     parser.add_argument("--graph", action="store_true", help="also the device time per call, from CUDA-graph replays")
     args = parser.parse_args()
+    if not args.cpu and not torch.cuda.is_available():
+        # The message alone: the usage that parser.error prints first would bury it.
+        parser.exit(2, f"{parser.prog}: error: no GPU here: pass --cpu (CPU tensors on the portable backend)\n")
     print(f"{'ranks':>5} {'experts':>7} {'backend':>8} {'dispatch us':>11} {'GB/s':>6} {'combine us':>10} {'GB/s':>6} "
           f"{'zero-copy us':>12} {'hook: send+recv us (dispatch / combine)':>40}")
     failed = False

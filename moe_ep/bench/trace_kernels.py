@@ -147,6 +147,9 @@ def main():
                              "others (the barrier's own skew between ranks stays)")
     parser.add_argument("--cpu", action="store_true", help="CPU tensors (portable backend): checks the script anywhere")
     args = parser.parse_args()
+    if not args.cpu and not torch.cuda.is_available():
+        # The message alone: the usage that parser.error prints first would bury it.
+        parser.exit(2, f"{parser.prog}: error: no GPU here: pass --cpu (CPU tensors on the portable backend)\n")
     if args.tokens is None:
         args.tokens = 128 if args.mode == "low_latency" else 4096
     for num_ranks in args.ranks:
