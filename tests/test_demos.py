@@ -2,6 +2,7 @@
 where there is a GPU): each checks itself against the dense MoE layer and prints OK (a mismatch exits
 non-zero)."""
 import os
+import re
 import subprocess
 import sys
 
@@ -37,6 +38,13 @@ def test_low_latency_decode_matches_the_dense_layer(dispatch):
     out = _run(_example("decode_low_latency.py"), "--ranks", "2", "--steps", "2", *dispatch)
     assert "OK: every step matches the dense MoE layer" in out
     assert ("bf16 dispatch" if dispatch else "fp8 dispatch") in out
+
+
+@pytest.mark.parametrize("script", ["demo.py", "decode_low_latency.py"])
+def test_help_mentions_only_flags_the_demo_has(script):
+    options = re.split(r"\n(?:options|optional arguments):\n", _run(_example(script), "--help"))[1]
+    defined = set(re.findall(r"^\s+(?:-\w, )?(--[\w-]+)", options, re.MULTILINE))
+    assert set(re.findall(r"--[\w-]+", options)) <= defined, options
 
 
 def test_demos_run_under_the_launcher():
