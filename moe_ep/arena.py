@@ -135,7 +135,8 @@ class Region:
             host_bytes.region = self
             raw = torch.frombuffer(host_bytes, dtype=torch.uint8)
         else:
-            raw = torch.as_tensor(_RegionBytes(self, self.address + offset, nbytes), device=self.device)
+            raw = torch.as_tensor(_RegionBytes(self, self.address + offset, nbytes), dtype=torch.uint8,
+                                  device=self.device)
         return raw.view(dtype).view(rows, columns)
 
     def __del__(self):

@@ -493,6 +493,11 @@ class Buffer:
         check_tensor(
             "num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(self.group_size,), device=device
         )
+        # The layout tensors come from one get_dispatch_layout: an x whose rows match none of them is the wrong one.
+        layout_rows = [t.shape[0] for t in (is_token_in_rank, topk_idx) if isinstance(t, torch.Tensor) and t.dim() == 2]
+        if layout_rows and num_tokens not in layout_rows:
+            raise ValueError(f"x: expected {layout_rows[0]} rows, one per row of is_token_in_rank / topk_idx, "
+                             f"got {num_tokens}")
         check_tensor(
             "is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(num_tokens, self.group_size), device=device
         )

@@ -80,7 +80,7 @@ def expand_scales(scales: torch.Tensor, hidden: int, block: int = FP8_BLOCK) -> 
     if scales.dtype == torch.float32:
         return scales
     exponents = scales.contiguous().view(torch.uint8)[..., : hidden // block].to(torch.int32) - 127
-    return torch.ldexp(torch.ones(exponents.shape, device=scales.device), exponents)
+    return torch.ldexp(torch.ones(exponents.shape, dtype=torch.float32, device=scales.device), exponents)
 
 
 def _cast_reference(x: torch.Tensor, block: int, round_scale: bool, use_ue8m0: bool):

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
 
-# A pool call that outlives this fails every rank it waits on (MOE_EP_CALL_TIMEOUT_S shortens it for test
-# runs on a machine lent for minutes, where a stuck call would eat the whole lease).
-DEFAULT_CALL_TIMEOUT_S = float(os.environ.get("MOE_EP_CALL_TIMEOUT_S", "600"))
+# A pool call that outlives this fails every rank it waits on (RankPool's call_timeout_s shortens it, as
+# test runs on a machine lent for minutes do, where a stuck call would eat the whole lease).
+DEFAULT_CALL_TIMEOUT_S = 600.0
 # After one rank fails, how long the others get to finish before the pool is stopped.
 FAILURE_GRACE_S = 10.0
 # How long a stuck rank gets to write its stacks once asked (SIGUSR1) before the pool stops it.
@@ -62,7 +62,7 @@ class RankError(RuntimeError):
 
 
 def _rank_main(rank: int, num_ranks: int, rendezvous: str, backend: str, use_cuda: bool, env: Dict[str, str], conn,
-               stacks_path: str):
+               stacks_path: str, call_timeout_s: float):
     os.environ.update(env)
     import faulthandler
 
@@ -81,7 +81,7 @@ def _rank_main(rank: int, num_ranks: int, rendezvous: str, backend: str, use_cud
         init_method=rendezvous,
         rank=rank,
         world_size=num_ranks,
-        timeout=timedelta(seconds=DEFAULT_CALL_TIMEOUT_S),
+        timeout=timedelta(seconds=call_timeout_s),
     )
     while True:
         message = _recv(conn)
@@ -119,7 +119,15 @@ class RankPool:
         use_cuda: bool = False,
         backend: Optional[str] = None,
         env: Optional[Dict[str, str]] = None,
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
     ):
+        """call_timeout_s: how long a call (and a collective inside it) may take before it fails."""
+        if use_cuda:
+            import torch
+
+            if not torch.cuda.is_available():  # the ranks would each fail to pick a GPU, saying nothing clear
+                raise RuntimeError("RankPool: use_cuda=True needs a GPU, and torch sees none here "
+                                   "(torch.cuda.is_available() is False)")
         self._exit = contextlib.ExitStack()
         env = dict(env or {})
         shares_gpu = use_cuda and ranks_share_a_gpu(num_ranks)
@@ -132,6 +140,7 @@ class RankPool:
             env = self._exit.enter_context(private_mps_daemon(env))
         self.num_ranks = num_ranks
         self.backend = backend
+        self.call_timeout_s = call_timeout_s
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
         pool_dir = self._exit.enter_context(tempfile.TemporaryDirectory(prefix="moe_ep_pool_"))
@@ -142,20 +151,23 @@ class RankPool:
         for rank in range(num_ranks):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
-                target=_rank_main, args=(rank, num_ranks, rendezvous, backend, use_cuda, env, child, self._stacks_paths[rank]),
+                target=_rank_main,
+                args=(rank, num_ranks, rendezvous, backend, use_cuda, env, child, self._stacks_paths[rank], call_timeout_s),
                 daemon=True,
             )
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)
 
-    def run(self, fn: Callable, *args, timeout_s: float = DEFAULT_CALL_TIMEOUT_S, **kwargs) -> List[Any]:
+    def run(self, fn: Callable, *args, timeout_s: Optional[float] = None, **kwargs) -> List[Any]:
         """fn(*args, **kwargs) on every rank; returns the per-rank results, or raises RankError."""
         return self.run_per_rank(fn, [args] * self.num_ranks, timeout_s=timeout_s, **kwargs)
 
-    def run_per_rank(self, fn: Callable, args_per_rank, timeout_s: float = DEFAULT_CALL_TIMEOUT_S, **kwargs):
+    def run_per_rank(self, fn: Callable, args_per_rank, timeout_s: Optional[float] = None, **kwargs):
         """Like run, with its own arguments for each rank. When a rank fails, the others may be stuck in
-        a collective it never joined: after a grace period the pool is stopped and all is reported."""
+        a collective it never joined: after a grace period the pool is stopped and all is reported.
+        timeout_s: this call's deadline (default: the pool's call_timeout_s)."""
+        timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
         if not self.alive:
             raise RuntimeError("this RankPool was stopped after a failure; start a new one")
         for conn, args in zip(self._conns, args_per_rank):

@@ -66,7 +66,7 @@ echo "built ${VARIANTS[*]}${AB_TIMELINE:+ (and their timeline builds)} in $(( $(
 
 FAILED_TESTS=()
 if [[ -n ${AB_TESTS:-} ]]; then
-  export MOE_EP_TIMEOUT_S=${MOE_EP_TIMEOUT_S:-20} MOE_EP_CALL_TIMEOUT_S=${MOE_EP_CALL_TIMEOUT_S:-120}
+  export MOE_EP_TIMEOUT_S=${MOE_EP_TIMEOUT_S:-20} MOE_EP_TEST_CALL_TIMEOUT_S=${MOE_EP_TEST_CALL_TIMEOUT_S:-120}
   for v in ${AB_TEST_VARIANTS:-${VARIANTS[@]:1}}; do
     if ! (cd "${TREE[$v]}" && eval "timeout 400 $PY -m pytest -q -rf $AB_TESTS" > "$OUT/tests_$v.log" 2>&1); then  # eval: quoted -k
       FAILED_TESTS+=("$v")

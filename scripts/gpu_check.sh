@@ -12,7 +12,7 @@ source "$(dirname "$0")/gpu_env.sh"
 # Short peer deadlines: a kernel protocol bug shows up as a TimeoutError in seconds, not a stuck run.
 export MOE_EP_TIMEOUT_S=${MOE_EP_TIMEOUT_S:-20}
 # A pool call stuck past every kernel deadline fails in two minutes instead of ten.
-export MOE_EP_CALL_TIMEOUT_S=${MOE_EP_CALL_TIMEOUT_S:-120}
+export MOE_EP_TEST_CALL_TIMEOUT_S=${MOE_EP_TEST_CALL_TIMEOUT_S:-120}
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 : > "$OUT/summary.txt"
 summary "gpu_check $(date -u +%FT%TZ) on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"

@@ -24,7 +24,7 @@ for memory in vmm ipc; do
     --json "$OUT/ll_$memory.jsonl" 2>&1 | tail -3
 done
 echo "benchmarks done at $(( $(date +%s) - t0 )) s"
-export MOE_EP_TIMEOUT_S=20 MOE_EP_CALL_TIMEOUT_S=120
+export MOE_EP_TIMEOUT_S=20 MOE_EP_TEST_CALL_TIMEOUT_S=120
 timeout 60 $PY -m pytest -q tests/test_descriptors.py tests/test_gpu_kernels.py -k "descriptor or peer or backend_info" 2>&1 | tail -3
 timeout 200 $PY -m pytest -q -x tests/test_low_latency_kernels.py 2>&1 | tail -3
 timeout "${TEST_INTRANODE_S:-150}" $PY -m pytest -q -x tests/test_intranode.py -k "equals_portable or cuda_ipc or into_the_arena" 2>&1 | tail -3

@@ -55,6 +55,16 @@ def _bad_id(c: Ctx, value: int):
     return idx
 
 
+def _x_one_row_short(c: Ctx):
+    """A dispatch whose x has 2 rows and whose layout (is_token_in_rank, topk_idx) has 3."""
+    idx = torch.full((3, c.p.num_topk), -1, dtype=torch.int64, device=c.x.device)
+    per_rank, _, per_expert, in_rank, _ = c.buf.get_dispatch_layout(idx, c.p.num_experts)
+    x = torch.zeros(2, c.p.hidden, dtype=torch.bfloat16, device=c.x.device)
+    weights = torch.zeros(3, c.p.num_topk, dtype=torch.float32, device=c.x.device)
+    return c.buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                          topk_idx=idx, topk_weights=weights)
+
+
 def _ll_x(c: Ctx, rows: int, hidden: int):
     return torch.zeros(rows, hidden, dtype=torch.bfloat16, device=c.x.device)
 
@@ -74,6 +84,11 @@ CASES = [
      lambda c: c.buf.get_dispatch_layout(_bad_id(c, -2), c.p.num_experts)),
     ("is_token_in_rank shape", ValueError, "is_token_in_rank: expected shape",
      lambda c: c.buf.dispatch(c.x, **c.layout_kwargs(is_token_in_rank=c.layout[3][:, :1]))),
+    ("x one row short of the layout", ValueError, "x: expected 3 rows, one per row of is_token_in_rank / topk_idx, got 2",
+     _x_one_row_short),
+    ("is_token_in_rank one row more than x and topk_idx", ValueError, "is_token_in_rank: expected shape",
+     lambda c: c.buf.dispatch(c.x, **c.layout_kwargs(is_token_in_rank=torch.cat(
+         [c.layout[3], torch.zeros(1, c.p.num_ranks, dtype=torch.bool, device=c.x.device)])))),
     ("num_tokens_per_rank dtype", TypeError, "num_tokens_per_rank: expected dtype torch.int32",
      lambda c: c.buf.dispatch(c.x, **c.layout_kwargs(num_tokens_per_rank=c.layout[0].long()))),
     ("num_tokens_per_rank inconsistent", ValueError, "num_tokens_per_rank: disagrees with is_token_in_rank",

@@ -6,7 +6,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moe_ep.launch import RankPool  # noqa: E402
+from moe_ep.launch import DEFAULT_CALL_TIMEOUT_S, RankPool  # noqa: E402
+
+# MOE_EP_TEST_CALL_TIMEOUT_S shortens every pool call, for GPU runs on a machine lent for minutes.
+CALL_TIMEOUT_S = float(os.environ.get("MOE_EP_TEST_CALL_TIMEOUT_S", DEFAULT_CALL_TIMEOUT_S))
 
 
 @pytest.fixture(scope="session")
@@ -16,7 +19,7 @@ def pools():
 
     def get(num_ranks: int) -> RankPool:
         if num_ranks not in started or not started[num_ranks].alive:
-            started[num_ranks] = RankPool(num_ranks)
+            started[num_ranks] = RankPool(num_ranks, call_timeout_s=CALL_TIMEOUT_S)
         return started[num_ranks]
 
     yield get
@@ -36,7 +39,7 @@ def gpu_pools():
     def get(num_ranks: int) -> RankPool:
         if num_ranks not in started or not started[num_ranks].alive:
             started[num_ranks] = RankPool(num_ranks, use_cuda=True, backend="gloo",
-                                          env={"MOE_EP_TEST_CUDA": "1"})
+                                          env={"MOE_EP_TEST_CUDA": "1"}, call_timeout_s=CALL_TIMEOUT_S)
         return started[num_ranks]
 
     yield get

@@ -34,28 +34,32 @@ class Problem:
 def make_inputs(p: Problem) -> List[Dict[str, torch.Tensor]]:
     """Per rank: x [N, H] bf16, topk_idx [N, K] int64 with -1 entries, topk_weights [N, K] float32."""
     g = torch.Generator().manual_seed(p.seed)
-    counts = torch.randint(0, p.max_tokens + 1, (p.num_ranks,), generator=g)
+    # Every tensor names its dtype and device: the inputs must not follow torch's defaults.
+    cpu = dict(device="cpu")
+    f32 = dict(dtype=torch.float32, device="cpu")
+    counts = torch.randint(0, p.max_tokens + 1, (p.num_ranks,), generator=g, **cpu)
     if p.zero_token_rank:
-        counts[torch.randint(0, p.num_ranks, (1,), generator=g)] = 0
-    popularity = torch.exp(torch.randn(p.num_experts, generator=g) * 2) if p.skew else torch.ones(p.num_experts)
+        counts[torch.randint(0, p.num_ranks, (1,), generator=g, **cpu)] = 0
+    popularity = (torch.exp(torch.randn(p.num_experts, generator=g, **f32) * 2) if p.skew
+                  else torch.ones(p.num_experts, **f32))
     ranks = []
     for n in counts.tolist():
         if n:
             idx = torch.multinomial(popularity.expand(n, -1), p.num_topk, replacement=False, generator=g)
         else:
-            idx = torch.empty(0, p.num_topk, dtype=torch.int64)
-        idx = torch.where(torch.rand(idx.shape, generator=g) < p.drop, torch.full_like(idx, -1), idx)
+            idx = torch.empty(0, p.num_topk, dtype=torch.int64, **cpu)
+        idx = torch.where(torch.rand(idx.shape, generator=g, **f32) < p.drop, torch.full_like(idx, -1), idx)
         ranks.append({
-            "x": (torch.randn(n, p.hidden, generator=g) * 3).to(torch.bfloat16),
+            "x": (torch.randn(n, p.hidden, generator=g, **f32) * 3).to(torch.bfloat16),
             "topk_idx": idx,
-            "topk_weights": torch.rand(n, p.num_topk, generator=g),
+            "topk_weights": torch.rand(n, p.num_topk, generator=g, **f32),
         })
     return ranks
 
 
 def bias_for(p: Problem, rank: int, n: int, which: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(p.seed * 7919 + rank * 31 + which)
-    return torch.randn(n, p.hidden, generator=g).to(torch.bfloat16)
+    return torch.randn(n, p.hidden, generator=g, dtype=torch.float32, device="cpu").to(torch.bfloat16)
 
 
 def expert_output(recv_x: torch.Tensor, rank: int) -> torch.Tensor:

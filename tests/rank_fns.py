@@ -410,6 +410,28 @@ def low_latency_shape_changes(problems, use_fp8: bool, zero_copy: bool):
     return [low_latency_round(p, use_fp8, zero_copy=zero_copy, buffer=buffer) for p in problems]
 
 
+def rounds_under_defaults(p: Problem, default_dtype: torch.dtype = None, default_device: str = None):
+    """Whole rounds through the public API with torch's default dtype and device set as training scripts
+    set them (None: left as they are), restored after: normal_round of bf16 rows and of fp8 rows (layout,
+    top-k with weights, cached dispatch, combine with weights and biases) and low_latency_round of bf16
+    rows (zero-copy combine) and of fp8 rows (UE8M0 scales, receives in the hooks). -> {round: what it returns}"""
+    saved_dtype = torch.get_default_dtype()
+    if default_dtype is not None:
+        torch.set_default_dtype(default_dtype)
+    if default_device is not None:
+        torch.set_default_device(default_device)
+    try:
+        return dict(normal_bf16=normal_round(p, num_biases=1),
+                    normal_fp8=normal_round(p, use_fp8=True, num_biases=2),
+                    low_latency_bf16=low_latency_round(p, use_fp8=False, zero_copy=True),
+                    low_latency_fp8=low_latency_round(p, use_fp8=True, round_scale=True, use_ue8m0=True,
+                                                      return_recv_hook=True))
+    finally:
+        torch.set_default_dtype(saved_dtype)
+        if default_device is not None:
+            torch.set_default_device(None)
+
+
 def backend_info():
     return moe_ep.backend_info()
 

@@ -79,6 +79,17 @@ def test_the_cli_lists_and_runs_the_benchmarks(tmp_path):
     assert json.loads((tmp_path / "b.jsonl").read_text().splitlines()[0])["mode"] == "dispatch_bf16"
 
 
+def test_gpu_benchmarks_without_a_gpu_say_to_pass_cpu():
+    """Without --cpu where torch sees no GPU (CUDA_VISIBLE_DEVICES hides any), `moe-ep-bench intranode` and
+    the other benchmarks with --cpu say so in one line and exit with argparse's code, before any rank starts."""
+    for name in ("intranode", "low_latency", "trace_kernels"):
+        done = subprocess.run([sys.executable, "-m", "moe_ep.bench", name, "--ranks", "2"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+        said = "error: no GPU here: pass --cpu (CPU tensors on the portable backend)"
+        assert done.stderr.strip() == f"{name}.py: {said}", done.stderr
+
+
 def test_intranode_benchmark_times_only_the_modes_asked(tmp_path):
     _run("moe_ep.bench.intranode", *TINY, "--tokens", "64", "--modes", "combine", "--json", str(tmp_path / "b.jsonl"))
     assert [json.loads(line)["mode"] for line in (tmp_path / "b.jsonl").read_text().splitlines()] == ["combine"]

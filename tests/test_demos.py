@@ -1,7 +1,10 @@
 """The demos that need no megatron-core, end to end on CPU ranks (and the decode example on CUDA ranks
 where there is a GPU): each checks itself against the dense MoE layer and prints OK (a mismatch exits
 non-zero)."""
+import argparse
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -37,6 +40,34 @@ def test_low_latency_decode_matches_the_dense_layer(dispatch):
     out = _run(_example("decode_low_latency.py"), "--ranks", "2", "--steps", "2", *dispatch)
     assert "OK: every step matches the dense MoE layer" in out
     assert ("bf16 dispatch" if dispatch else "fp8 dispatch") in out
+
+
+@pytest.mark.parametrize("script", ["demo.py", "decode_low_latency.py"])
+def test_help_mentions_only_flags_the_demo_has(script):
+    options = re.split(r"\n(?:options|optional arguments):\n", _run(_example(script), "--help"))[1]
+    defined = set(re.findall(r"^\s+(?:-\w, )?(--[\w-]+)", options, re.MULTILINE))
+    assert set(re.findall(r"--[\w-]+", options)) <= defined, options
+
+
+def test_compare_dispatchers_plot_shows_identical_curves_and_names_the_run(tmp_path):
+    """The demo's plot on made-up logs: a title with the config, ranks and device, and two identical loss
+    curves drawn apart (different line styles and markers) so that both show."""
+    pytest.importorskip("matplotlib")
+    spec = importlib.util.spec_from_file_location("compare_dispatchers", _example("compare_dispatchers.py"))
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    logs = {name: [dict(step=s, loss=5.0 / (s + 1), step_time_s=0.02 + 0.01 * (name == "alltoall")) for s in range(20)]
+            for name in ("alltoall", "deepep")}
+    args = argparse.Namespace(config="configs/tiny_cpu.yaml", nproc=4, torchrun_args="")
+    title = compare.plot_title(args)
+    assert "tiny_cpu.yaml" in title and "4 ranks" in title and title.endswith(("CPU", "CUDA")), title
+    fig = compare.plot(logs, str(tmp_path / "compare.png"), title)
+    assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert fig._suptitle.get_text() == title
+    first, second = fig.axes[0].get_lines()
+    assert first.get_ydata().tolist() == second.get_ydata().tolist()
+    assert (first.get_linestyle(), first.get_marker()) != (second.get_linestyle(), second.get_marker())
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["megatron alltoall", "moe_ep (deepep)"]
 
 
 def test_demos_run_under_the_launcher():

@@ -1,7 +1,7 @@
 """The launcher's SM share for ranks that share a GPU (moe_ep.launch --sm-share, moe_ep.mps)."""
 import pytest
 
-from moe_ep.launch import sm_share, sm_share_env
+from moe_ep.launch import RankPool, sm_share, sm_share_env
 from moe_ep.mps import client_sm_share, missing_sm_share, process_sm_share
 
 
@@ -55,6 +55,15 @@ def test_training_on_a_shared_gpu_without_a_share_is_told_how_to_set_one():
     assert "python -m moe_ep.launch, or set CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=62" in message
     assert missing_sm_share(4, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "62"}) is None
     assert missing_sm_share(1, {}) is None
+
+
+def test_a_cuda_rank_pool_without_a_gpu_says_so(monkeypatch):
+    """Rather than ranks that each die picking a GPU (a ZeroDivisionError over zero devices)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"RankPool: use_cuda=True needs a GPU, and torch sees none here"):
+        RankPool(2, use_cuda=True)
 
 
 def test_a_process_reads_its_share_for_the_residency_check():

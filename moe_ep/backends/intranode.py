@@ -224,7 +224,7 @@ class IntranodeBackend(Backend):
     def wait_profile(self) -> dict:
         """{"dispatch" / "combine": {what was waited for: seconds, ..., "kernel": seconds, "blocks": n,
         "phases": {"stage" / "pull" / "push" / "reduce": seconds, waits included}}}, summed over blocks
-        and calls since the last reset (empty when MOE_EP_PROFILE_WAITS is not 1)."""
+        and calls since the last reset (empty unless kernel_choices.profile_waits)."""
         if not self._wait_rows:
             return {}
         self.comm_stream.synchronize()
@@ -240,7 +240,7 @@ class IntranodeBackend(Backend):
     def kernel_log(self) -> list:
         """[(KernelId, start ns, end ns)] of this rank's intranode kernels since the last reset, in the order
         they ended (one stream: the order they ran), %globaltimer times, which every rank on a GPU shares;
-        empty when MOE_EP_PROFILE_WAITS is not 1. The log keeps its first kKernelLogEntries kernels."""
+        empty unless kernel_choices.profile_waits. The log keeps its first kKernelLogEntries kernels."""
         if self._kernel_log is None:
             return []
         self.comm_stream.synchronize()
@@ -617,7 +617,7 @@ class IntranodeBackend(Backend):
 
     @staticmethod
     def _region_tensor(region: Optional[Region], offset: int, rows: int, like: torch.Tensor) -> torch.Tensor:
-        if region is None:  # no room: no rows (a ValueError follows)
+        if region is None:  # a one-pass call of no rows where the arena had no free byte
             return torch.empty((0, like.shape[1]), dtype=like.dtype, device=like.device)
         return region.tensor(offset, rows, like.shape[1], like.dtype)
 

@@ -77,7 +77,7 @@ class _DeviceBytes:
 def device_view(address: int, size: int, device: torch.device) -> torch.Tensor:
     """A uint8 tensor over `size` bytes of mapped memory at `address` (this rank's buffer or a peer's).
     It does not own them: it is valid while the mapping lives."""
-    return torch.as_tensor(_DeviceBytes(address, size), device=device)
+    return torch.as_tensor(_DeviceBytes(address, size), dtype=torch.uint8, device=device)
 
 
 def _release(steps: List[Callable[[], None]]) -> None:
@@ -163,7 +163,7 @@ class MappedBuffers:
         self.pointers = torch.tensor(pointers, dtype=torch.int64, device=self.device)
         self.addresses = list(pointers)  # the same, on the host
         size = self.ops.intranode_layout(self.num_ranks, 0, 0, 0, 0)["host_info_ints"]
-        self.host_info = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+        self.host_info = torch.zeros(size, dtype=torch.int32, device="cpu", pin_memory=True)
         self.host = (ctypes.c_int32 * size).from_address(self.host_info.data_ptr())
 
     def timeout_error(self) -> Optional[TimeoutError]:

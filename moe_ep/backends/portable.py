@@ -38,7 +38,7 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ra
     num_tokens_per_expert = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
     num_tokens_per_expert.index_add_(0, expert[valid], torch.ones_like(expert[valid], dtype=torch.int32))
     is_token_in_rank = torch.zeros(num_tokens, num_ranks, dtype=torch.bool, device=topk_idx.device)
-    rows = torch.arange(num_tokens, device=topk_idx.device).unsqueeze(1).expand_as(topk_idx)
+    rows = torch.arange(num_tokens, dtype=torch.int64, device=topk_idx.device).unsqueeze(1).expand_as(topk_idx)
     is_token_in_rank[rows[valid], (expert // experts_per_rank)[valid]] = True
     num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
     num_tokens_per_rdma_rank = None
@@ -177,7 +177,7 @@ class PortableBackend(Backend):
         return torch.stack(gathered).cpu()
 
     def _all_to_all_ints(self, values: Sequence[int]) -> List[int]:
-        send = torch.tensor(list(values), dtype=torch.int64)
+        send = torch.tensor(list(values), dtype=torch.int64, device="cpu")
         recv = torch.empty_like(send)
         if not self.comm_on_host:
             send, recv = send.cuda(), recv.cuda()
@@ -344,7 +344,8 @@ class PortableBackend(Backend):
             starts = torch.cumsum(counts, 0) - counts
             arrival_row = torch.empty_like(arrival_expert)
             arrival_row[by_expert] = (
-                torch.arange(by_expert.numel(), device=by_expert.device) - starts[arrival_expert[by_expert]]
+                torch.arange(by_expert.numel(), dtype=torch.int64, device=by_expert.device)
+                - starts[arrival_expert[by_expert]]
             )
             recv_x[arrival_expert, arrival_row] = parts[0]
             if recv_scales is not None:

@@ -185,10 +185,10 @@ def _rank_bench(args):
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1000 + rank)
     device = "cpu" if args.cpu else "cuda"
-    scores = torch.rand(args.tokens, args.experts, device=device)
+    scores = torch.rand(args.tokens, args.experts, dtype=torch.float32, device=device)
     topk_idx = scores.topk(args.topk, dim=1).indices
-    topk_weights = torch.rand(args.tokens, args.topk, device=device)
-    x = torch.randn(args.tokens, args.hidden, device=device).to(torch.bfloat16)
+    topk_weights = torch.rand(args.tokens, args.topk, dtype=torch.float32, device=device)
+    x = torch.randn(args.tokens, args.hidden, dtype=torch.float32, device=device).to(torch.bfloat16)
     x_fp8 = fp8.per_token_cast_to_fp8(x)
     defaults = {m: (Buffer.get_combine_config if m.startswith("combine") else Buffer.get_dispatch_config)(num_ranks)
                 for m in ALL_MODES}
@@ -337,6 +337,9 @@ def main():
                         help="how peers' buffers are mapped: the virtual-memory API (vmm), CUDA IPC handles (ipc), "
                              "or auto (vmm where the GPU can)")
     args = parser.parse_args()
+    if not args.cpu and not torch.cuda.is_available():
+        # The message alone: the usage that parser.error prints first would bury it.
+        parser.exit(2, f"{parser.prog}: error: no GPU here: pass --cpu (CPU tensors on the portable backend)\n")
     if args.nccl and (args.cpu or any(n > torch.cuda.device_count() for n in args.ranks)):
         parser.error("--nccl needs one rank per GPU (NCCL refuses two ranks on one GPU)")
     print(f"{'ranks':>5} {'sms':>4} {'chunk':>9} {'mode':>20} {'us/call':>9} {'GB/s per rank (min/mean)':>25} "

@@ -31,7 +31,7 @@ def torch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
 def rank_bench(args):
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(rank)
-    scores = torch.rand(args.tokens, args.experts, generator=g)
+    scores = torch.rand(args.tokens, args.experts, generator=g, dtype=torch.float32, device="cpu")
     topk_idx = scores.topk(args.topk, dim=1).indices.cuda()
     buffer = Buffer(dist.group.WORLD)
     ops = _native.ops()
@@ -60,7 +60,8 @@ def main():
     args = parser.parse_args()
     # The kernel alone, in this process with no other rank on the GPU: the figure to hold to the goal.
     g = torch.Generator().manual_seed(0)
-    topk_idx = torch.rand(args.tokens, args.experts, generator=g).topk(args.topk, dim=1).indices.cuda()
+    scores = torch.rand(args.tokens, args.experts, generator=g, dtype=torch.float32, device="cpu")
+    topk_idx = scores.topk(args.topk, dim=1).indices.cuda()
     for num_ranks in args.ranks:
         solo = cuda_kernel_us(lambda: _native.ops().get_dispatch_layout(topk_idx, args.experts, num_ranks, num_ranks))
         solo_torch = cuda_kernel_us(lambda: torch_layout(topk_idx, args.experts, num_ranks))

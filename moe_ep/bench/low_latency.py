@@ -44,11 +44,11 @@ def make_problem(args, num_experts: int, seed: int, device: str = "cuda"):
     [local experts, ranks x tokens, hidden]) and a low-latency Buffer sized for them."""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed + rank)
-    x = torch.randn(args.tokens, args.hidden, device=device).to(torch.bfloat16)
-    topk_idx = torch.rand(args.tokens, num_experts, device=device).topk(args.topk, dim=1).indices
-    topk_weights = torch.rand(args.tokens, args.topk, device=device)
+    x = torch.randn(args.tokens, args.hidden, dtype=torch.float32, device=device).to(torch.bfloat16)
+    topk_idx = torch.rand(args.tokens, num_experts, dtype=torch.float32, device=device).topk(args.topk, dim=1).indices
+    topk_weights = torch.rand(args.tokens, args.topk, dtype=torch.float32, device=device)
     local, rows = num_experts // num_ranks, num_ranks * args.tokens
-    y = torch.randn(local, rows, args.hidden, device=device).to(torch.bfloat16)
+    y = torch.randn(local, rows, args.hidden, dtype=torch.float32, device=device).to(torch.bfloat16)
     size = Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, num_ranks, num_experts)
     buffer = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, num_qps_per_rank=local)
     return x, topk_idx, topk_weights, y, buffer
@@ -135,6 +135,9 @@ def main():
                              "virtual-memory API (vmm), CUDA IPC handles (ipc), NVSHMEM's symmetric heap (nvshmem), "
                              "or auto (vmm where the GPU can)")
     args = parser.parse_args()
+    if not args.cpu and not torch.cuda.is_available():
+        # The message alone: the usage that parser.error prints first would bury it.
+        parser.exit(2, f"{parser.prog}: error: no GPU here: pass --cpu (CPU tensors on the portable backend)\n")
     print(f"{'ranks':>5} {'experts':>7} {'backend':>8} {'dispatch us':>11} {'GB/s':>6} {'combine us':>10} {'GB/s':>6} "
           f"{'zero-copy us':>12} {'hook: send+recv us (dispatch / combine)':>40}")
     failed = False

@@ -32,9 +32,10 @@ def rank_bench(args):
     torch.set_num_threads(1)
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.tokens, args.hidden, generator=g).to(torch.bfloat16)
-    idx = torch.rand(args.tokens, args.experts, generator=g).topk(args.topk, dim=1).indices
-    weights = torch.rand(args.tokens, args.topk, generator=g)
+    x = torch.randn(args.tokens, args.hidden, generator=g, dtype=torch.float32, device="cpu").to(torch.bfloat16)
+    scores = torch.rand(args.tokens, args.experts, generator=g, dtype=torch.float32, device="cpu")
+    idx = scores.topk(args.topk, dim=1).indices
+    weights = torch.rand(args.tokens, args.topk, generator=g, dtype=torch.float32, device="cpu")
     nvl = default_config_size_hints(args.hidden * 2, num_ranks)[0]
     rdma = Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, num_ranks, args.experts)
     buffer = Buffer(dist.group.WORLD, nvl, rdma, low_latency_mode=True)

@@ -78,11 +78,11 @@ class TimedOps:
 def rank_profile(args):
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(7 + rank)
-    x = torch.randn(args.tokens, args.hidden, device="cuda").to(torch.bfloat16)
+    x = torch.randn(args.tokens, args.hidden, dtype=torch.float32, device="cuda").to(torch.bfloat16)
     if args.fp8:
         x = fp8.per_token_cast_to_fp8(x)
-    topk_idx = torch.rand(args.tokens, args.experts, device="cuda").topk(args.topk, dim=1).indices
-    topk_weights = torch.rand(args.tokens, args.topk, device="cuda")
+    topk_idx = torch.rand(args.tokens, args.experts, dtype=torch.float32, device="cuda").topk(args.topk, dim=1).indices
+    topk_weights = torch.rand(args.tokens, args.topk, dtype=torch.float32, device="cuda")
     config = Buffer.get_dispatch_config(num_ranks)
     # Every row a rank could receive, as bf16 with fp8 scales (an upper bound for either kind of row).
     received = args.tokens * num_ranks
@@ -171,19 +171,21 @@ class _NoLaunches:
         needed = arena_dispatch_region(rows, x.shape[1] * x.element_size(),
                                        0 if scales is None else scales.shape[1] * scales.element_size(), num_topk)
         self._host[HOST_CHOICE] = int(capacity > 0 and needed.slot_bytes <= length)
-        ints = dict(dtype=torch.int32)
+        ints = dict(dtype=torch.int32, device="cpu")
         return (torch.empty(x.shape[0], in_rank.shape[1], **ints), torch.empty(recv_info_ints, **ints),
-                torch.empty(capacity, **ints), torch.empty(capacity, num_topk, dtype=torch.int64),
-                torch.empty(capacity, num_topk))
+                torch.empty(capacity, **ints), torch.empty(capacity, num_topk, dtype=torch.int64, device="cpu"),
+                torch.empty(capacity, num_topk, dtype=torch.float32, device="cpu"))
 
     def intranode_dispatch_fresh(self, ctx, num_sms, x, scales, topk_idx, topk_weights, in_rank, per_rank, per_expert,
                                  local, nonce, recv_info_ints, *rest):
         # The counts stubbed_python_layer put in host memory: every token to every rank.
-        ranks, num_topk, ints = in_rank.shape[1], topk_idx.shape[1], dict(dtype=torch.int32)
+        ranks, num_topk, ints = in_rank.shape[1], topk_idx.shape[1], dict(dtype=torch.int32, device="cpu")
         rows = x.shape[0] * ranks
         return (torch.empty(x.shape[0], ranks, **ints), torch.empty(recv_info_ints, **ints), torch.empty(rows, **ints),
-                torch.empty(rows, x.shape[1], dtype=x.dtype), None, torch.empty(rows, num_topk, dtype=torch.int64),
-                torch.empty(rows, num_topk), [x.shape[0]] * ranks, [x.shape[0]] * ranks,
+                torch.empty(rows, x.shape[1], dtype=x.dtype, device="cpu"), None,
+                torch.empty(rows, num_topk, dtype=torch.int64, device="cpu"),
+                torch.empty(rows, num_topk, dtype=torch.float32, device="cpu"),
+                [x.shape[0]] * ranks, [x.shape[0]] * ranks,
                 [x.shape[0] * ranks // local] * local)
 
     def intranode_agree(self, ctx, vote, copy_ok, choice, nonce):
@@ -233,7 +235,7 @@ def stub_backend(ranks: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
     setattr_(torch.cuda, "current_stream", lambda *a: _NoStream())
     setattr_(torch.cuda, "is_current_stream_capturing", lambda: False)
     backend = intranode.IntranodeBackend.__new__(intranode.IntranodeBackend)
-    host_info = torch.zeros(HOST_COUNTS + 2 * ranks + experts + 64, dtype=torch.int32)
+    host_info = torch.zeros(HOST_COUNTS + 2 * ranks + experts + 64, dtype=torch.int32, device="cpu")
     backend.host_info = host_info  # read as the real one is: a ctypes view of pinned memory
     backend._host = (ctypes.c_int32 * host_info.numel()).from_address(host_info.data_ptr())
     backend.ops = _NoLaunches(backend._host)
@@ -249,14 +251,14 @@ def stub_backend(ranks: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
     backend.arena_area = backend.arena = None
     if arena:
         area = arena_bytes(tokens * ranks, x.shape[1] * x.element_size(), 0, topk, num_live=2)
-        memory = torch.empty(area, dtype=torch.uint8)
+        memory = torch.empty(area, dtype=torch.uint8, device="cpu")
         backend.arena_area = types.SimpleNamespace(addresses=[memory.data_ptr()] * ranks, device=torch.device("cpu"),
-                                                   pointers=torch.zeros(ranks, dtype=torch.int64), memory=memory)
+                                                   pointers=torch.zeros(ranks, dtype=torch.int64, device="cpu"), memory=memory)
         backend.arena = Arena(area, INTRANODE_SLOT_ALIGN)
     backend.arena_grows = False  # growing maps a new area, collectively: not on a stub
     local = experts // ranks
-    in_rank = torch.ones(tokens, ranks, dtype=torch.bool)
-    per_expert = torch.full((experts,), tokens // local, dtype=torch.int32)
+    in_rank = torch.ones(tokens, ranks, dtype=torch.bool, device="cpu")
+    per_expert = torch.full((experts,), tokens // local, dtype=torch.int32, device="cpu")
     config = Config(24, 6, 256, 6, 128)
 
     def call(x_parts, num_worst_tokens=0, handle=None):
@@ -278,9 +280,9 @@ def stubbed_python_layer(args) -> None:
     """Host time of the Python around a dispatch, with nothing launched (CPU tensors)."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     ranks = args.ranks[0]
-    x = torch.randn(args.tokens, args.hidden).to(torch.bfloat16)
-    topk_idx = torch.rand(args.tokens, args.experts).topk(args.topk, dim=1).indices
-    topk_weights = torch.rand(args.tokens, args.topk)
+    x = torch.randn(args.tokens, args.hidden, dtype=torch.float32, device="cpu").to(torch.bfloat16)
+    topk_idx = torch.rand(args.tokens, args.experts, dtype=torch.float32, device="cpu").topk(args.topk, dim=1).indices
+    topk_weights = torch.rand(args.tokens, args.topk, dtype=torch.float32, device="cpu")
     buffer = Buffer(dist.group.WORLD, Buffer.get_dispatch_config(ranks).get_nvl_buffer_size_hint(args.hidden * 2, 1))
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
 

@@ -15,7 +15,7 @@ from .timing import host_call_us
 
 def main():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    idx = torch.rand(4096, 256).topk(8, dim=1).indices.cuda()
+    idx = torch.rand(4096, 256, dtype=torch.float32, device="cpu").topk(8, dim=1).indices.cuda()
     buffer = Buffer(dist.group.WORLD)
     ops = _native.ops()
     sync = torch.cuda.synchronize

@@ -38,10 +38,11 @@ class _NoLaunches:
 
     def __init__(self):
         local, rows = EXPERTS, TOKENS
-        self._outputs = (torch.empty(local, rows, HIDDEN, dtype=torch.float8_e4m3fn),
-                         torch.empty(local, rows, HIDDEN // 128), torch.zeros(local, dtype=torch.int32),
-                         torch.empty(local, rows, dtype=torch.int32))
-        self._combined = torch.empty(TOKENS, HIDDEN, dtype=torch.bfloat16)
+        self._outputs = (torch.empty(local, rows, HIDDEN, dtype=torch.float8_e4m3fn, device="cpu"),
+                         torch.empty(local, rows, HIDDEN // 128, dtype=torch.float32, device="cpu"),
+                         torch.zeros(local, dtype=torch.int32, device="cpu"),
+                         torch.empty(local, rows, dtype=torch.int32, device="cpu"))
+        self._combined = torch.empty(TOKENS, HIDDEN, dtype=torch.bfloat16, device="cpu")
 
     def ll_dispatch_send(self, *args):
         return self._outputs
@@ -55,7 +56,7 @@ class _NoLaunches:
 
 def stub_kernels(buffer: Buffer) -> None:
     backend = LowLatencyBackend.__new__(LowLatencyBackend)
-    backend.peers = types.SimpleNamespace(pointers=torch.zeros(1, dtype=torch.int64), ranks_on_device=1,
+    backend.peers = types.SimpleNamespace(pointers=torch.zeros(1, dtype=torch.int64, device="cpu"), ranks_on_device=1,
                                           host_info=None, timeout_s=buffer.timeout_s, timeout_error=lambda: None, unreachable=[])
     backend.ops, backend.rank, backend.num_ranks, backend._pending, backend._contexts = _NoLaunches(), 0, 1, None, {}
     backend._shape, backend._combine_next, backend._combine_rows = None, 0, [None, None]
@@ -72,9 +73,9 @@ def main():
     args = parser.parse_args()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     device = "cpu" if args.stub_kernels else "cuda"
-    x = torch.randn(TOKENS, HIDDEN, device=device).to(torch.bfloat16)
-    topk_idx = torch.rand(TOKENS, EXPERTS, device=device).topk(TOPK, dim=1).indices
-    topk_weights = torch.rand(TOKENS, TOPK, device=device)
+    x = torch.randn(TOKENS, HIDDEN, dtype=torch.float32, device=device).to(torch.bfloat16)
+    topk_idx = torch.rand(TOKENS, EXPERTS, dtype=torch.float32, device=device).topk(TOPK, dim=1).indices
+    topk_weights = torch.rand(TOKENS, TOPK, dtype=torch.float32, device=device)
     size = Buffer.get_low_latency_rdma_size_hint(TOKENS, HIDDEN, 1, EXPERTS)
     buffer = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, num_qps_per_rank=EXPERTS)
     if args.stub_kernels:
@@ -82,7 +83,7 @@ def main():
     _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, TOKENS, EXPERTS, use_fp8=True)
     if args.stub_kernels:
         handle.backend_state.received = True
-    y = torch.randn(EXPERTS, TOKENS, HIDDEN, device=device).to(torch.bfloat16)
+    y = torch.randn(EXPERTS, TOKENS, HIDDEN, dtype=torch.float32, device=device).to(torch.bfloat16)
     sync = None if args.stub_kernels else torch.cuda.synchronize
 
     def dispatch():

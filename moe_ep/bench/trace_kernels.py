@@ -35,11 +35,11 @@ from .timing import device_sync
 def _low_latency_round(args, device):
     """A round = one low-latency dispatch and one combine, as a decode step makes them."""
     num_ranks = dist.get_world_size()
-    x = torch.randn(args.tokens, args.hidden, device=device).to(torch.bfloat16)
-    topk_idx = torch.rand(args.tokens, args.experts, device=device).topk(args.topk, dim=1).indices
-    topk_weights = torch.rand(args.tokens, args.topk, device=device)
+    x = torch.randn(args.tokens, args.hidden, dtype=torch.float32, device=device).to(torch.bfloat16)
+    topk_idx = torch.rand(args.tokens, args.experts, dtype=torch.float32, device=device).topk(args.topk, dim=1).indices
+    topk_weights = torch.rand(args.tokens, args.topk, dtype=torch.float32, device=device)
     local = args.experts // num_ranks
-    y = torch.randn(local, num_ranks * args.tokens, args.hidden, device=device).to(torch.bfloat16)
+    y = torch.randn(local, num_ranks * args.tokens, args.hidden, dtype=torch.float32, device=device).to(torch.bfloat16)
     size = Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, num_ranks, args.experts)
     buffer = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, num_qps_per_rank=local)
 
@@ -56,10 +56,10 @@ def _normal_round(args, device):
     --arena both are the one-pass calls through the Buffer's arena (the rows copied into
     empty_combine_input first)."""
     num_ranks = dist.get_world_size()
-    x = torch.randn(args.tokens, args.hidden, device=device).to(torch.bfloat16)
+    x = torch.randn(args.tokens, args.hidden, dtype=torch.float32, device=device).to(torch.bfloat16)
     x_fp8 = fp8.per_token_cast_to_fp8(x)
-    topk_idx = torch.rand(args.tokens, args.experts, device=device).topk(args.topk, dim=1).indices
-    topk_weights = torch.rand(args.tokens, args.topk, device=device)
+    topk_idx = torch.rand(args.tokens, args.experts, dtype=torch.float32, device=device).topk(args.topk, dim=1).indices
+    topk_weights = torch.rand(args.tokens, args.topk, dtype=torch.float32, device=device)
     dispatch_config, combine_config = Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)
     nvl = default_config_size_hints(args.hidden * 2, num_ranks)[0]
     rows = args.tokens * num_ranks  # the most a rank can receive
@@ -71,7 +71,8 @@ def _normal_round(args, device):
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                   topk_idx=topk_idx, topk_weights=topk_weights, config=dispatch_config)
     (recv, _), _, _, _, _, _ = buffer.dispatch(x_fp8, **layout)
-    y = torch.randn(recv.shape, device=device).to(torch.bfloat16)  # same routing every round: same rows
+    # Same routing every round: same rows.
+    y = torch.randn(recv.shape, dtype=torch.float32, device=device).to(torch.bfloat16)
 
     def one_round():
         _, _, recv_w, _, handle, _ = buffer.dispatch(x_fp8, **layout)
@@ -145,6 +146,9 @@ def main():
                              "others (the barrier's own skew between ranks stays)")
     parser.add_argument("--cpu", action="store_true", help="CPU tensors (portable backend): checks the script anywhere")
     args = parser.parse_args()
+    if not args.cpu and not torch.cuda.is_available():
+        # The message alone: the usage that parser.error prints first would bury it.
+        parser.exit(2, f"{parser.prog}: error: no GPU here: pass --cpu (CPU tensors on the portable backend)\n")
     if args.tokens is None:
         args.tokens = 128 if args.mode == "low_latency" else 4096
     for num_ranks in args.ranks:

@@ -245,7 +245,8 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         state = self._state
         state.wait()
         routing_map, expert_probs = self._local_multihot(state.recv_topk_idx, probs)
-        tokens_per_expert = torch.tensor(state.tokens_per_expert, dtype=torch.long)
+        # Host counts, as megatron's alltoall dispatcher returns them (its experts read them on the host).
+        tokens_per_expert = torch.tensor(state.tokens_per_expert, dtype=torch.long, device="cpu")
         if self.config.moe_router_padding_for_quantization:
             routing_map, tokens_per_expert = self._pad_for_quantization(routing_map, tokens_per_expert)
         self.hidden_shape_before_permute = hidden_states.shape
