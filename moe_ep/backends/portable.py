@@ -354,8 +354,8 @@ class PortableBackend(Backend):
             if stats is not None:
                 stats.add_(counts.to(stats.dtype))
             state.arrival_expert, state.arrival_row = arrival_expert, arrival_row
-            sources = torch.repeat_interleave(torch.arange(self.num_ranks, dtype=torch.int32),
-                                              torch.tensor(recv_counts, dtype=torch.int64)).to(x.device)
+            sources = torch.repeat_interleave(torch.arange(self.num_ranks, dtype=torch.int32, device="cpu"),
+                                              torch.tensor(recv_counts, dtype=torch.int64, device="cpu")).to(x.device)
             source = torch.full((local, rows), -1, dtype=torch.int32, device=x.device)
             source[arrival_expert, arrival_row] = sources * num_max_tokens + parts[-1][:, 1]
             handle.recv_source = source
