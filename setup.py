@@ -8,7 +8,8 @@ Environment:
   MAX_JOBS              parallel compile jobs (ninja)
   MOE_EP_NVSHMEM_DEVICE=1  also NVSHMEM's device library (device-initiated puts, for peers on other hosts):
                         linked statically, every kernel compiled relocatable (-rdc); off by default: those
-                        kernels measured 6-25% slower on one host (docs/PERFORMANCE.md, eleventh session)
+                        kernels measured 6-25% slower in device time on one host (`moe-ep-bench
+                        low_latency --ranks 8 --graph`, built with and without it)
   MOE_EP_TIMELINE=1     a measuring build: the low-latency kernels stamp the GPU clock at the edges of
                         their phases (python -m moe_ep.bench.ll_timeline reads it); off by default
 """

@@ -191,7 +191,7 @@ struct IntranodeCtx {
     // dispatches behind their count exchange already.
     bool rendezvous = false;
     // The group's largest count of ranks on one GPU, for fitted_blocks; 0: the data kernels take the SM
-    // budget as their block count (MOE_EP_FIT_BLOCKS=0).
+    // budget as their block count (fit_blocks off in moe_ep.backends.choices).
     int fit_ranks_on_device = 0;
 };
 
@@ -219,10 +219,10 @@ intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
 }
 
 // The context of a data kernel (dispatch, combine): where ranks share a GPU the SM budget fitted to
-// them; and the combines launched in 1024-thread blocks where they fit (2 and 4 ranks on one H200,
-// twentieth session: every combine +11-39% in two calls; 2 ranks on two H200s, twenty-first: +30-47%;
-// the dispatches were level or slower, so they keep the 512-thread shapes). With MOE_EP_FIT_BLOCKS=0,
-// the budget and the 512-thread shapes.
+// them; and the combines launched in 1024-thread blocks where they fit (2 and 4 ranks on one H200:
+// every combine +11-39%; 2 ranks on two H200s: +30-47%; `moe-ep-bench intranode --ranks 2 4 --sms 24
+// --modes combine` against `--no-fit-blocks`; the dispatches were level or slower, so they keep the
+// 512-thread shapes). With fit_blocks off (moe_ep.backends.choices), the budget and the 512-thread shapes.
 // `opens`: the data kernel's KernelId where it needs a rendezvous first (when the ranks share a GPU), 0
 // where its call's count exchange already keeps it from starting before every rank reached the call.
 intranode::Ctx data_ctx(const IntranodeCtx& c, int64_t num_blocks, bool combine, int opens = 0) {

@@ -1,7 +1,8 @@
 // Peer-mappable memory through the driver's virtual-memory API. Why not CUDA IPC handles: with 8 ranks
 // on one H200, rows stored into peers' buffers opened with cudaIpcOpenMemHandle ran at 60-65% of the
 // rate of the same stores into buffers mapped this way (the one-pass fp8 dispatch 153-159 -> 254 GB/s
-// per rank, the windowed bf16 dispatch 93-105 -> 153-157; docs/PERFORMANCE.md, eighteenth session).
+// per rank, the windowed bf16 dispatch 93-105 -> 153-157; `moe-ep-bench intranode --ranks 8 --peer-memory
+// ipc` against `--peer-memory vmm`).
 #include "peer_memory.h"
 
 #include <cuda.h>

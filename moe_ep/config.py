@@ -246,17 +246,17 @@ def low_latency_rdma_size_hint(
 # Defaults per rank count: (num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens). The
 # receive chunk sizes the buffer through the size hint, hence the kernels' windows. These were the
 # fastest of 64/256/1024 at 24 SMs on an H200 (combine: at 16 and 32 SMs too; dispatch: 256 is within
-# 3% of the best at every rank count and SM budget); 2026-11-29, bench_intranode --recv-tokens,
-# docs/PERFORMANCE.md. The kernels' windows follow the buffer's bytes, and a buffer sized for both
+# 3% of the best at every rank count and SM budget): `moe-ep-bench intranode --ranks 2 4 8 --sms 24
+# --recv-tokens 64 256 1024`. The kernels' windows follow the buffer's bytes, and a buffer sized for both
 # configs (deep_ep's idiom) takes the larger receive chunk: at 2 ranks the combine's 1024 gives the
-# dispatch 1024-token windows too (4-7% faster than 256 on 2026-11-30).
+# dispatch 1024-token windows too (4-7% faster than 256, same command with `--ranks 2`).
 # The dispatch's send chunk does not steer its kernels (deep_ep's meaning, kept valid). The combine's
 # is the streaming combine's sending round (rows per owner written before they are released; it
 # streams from 4 ranks): the fastest of 2-48 at 4 and 8 ranks, 24 SMs, on one H200 and, at 4 ranks, on
-# four (2026-11-30, bench_intranode --send-tokens); the generic 16 is within 5% of the best at both.
-# At 8 ranks on one H200 the send chunk went from 4 to 16 when the combine's blocks went from 16 Wide
-# to 14 Full (2026-12-01, thirty-fourth session: 142 -> 152 GB/s per rank; 32 gave 148; at 4 ranks 32
-# stayed the best of 4/16/32/63).
+# four (`moe-ep-bench intranode --ranks 4 8 --sms 24 --modes combine --send-tokens 2 4 8 16 32 48`); the
+# generic 16 is within 5% of the best at both. At 8 ranks on one H200 the combine's blocks are 14 Full,
+# at which 16 rows gave 152 GB/s per rank against 142 for 4 and 148 for 32 (same command with
+# `--ranks 8 --send-tokens 4 16 32`); at 4 ranks 32 is the best of 4/16/32/63.
 # Any rank count not listed gets the generic entry.
 _DISPATCH_CONFIGS = {
     2: (24, 256),

@@ -38,13 +38,13 @@ def client_sm_share(ranks_per_gpu: int) -> int:
     GEMM (cuBLAS sizes its grid to the whole GPU, and its blocks can wait on each other) took the SMs the
     others' waiting kernels left, could not place the rest of its blocks, and never reached the call
     those kernels waited for: megatron training with four ranks on one H200 stalled until a kernel's
-    deadline, one rank's combine with 8 of its 16 blocks placed (PERFORMANCE.md, twenty-seventh session).
+    deadline, one rank's combine with 8 of its 16 blocks placed (`scripts/train_check.sh`).
     With a share, a rank's grids fit in what the others' kernels leave. The share limits how many SMs a
     rank holds, not which: the other half of the fix is that a combine's grid takes SMs only once every
-    rank reached the call (the intranode rendezvous kernel, thirtieth session), without which eight ranks
-    under this share still stalled. With the rendezvous, training with 4 and 8 ranks on one H200 also
-    ran without a share (thirty-first session, 4 runs of 4); the share stays as a guard for the waits
-    the rendezvous does not cover."""
+    rank reached the call (the intranode rendezvous kernel; DESIGN.md, "Synchronisation"), without which
+    eight ranks under this share still stalled. With the rendezvous, training with 4 and 8 ranks on one
+    H200 also ran without a share (4 runs of 4 under `python -m moe_ep.launch --sm-share 100`); the
+    share stays as a guard for the waits the rendezvous does not cover."""
     return 100 if ranks_per_gpu <= 1 else (100 * (ranks_per_gpu + 1)) // (2 * ranks_per_gpu)
 
 

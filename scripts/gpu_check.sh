@@ -85,8 +85,8 @@ if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
   # Stores into a peer's buffer against loads from it (ranks on one GPU; BENCH_PEER_COPY=0 skips it).
   [[ ${BENCH_PEER_COPY:-1} == 1 && $($PY -c 'import torch; print(torch.cuda.device_count())') == 1 ]] && \
     timeout 120 $PY -m moe_ep.bench.peer_copy --ranks 2 8 --json "$OUT/bench.jsonl" 2>&1 | tee -a "$OUT/summary.txt"
-  # Host time of a low-latency call, and where it goes ("no sync": 41 us a dispatch on 2026-12-01 against 22.7 in the
-  # fifth session, back to back, so maybe a full launch queue; "device idle": the host alone).
+  # Host time of a low-latency call, and where it goes ("no sync": calls back to back, so it can include
+  # waiting on a full launch queue; "device idle": the host alone).
   timeout 60 $PY -m moe_ep.bench.profile_low_latency_call --python-profile 10 2>&1 | tee -a "$OUT/summary.txt"
   # Device time per kernel inside the calls (BENCH_TRACE=0 skips it); torch.profiler's warning per rank left out.
   if [[ ${BENCH_TRACE:-1} == 1 ]]; then

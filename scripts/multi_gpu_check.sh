@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 5 in one call on a multi-GPU host (nvidia-h200-x8, -x4 or -x2): topology, build, the intranode
-# benchmark with one rank per GPU next to NCCL's all-to-all, its SM sweep, and megatron-core at EP=N
-# with both dispatchers. Writes into ${OUT:-out}/; every figure goes to docs/PERFORMANCE.md afterwards.
+# The multi-GPU check in one call on a multi-GPU host (nvidia-h200-x8, -x4 or -x2): topology, build, the
+# intranode benchmark with one rank per GPU next to NCCL's all-to-all, its SM sweep, and megatron-core at
+# EP=N with both dispatchers. Writes into ${OUT:-out}/; the standing figures belong in docs/BENCHMARKS.md.
 #   usage: bash scripts/multi_gpu_check.sh            (all GPUs of the host)
 #          RANKS=4 bash scripts/multi_gpu_check.sh    (dry run on fewer GPUs: ranks then share them)
 #          PARTS="tests bench" bash scripts/multi_gpu_check.sh   (some of: tests bench sweep low_latency
@@ -33,7 +33,7 @@ if part tests && [[ ${MOE_EP_SKIP_TESTS:-0} != 1 ]]; then
   summary "gpu tests over $GPUS GPUs: $(tail -1 "$OUT/gpu_tests.log") in $(( $(date +%s) - t0 )) s"
 fi
 
-# The intranode kernels at the issue's shape; NCCL's all-to-all only where each rank has its own GPU.
+# The intranode kernels at the benchmark's default shape; NCCL's all-to-all only where each rank has a GPU.
 NCCL_FLAG=""
 [[ $RANKS -le $GPUS ]] && NCCL_FLAG=--nccl
 part bench && timeout 240 $PY -m moe_ep.bench.intranode --ranks "$RANKS" --sms 24 $NCCL_FLAG --json "$OUT/bench.jsonl" 2>&1 \

@@ -199,8 +199,8 @@ def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, n
 
 def buffers_made_while_calls_run(p: Problem, num_buffers: int = 3, arena: bool = None):
     """A Buffer per layer, each made (collectively) right after the previous one's async calls were
-    issued and their outputs left unread, matmuls beside every call: how megatron's dispatcher used
-    Buffers through the twenty-fifth session. -> each Buffer's (recv_x, combined), per rank."""
+    issued and their outputs left unread, matmuls beside every call: how megatron's dispatcher once used
+    Buffers (it now shares one). -> each Buffer's (recv_x, combined), per rank."""
     rank = dist.get_rank()
     inp = my_inputs(p)
     area = arena_kwargs(p, arena)

@@ -1,6 +1,6 @@
 """scripts/gpu_ab.sh, the A/B harness of the GPU calls, run here with a stand-in for python that records
 what it is asked to do: a fault in the harness would otherwise show only on the GPU machine, where it
-costs a call of the session's device time."""
+costs a call of scarce device time."""
 import os
 import pathlib
 import shutil

@@ -98,7 +98,7 @@ def test_combines_from_the_arena_equal_portable(pools, gpu_pools, seed, num_rank
 def test_calls_beside_compute_kernels_equal_portable(pools, gpu_pools, seed, num_ranks, arena):
     """Every call async, with matmuls on the current stream while its kernels run (ranks sharing the GPU
     run theirs too): what a training step does. The ranks' kernels wait on each other while other
-    kernels hold SMs (a megatron run at EP=4 on one H200, where they do, timed out: twenty-fifth session)."""
+    kernels hold SMs (a megatron run at EP=4 on one H200, where they do, timed out)."""
     p = Problem(seed, num_ranks, num_ranks * 8, 1024, 6, max_tokens=512)
     variant = dict(stream_args=True, busy=True, num_biases=1)
     on_gpu = gpu_pools(num_ranks).run(rank_fns.normal_round, p, arena=arena, **variant)
@@ -109,8 +109,8 @@ def test_calls_beside_compute_kernels_equal_portable(pools, gpu_pools, seed, num
 @pytest.mark.parametrize("arena", [None, False, True], ids=["default_arena", "two_pass", "arena"])
 def test_buffers_made_while_another_buffers_calls_run(pools, gpu_pools, seed, num_ranks, arena):
     """Several Buffers over one group, each made right after the previous one's async calls were issued,
-    with matmuls beside them (megatron's dispatcher made one per layer so until the twenty-sixth session,
-    when its training at EP=4 on one H200 timed out)."""
+    with matmuls beside them (megatron's dispatcher once made one per layer so, and its training at EP=4
+    on one H200 timed out: DESIGN.md, "megatron-core integration")."""
     p = Problem(seed, num_ranks, num_ranks * 8, 1024, 6, max_tokens=256)
     on_gpu, on_cpu = _both(pools, gpu_pools, num_ranks, rank_fns.buffers_made_while_calls_run, p, arena=arena)
     for rank, (g, c) in enumerate(zip(on_gpu, on_cpu)):

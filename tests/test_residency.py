@@ -2,8 +2,8 @@
 blocks each rank's kernels may have so that every block of every rank on a GPU is resident at once, with
 and without an MPS SM share, and with the ranks' data kernels starting together (behind a rendezvous or
 their count exchange: one kernel of each rank alive, and a waiting block of each other rank) or not (two
-kernels of each rank). Under the launcher's share for eight ranks the rule once took the share's SMs for
-the whole GPU and refused the default budget (twenty-ninth session)."""
+kernels of each rank). Under the launcher's share for eight ranks a rule that took the share's SMs for
+the whole GPU refused the default budget."""
 import pytest
 
 from moe_ep.mps import client_sm_share

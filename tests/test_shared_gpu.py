@@ -1,11 +1,11 @@
 """Training-like steps on ranks sharing a GPU, with each rank's SMs capped as `moe_ep.launch` caps them:
 the later ranks run more expert GEMMs between their calls, so the earlier ranks' kernels wait for them
 while the GEMMs want the SMs. Without the cap this stalled megatron training with four ranks on one
-H200 (PERFORMANCE.md, twenty-seventh session); with it the results must be the portable backend's, bit
-for bit, every step. MOE_EP_TEST_SM_SHARE overrides the share (100: no cap). These steps did reproduce a
-stall with eight ranks under the cap, in 2 of 3 runs (thirtieth session): seven ranks' combines
-held the SMs while the eighth was still in its GEMMs; since then a combine starts behind a rendezvous
-kernel where ranks share a GPU, and they passed 3 of 3 runs of 24 steps under the cap (1 of 1 without).
+H200 (`scripts/train_check.sh`); with it the results must be the portable backend's, bit for bit, every
+step. MOE_EP_TEST_SM_SHARE overrides the share (100: no cap). Before the rendezvous these steps
+reproduced a stall with eight ranks under the cap, in 2 of 3 runs: seven ranks' combines held the SMs
+while the eighth was still in its GEMMs; a combine now starts behind a rendezvous kernel where ranks
+share a GPU, and they passed 3 of 3 runs of 24 steps under the cap (1 of 1 without).
 MOE_EP_TEST_SHARED_STEPS sets the steps (each is two calls).
 Where every rank has a GPU of its own there is no cap, and the test checks the GEMMs beside the calls."""
 import os
@@ -75,8 +75,8 @@ def test_low_latency_steps_beside_expert_gemms_equal_portable(pools, capped_pool
 
 def test_sm_budgets_under_the_share_are_checked_against_the_whole_gpu(capped_pools):
     """Under an SM share CUDA reports only the share's SMs (72 of the H200's 132 at 8 ranks' 56%): the
-    residency check that counted them as the whole GPU refused the default budget at 8 ranks (twenty-ninth
-    session). The default must be taken, and a budget that cannot be resident still refused."""
+    residency check that counted them as the whole GPU refused the default budget at 8 ranks. The default
+    must be taken, and a budget that cannot be resident still refused."""
     p = Problem(4, 8, 32, 128, 2, max_tokens=8)
     share = sm_share_env(os.environ.get("MOE_EP_TEST_SM_SHARE", "auto"), 8).get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
     for rank, (outcome, rows) in enumerate(capped_pools(8).run(rank_fns.oversized_sm_budget, p, 400)):

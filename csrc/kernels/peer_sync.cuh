@@ -132,7 +132,7 @@ __device__ __forceinline__ bool copy_trip(V* dst, V* also, const V* src, int64_t
 // (registers: kDepth vectors). The vectors a lane has left after its full trips go in trips of 8, 4, 2
 // and 1 (at most one each): a row's tail costs a memory latency per set bit of its size, not one per
 // vector (an fp8 row of 7,168 bytes left 2 vectors a lane after two trips of 6, a bf16 one 4 after
-// four). A single trip masked per vector spilled (DESIGN.md).
+// four). A single trip masked per vector spilled (DESIGN.md, "Two-pass calls (no arena)").
 template <Src kSrc, int kDepth, int lanes, typename V>
 __device__ __forceinline__ void copy_vectors(V* dst, V* also, const V* src, int64_t n, int lane) {
     static_assert(kDepth >= 1 && kDepth <= 16, "the tail trips cover at most 15 vectors a lane");
@@ -175,7 +175,8 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int64_t by
 // vectors), two rows on half-warps 3 (12 + 12 + 4), and their scales (224 bytes each) one trip for both
 // instead of one each. Where `two` is false the whole warp copies the first row. kPairs false: `two`
 // must be false (one instantiation, no more registers than one row's copy: at depth 6, in kernels of
-// 64 registers, the pairs lost 1.5% on bf16 rows: DESIGN.md). A row goes to `also` as well where that
+// 64 registers, the pairs lost 1.5% on bf16 rows at 4 ranks: `moe-ep-bench intranode --ranks 4 8 --sms 24
+// --modes dispatch_bf16`, A/B). A row goes to `also` as well where that
 // is not null (the same registers stored twice: the source is read once).
 template <Src kSrc, int kDepth, bool kPairs>
 __device__ __forceinline__ void warp_copy_rows(void* dst0, void* also0, const void* src0, void* dst1, void* also1,

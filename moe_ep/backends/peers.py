@@ -6,7 +6,7 @@ Three ways to map them (`map_peer_buffers`): the driver's virtual-memory API (`V
 where the GPU has it: each allocation exported as a file descriptor that the peers import), CUDA IPC
 handles (`PeerBuffers`), or NVSHMEM's symmetric heap with `nvshmem_ptr` (`NvshmemBuffers`, bootstrapped
 through the Buffer's process group). Stores into IPC-opened mappings are slower when many ranks
-scatter rows into each other's buffers (docs/DESIGN.md, "Shape", peer memory).
+scatter rows into each other's buffers (docs/DESIGN.md, "Peer memory").
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ import sys
 
 # Name -> what it measures (the module moe_ep.bench.NAME).
 BENCHMARKS = {
-    "intranode": "intranode dispatch/combine bandwidth, all ranks of one host at once (issue 6's metric)",
-    "low_latency": "low-latency dispatch/combine latency, with and without the receive hook (issue 4's metric)",
+    "intranode": "intranode dispatch/combine bandwidth: received GB/s per rank, all ranks of one host at once",
+    "low_latency": "low-latency dispatch/combine latency (us a call) and bandwidth, with and without the receive hook",
     "layout": "get_dispatch_layout: kernel and whole-call time",
     "fp8": "the 1x128 FP8 cast and cast-back kernels",
     "portable": "the portable backend (torch.distributed) on CPU or GPU ranks",

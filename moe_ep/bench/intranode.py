@@ -1,5 +1,5 @@
-"""Intranode dispatch/combine bandwidth, all ranks of one host running concurrently (the metric of
-issue #6, the way DeepEP V1 was measured on the same machine).
+"""Intranode dispatch/combine bandwidth, all ranks of one host running concurrently (measured the way
+DeepEP V1 was measured on the same machine).
 
 Per rank: received bytes / wall time per call (host work included; `--iters` calls after `--warmup`,
 a barrier before). bf16 rows count hidden * 2 bytes, fp8 rows hidden * (1 + 4/128) (values + scales);
@@ -11,7 +11,7 @@ copies into the arena first from 4 ranks up and sends the two-pass way below). T
 Buffer without an arena (num_arena_bytes=0: the two-pass calls). The aggregate over ranks is also given
 as a fraction of one process's plain device copy of the same number of bytes, measured in the same run,
 and the mean per rank against DeepEP V1's figure for the same operation where the run has that figure's
-shape (issue 6's, every rank on one GPU).
+shape (4096 tokens a rank, hidden 7168, top-8 of 256 experts, 24 SMs, every rank on one GPU).
 
     python -m moe_ep.bench.intranode --ranks 2 4 8 --sms 24
     python -m moe_ep.bench.intranode --ranks 4 --sms 8 16 24 32 48     # SM sweep
@@ -67,8 +67,8 @@ ALL_MODES = MODES + CACHED_MODES + ("combine_arena",)
 RUN_ORDER = tuple(m for m in ALL_MODES if m.startswith("dispatch")) + tuple(m for m in ALL_MODES if m.startswith("combine"))
 NCCL_MODE = "nccl_all_to_all_bf16"
 SKIPPED = "skipped"  # a result row that says an SM budget was refused, and why
-# DeepEP V1 measured this benchmark's way on one H200 (issue 6: 4096 tokens a rank, hidden 7168, top-8 of 256
-# experts, 24 SMs, every rank on the one GPU), GB/s per rank: fp8 dispatch, bf16 dispatch, combine.
+# DeepEP V1 measured this benchmark's way on one H200 (4096 tokens a rank, hidden 7168, top-8 of 256 experts,
+# 24 SMs, every rank on the one GPU), GB/s per rank: fp8 dispatch, bf16 dispatch, combine.
 DEEPEP_V1_ONE_H200 = {2: (201, 283, 252), 4: (220, 206, 250), 8: (105, 110, 94)}
 DEEPEP_V1_SHAPE = dict(tokens=4096, hidden=7168, topk=8, experts=256, sms=24)
 

@@ -1,4 +1,4 @@
-"""Where the time of a low-latency call goes when ranks share a GPU (issue 4), from the kernels' own clock.
+"""Where the time of a low-latency call goes when ranks share a GPU, from the kernels' own clock.
 
 Needs the extension built with MOE_EP_TIMELINE=1: then every low-latency kernel stamps the GPU's global
 timer (one clock for all processes on the GPU) at the edges of its phases (csrc/kernels/api.cuh,

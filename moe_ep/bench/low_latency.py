@@ -1,4 +1,4 @@
-"""Low-latency dispatch/combine latency and bandwidth (issue 4), all ranks running at once.
+"""Low-latency dispatch/combine latency and bandwidth, all ranks running at once.
 
 Per rank, wall time per call (after `--warmup` calls, a barrier before, synchronized at the end),
 for the whole call, for a zero-copy combine (the expert outputs already in the Buffer's rows), and,
@@ -117,7 +117,7 @@ def _rank_bench(args, num_experts: int):
     results["dispatch_gbps"] = selections * fp8_bytes / results["dispatch_us"] / 1e3
     results["combine_gbps"] = selections * args.hidden * 2 / results["combine_us"] / 1e3
     results["backend"] = "kernels" if buffer._low_latency is not None else "portable"
-    # How the peers' buffers were mapped (the mapping moves these figures: PERFORMANCE.md, 18th session).
+    # How the peers' buffers were mapped (the mapping moves these figures: `--peer-memory vmm` / `ipc`).
     results["peer_memory"] = buffer._low_latency.peers.memory if buffer._low_latency is not None else None
     return results
 

@@ -5,7 +5,7 @@ the next rank's buffer into theirs (a pull), and from their buffer into every ot
 per peer, each into its own 1/R of the peer's destination (pushes to every peer, one peer at a time:
 what the one-pass dispatch does, except that it interleaves the peers row by row). The combine pushes
 and the dispatch pulls; the per-phase profile shows the push taking twice the pull's time for the same
-bytes (PERFORMANCE.md).
+bytes (`moe-ep-bench intranode --ranks 8 --sms 24 --profile-waits`).
 
     python -m moe_ep.bench.peer_copy --ranks 2 4 8 --mib 256
 """

@@ -155,11 +155,12 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
 }
 
 // ------------------------------------------------------------------ streaming combine
-// The combine from 4 ranks up (ctx.stream_combine, chosen in Python; measured in DESIGN.md, "Where the
-// speed stands", step 3). The windowed combine above pushes a whole window before any of it is
-// reduced, so the slots come back from DRAM and every window costs an all-rank handshake. Here the
-// first `channels` blocks receive and the others send, at the same time. Every owner's tokens are cut into `channels`
-// contiguous ranges; per (channel, sending rank) the owner's buffer holds a ring of `ring_rows` slots.
+// The combine from 4 ranks up (ctx.stream_combine, chosen in Python; measured in DESIGN.md, "Two-pass
+// calls (no arena)": `moe-ep-bench intranode --modes combine --stream-combine 0` / `1`). The windowed
+// combine above pushes a whole window before any of it is reduced, so the slots come back from DRAM and
+// every window costs an all-rank handshake. Here the first `channels` blocks receive and the others
+// send, at the same time. Every owner's tokens are cut into `channels` contiguous ranges; per (channel,
+// sending rank) the owner's buffer holds a ring of `ring_rows` slots.
 // A sending block serves one channel: in rounds, its warps write every owner's next rows of the
 // channel, in token order, into the owner's ring, as far as each owner's consumed count allows (never
 // waiting on one owner while another has room) and at most a send chunk per owner, since a round's
@@ -308,9 +309,9 @@ __device__ bool receive_token(const Env& e, const StreamCall& call, const Stream
     return true;
 }
 
-// Ranks from which a channel is received per warp rather than in batches. Measured (twenty-third
-// session, one H200, 24 SMs): per warp -2% at 4 ranks, +6% at 8; the batch barrier costs more the more
-// senders a token's rows wait on.
+// Ranks from which a channel is received per warp rather than in batches. Measured on one H200 at 24
+// SMs (`moe-ep-bench intranode --ranks 4 8 --sms 24 --modes combine`, A/B): per warp -2% at 4 ranks, +6%
+// at 8; the batch barrier costs more the more senders a token's rows wait on.
 constexpr int kPerWarpReceiveMinRanks = 8;
 constexpr int kLookahead = 4;  // tokens a receiving warp looks at for a ring's next row (per warp)
 

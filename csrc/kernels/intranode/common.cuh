@@ -156,7 +156,8 @@ __device__ __forceinline__ int list_part(const int* starts, int parts, int entry
 }
 
 // The kernel's blocks and this warp's place among all their warps. (Blocks split by role, some only
-// staging or pushing and the others only pulling or reducing, were measured and lost: DESIGN.md.)
+// staging or pushing and the others only pulling or reducing, were measured and lost: DESIGN.md,
+// "Two-pass calls (no arena)".)
 struct Warps {
     int blocks, warp, num_warps;
 };

@@ -16,7 +16,8 @@ namespace {
 // for rows that a whole warp copies in under two full trips a lane, so that the last trip runs part
 // empty (an fp8 row of 7,168 bytes at depth 12: 12 + 2 vectors a lane, two on half-warps 12 + 12 + 4).
 // Longer rows gain little from the fuller trips: bf16 rows in pairs were +4% at 2 ranks and -8% at 4
-// (16 blocks) on one H200, where fp8 rows gained 11% and 12% (DESIGN.md).
+// (16 blocks) on one H200, where fp8 rows gained 11% and 12% (`moe-ep-bench intranode --ranks 2 4 --sms 24
+// --modes dispatch_fp8 dispatch_bf16`, A/B).
 template <typename S>
 __device__ __forceinline__ bool rows_in_pairs(int64_t row_bytes) {
     return S::kPairs && row_bytes < int64_t{2} * 32 * 16 * S::kCopyDepth;
@@ -122,7 +123,7 @@ __device__ bool stage_window(const Env& e, const DispatchArgs& a, const Dispatch
 // that ranks spread their reads), and the warps sweep it in order, so every rank reads a token's staged
 // row about when the other ranks that receive it do. Where ranks share a GPU the row then comes from L2
 // after the first read: +10% fp8 at 4 ranks on one H200 against sources taken one after another
-// (DESIGN.md, "Data movement").
+// (DESIGN.md, "Two-pass calls (no arena)").
 constexpr int kPullRoundSlots = 32;
 template <typename S>
 __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchSlot& slot, int window_tokens,

@@ -10,7 +10,7 @@ namespace {
 // Where ranks share a GPU, a data kernel that starts before its peers reach the call holds its blocks'
 // SMs while it waits for them, and a peer whose expert GEMMs are still ahead of the call can then find
 // too few SMs to finish them: with seven ranks' combines waiting, grids resident, the eighth rank never
-// reached its combine before the deadline (thirtieth session; DESIGN.md, "Ranks sharing a GPU"). This
+// reached its combine before the deadline (`tests/test_shared_gpu.py`; DESIGN.md, "Synchronisation"). This
 // one-block kernel goes first: it tells every rank that this one reached the call and waits until all
 // have, so the data kernel queued behind it starts only once every rank's is about to, and a rank
 // waits for late peers on one block instead of a whole grid. `c.rendezvous_before` names that kernel
