@@ -185,7 +185,6 @@ struct IntranodeCtx {
     int64_t wait_ns = 0;  // device uint64 [blocks][kWaitSlots] wait profile, or 0 (set from Python per call)
     int64_t kernel_log = 0;  // device int64 [kernel_log_ints()], or 0 (set from Python with the wait profile)
     bool stream_combine = false;  // set from Python (backends/intranode.py: use_stream_combine)
-    bool zero_copy_bases = false;  // set from Python when the Buffer has a zero-copy area
     // Set from Python, the same on every rank (where any GPU holds several of the group's ranks): the
     // combines and the cached dispatches start behind a rendezvous kernel (intranode/rendezvous.cu), the other
     // dispatches behind their count exchange already.
@@ -210,7 +209,6 @@ intranode::Ctx make_ctx(const IntranodeCtx& c, int64_t num_blocks) {
     ctx.wait_ns = reinterpret_cast<uint64_t*>(c.wait_ns);
     ctx.kernel_log = reinterpret_cast<int64_t*>(c.kernel_log);
     ctx.stream_combine = c.stream_combine;
-    ctx.zero_copy_bases = c.zero_copy_bases;
     ctx.full_first = false;
     ctx.rendezvous_before = 0;
     ctx.start_together = c.rendezvous;
@@ -279,11 +277,8 @@ void intranode_agree(const IntranodeCtx& c, int64_t vote, bool copy_ok, const to
 
 // A data kernel queued behind an agreement runs only where it was chosen (and needs no rendezvous:
 // the agreement met every rank).
-void set_choice(intranode::DispatchArgs& a, const std::optional<torch::Tensor>& choice, int64_t run_if) {
-    a.choice = optional_ptr<const int>(choice);
-    a.run_if = static_cast<int>(run_if);
-}
-void set_choice(intranode::CombineArgs& a, const std::optional<torch::Tensor>& choice, int64_t run_if) {
+template <typename Args>  // intranode::DispatchArgs or CombineArgs
+void set_choice(Args& a, const std::optional<torch::Tensor>& choice, int64_t run_if) {
     a.choice = optional_ptr<const int>(choice);
     a.run_if = static_cast<int>(run_if);
 }
@@ -760,7 +755,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("wait_ns", &moe_ep::IntranodeCtx::wait_ns)
         .def_readwrite("kernel_log", &moe_ep::IntranodeCtx::kernel_log)
         .def_readwrite("stream_combine", &moe_ep::IntranodeCtx::stream_combine)
-        .def_readwrite("zero_copy_bases", &moe_ep::IntranodeCtx::zero_copy_bases)
         .def_readwrite("rendezvous", &moe_ep::IntranodeCtx::rendezvous)
         .def_readwrite("fit_ranks_on_device", &moe_ep::IntranodeCtx::fit_ranks_on_device)
         .def_readwrite("sm_share_percent", &moe_ep::IntranodeCtx::sm_share_percent);

@@ -543,8 +543,8 @@ class Buffer:
         allocate_on_comm_stream: bool = False,
     ):
         """-> (combined_x [N, H], combined_topk_weights or None, event). With the kernels and an arena
-        (num_arena_bytes), an x from empty_combine_input is read where it lies; any other x is copied
-        into the arena first."""
+        (num_arena_bytes), an x from empty_combine_input is read where it lies, where every rank has
+        room; from 4 ranks up any other x is copied into the arena first, below it takes two passes."""
         self._check_alive()
         self._check_handle(handle, DispatchHandle, "dispatch")
         check_tensor("x", x, dtypes=HIDDEN_DTYPES, shape=(handle.num_recv_rows, None))
@@ -566,43 +566,10 @@ class Buffer:
                            allocate_on_comm_stream)
         return self._normal_backend(x).combine(call)
 
-    def internode_dispatch(
-        self,
-        x: XLike,
-        handle: Optional[DispatchHandle] = None,
-        num_tokens_per_rank: Optional[torch.Tensor] = None,
-        num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
-        is_token_in_rank: Optional[torch.Tensor] = None,
-        num_tokens_per_expert: Optional[torch.Tensor] = None,
-        topk_idx: Optional[torch.Tensor] = None,
-        topk_weights: Optional[torch.Tensor] = None,
-        expert_alignment: int = 1,
-        num_worst_tokens: int = 0,
-        config: Optional[Config] = None,
-        previous_event: Optional[EventOverlap] = None,
-        async_finish: bool = False,
-        allocate_on_comm_stream: bool = False,
-    ):
-        """deep_ep's multi-node entry point: the same call as dispatch, which picks the transport for
-        the group by itself (config=None takes the default config, as dispatch does)."""
-        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
-                             config, previous_event, async_finish, allocate_on_comm_stream)
-
-    def internode_combine(
-        self,
-        x: torch.Tensor,
-        handle: DispatchHandle,
-        topk_weights: Optional[torch.Tensor] = None,
-        bias: Union[torch.Tensor, Tuple[torch.Tensor, ...], None] = None,
-        config: Optional[Config] = None,
-        previous_event: Optional[EventOverlap] = None,
-        async_finish: bool = False,
-        allocate_on_comm_stream: bool = False,
-    ):
-        """deep_ep's multi-node entry point: the same call as combine."""
-        return self.combine(x, handle, topk_weights, bias, config, previous_event, async_finish,
-                            allocate_on_comm_stream)
+    # deep_ep's multi-node entry points take dispatch's and combine's arguments; here the same calls pick
+    # the transport for the group by themselves.
+    internode_dispatch = dispatch
+    internode_combine = combine
 
     def empty_combine_input(self, handle: DispatchHandle, hidden: int,
                             dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

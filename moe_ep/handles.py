@@ -30,19 +30,25 @@ import torch
 
 
 class _TupleView:
-    """Indexing, len and iteration over `_entries()` (deep_ep's handles are tuples)."""
+    """Indexing, len and iteration over the attributes named in `_ENTRIES`, None standing for an entry
+    moe_ep has no counterpart of (deep_ep's handles are tuples). Each index reads only its own entry:
+    some are computed when read."""
 
-    def _entries(self) -> tuple:
-        raise NotImplementedError
+    _ENTRIES: tuple = ()
+
+    def _entry(self, name: Optional[str]):
+        return None if name is None else getattr(self, name)
 
     def __getitem__(self, index):
-        return self._entries()[index]
+        if isinstance(index, slice):
+            return tuple(self._entry(name) for name in self._ENTRIES[index])
+        return self._entry(self._ENTRIES[index])
 
     def __len__(self) -> int:
-        return len(self._entries())
+        return len(self._ENTRIES)
 
     def __iter__(self):
-        return iter(self._entries())
+        return (self._entry(name) for name in self._ENTRIES)
 
 
 @dataclass(eq=False)
@@ -82,8 +88,7 @@ class DispatchHandle(_TupleView):
             self._send_pos = torch.where(self.is_token_in_rank, before, torch.full_like(before, -1))
         return self._send_pos
 
-    def _entries(self) -> tuple:
-        return (self.rank_prefix_matrix, self.send_pos, None, self.recv_src_idx, self.is_token_in_rank, None)
+    _ENTRIES = ("rank_prefix_matrix", "send_pos", None, "recv_src_idx", "is_token_in_rank", None)
 
 
 @dataclass(eq=False)
@@ -97,8 +102,9 @@ class LowLatencyHandle(_TupleView):
     device: torch.device
     backend_state: Optional[object] = None
     # int32 [L, R * max]: (source rank, source token) of each received row, packed as
-    # source rank * max + source token, -1 where no row was received; set by the backend (its receive).
-    recv_source: Optional[torch.Tensor] = field(default=None, repr=False)
+    # source rank * max + source token, -1 where no row was received; set by the backend (its receive),
+    # or a function that makes it (None before the receive ran), where making it costs device work.
+    recv_source: Optional[object] = field(default=None, repr=False)
 
     def _source(self) -> torch.Tensor:
         source = self.recv_source() if callable(self.recv_source) else self.recv_source
@@ -125,6 +131,5 @@ class LowLatencyHandle(_TupleView):
         begins = torch.cumsum(counts, dim=1) - counts
         return (begins << 32) | counts
 
-    def _entries(self) -> tuple:
-        return (self.packed_recv_src_info, self.packed_recv_layout_range, self.num_max_dispatch_tokens_per_rank,
-                self.hidden, self.num_experts)
+    _ENTRIES = ("packed_recv_src_info", "packed_recv_layout_range", "num_max_dispatch_tokens_per_rank", "hidden",
+                "num_experts")

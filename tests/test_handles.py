@@ -55,23 +55,22 @@ def check_low_latency_handle(p, inputs, rank, res):
             begin += count
 
 
-@pytest.mark.parametrize("num_ranks", [2, 3, 4])
-@pytest.mark.parametrize("num_worst_tokens", [0, 96])
-def test_handles_read_as_deep_ep_tuples(pools, seed, num_ranks, num_worst_tokens):
+def check_handles_of_a_round(pool, seed, num_ranks, num_worst_tokens):
     p = _problem(seed, num_ranks)
-    results = pools(num_ranks).run(rank_fns.handle_tuples, p, num_worst_tokens=num_worst_tokens)
+    results = pool.run(rank_fns.handle_tuples, p, num_worst_tokens=num_worst_tokens)
     inputs = make_inputs(p)
     for rank, res in enumerate(results):
         check_dispatch_handle(p, inputs, rank, res, num_worst_tokens)
         check_low_latency_handle(p, inputs, rank, res)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3, 4])
+@pytest.mark.parametrize("num_worst_tokens", [0, 96])
+def test_handles_read_as_deep_ep_tuples(pools, seed, num_ranks, num_worst_tokens):
+    check_handles_of_a_round(pools(num_ranks), seed, num_ranks, num_worst_tokens)
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
 @pytest.mark.parametrize("num_worst_tokens", [0, 96])
 def test_kernel_handles_read_as_deep_ep_tuples(gpu_pools, seed, num_ranks, num_worst_tokens):
-    p = _problem(seed, num_ranks)
-    results = gpu_pools(num_ranks).run(rank_fns.handle_tuples, p, num_worst_tokens=num_worst_tokens)
-    inputs = make_inputs(p)
-    for rank, res in enumerate(results):
-        check_dispatch_handle(p, inputs, rank, res, num_worst_tokens)
-        check_low_latency_handle(p, inputs, rank, res)
+    check_handles_of_a_round(gpu_pools(num_ranks), seed, num_ranks, num_worst_tokens)

@@ -120,7 +120,6 @@ struct Ctx {
     uint64_t* wait_ns;        // null, or [blocks][kWaitSlots]: where the time goes, added up per call
     int64_t* kernel_log;      // null, or the kernel log (kKernelLogEntries above)
     bool stream_combine;      // combine through per-channel rings instead of windows (up to 32 ranks)
-    bool zero_copy_bases;     // notify also finds where this rank's rows start at every peer
     bool full_first;          // launches try 1024-thread blocks first, not 512 at one an SM (intranode/launch.cuh)
     int rendezvous_before;    // KernelId of a data kernel that waits for every rank to reach the call
                               // before it starts (a one-block rendezvous kernel ahead of it), 0: none
@@ -211,7 +210,7 @@ struct CombineArgs {
 void combine(const Ctx& ctx, const CombineArgs& args);
 // Zero-copy combine: every rank's rows (args.x) already lie in its zero-copy area, slot `slot_offset`,
 // one row per `pitch` bytes with its top-k weights behind the row; each rank sums its tokens' rows
-// where they lie (one pass). Needs a dispatch whose notify ran with Ctx::zero_copy_bases.
+// where they lie (one pass), at the first rows its dispatch's notify found (recv_info).
 // With weights_offset >= 0 instead, a combine from the dispatch arena: every rank's rows lie in its
 // dispatch area, where it says (its own slot_offset, pitch, capacity_rows), and their weights at
 // weights_offset (K floats a row); capacity_rows < 0: this rank had no room for them (none are read).
@@ -227,7 +226,7 @@ void zero_copy_combine(const Ctx& ctx, const CombineArgs& args, const ZeroCopyAr
 // their final rows (one pass), and args.recv_x / args.recv_scales are ignored: the receiver's outputs
 // are its own slot. A slot holds [capacity rows of x | of scales | of K int64 local ids | of K float
 // weights | of int32 source tokens], each part at its offset (16-byte aligned); the receiver copies
-// the ids, weights and source tokens into args' tensors. Needs a notify run with Ctx::zero_copy_bases.
+// the ids, weights and source tokens into args' tensors, at the first rows notify found (recv_info).
 struct ZeroCopyDispatchArgs {
     uint8_t* const* areas;   // device array [R]: every rank's zero-copy dispatch area as mapped here
     // This rank's receiving layout, which the kernel hands to every sender (ZeroCopyLayoutField): one

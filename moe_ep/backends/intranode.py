@@ -50,6 +50,11 @@ def row_bytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.shape[1] * t.element_size()
 
 
+def _every_ranks(gate: ArrivalGate, phase: str, value: int) -> List[int]:
+    """Every rank's non-negative int, in rank order (a bounded all-gather through the arrival gate)."""
+    return [int.from_bytes(p, "little") for p in gate.exchange(phase, value.to_bytes(8, "little"))]
+
+
 def rendezvous_first(max_ranks_on_device: int) -> bool:
     """Whether the combines and the cached dispatches start behind a one-block rendezvous kernel, so
     that their blocks take SMs only once every rank reached the call: where any GPU holds several of the
@@ -106,11 +111,9 @@ class IntranodeBackend(Backend):
         # The agreement's result (1: one pass), which a call's two data kernels read on the device.
         self._choice = torch.zeros(1, dtype=torch.int32, device=self.peers.device)
         if arena_bytes > 0:
-            sizes = [int.from_bytes(p, "little") for p in
-                     gate.exchange("dispatch (arena sizes)", arena_bytes.to_bytes(8, "little"))]
+            sizes = _every_ranks(gate, "dispatch (arena sizes)", arena_bytes)
             if len(set(sizes)) != 1:  # all ranks of a call must run the same kernel
                 raise ValueError(f"num_arena_bytes: expected the same value on every rank, got {sizes}")
-            self.ctx.zero_copy_bases = True  # notify finds where this rank's rows start at every peer
             self.arena_area = map_peer_buffers(group, gate, arena_bytes, "dispatch (arena)", self.memory)
             self.arena = Arena(arena_bytes, INTRANODE_SLOT_ALIGN)
         self.comm_stream = comm_stream
@@ -347,6 +350,7 @@ class IntranodeBackend(Backend):
         num_topk = topk_idx.shape[1] if not cached and topk_idx is not None else 0
         local = num_tokens_per_expert.shape[0] // self.num_ranks if not cached else 0
         send_counts = recv_counts = per_expert = None
+        region = None  # the arena region recv_x lies in, where it has one
         fresh = not cached and not worst
         if fresh and not into_arena:
             # The two-pass kernel needs the count for its outputs: from the count exchange to the
@@ -400,7 +404,7 @@ class IntranodeBackend(Backend):
             else:
                 state = self._launch_notify(x, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert)
                 rows = worst
-            layout = region = None
+            layout = None
             if into_arena:
                 # Rows the host knows before the call: a region of exactly those, where there is room;
                 # both kernels are queued and the agreement picks one, so nothing waits on the host.
@@ -428,7 +432,7 @@ class IntranodeBackend(Backend):
         event = self._leave(
             compute, async_finish, allocate_on_comm_stream,
             [x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert],
-            ([] if self._in_arena(recv_x) else recv) + [recv_idx, recv_weights],
+            ([] if region is not None else recv) + [recv_idx, recv_weights],
         )
         if cached:
             return recv, None, None, None, None, event
@@ -498,8 +502,7 @@ class IntranodeBackend(Backend):
         need. Regions of the old arena live on (their tensors hold its mapping)."""
         if not self.arena_grows:
             return
-        sizes = [int.from_bytes(p, "little") for p in
-                 self._gate.exchange("dispatch (growing the arena)", needed.to_bytes(8, "little"))]
+        sizes = _every_ranks(self._gate, "dispatch (growing the arena)", needed)
         size = max(2 * self.arena.size, ARENA_GROWTH_CALLS * max(sizes))
         # The old area stays mapped until the next growth: this call's skipped one-pass kernel was
         # queued with its addresses.
@@ -620,13 +623,6 @@ class IntranodeBackend(Backend):
         if region is None:  # a one-pass call of no rows where the arena had no free byte
             return torch.empty((0, like.shape[1]), dtype=like.dtype, device=like.device)
         return region.tensor(offset, rows, like.shape[1], like.dtype)
-
-    def _in_arena(self, t: torch.Tensor) -> bool:
-        """Whether t lies in this rank's current arena."""
-        if self.arena_area is None:
-            return False
-        at = t.data_ptr() - self.arena_area.addresses[self.rank]
-        return 0 <= at < self.arena.size
 
     # ---------------------------------------------------------------- combine from the dispatch arena
     def combines_from_arena(self, x: torch.Tensor) -> bool:

@@ -4,9 +4,10 @@ megatron: MoELayer picks its dispatcher with a fixed if/elif, so its constructor
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 
-from .options import set_defaults
+from .options import DispatcherOptions, set_defaults
 
 DISPATCHER_TYPE = "deepep"
 # The cheapest built-in dispatcher to construct (no streams, no buffers); replaced right after.
@@ -62,8 +63,8 @@ def add_arguments(parser):
         "--moe-ep-arena",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="one-pass intranode calls through an arena of four calls' rows per rank (default: on); "
-        "--no-moe-ep-arena takes the two-pass calls and maps no arena",
+        help="one-pass intranode calls through the Buffer's arena, which grows to what the calls need "
+        "(default: on); --no-moe-ep-arena takes the two-pass calls and maps no arena",
     )
     group.add_argument(
         "--moe-ep-timeout-s",
@@ -78,5 +79,5 @@ def apply_arguments(args) -> None:
     """Applies the `--moe-ep-*` options parsed with add_arguments to every dispatcher built afterwards
     (Megatron-LM copies only options named like TransformerConfig fields into the config, so they
     become the defaults of configs that carry no `moe_ep_*` attribute)."""
-    fields = {name: getattr(args, name, None) for name in ("moe_ep_num_sms", "moe_ep_arena", "moe_ep_timeout_s")}
+    fields = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(DispatcherOptions)}
     set_defaults(**{name: value for name, value in fields.items() if value is not None})

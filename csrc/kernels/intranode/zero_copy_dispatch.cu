@@ -212,7 +212,6 @@ struct ZeroCopyDispatchKernels {
 
 void zero_copy_dispatch(const Ctx& ctx, const DispatchArgs& args, const ZeroCopyDispatchArgs& z) {
     if (ctx.num_ranks > kMaxRanks) throw std::runtime_error("moe_ep: intranode dispatch supports at most 64 ranks");
-    if (!ctx.zero_copy_bases) throw std::runtime_error("moe_ep: zero-copy dispatch needs a notify that found the peers' rows");
     // Rows and scales of whole 16-byte vectors (x and the areas start aligned): each vector is read
     // once for all destinations.
     const bool wide = args.x_bytes % 16 == 0 && args.scale_bytes % 16 == 0 &&
