@@ -258,29 +258,19 @@ void intranode_notify(const IntranodeCtx& c, const torch::Tensor& is_token_in_ra
                       static_cast<int>(nonce));
 }
 
-// The agreement on a call's path (agree_kernel); recv_info (a fresh dispatch's): its room is found on
-// the device for rows of x_bytes / scale_bytes / num_topk in a region of region_bytes.
-void launch_agree(const IntranodeCtx& c, int64_t vote, bool copy_ok, const torch::Tensor& choice, int64_t nonce,
-                  const int* recv_info = nullptr, int64_t x_bytes = 0, int64_t scale_bytes = 0, int64_t num_topk = 0,
-                  int64_t region_bytes = 0) {
-    TORCH_CHECK(choice.is_cuda() && choice.scalar_type() == torch::kInt32 && choice.numel() == 1,
-                "choice: expected one int32 on the GPU");
-    const intranode::AgreeArgs a{static_cast<int>(vote), copy_ok, recv_info, x_bytes, scale_bytes,
-                                 static_cast<int>(num_topk), region_bytes, choice.data_ptr<int>(), static_cast<int>(nonce)};
-    intranode::agree(make_ctx(c, c.num_ranks), a);
+// Where a one-pass kernel records its call's path (PathChoice): one int32 each on the GPU.
+intranode::PathChoice path_choice(const torch::Tensor& choice, const torch::Tensor& one_pass_calls, int64_t nonce) {
+    for (const auto* t : {&choice, &one_pass_calls})
+        TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kInt32 && t->numel() == 1,
+                    "choice, one_pass_calls: expected one int32 each on the GPU");
+    return {choice.data_ptr<int>(), one_pass_calls.data_ptr<int>(), static_cast<int>(nonce)};
 }
 
-void intranode_agree(const IntranodeCtx& c, int64_t vote, bool copy_ok, const torch::Tensor& choice, int64_t nonce) {
-    const c10::cuda::CUDAGuard guard(choice.device());
-    launch_agree(c, vote, copy_ok, choice, nonce);
-}
-
-// A data kernel queued behind an agreement runs only where it was chosen (and needs no rendezvous:
-// the agreement met every rank).
+// A two-pass kernel queued behind a one-pass kernel runs only where that one chose it (and needs no
+// rendezvous: the one-pass kernel met every rank).
 template <typename Args>  // intranode::DispatchArgs or CombineArgs
-void set_choice(Args& a, const std::optional<torch::Tensor>& choice, int64_t run_if) {
+void set_choice(Args& a, const std::optional<torch::Tensor>& choice) {
     a.choice = optional_ptr<const int>(choice);
-    a.run_if = static_cast<int>(run_if);
 }
 
 // The arguments both dispatches share; each sets where the rows go.
@@ -317,7 +307,7 @@ void intranode_dispatch(const IntranodeCtx& c, int64_t num_blocks, const torch::
                         const std::optional<torch::Tensor>& recv_scales,
                         const std::optional<torch::Tensor>& recv_topk_idx,
                         const std::optional<torch::Tensor>& recv_topk_weights, const torch::Tensor& recv_src_idx,
-                        bool cached, const std::optional<torch::Tensor>& choice, int64_t run_if) {
+                        bool cached, const std::optional<torch::Tensor>& choice) {
     const c10::cuda::CUDAGuard guard(x.device());
     check_rows(recv_x, "recv_x");
     intranode::DispatchArgs a = dispatch_args(x, scales, topk_idx, topk_weights, experts_per_rank, send_pos, recv_info,
@@ -325,7 +315,7 @@ void intranode_dispatch(const IntranodeCtx& c, int64_t num_blocks, const torch::
     a.recv_x = recv_x.data_ptr();
     a.recv_scales = optional_ptr<void>(recv_scales);
     a.num_recv_rows = static_cast<int>(recv_x.size(0));
-    set_choice(a, choice, run_if);
+    set_choice(a, choice);
     const int opens = cached && !choice.has_value() ? intranode::kKernelDispatch : 0;
     intranode::dispatch(data_ctx(c, num_blocks, /*combine=*/false, opens), a);
 }
@@ -342,17 +332,19 @@ void intranode_zero_copy_dispatch(const IntranodeCtx& c, int64_t num_blocks, con
                                   const std::optional<torch::Tensor>& recv_topk_weights,
                                   const torch::Tensor& recv_src_idx, int64_t areas, int64_t slot_offset,
                                   int64_t capacity_rows, const std::vector<int64_t>& offsets, int64_t region_bytes,
-                                  bool cached, const std::optional<torch::Tensor>& choice, int64_t run_if) {
+                                  bool cached, const torch::Tensor& choice, const torch::Tensor& one_pass_calls,
+                                  int64_t nonce) {
     const c10::cuda::CUDAGuard guard(x.device());
     TORCH_CHECK(offsets.size() == 5, "offsets: expected x, scale, idx, weight and src offsets");
-    TORCH_CHECK(num_recv_rows <= capacity_rows, "num_recv_rows: more than a zero-copy slot holds");
+    TORCH_CHECK(num_recv_rows <= std::max<int64_t>(capacity_rows, 0), "num_recv_rows: more than the region holds");
     intranode::DispatchArgs a = dispatch_args(x, scales, topk_idx, topk_weights, experts_per_rank, send_pos, recv_info,
                                               recv_topk_idx, recv_topk_weights, recv_src_idx);
     a.num_recv_rows = static_cast<int>(num_recv_rows);
-    set_choice(a, choice, run_if);
     const intranode::ZeroCopyDispatchArgs z{reinterpret_cast<uint8_t* const*>(areas), slot_offset, capacity_rows,
-                                            offsets[0], offsets[1], offsets[2], offsets[3], offsets[4], region_bytes};
-    const int opens = cached && !choice.has_value() ? intranode::kKernelZeroCopyDispatch : 0;
+                                            offsets[0], offsets[1], offsets[2], offsets[3], offsets[4], region_bytes,
+                                            path_choice(choice, one_pass_calls, nonce)};
+    // A fresh dispatch's count exchange already keeps its kernel from starting before every rank arrived.
+    const int opens = cached ? intranode::kKernelZeroCopyDispatch : 0;
     intranode::zero_copy_dispatch(data_ctx(c, num_blocks, /*combine=*/false, opens), a, z);
 }
 
@@ -417,7 +409,7 @@ py::tuple intranode_zero_copy_dispatch_early(
     const torch::Tensor& num_tokens_per_expert, int64_t experts_per_rank,
     int64_t nonce, int64_t recv_info_ints, int64_t comm_stream, bool order_after_caller, bool allocate_on_comm_stream,
     int64_t areas, int64_t slot_offset, int64_t capacity_rows, const std::vector<int64_t>& offsets,
-    int64_t region_bytes, const torch::Tensor& choice) {
+    int64_t region_bytes, const torch::Tensor& choice, const torch::Tensor& one_pass_calls) {
     const c10::cuda::CUDAGuard guard(x.device());
     const c10::cuda::CUDAStream compute = c10::cuda::getCurrentCUDAStream();
     const c10::cuda::CUDAStream comm = external_stream(comm_stream, x);
@@ -436,14 +428,12 @@ py::tuple intranode_zero_copy_dispatch_early(
     }
     {
         const c10::cuda::CUDAStreamGuard on_comm(comm);
-        // Every rank's room for the rows its count exchange brings, agreed on behind it: the one-pass
-        // kernel runs where all have room; the host reads the choice with the counts.
-        launch_agree(c, intranode::kVoteRoom | intranode::kVoteInPlace, false, choice, nonce, recv_info.data_ptr<int>(),
-                     row_bytes(x), scales.has_value() ? row_bytes(*scales) : 0,
-                     topk_idx.has_value() ? topk_idx->size(1) : 0, region_bytes);
+        // The kernel lays out its region for the rows its count exchange brings and, with every rank's
+        // room, chooses the path; the host reads the choice with the counts.
         intranode_zero_copy_dispatch(c, num_blocks, x, scales, topk_idx, topk_weights, experts_per_rank, send_pos,
                                      recv_info, -1, recv_topk_idx, recv_topk_weights, recv_src_idx, areas, slot_offset,
-                                     capacity_rows, offsets, region_bytes, /*cached=*/false, choice, 1);
+                                     capacity_rows, offsets, region_bytes, /*cached=*/false, choice, one_pass_calls,
+                                     nonce);
     }
     return py::make_tuple(send_pos, recv_info, recv_src_idx, or_none(recv_topk_idx), or_none(recv_topk_weights));
 }
@@ -498,7 +488,7 @@ py::object intranode_dispatch_fresh(
         const c10::cuda::CUDAStreamGuard on_comm(comm);
         intranode_dispatch(c, num_blocks, x, scales, topk_idx, topk_weights, experts_per_rank, send_pos, recv_info,
                            recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, /*cached=*/false,
-                           std::nullopt, 0);
+                           std::nullopt);
     }
     return py::make_tuple(send_pos, recv_info, recv_src_idx, recv_x, or_none(recv_scales), or_none(recv_topk_idx),
                           or_none(recv_topk_weights), recv_counts, send_counts, per_expert);
@@ -535,38 +525,35 @@ void intranode_combine(const IntranodeCtx& c, int64_t num_blocks, const torch::T
                        const torch::Tensor& recv_info, const torch::Tensor& send_pos,
                        const std::optional<torch::Tensor>& bias0, const std::optional<torch::Tensor>& bias1,
                        const torch::Tensor& out, const std::optional<torch::Tensor>& out_weights, int64_t send_chunk,
-                       const std::optional<torch::Tensor>& choice, int64_t run_if) {
+                       const std::optional<torch::Tensor>& choice) {
     const c10::cuda::CUDAGuard guard(x.device());
     check_rows(x, "x");
     intranode::CombineArgs a = combine_args(x, topk_weights, recv_src_idx, recv_info, send_pos, bias0, bias1, out, out_weights);
     a.send_chunk = static_cast<int>(std::min<int64_t>(std::max<int64_t>(send_chunk, 0), 1 << 24));
-    set_choice(a, choice, run_if);
+    set_choice(a, choice);
     intranode::combine(data_ctx(c, num_blocks, /*combine=*/true, choice.has_value() ? 0 : intranode::kKernelCombine), a);
 }
 
-// x: the view Buffer.get_next_combine_buffer handed out, whose rows lie in this rank's zero-copy area
-// (areas: device int64 [R], every rank's area as mapped here), slot at slot_offset, pitch bytes per row.
-// weights_offset >= 0: x lies in this rank's dispatch arena instead (areas: the dispatch areas), at
-// slot_offset, with room for its weights at weights_offset; capacity_rows < 0: no room was found.
+// x: rows in this rank's arena (areas: device int64 [R], every rank's arena as mapped here), row 0 at
+// slot_offset, pitch bytes apart, their weights at weights_offset; capacity_rows < 0: no room was found
+// (the two-pass combine queued behind then runs on every rank).
 void intranode_zero_copy_combine(const IntranodeCtx& c, int64_t num_blocks, const torch::Tensor& x,
                                  const std::optional<torch::Tensor>& topk_weights, const torch::Tensor& recv_src_idx,
                                  const torch::Tensor& recv_info, const torch::Tensor& send_pos,
                                  const std::optional<torch::Tensor>& bias0, const std::optional<torch::Tensor>& bias1,
                                  const torch::Tensor& out, const std::optional<torch::Tensor>& out_weights,
                                  int64_t areas, int64_t slot_offset, int64_t pitch, int64_t capacity_rows,
-                                 int64_t weights_offset, const std::optional<torch::Tensor>& choice, int64_t run_if) {
+                                 int64_t weights_offset, const torch::Tensor& choice, const torch::Tensor& one_pass_calls) {
     const c10::cuda::CUDAGuard guard(x.device());
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.stride(0) * x.element_size() == pitch,
                 "x: expected rows ", pitch, " bytes apart in mapped memory");
-    TORCH_CHECK(slot_offset % 16 == 0 && pitch % 16 == 0 && (weights_offset < 0 || weights_offset % 16 == 0),
+    TORCH_CHECK(slot_offset % 16 == 0 && pitch % 16 == 0 && weights_offset % 16 == 0,
                 "x: rows in mapped memory must start 16-byte aligned");
     const intranode::ZeroCopyArgs z{reinterpret_cast<uint8_t* const*>(areas), slot_offset, pitch, capacity_rows,
-                                    weights_offset};
+                                    weights_offset, path_choice(choice, one_pass_calls, 0)};
     intranode::CombineArgs a = combine_args(x, topk_weights, recv_src_idx, recv_info, send_pos, bias0, bias1, out,
                                             out_weights);
-    set_choice(a, choice, run_if);
-    intranode::zero_copy_combine(
-        data_ctx(c, num_blocks, /*combine=*/true, choice.has_value() ? 0 : intranode::kKernelZeroCopyCombine), a, z);
+    intranode::zero_copy_combine(data_ctx(c, num_blocks, /*combine=*/true, intranode::kKernelZeroCopyCombine), a, z);
 }
 
 void intranode_check_blocks(const IntranodeCtx& c, int64_t num_blocks) { intranode::check_blocks_fit(make_ctx(c, num_blocks)); }
@@ -764,7 +751,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("intranode_stream_ring_rows", &moe_ep::intranode_stream_ring_rows,
           "rows per ring of the streaming combine (0: the combine uses windows)");
     m.def("intranode_notify", &moe_ep::intranode_notify, "count exchange of an intranode dispatch");
-    m.def("intranode_agree", &moe_ep::intranode_agree, "the ranks' agreement on the path of the call that follows");
     m.def("intranode_dispatch", &moe_ep::intranode_dispatch, "intranode dispatch data movement");
     m.def("intranode_zero_copy_dispatch", &moe_ep::intranode_zero_copy_dispatch,
           "intranode dispatch straight into every rank's zero-copy area");

@@ -208,7 +208,7 @@ def test_deepep_reference_only_for_its_shape():
 def test_kernel_log_times_split_a_call_into_its_kernels():
     """The intranode benchmark's reading of a rank's kernel log (--profile-waits): spans, the time
     before each data kernel, the opening kernel's span, the period, and the ranks' start skew."""
-    from moe_ep.backends.peers import (KERNEL_AGREE, KERNEL_DISPATCH, KERNEL_NOTIFY, KERNEL_RENDEZVOUS,
+    from moe_ep.backends.peers import (KERNEL_DISPATCH, KERNEL_NOTIFY, KERNEL_RENDEZVOUS,
                                        KERNEL_STREAM_COMBINE, KERNEL_ZERO_COPY_COMBINE)
     from moe_ep.bench.intranode import kernel_log_times, start_skew_us
 
@@ -224,8 +224,8 @@ def test_kernel_log_times_split_a_call_into_its_kernels():
     # A fresh dispatch's count exchange (1) before its data kernel (2): the gap holds the host's round.
     times, _ = kernel_log_times([(KERNEL_NOTIFY, 0, 5_000), (KERNEL_DISPATCH, 45_000, 345_000)], calls=20)
     assert times == {"span us": 300.0, "gap us": 40.0, "lead us": 5.0}
-    # With an arena the agreement on the call's path opens it.
-    times, _ = kernel_log_times([(KERNEL_AGREE, 0, 3_000), (KERNEL_ZERO_COPY_COMBINE, 5_000, 105_000)], calls=1)
+    # A one-pass combine behind its rendezvous.
+    times, _ = kernel_log_times([(KERNEL_RENDEZVOUS, 0, 3_000), (KERNEL_ZERO_COPY_COMBINE, 5_000, 105_000)], calls=1)
     assert times == {"span us": 100.0, "gap us": 2.0, "lead us": 3.0}
     assert kernel_log_times([], calls=2) == ({}, [])
     assert kernel_log_times([(KERNEL_RENDEZVOUS, 0, 1)], calls=2) == ({}, [])

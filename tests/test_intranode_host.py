@@ -17,7 +17,7 @@ def stubbed(monkeypatch):
     topk_idx = torch.rand(_TOKENS, _EXPERTS).topk(_TOPK, dim=1).indices
     backend, call = stub_backend(_RANKS, x, topk_idx, torch.rand(_TOKENS, _TOPK), _EXPERTS, monkeypatch.setattr)
     launched = []
-    # The data kernels' argument `cached` (before the agreement's result and the path they run for):
+    # The data kernels' argument `cached` (before the one-pass kernel's choice, which they run behind):
     # where ranks share a GPU such a launch starts behind a rendezvous kernel (the others behind their
     # count exchange).
     backend.cached_launches = []
@@ -25,7 +25,7 @@ def stubbed(monkeypatch):
     def launch(*args, name):
         launched.append(name)
         if name != "intranode_notify":
-            backend.cached_launches.append(args[-3])
+            backend.cached_launches.append(args[-2])
 
     for name in ("intranode_notify", "intranode_dispatch"):
         monkeypatch.setattr(backend.ops, name, functools.partial(launch, name=name), raising=False)

@@ -105,16 +105,15 @@ def test_the_host_record_and_kernel_ids_mirror_the_kernels():
     from moe_ep.backends import peers
 
     host_info = _enum("HostInfo")
-    assert len(host_info) == 20
+    assert len(host_info) == 19
     for enumerator, value in host_info.items():  # kHostErrorPeerStartedMs -> HOST_ERROR_PEER_STARTED_MS
         python_name = "HOST" + "".join("_" + c if c.isupper() else c.upper() for c in enumerator[len("kHost"):])
         assert getattr(peers, python_name) == value, enumerator
     kernel_ids = _enum("KernelId")
-    assert sorted(kernel_ids.values()) == sorted(peers.KERNEL_NAMES) == list(range(1, 9))
+    assert sorted(kernel_ids.values()) == sorted(peers.KERNEL_NAMES) == list(range(1, 8))
     assert peers.KERNEL_NAMES[kernel_ids["kKernelZeroCopyCombine"]] == "zero-copy combine"
     assert peers.KERNEL_NAMES[kernel_ids["kKernelNotify"]] == "notify (count exchange)"
     assert peers.KERNEL_NAMES[kernel_ids["kKernelRendezvous"]] == "rendezvous"
-    assert peers.KERNEL_NAMES[kernel_ids["kKernelAgree"]] == "agreement"
     # Every kind a failed intranode wait reports has its words (the low-latency kinds included).
     error_kinds = _enum("ErrorKind")
     assert sorted(peers.WAITED_FOR) == sorted(v for k, v in error_kinds.items() if k != "kErrNone")

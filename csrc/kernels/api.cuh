@@ -55,7 +55,6 @@ enum HostInfo : int {
     kHostMaxTokens = 7,     // notify: largest num_tokens over the ranks
     kHostErrorCall = 8,     // the failed wait: the call number it waited for (low 31 bits)
     kHostErrorSeen = 9,     // ... and the call number the peer's flag last announced (-1: none yet)
-    kHostCombineMissing = 10,  // a combine from the dispatch arena missed this rank's rows (rank + 1), else 0
     // (KernelId << 24 | call number's low 24 bits) of this rank's last intranode kernel to start (its
     // block 0) and to finish (its last block): where the stream stands when a host wait runs out.
     kHostKernelStarted = 11,
@@ -68,18 +67,13 @@ enum HostInfo : int {
     kHostErrorPeerStartedMs = 14,
     kHostErrorPeerBlocks = 15,  // ... and how many blocks of its running kernel had started
     kHostErrorBlocks = 16,      // the failed wait's kernel: its blocks (gridDim.x)
-    kHostChoice = 17,       // agree: the path every rank agreed on (1: one pass, 0: two passes)
-    kHostChoiceDone = 18,   // agree: the nonce of the last finished agreement, written after kHostChoice
+    kHostChoice = 17,       // a one-pass kernel's choice of its call's path (PathChoice: 1 one pass, 0 two)
+    kHostChoiceDone = 18,   // ... the nonce of that call, written after kHostChoice
     kHostCounts = 19,       // notify: [R] rows from each rank, [R] tokens to each rank, [E/R] per local expert
 };
 enum KernelId : int {
     kKernelNotify = 1, kKernelDispatch, kKernelCombine, kKernelStreamCombine, kKernelZeroCopyDispatch,
-    kKernelZeroCopyCombine, kKernelRendezvous, kKernelAgree,
-};
-// A rank's vote on the path of a call with an arena (agree): bits of what this rank can do.
-enum Vote : int {
-    kVoteRoom = 1,     // its arena has room for what the one-pass kernel needs of it
-    kVoteInPlace = 2,  // its rows already lie in its arena (a combine's x), so one pass copies nothing
+    kKernelZeroCopyCombine, kKernelRendezvous,
 };
 enum ErrorKind : int {
     kErrNone = 0, kErrNotify, kErrStaged, kErrReleased, kErrOpen, kErrPushed,
@@ -134,23 +128,16 @@ struct Ctx {
 void notify(const Ctx& ctx, const bool* is_token_in_rank, int num_tokens, const int* num_tokens_per_rank,
             const int* num_tokens_per_expert, int num_experts, int* send_pos, int* recv_info, int nonce);
 
-// The ranks' agreement on the path of the call whose kernels follow on the stream: one block meets
-// every rank's vote (Vote bits), as a rendezvous does, and writes the choice, 1 (the one-pass kernel
-// runs) where every rank has room and every rank's rows are in place or copy_ok, else 0 (the two-pass
-// kernel runs), to *choice and to host_info (kHostChoice, then kHostChoiceDone = nonce). With
-// recv_info, a dispatch's room is found here: whether the rows its count exchange brings fit a region
-// of region_bytes (dispatch_region).
-struct AgreeArgs {
-    int vote;
-    bool copy_ok;
-    const int* recv_info;   // null, or a fresh dispatch's count exchange
-    int64_t x_bytes, scale_bytes;
-    int num_topk;
-    int64_t region_bytes;
-    int* choice;            // device int32
+// A call that can take one pass or two (a Buffer with an arena) queues both kernels: the one-pass
+// kernel first, which chooses the path from every rank's announcement of its room (the same choice on
+// every rank), and the two-pass kernel behind it, which returns at once unless chosen (choice below).
+// The one-pass kernel's block 0 writes the choice to *choice, adds a call it runs to *one_pass_calls,
+// and tells the host: kHostChoice, then kHostChoiceDone = nonce (a fresh dispatch's host waits for it).
+struct PathChoice {
+    int* choice;           // device int32: 1, the one-pass kernel ran; 0, the two-pass kernel runs
+    int* one_pass_calls;   // device int32 count of calls run in one pass, or null
     int nonce;
 };
-void agree(const Ctx& ctx, const AgreeArgs& args);
 
 struct DispatchArgs {
     const void* x;                // [N, x_bytes] raw rows (bf16, float32 or e4m3)
@@ -171,8 +158,8 @@ struct DispatchArgs {
     int* recv_src_idx;            // [num_recv_rows] source token index of each row (for combine)
     int num_recv_rows;            // rows allocated; rows past the received ones are padding; -1
                                   // (zero-copy dispatch only): exactly the received rows, read on the device
-    const int* choice;            // null, or an agreement's choice: the kernel returns at once unless
-    int run_if;                   // *choice == run_if
+    const int* choice;            // null, or a one-pass kernel's choice (PathChoice): the kernel
+                                  // returns at once unless *choice == 0
 };
 // Throws std::invalid_argument when the blocks of all ranks on this GPU cannot be resident together;
 // check_blocks_fit(ctx) says so before a call starts (the count exchange would run otherwise).
@@ -204,41 +191,40 @@ struct CombineArgs {
     // num_max_nvl_chunked_send_tokens), so the owner sums a round's rows while the next is written;
     // 0: as many as the owner's ring has room for.
     int send_chunk;
-    const int* choice;            // null, or an agreement's choice: the kernel returns at once unless
-    int run_if;                   // *choice == run_if
+    const int* choice;            // null, or a one-pass kernel's choice (PathChoice): the kernel
+                                  // returns at once unless *choice == 0
 };
 void combine(const Ctx& ctx, const CombineArgs& args);
-// Zero-copy combine: every rank's rows (args.x) already lie in its zero-copy area, slot `slot_offset`,
-// one row per `pitch` bytes with its top-k weights behind the row; each rank sums its tokens' rows
-// where they lie (one pass), at the first rows its dispatch's notify found (recv_info).
-// With weights_offset >= 0 instead, a combine from the dispatch arena: every rank's rows lie in its
-// dispatch area, where it says (its own slot_offset, pitch, capacity_rows), and their weights at
-// weights_offset (K floats a row); capacity_rows < 0: this rank had no room for them (none are read).
+// One-pass combine from the arena: every rank's rows (args.x) lie in its arena where it says (its own
+// slot_offset, pitch, capacity_rows), their top-k weights at weights_offset (K floats a row); each rank
+// sums its tokens' rows where they lie, at the first rows its dispatch's notify found (recv_info).
+// capacity_rows < 0: this rank has no room for them, and every rank leaves the call to the two-pass
+// combine queued behind (path).
 struct ZeroCopyArgs {
-    uint8_t* const* areas;   // device array [R]: every rank's zero-copy (or dispatch) area as mapped here
-    int64_t slot_offset;     // bytes from an area's start to this call's slot (the same on every rank)
-    int64_t pitch;           // bytes per row: the row, then its K float weights (16-byte aligned)
-    int64_t capacity_rows;   // rows a slot holds (the same on every rank)
-    int64_t weights_offset;  // -1: weights behind each row
+    uint8_t* const* areas;   // device array [R]: every rank's arena as mapped here
+    int64_t slot_offset;     // bytes from this rank's arena's start to its row 0
+    int64_t pitch;           // bytes from one row to the next (16-byte aligned)
+    int64_t capacity_rows;   // rows there, or -1
+    int64_t weights_offset;  // bytes from the arena's start to the weights
+    PathChoice path;
 };
 void zero_copy_combine(const Ctx& ctx, const CombineArgs& args, const ZeroCopyArgs& z);
-// Zero-copy dispatch: every rank writes its rows straight into the receivers' zero-copy areas, at
-// their final rows (one pass), and args.recv_x / args.recv_scales are ignored: the receiver's outputs
-// are its own slot. A slot holds [capacity rows of x | of scales | of K int64 local ids | of K float
+// One-pass dispatch into the arena: every rank writes its rows straight into the receivers' arena
+// regions, at their final rows, and args.recv_x / args.recv_scales are ignored: the receiver's outputs
+// are its own region. A region holds [capacity rows of x | of scales | of K int64 local ids | of K float
 // weights | of int32 source tokens], each part at its offset (16-byte aligned); the receiver copies
 // the ids, weights and source tokens into args' tensors, at the first rows notify found (recv_info).
 struct ZeroCopyDispatchArgs {
-    uint8_t* const* areas;   // device array [R]: every rank's zero-copy dispatch area as mapped here
-    // This rank's receiving layout, which the kernel hands to every sender (ZeroCopyLayoutField): one
-    // of the area's two slots (the same on every rank), or this rank's region of a dispatch arena.
-    int64_t slot_offset;     // bytes from this rank's area's start to the slot or region
-    int64_t capacity_rows;   // rows it holds
+    uint8_t* const* areas;   // device array [R]: every rank's arena as mapped here
+    // This rank's receiving layout, which the kernel hands to every sender (ZeroCopyLayoutField).
+    int64_t slot_offset;     // bytes from this rank's arena's start to its region
+    int64_t capacity_rows;   // rows it holds; -1: no region (no room here: the call takes two passes)
     int64_t x_offset, scale_offset, idx_offset, weight_offset, src_offset;  // from its start
-    // >= 0: the region of a dispatch arena this many bytes long at slot_offset, which the kernel lays
-    // out itself for the rows the count exchange brings (dispatch_region; capacity_rows and the
-    // offsets are not read): the host launched it before it knew them. If they do not fit, none are
-    // kept (capacity 0) and the host reports it. -1: the layout above.
+    // >= 0: a region this many bytes long at slot_offset, which the kernel lays out itself for the rows
+    // the count exchange brings (dispatch_region; capacity_rows and the offsets are not read): the host
+    // launched it before it knew them. If they do not fit, this rank has no room. -1: the layout above.
     int64_t region_bytes;
+    PathChoice path;
 };
 void zero_copy_dispatch(const Ctx& ctx, const DispatchArgs& args, const ZeroCopyDispatchArgs& z);
 // Rows per ring of the streaming combine for rows of x_bytes (ctx.stream_combine); 0: it is off, or

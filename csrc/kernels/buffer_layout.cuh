@@ -85,7 +85,7 @@ enum ZeroCopyLayoutField : int {
 // dispatch that wrote them last read them before its rows were in place, which the combine waits for).
 enum CombineLayoutField : int {
     kCombineRows = 0,      // bytes from the area's start to row 0
-    kCombineCapacity = 1,  // rows there; < 0: the rank had no room for them
+    kCombineCapacity = 1,  // rows there; < 0: the rank had no room for them (the call takes two passes)
     kCombinePitch = 2,     // bytes from row to row
     kCombineWeights = 3,   // bytes from the area's start to the rows' top-k weights (K floats a row)
 };

@@ -26,7 +26,8 @@ from ..handles import DispatchHandle
 from ..mps import process_sm_share
 from ..sync import ArrivalGate
 from .peers import (
-    HOST_CHOICE, HOST_CHOICE_DONE, HOST_COUNTS, HOST_DONE, HOST_ERROR, HOST_OVERFLOW, VOTE_IN_PLACE, VOTE_ROOM, PHASE_NAMES, WAIT_NAMES, MappedBuffers,
+    HOST_CHOICE, HOST_CHOICE_DONE, HOST_COUNTS, HOST_DONE, HOST_ERROR, HOST_OVERFLOW, PHASE_NAMES, WAIT_NAMES,
+    MappedBuffers,
     aligned, kernel_progress, map_peer_buffers,
 )
 
@@ -108,8 +109,12 @@ class IntranodeBackend(Backend):
         self.arena: Optional[Arena] = None
         self.arena_grows = arena_grows
         self._group, self._gate = group, gate
-        # The agreement's result (1: one pass), which a call's two data kernels read on the device.
+        # A call with an arena queues its one-pass kernel, which chooses the path from every rank's room
+        # (1: it ran), and the two-pass kernel, which runs where it chose 0.
         self._choice = torch.zeros(1, dtype=torch.int32, device=self.peers.device)
+        # Calls the device ran in one pass: [dispatch, combine] (Buffer.stats()).
+        self.one_pass_calls = torch.zeros(2, dtype=torch.int32, device=self.peers.device)
+        self._one_pass_dispatches, self._one_pass_combines = self.one_pass_calls[0:1], self.one_pass_calls[1:2]
         if arena_bytes > 0:
             sizes = _every_ranks(gate, "dispatch (arena sizes)", arena_bytes)
             if len(set(sizes)) != 1:  # all ranks of a call must run the same kernel
@@ -330,8 +335,8 @@ class IntranodeBackend(Backend):
     ):
         """With an arena, the senders store every row once into a region of it that recv_x owns (one
         pass) when every rank has room for its rows; otherwise the rows pass through the windows of the
-        Buffer's buffer (two passes). The ranks agree on the device, in the call (agree_kernel), so the
-        choice costs no host round trip."""
+        Buffer's buffer (two passes). The one-pass kernel chooses on the device from every rank's
+        announcement of its room, the same on every rank, so the choice costs no host round trip."""
         self._start_call("dispatch", config.num_sms)
         capturing = torch.cuda.is_current_stream_capturing()
         # A graph would replay into the region it was captured with, long after recv_x returned it.
@@ -362,7 +367,7 @@ class IntranodeBackend(Backend):
         elif fresh:
             # Into the arena the kernel starts before the host learns how many rows arrive: it lays them
             # out at the start of the arena's largest free range from the count it reads on the device,
-            # where every rank has room (the ranks agree on the device), and the host keeps what they
+            # where every rank has room (the kernel finds out from their announcements), and the host keeps what they
             # need once it knows the count (its wait overlaps the kernel). Where some rank has no room
             # the kernel returns at once, and the two-pass kernel runs behind it.
             reserved = self.arena.reserve_largest()
@@ -407,23 +412,21 @@ class IntranodeBackend(Backend):
             layout = None
             if into_arena:
                 # Rows the host knows before the call: a region of exactly those, where there is room;
-                # both kernels are queued and the agreement picks one, so nothing waits on the host.
+                # both kernels are queued and the one-pass kernel picks, so nothing waits on the host.
                 layout = arena_dispatch_region(rows, row_bytes(x), row_bytes(scales), num_topk)
                 start = self.arena.alloc(layout.slot_bytes)
                 region = None if start is None else self._region(start, layout.slot_bytes)
-                self._agree(VOTE_ROOM | VOTE_IN_PLACE if region is not None else VOTE_IN_PLACE)
             recv_x, recv_scales, recv_idx, recv_weights = self._two_pass_outputs(
                 state, rows, x, scales, topk_idx, compute, allocate_on_comm_stream, cached, region, layout)
             if into_arena:
-                if layout is None or region is None:
-                    layout = arena_dispatch_region(0, row_bytes(x), row_bytes(scales), num_topk)
                 with torch.cuda.stream(self.comm_stream):
                     ids = (None, None) if cached else (topk_idx, topk_weights)
                     self.ops.intranode_zero_copy_dispatch(
                         self.ctx, config.num_sms, x, scales, *ids, local, state.send_pos, state.recv_info,
-                        layout.capacity, recv_idx, recv_weights, state.recv_src_idx,
-                        self.arena_area.pointers.data_ptr(), region.start if region else 0, layout.capacity,
-                        layout.offsets, -1, cached, self._choice, 1,
+                        layout.capacity if region else 0, recv_idx, recv_weights, state.recv_src_idx,
+                        self.arena_area.pointers.data_ptr(), region.start if region else 0,
+                        layout.capacity if region else -1, layout.offsets, -1, cached, self._choice,
+                        self._one_pass_dispatches, 0,
                     )
             self._launch_dispatch(config, x, scales, topk_idx, topk_weights, local, state, recv_x, recv_scales, recv_idx,
                                   recv_weights, cached, choice=self._choice if into_arena else None)
@@ -478,22 +481,13 @@ class IntranodeBackend(Backend):
     def _launch_dispatch(self, config: Config, x, scales, topk_idx, topk_weights, local: int, state, recv_x, recv_scales,
                          recv_idx, recv_weights, cached: bool, choice: Optional[torch.Tensor] = None) -> None:
         """The two-pass dispatch kernel on the communication stream; with `choice`, it returns at once
-        where the agreement chose the one-pass kernel."""
+        where the one-pass kernel queued before it ran."""
         with torch.cuda.stream(self.comm_stream):
             ids = (None, None) if cached else (topk_idx, topk_weights)
             self.ops.intranode_dispatch(
                 self.ctx, config.num_sms, x, scales, *ids, local, state.send_pos, state.recv_info, recv_x,
-                recv_scales, recv_idx, recv_weights, state.recv_src_idx, cached, choice, 0,
+                recv_scales, recv_idx, recv_weights, state.recv_src_idx, cached, choice,
             )
-
-    def _agree(self, vote: int, copy_ok: bool = False) -> None:
-        """Every rank's vote on the path of the call that follows, on the device (the one-block agree
-        kernel, which also serves as the call's rendezvous): one pass where every rank has room
-        (VOTE_ROOM) and every rank's rows lie in place (VOTE_IN_PLACE) or copying them there pays
-        (copy_ok). The result lands in self._choice, which the call's two kernels read."""
-        with torch.cuda.stream(self.comm_stream):
-            self._nonce += 1
-            self.ops.intranode_agree(self.ctx, vote, copy_ok, self._choice, self._nonce)
 
     def _grow_arena(self, needed: int) -> None:
         """After a fresh dispatch that fell back to two passes for want of room (every rank learns it in
@@ -558,20 +552,21 @@ class IntranodeBackend(Backend):
                             previous_event: Optional[EventOverlap], allocate_on_comm_stream: bool):
         """A fresh one-pass dispatch up to its launch in one call into the extension (the 2-rank call is
         bound by its host path): the stream order, the state, the side outputs for the most rows the
-        target holds, the count exchange, the agreement (room for every rank's rows) and the one-pass
-        kernel. target: (offset in the arena, capacity rows, part offsets, region bytes) of the range the
+        target holds, the count exchange and the one-pass kernel (which runs where every rank has room
+        for its rows). target: (offset in the arena, capacity rows, part offsets, region bytes) of the range the
         kernel lays the rows out in. -> (the caller's stream, state, recv_idx, recv_weights)."""
         order_after_caller = self._begin_fresh_call(previous_event)
         send_pos, recv_info, recv_src_idx, recv_idx, recv_weights = self.ops.intranode_zero_copy_dispatch_early(
             self.ctx, config.num_sms, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
             num_tokens_per_expert, local, self._nonce, self.recv_info_ints, self.comm_stream.cuda_stream,
             order_after_caller, allocate_on_comm_stream, self.arena_area.pointers.data_ptr(), *target, self._choice,
+            self._one_pass_dispatches,
         )
         return torch.cuda.current_stream(), IntranodeDispatchState(send_pos, recv_info, recv_src_idx), recv_idx, recv_weights
 
     def _wait_choice(self, local: int):
         """(send counts, receive counts, per-expert counts, one pass?) of a fresh dispatch into the arena,
-        read from host-mapped memory once its agreement is done (behind its count exchange)."""
+        read from host-mapped memory once its one-pass kernel has chosen (behind its count exchange)."""
         if not self.ops.wait_host_value(self.host_info, HOST_CHOICE_DONE, self._nonce,
                                         self.timeout_s + _HOST_GRACE_S):
             self._count_exchange_timed_out()
@@ -606,7 +601,7 @@ class IntranodeBackend(Backend):
     # ---------------------------------------------------------------- dispatch arena
     def _arena_keep(self, reserved, rows: int, x: torch.Tensor, scales: Optional[torch.Tensor], num_topk: int):
         """(layout, region) of `rows` at the start of the range a one-pass call reserved, whose rest goes
-        back (the agreement found room for them: the kernel laid them out with the same formula); no
+        back (every rank had room for its rows: the kernel laid them out with the same formula); no
         region for no rows where nothing was free."""
         layout = arena_dispatch_region(rows, row_bytes(x), row_bytes(scales), num_topk)
         if reserved is None:
@@ -677,8 +672,8 @@ class IntranodeBackend(Backend):
     ):
         """With an arena, the owners of the tokens sum the rows where they lie in the arenas (one pass)
         when every rank has room and its x lies there (Buffer.empty_combine_input), or, from
-        COPY_INTO_ARENA_MIN_RANKS ranks up, where copying x there first pays; the ranks agree on the
-        device. Otherwise the rows pass through the windows of the Buffer's buffer (two passes)."""
+        COPY_INTO_ARENA_MIN_RANKS ranks up, where copying x there first pays; the one-pass kernel finds
+        out on the device from every rank's announcement. Otherwise the rows pass through the windows of the Buffer's buffer (two passes)."""
         self._start_call("combine", config.num_sms)
         state: IntranodeDispatchState = handle.backend_state
         from_arena = self.combines_from_arena(x)
@@ -695,20 +690,18 @@ class IntranodeBackend(Backend):
         with torch.cuda.stream(self.comm_stream):
             if from_arena:
                 inside = self._rows_in_arena(x)
-                arena_x, where = x.contiguous(), (0, row_bytes(x), -1, 0)  # no room: a vote for two passes
+                arena_x, where = x.contiguous(), (0, row_bytes(x), -1, 0)  # no room: two passes
                 if inside or copy_ok:  # x itself, or its copy into the arena (on this stream)
                     arena_x, where, kept = self._arena_combine_rows(x, topk_weights, inside)
-                vote = (VOTE_ROOM if where[2] >= 0 else 0) | (VOTE_IN_PLACE if inside else 0)
-                self._agree(vote, copy_ok)
                 self.ops.intranode_zero_copy_combine(
                     self.ctx, config.num_sms, arena_x, topk_weights, state.recv_src_idx, state.recv_info,
                     state.send_pos, biases[0], biases[1], out, out_weights, self.arena_area.pointers.data_ptr(),
-                    *where, self._choice, 1)
+                    *where, self._choice, self._one_pass_combines)
             x = aligned(x)
             self.ops.intranode_combine(
                 self.ctx, config.num_sms, x, topk_weights, state.recv_src_idx, state.recv_info, state.send_pos,
                 biases[0], biases[1], out, out_weights, config.num_max_nvl_chunked_send_tokens,
-                self._choice if from_arena else None, 0)
+                self._choice if from_arena else None)
         # Arena tensors are not the caching allocator's memory (record_stream skips them): an async call's
         # event holds them (their regions go back to the arena after the kernel, which ends once every
         # peer has read them); otherwise the current stream waits for the kernel before anything can

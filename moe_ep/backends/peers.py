@@ -28,18 +28,15 @@ from .descriptors import DescriptorsUnavailable, exchange_descriptors
 
 # host_info slots (csrc/kernels/api.cuh, intranode::HostInfo)
 HOST_DONE, HOST_ERROR, HOST_ERROR_KIND, HOST_ERROR_PEER, HOST_ERROR_WINDOW, HOST_OVERFLOW = range(6)
-HOST_TOTAL, HOST_MAX_TOKENS, HOST_ERROR_CALL, HOST_ERROR_SEEN, HOST_COMBINE_MISSING = 6, 7, 8, 9, 10
+HOST_TOTAL, HOST_MAX_TOKENS, HOST_ERROR_CALL, HOST_ERROR_SEEN = 6, 7, 8, 9
 HOST_KERNEL_STARTED, HOST_KERNEL_FINISHED, HOST_ERROR_PEER_STARTED, HOST_ERROR_PEER_STARTED_MS = 11, 12, 13, 14
 HOST_ERROR_PEER_BLOCKS, HOST_ERROR_BLOCKS, HOST_CHOICE, HOST_CHOICE_DONE, HOST_COUNTS = 15, 16, 17, 18, 19
 # intranode::KernelId (csrc/kernels/api.cuh), and the words the progress marks name them by.
 (KERNEL_NOTIFY, KERNEL_DISPATCH, KERNEL_COMBINE, KERNEL_STREAM_COMBINE, KERNEL_ZERO_COPY_DISPATCH,
- KERNEL_ZERO_COPY_COMBINE, KERNEL_RENDEZVOUS, KERNEL_AGREE) = range(1, 9)
+ KERNEL_ZERO_COPY_COMBINE, KERNEL_RENDEZVOUS) = range(1, 8)
 KERNEL_NAMES = {KERNEL_NOTIFY: "notify (count exchange)", KERNEL_DISPATCH: "dispatch", KERNEL_COMBINE: "combine",
                 KERNEL_STREAM_COMBINE: "streaming combine", KERNEL_ZERO_COPY_DISPATCH: "zero-copy dispatch",
-                KERNEL_ZERO_COPY_COMBINE: "zero-copy combine", KERNEL_RENDEZVOUS: "rendezvous",
-                KERNEL_AGREE: "agreement"}
-# intranode::Vote (csrc/kernels/api.cuh): what a rank can do for a call's one-pass path.
-VOTE_ROOM, VOTE_IN_PLACE = 1, 2
+                KERNEL_ZERO_COPY_COMBINE: "zero-copy combine", KERNEL_RENDEZVOUS: "rendezvous"}
 # What a failed wait was waiting for, by intranode::ErrorKind.
 WAITED_FOR = {
     1: "its token counts (dispatch)",

@@ -50,7 +50,7 @@ from moe_ep import Buffer, Config, fp8
 from moe_ep.config import arena_bytes
 from moe_ep.launch import RankPool
 from moe_ep.backends.choices import PEER_MEMORY_KINDS, overridden
-from moe_ep.backends.peers import (KERNEL_AGREE, KERNEL_COMBINE, KERNEL_DISPATCH, KERNEL_NOTIFY, KERNEL_RENDEZVOUS,
+from moe_ep.backends.peers import (KERNEL_COMBINE, KERNEL_DISPATCH, KERNEL_NOTIFY, KERNEL_RENDEZVOUS,
                                    KERNEL_STREAM_COMBINE, KERNEL_ZERO_COPY_COMBINE, KERNEL_ZERO_COPY_DISPATCH)
 
 from .timing import wall_seconds_per_call
@@ -101,19 +101,18 @@ def wait_shares(profile: dict, mode: str, calls: int) -> dict:
     return shares
 
 
-# The kernels that move a call's rows, and those that open a call (with an arena, the agreement on its
-# path does, which is also the rendezvous of ranks sharing a GPU).
+# The kernels that move a call's rows, and those that open a call.
 DATA_KERNELS = (KERNEL_DISPATCH, KERNEL_COMBINE, KERNEL_STREAM_COMBINE, KERNEL_ZERO_COPY_DISPATCH,
                 KERNEL_ZERO_COPY_COMBINE)
-LEAD_KERNELS = (KERNEL_NOTIFY, KERNEL_RENDEZVOUS, KERNEL_AGREE)
+LEAD_KERNELS = (KERNEL_NOTIFY, KERNEL_RENDEZVOUS)
 
 
 def kernel_log_times(log: list, calls: int) -> tuple:
     """From a rank's kernel log ([(KernelId, start ns, end ns)], --profile-waits): the means over its
     last `calls` data kernels, in us, of their span (block 0's start to the last block's end), the time
     from the kernel before them to their start ("gap": the host's part for a fresh dispatch, a launch
-    otherwise), the span of the call's opening kernel where there is one (count exchange, rendezvous or
-    agreement: "lead"), and the time from one data kernel's start to the next ("period", against the
+    otherwise), the span of the call's opening kernel where there is one (count exchange or rendezvous:
+    "lead"), and the time from one data kernel's start to the next ("period", against the
     host's time per call); and the data kernels' start times, to set against the other ranks' ({} and []
     without a log)."""
     data = [i for i, entry in enumerate(log) if entry[0] in DATA_KERNELS][-calls:]

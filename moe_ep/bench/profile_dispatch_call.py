@@ -151,10 +151,10 @@ def rank_profile(args):
 
 class _NoLaunches:
     """The extension's intranode entry points doing nothing; the count wait finds the counts there, and a
-    one-pass call's agreement is this rank's vote alone (as if every peer had room too)."""
+    one-pass kernel chooses from this rank's room alone (as if every peer had room too)."""
 
     def __init__(self, host):
-        self._host = host  # the backend's host-mapped ints, where a fresh dispatch's agreement lands
+        self._host = host  # the backend's host-mapped ints, where a fresh dispatch's choice lands
 
     def wait_host_value(self, host_info, index, value, timeout_s):
         host_info[index] = value
@@ -165,8 +165,8 @@ class _NoLaunches:
         from moe_ep.backends.peers import HOST_CHOICE
 
         # rest ends with the target the kernel lays the rows out in (its offset, the most rows the side
-        # outputs hold, part offsets, its bytes) and the agreement's result.
-        capacity, length, num_topk = rest[-4], rest[-2], topk_idx.shape[1]
+        # outputs hold, part offsets, its bytes), then the choice and the one-pass count.
+        capacity, length, num_topk = rest[-5], rest[-3], topk_idx.shape[1]
         rows = x.shape[0] * in_rank.shape[1]  # every token to every rank, as stub_backend's counts say
         needed = arena_dispatch_region(rows, x.shape[1] * x.element_size(),
                                        0 if scales is None else scales.shape[1] * scales.element_size(), num_topk)
@@ -188,10 +188,13 @@ class _NoLaunches:
                 [x.shape[0]] * ranks, [x.shape[0]] * ranks,
                 [x.shape[0] * ranks // local] * local)
 
-    def intranode_agree(self, ctx, vote, copy_ok, choice, nonce):
-        from moe_ep.backends.peers import VOTE_IN_PLACE, VOTE_ROOM
+    def intranode_zero_copy_dispatch(self, *args):
+        choice, capacity_rows = args[-3], args[15]
+        choice[0] = int(capacity_rows >= 0)
 
-        choice[0] = int(bool(vote & VOTE_ROOM) and (bool(vote & VOTE_IN_PLACE) or copy_ok))
+    def intranode_zero_copy_combine(self, *args):
+        choice, capacity_rows = args[-2], args[-4]
+        choice[0] = int(capacity_rows >= 0)
 
     def __getattr__(self, name):
         return lambda *args: None
@@ -241,6 +244,8 @@ def stub_backend(ranks: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
     backend.ops = _NoLaunches(backend._host)
     backend.rank, backend.num_ranks, backend.recv_info_ints, backend.timeout_s = 0, ranks, 64, 20.0
     backend.prefix_matrix_at, backend._choice = 0, torch.zeros(1, dtype=torch.int32)
+    backend.one_pass_calls = torch.zeros(2, dtype=torch.int32)
+    backend._one_pass_dispatches, backend._one_pass_combines = backend.one_pass_calls[0:1], backend.one_pass_calls[1:2]
     backend.ctx, backend.comm_stream = types.SimpleNamespace(wait_ns=0), _NoStream()
     backend._compute_ready, backend._compute_ready_next = [_NoEvent() for _ in range(intranode.RECENT_CALLS)], 0
     backend._comm_done = _NoEvent()

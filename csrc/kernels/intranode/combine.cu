@@ -134,13 +134,14 @@ __device__ bool reduce_window(const Env& e, const CombineCall& call, const Warps
 template <typename T, typename V, typename S>
 __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     combine_kernel(Ctx c, CombineArgs a, int64_t slot_bytes, int window_tokens) {
+    if (!chosen(a.choice)) return;  // the one-pass kernel ran
     const Env e = make_env(c, kKernelCombine);
     const int64_t x_bytes = static_cast<int64_t>(a.hidden) * sizeof(T);
     const CombineCall call{a, slot_bytes, x_bytes, align_up(x_bytes, kSlotAlign), window_tokens, a.recv_info + 2};
     const int max_tokens = a.recv_info[0];
     const int num_windows = max(1, ceil_div(max_tokens, window_tokens));
     const Warps warps = grid_warps<S::kWarps>();
-    bool ok = load_volatile(e.own(kAbort)) == 0 && chosen(a.choice, a.run_if);
+    bool ok = load_volatile(e.own(kAbort)) == 0;
     // Windows 0 and 1 of this rank accept rows from now on (the previous kernel left them unused).
     if (ok && blockIdx.x == 0 && threadIdx.x == 0)
         for (int r = 0; r < e.num_ranks; ++r) raise_flag(e.peer_array(r, kOpenFrom, e.rank), tag(e.seq, 1));
@@ -420,11 +421,12 @@ __device__ bool stream_receive(const Env& e, const StreamCall& call, int c) {
 template <typename T, typename V, typename S>
 __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     stream_combine_kernel(Ctx c, CombineArgs a, int64_t slot_bytes, int ring_rows, int channels) {
+    if (!chosen(a.choice)) return;  // the one-pass kernel ran
     const Env e = make_env(c, kKernelStreamCombine);
     const int64_t x_bytes = static_cast<int64_t>(a.hidden) * sizeof(T);
     const StreamCall call{a, slot_bytes, x_bytes, align_up(x_bytes, kSlotAlign), ring_rows, channels,
                           a.recv_info + 2, a.recv_info + 3 + e.num_ranks};
-    if (load_volatile(e.own(kAbort)) == 0 && chosen(a.choice, a.run_if)) {
+    if (load_volatile(e.own(kAbort)) == 0) {
         if (blockIdx.x < channels) {
             stream_receive<T, V, S>(e, call, blockIdx.x);
             end_phase(e, kPhaseReduce, e.start);

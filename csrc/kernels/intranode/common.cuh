@@ -140,9 +140,20 @@ __device__ __forceinline__ void finish_kernel(const Env& e, uint64_t* done_count
     if (threadIdx.x == 0 && arrive_last(done_counter, gridDim.x)) end_of_kernel(e);
 }
 
-// Whether a data kernel queued behind an agreement (agree.cu) is the one it chose; always without one.
-__device__ __forceinline__ bool chosen(const int* choice, int run_if) {
-    return choice == nullptr || __ldcg(choice) == run_if;
+// Whether a two-pass kernel queued behind a one-pass kernel (PathChoice) runs: always without one. A
+// kernel not chosen returns before it touches a flag or a counter, alike on every rank.
+__device__ __forceinline__ bool chosen(const int* choice) { return choice == nullptr || __ldcg(choice) == 0; }
+
+// A one-pass kernel's choice of its call's path, from every rank's announcement of its room (each block
+// makes the same one from the same announcements); block 0 records it (PathChoice).
+__device__ __forceinline__ void record_choice(const Env& e, const PathChoice& path, bool one_pass) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    *path.choice = one_pass;
+    if (one_pass && path.one_pass_calls != nullptr) atomicAdd(path.one_pass_calls, 1);
+    volatile int* host = reinterpret_cast<volatile int*>(e.host);
+    host[kHostChoice] = one_pass;
+    __threadfence_system();
+    host[kHostChoiceDone] = path.nonce;
 }
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }

@@ -220,12 +220,13 @@ __device__ bool pull_window(const Env& e, const DispatchArgs& a, const DispatchS
 template <typename S>
 __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     dispatch_kernel(Ctx c, DispatchArgs a, DispatchSlot slot, int window_tokens) {
+    if (!chosen(a.choice)) return;  // the one-pass kernel ran
     const Env e = make_env(c, kKernelDispatch);
     const int R = e.num_ranks, lane = threadIdx.x % 32;
     const int max_tokens = a.recv_info[0], total = a.recv_info[1];
     const int num_windows = max(1, ceil_div(max_tokens, window_tokens));
     const Warps warps = grid_warps<S::kWarps>();
-    bool ok = load_volatile(e.own(kAbort)) == 0 && chosen(a.choice, a.run_if);
+    bool ok = load_volatile(e.own(kAbort)) == 0;
     uint64_t since = e.start;
     for (int w = 0; ok && w < num_windows; ++w) {
         ok = stage_window<S>(e, a, slot, window_tokens, warps, w);

@@ -10,74 +10,58 @@ namespace moe_ep {
 namespace intranode {
 namespace {
 
-// Every rank's rows already lie in mapped memory: one pass. Each rank puts its rows' weights where
-// its peers read them, tells every peer its rows are in place, waits for every peer's, then sums each
-// of its tokens' rows where they lie, in rank order (the windowed combine's bits).
-//  - From the zero-copy combine area (Buffer.get_next_combine_buffer): every rank's rows in the same
-//    slot, weights behind each row. The all-rank wait also keeps a slot safe to rewrite two combines
-//    later: a rank finishes combine c + 1 only after every rank has started it, so after every rank
-//    finished reading combine c.
-//  - From the dispatch arena (an ordinary combine whose x lies there): each rank's rows are wherever
-//    its caller put them, so each publishes where, with its announcement (the layout slots a zero-copy
-//    dispatch uses: that dispatch read them before its rows were in place). x is the caller's tensor,
-//    free to reuse once the call is over, so the call ends only when every peer has read this rank's
-//    rows: the last block to finish its sums tells every peer, then waits for all of them.
+// Every rank's rows already lie in its arena, where its caller put them: one pass. Each rank puts its
+// rows' weights beside them, announces to every peer where both are (the layout slots a one-pass
+// dispatch uses: that dispatch read them before its rows were in place) or that it has no room, and
+// waits for every peer's announcement. Where any rank has no room, all return and the two-pass combine
+// queued behind runs (PathChoice); else each rank sums its tokens' rows where they lie, in rank order
+// (the windowed combine's bits). x is the caller's tensor, free to reuse once the call is over, so the
+// call ends only when every peer has read this rank's rows: the last block to finish its sums tells
+// every peer, then waits for all of them.
 template <typename T, typename V, typename S>
 __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     zero_copy_combine_kernel(Ctx c, CombineArgs a, ZeroCopyArgs z) {
     const Env e = make_env(c, kKernelZeroCopyCombine);
     const int R = e.num_ranks, me = e.rank, K = a.num_topk, lane = threadIdx.x % 32;
     const Warps warps = grid_warps<S::kWarps>();
-    const int64_t x_bytes = static_cast<int64_t>(a.hidden) * sizeof(T), behind_row = align_up(x_bytes, kSlotAlign);
+    const int64_t x_bytes = static_cast<int64_t>(a.hidden) * sizeof(T);
     const int64_t chunks = x_bytes / sizeof(V);
-    const bool published = z.weights_offset >= 0;
     const int total = min(static_cast<int64_t>(a.recv_info[1]), max(z.capacity_rows, int64_t{0}));
     const int* first_row_at = a.recv_info + 3 + 2 * R;  // this rank's first row at each peer
-    bool ok = load_volatile(e.own(kAbort)) == 0 && chosen(a.choice, a.run_if);
-    if (ok && a.topk_weights != nullptr) {
-        uint8_t* rows = z.areas[me] + z.slot_offset;
+    bool ok = load_volatile(e.own(kAbort)) == 0;
+    if (ok && a.topk_weights != nullptr && z.capacity_rows >= 0) {
+        float* weights = reinterpret_cast<float*>(z.areas[me] + z.weights_offset);
         for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < static_cast<int64_t>(total) * K;
-             i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-            float* to = published ? reinterpret_cast<float*>(z.areas[me] + z.weights_offset) + i
-                                  : reinterpret_cast<float*>(rows + (i / K) * z.pitch + behind_row) + i % K;
-            *to = a.topk_weights[i];
-        }
+             i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+            weights[i] = a.topk_weights[i];
     }
     __syncthreads();
-    if (threadIdx.x == 0 && arrive_last(e.own(kPushCount), gridDim.x) && chosen(a.choice, a.run_if))
+    if (threadIdx.x == 0 && arrive_last(e.own(kPushCount), gridDim.x))
         for (int r = 0; r < R; ++r) {
-            if (published) {
-                int64_t* layout = reinterpret_cast<int64_t*>(e.signals(r) + layout_index(R, me, 0));
-                layout[kCombineRows] = z.slot_offset, layout[kCombineCapacity] = z.capacity_rows;
-                layout[kCombinePitch] = z.pitch, layout[kCombineWeights] = z.weights_offset;
-            }
+            int64_t* layout = reinterpret_cast<int64_t*>(e.signals(r) + layout_index(R, me, 0));
+            layout[kCombineRows] = z.slot_offset, layout[kCombineCapacity] = z.capacity_rows;
+            layout[kCombinePitch] = z.pitch, layout[kCombineWeights] = z.weights_offset;
             raise_flag(e.peer_array(r, kZeroCopyReadyFrom, me), tag(e.seq, 0));  // fences the layout first
         }
     ok = ok && block_wait(e, kZeroCopyReadyFrom, 0, R, tag(e.seq, 0), kErrPushed, 0);
-    // Where every rank's rows are: the same slot everywhere, or as each rank published it.
+    // Where every rank's rows are, as it announced them.
     __shared__ int64_t from_rows[kMaxRanks], from_capacity[kMaxRanks], from_pitch[kMaxRanks], from_weights[kMaxRanks];
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
-        if (published) {
-            const int64_t* layout = reinterpret_cast<const int64_t*>(e.own(layout_index(R, r, 0)));
-            from_rows[r] = __ldcg(layout + kCombineRows), from_capacity[r] = __ldcg(layout + kCombineCapacity);
-            from_pitch[r] = __ldcg(layout + kCombinePitch), from_weights[r] = __ldcg(layout + kCombineWeights);
-            // A rank that had no room for its rows published a negative capacity: its rows count as not
-            // sent here, and this rank's host reports it once this call is launched, or at the next
-            // combine if the kernel ran later (that rank raised at once).
-            if (ok && blockIdx.x == 0 && from_capacity[r] < 0 && r != me)
-                reinterpret_cast<volatile int*>(e.host)[kHostCombineMissing] = r + 1;
-        } else {
-            from_rows[r] = z.slot_offset, from_capacity[r] = z.capacity_rows, from_pitch[r] = z.pitch;
-            from_weights[r] = -1;
-        }
+        const int64_t* layout = reinterpret_cast<const int64_t*>(e.own(layout_index(R, r, 0)));
+        from_rows[r] = __ldcg(layout + kCombineRows), from_capacity[r] = __ldcg(layout + kCombineCapacity);
+        from_pitch[r] = __ldcg(layout + kCombinePitch), from_weights[r] = __ldcg(layout + kCombineWeights);
     }
     __syncthreads();
+    bool room = true;
+    for (int r = 0; r < R; ++r) room = room && from_capacity[r] >= 0;
+    record_choice(e, z.path, ok && room);
+    ok = ok && room;
     if (ok) {
         for (int64_t t = warps.warp; t < a.num_tokens; t += warps.num_warps) {
             uint64_t sent = 0;
             for (int r0 = 0; r0 < R; r0 += 32) {
                 const int r = r0 + lane;
-                // A row past a slot's capacity was never received (num_worst_tokens too small: that
+                // A row past a region's capacity was never received (num_worst_tokens too small: that
                 // dispatch reported it); it counts as not sent rather than read out of bounds.
                 const bool here = r < R && a.send_pos[t * R + r] >= 0 &&
                                   first_row_at[r] + a.send_pos[t * R + r] < from_capacity[r];
@@ -86,23 +70,20 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
             const auto row_index = [&](int r) { return static_cast<int64_t>(first_row_at[r] + a.send_pos[t * R + r]); };
             const auto row_of = [&](int r) { return z.areas[r] + from_rows[r] + row_index(r) * from_pitch[r]; };
             const auto weights_of = [&](int r) {
-                return reinterpret_cast<const float*>(from_weights[r] < 0 ? row_of(r) + behind_row
-                                                                           : z.areas[r] + from_weights[r] + row_index(r) * K * 4);
+                return reinterpret_cast<const float*>(z.areas[r] + from_weights[r] + row_index(r) * K * 4);
             };
             sum_token<T, V, S>(a, t, chunks, 0, chunks, sent, row_of, weights_of, true, lane);
         }
     }
-    if (published) {
-        __shared__ bool last;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            last = ok && arrive_last(e.own(kReduceCount), gridDim.x);
-            if (last)
-                for (int r = 0; r < R; ++r) raise_flag(e.peer_array(r, kPushedFrom, me), tag(e.seq, 1));
-        }
-        __syncthreads();
-        if (last) block_wait(e, kPushedFrom, 0, R, tag(e.seq, 1), kErrReleased, 0);
+    __shared__ bool last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = ok && arrive_last(e.own(kReduceCount), gridDim.x);
+        if (last)
+            for (int r = 0; r < R; ++r) raise_flag(e.peer_array(r, kPushedFrom, me), tag(e.seq, 1));
     }
+    __syncthreads();
+    if (last) block_wait(e, kPushedFrom, 0, R, tag(e.seq, 1), kErrReleased, 0);
     finish_kernel(e, e.own(kDoneCount));
 }
 

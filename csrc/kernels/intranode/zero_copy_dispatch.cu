@@ -62,16 +62,16 @@ __device__ __forceinline__ void warp_copy_to_all(uint8_t* dst, unsigned to, cons
 }
 
 // One pass: every rank stores its tokens' rows, scales, local top-k and source index straight into
-// the receivers' slots at their final rows (the receiver's rows from source s start at s's
+// the receivers' arena regions at their final rows (the receiver's rows from source s start at s's
 // first_row_at, in token order: the portable order). Three steps:
-//  1. announce the call to every peer, with this rank's receiving layout (where its rows go in its
-//     area: the host's slot, or an arena region the kernel lays out for the rows the count exchange
-//     brings), and wait for every peer's announcement: a peer's slot is free once it started this
-//     call (it last used the slot two zero-copy dispatches ago, and its caller finished with those
-//     outputs before making this call; an arena region is free when the host hands it out);
+//  1. announce the call to every peer, with this rank's receiving layout (its region: laid out by the
+//     host, or here for the rows the count exchange brings; capacity -1 where it has no room), and
+//     wait for every peer's announcement. Every rank makes the same choice from them (PathChoice):
+//     where any rank has no room, all return and the two-pass kernel queued behind runs. A region is
+//     free to write once its receiver announced it (the host hands out only free regions);
 //  2. store; the last block announces to every peer that this rank's rows are in place;
-//  3. wait for every peer's rows, then copy ids, weights and source tokens out of this rank's slot
-//     into the outputs (recv_x and the scales are the slot itself) and fill num_worst_tokens padding.
+//  3. wait for every peer's rows, then copy ids, weights and source tokens out of this rank's region
+//     into the outputs (recv_x and the scales are the region itself) and fill num_worst_tokens padding.
 template <typename S, bool kWide>
 __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     zero_copy_dispatch_kernel(Ctx c, DispatchArgs a, ZeroCopyDispatchArgs z) {
@@ -86,17 +86,17 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     // that their latency hides behind it (a separate copy after the row cost a latency per token).
     const int scale_vectors = static_cast<int>(a.scale_bytes / 16);
     const bool scales_with_row = kWide && a.scale_bytes > 0 && scale_vectors <= 32;
-    // This rank's receiving layout: the host's, or an arena region's laid out here for the rows the
-    // count exchange announced (the same formula as the host's once it knows them).
+    // This rank's receiving layout: the host's, or a region laid out here for the rows the count
+    // exchange announced (the same formula as the host's once it knows them).
     ZeroCopyDispatchArgs receiving = z;
     if (z.region_bytes >= 0) {
         const int64_t rows = a.recv_info[1];
         const DispatchRegion d = dispatch_region(rows, a.x_bytes, a.scale_bytes, K);
-        receiving.capacity_rows = d.bytes <= z.region_bytes ? rows : 0;
+        receiving.capacity_rows = d.bytes <= z.region_bytes ? rows : -1;
         receiving.x_offset = d.x, receiving.scale_offset = d.scale, receiving.idx_offset = d.idx;
         receiving.weight_offset = d.weight, receiving.src_offset = d.src;
     }
-    bool ok = load_volatile(e.own(kAbort)) == 0 && chosen(a.choice, a.run_if);
+    bool ok = load_volatile(e.own(kAbort)) == 0;
     if (ok && blockIdx.x == 0) {
         for (int r = threadIdx.x; r < R; r += blockDim.x) {
             int64_t* layout = reinterpret_cast<int64_t*>(e.signals(r) + layout_index(R, me, 0));
@@ -119,6 +119,10 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
         to_src[r] = __ldcg(layout + kLayoutSrc);
     }
     __syncthreads();
+    bool room = true;
+    for (int r = 0; r < R; ++r) room = room && to_capacity[r] >= 0;
+    record_choice(e, z.path, ok && room);
+    ok = ok && room;
     // Wait profile phases: "stage" = the announcement, "pull" = the stores, "reduce" = the copy out.
     uint64_t since = end_phase(e, kPhaseStage, e.start);
     if (ok) {
