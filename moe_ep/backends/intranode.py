@@ -110,6 +110,9 @@ class IntranodeBackend(Backend):
         self._group, self._gate = group, gate
         # The agreement's result (1: one pass), which a call's two data kernels read on the device.
         self._choice = torch.zeros(1, dtype=torch.int32, device=self.peers.device)
+        # Calls the device ran in one pass, [dispatches, combines]: the one-pass kernels add to it where the
+        # ranks chose that path, so counting costs no host synchronisation (Buffer.stats reads it).
+        self.one_pass_calls = torch.zeros(2, dtype=torch.int32, device=self.peers.device)
         if arena_bytes > 0:
             sizes = _every_ranks(gate, "dispatch (arena sizes)", arena_bytes)
             if len(set(sizes)) != 1:  # all ranks of a call must run the same kernel
