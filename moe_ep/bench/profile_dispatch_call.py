@@ -33,6 +33,7 @@ from moe_ep import Buffer, fp8
 from moe_ep.arena import Arena
 from moe_ep.backends.base import DispatchCall
 from moe_ep.config import INTRANODE_SLOT_ALIGN, Config, arena_bytes, arena_dispatch_region
+from moe_ep.diagnostics import kernel_backend
 from moe_ep.handles import DispatchHandle
 from moe_ep.launch import RankPool, free_port
 
@@ -99,7 +100,7 @@ def rank_profile(args):
     for _ in range(5):
         call()
     marks = []
-    kernels = buffer._intranode
+    kernels = kernel_backend(buffer)  # its extension calls are wrapped to time each launch
     kernels.ops = TimedOps(kernels.ops, marks, kernels.comm_stream)
     torch.cuda.synchronize()
     dist.barrier()
@@ -241,6 +242,7 @@ def stub_backend(ranks: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
     backend.ops = _NoLaunches(backend._host)
     backend.rank, backend.num_ranks, backend.recv_info_ints, backend.timeout_s = 0, ranks, 64, 20.0
     backend.prefix_matrix_at, backend._choice = 0, torch.zeros(1, dtype=torch.int32)
+    backend.one_pass_calls = torch.zeros(2, dtype=torch.int32)
     backend.ctx, backend.comm_stream = types.SimpleNamespace(wait_ns=0), _NoStream()
     backend._compute_ready, backend._compute_ready_next = [_NoEvent() for _ in range(intranode.RECENT_CALLS)], 0
     backend._comm_done = _NoEvent()
