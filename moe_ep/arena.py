@@ -33,6 +33,10 @@ class Arena:
         self._free: List[Tuple[int, int]] = [(0, self.size)] if self.size else []  # (start, length), sorted
         self._used = {}  # start -> length
         self._released = collections.deque()  # starts given back by `release`, not yet merged
+        self._in_use = 0  # bytes of the used ranges
+        # The most bytes held at once since the last reset_high_water, counted where a range is kept
+        # (alloc, shrink): a reservation that `shrink` trims, or that is freed unused, does not count whole.
+        self._high_water = 0
 
     def release(self, start: int) -> None:
         """Give back the range at start later (at the arena's next use): safe where the lock may be held."""
@@ -54,6 +58,8 @@ class Arena:
                     else:
                         self._free[i] = (start + length, free - length)
                     self._used[start] = length
+                    self._in_use += length
+                    self._high_water = max(self._high_water, self._in_use)
                     return start
         return None
 
@@ -67,6 +73,7 @@ class Arena:
             i = max(range(len(self._free)), key=lambda j: self._free[j][1])
             start, length = self._free.pop(i)
             self._used[start] = length
+            self._in_use += length
             return start, length
 
     def shrink(self, start: int, nbytes: int) -> None:
@@ -77,11 +84,11 @@ class Arena:
             length = self._used[start]
             if keep > length:
                 raise ValueError(f"Arena.shrink: {keep} bytes is more than the {length} used at {start}")
-            if keep == length:
-                return
-            self._used[start] = keep
-            self._used[start + keep] = length - keep
-            self._free_range(start + keep)  # merges the tail with the free range after it
+            if keep < length:
+                self._used[start] = keep
+                self._used[start + keep] = length - keep
+                self._free_range(start + keep)  # merges the tail with the free range after it
+            self._high_water = max(self._high_water, self._in_use)
 
     def free(self, start: int) -> None:
         with self._lock:
@@ -90,6 +97,7 @@ class Arena:
 
     def _free_range(self, start: int) -> None:  # with the lock held
         length = self._used.pop(start)  # a KeyError here is a double free: a bug, not bad input
+        self._in_use -= length
         i = bisect.bisect_left(self._free, (start, 0))
         # Merge with the neighbours it touches, so that large regions stay available.
         if i < len(self._free) and start + length == self._free[i][0]:
@@ -111,6 +119,19 @@ class Arena:
         with self._lock:
             self._merge_released()
             return len(self._used)
+
+    def usage(self) -> dict:
+        """{"capacity", "in_use", "high_water": bytes, "regions": used ranges}, read at one moment."""
+        with self._lock:
+            self._merge_released()
+            return dict(capacity=self.size, in_use=self._in_use, high_water=self._high_water,
+                        regions=len(self._used))
+
+    def reset_high_water(self) -> None:
+        """The high-water mark starts again from the bytes in use now."""
+        with self._lock:
+            self._merge_released()
+            self._high_water = self._in_use
 
 
 class Region:

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _native
+from . import _native, diagnostics
 from .backends.base import Backend, CombineCall, DispatchCall, LowLatencyCombineCall, LowLatencyDispatchCall
 from .backends.choices import kernel_choices
 from .backends.intranode import IntranodeBackend, IntranodeDispatchState
@@ -141,6 +141,7 @@ class Buffer:
         self._destroyed = False
         self._local_buffers = {}
         self._ll_shapes_that_fit = set()  # (tokens, hidden, experts) the low-latency buffer was checked for
+        self._calls = diagnostics.call_counts()  # calls by kind, for stats()
 
     # ------------------------------------------------------------------ construction helpers
     def _resolve_ranks_per_node(self, ranks_per_node: Optional[int]) -> int:
@@ -270,6 +271,31 @@ class Buffer:
         the communication stream is idle. Empty before the first call on the kernels."""
         return self._intranode.progress_report() if self._intranode is not None else ""
 
+    # ------------------------------------------------------------------ diagnostics (moe_ep.diagnostics)
+    def check_errors(self) -> None:
+        """(ext) Waits for this Buffer's kernels and raises what they reported since its last call (a peer
+        that never arrived: TimeoutError naming it; a num_worst_tokens dispatch that received more rows
+        than it had: ValueError), which its next call would raise otherwise. Nothing on the portable
+        backend, whose errors are raised in the call."""
+        diagnostics.check_errors(self)
+
+    def stats(self) -> dict:
+        """(ext) {"calls": {kind: n}, "one_pass_calls": {"dispatch": n, "combine": m}, "arena":
+        {"capacity", "in_use", "high_water", "regions"}}: counters kept at no cost to the calls, since
+        the Buffer was made or reset_stats() (moe_ep.diagnostics.stats says what each counts)."""
+        return diagnostics.stats(self)
+
+    def reset_stats(self) -> None:
+        """(ext) stats()' counters back to 0; the arena's high-water mark to the bytes in use now."""
+        diagnostics.reset_stats(self)
+
+    def topology(self) -> dict:
+        """(ext) This rank, its node, which backend serves each kind of call and why, and per peer how this
+        rank reaches it ("same_gpu", "nvlink", "portable", ...) with the memory its buffers were mapped
+        with; the peers are mapped at the first call of CUDA tensors, and entries that need the mapping
+        are None before it (moe_ep.diagnostics.topology lists the keys)."""
+        return diagnostics.topology(self)
+
     def _check_alive(self) -> None:
         if self._destroyed:
             raise RuntimeError("this Buffer was destroyed; create a new one")
@@ -389,6 +415,7 @@ class Buffer:
         if self._check_data(topk_idx):
             check_expert_ids("topk_idx", topk_idx, num_experts)
         wait_previous(previous_event)
+        self._calls["get_dispatch_layout"] += 1
         if topk_idx.is_cuda and _native.has_kernels():
             outs = _native.ops().get_dispatch_layout(
                 topk_idx.contiguous(), num_experts, self.group_size, self.ranks_per_node
@@ -468,6 +495,7 @@ class Buffer:
         call = DispatchCall(x_parts, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                             topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
                             allocate_on_comm_stream, make_handle)
+        self._calls["dispatch" if handle is None else "cached_dispatch"] += 1
         recv_x, recv_idx, recv_weights, counts, new_handle, event = self._normal_backend(x_parts[0]).dispatch(call)
         recv = tuple(recv_x) if len(recv_x) == 2 else recv_x[0]
         return recv, recv_idx, recv_weights, counts, new_handle, event
@@ -564,6 +592,7 @@ class Buffer:
         self._check_handle_backend(handle, x, IntranodeDispatchState, self._kernels, "dispatch")
         call = CombineCall(x, handle, topk_weights, biases, config, previous_event, async_finish,
                            allocate_on_comm_stream)
+        self._calls["combine"] += 1
         return self._normal_backend(x).combine(call)
 
     # deep_ep's multi-node entry points take dispatch's and combine's arguments; here the same calls pick
@@ -694,6 +723,7 @@ class Buffer:
         call = LowLatencyDispatchCall(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                       cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0, async_finish,
                                       return_recv_hook, handle)
+        self._calls["low_latency_dispatch"] += 1
         recv_x, recv_count, event, hook = self._low_latency_backend(x).low_latency_dispatch(call)
         return recv_x, recv_count, handle, event, hook
 
@@ -748,6 +778,7 @@ class Buffer:
         if zero_copy:
             x = backend.low_latency_combine_buffer(handle)
         call = LowLatencyCombineCall(x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out)
+        self._calls["low_latency_combine"] += 1
         return backend.low_latency_combine(call)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:

@@ -13,6 +13,7 @@ from moe_ep import Buffer, Config, fp8
 from moe_ep.backends.choices import overridden
 from moe_ep.buffer import default_config_size_hints
 from moe_ep.config import arena_bytes
+from moe_ep.diagnostics import kernel_backend
 
 from .problems import Problem, bias_for, expert_output, make_inputs, same_bits
 
@@ -51,7 +52,7 @@ def profiled_round(p: Problem):
     def run():
         buffer = normal_buffer(p.hidden, **TWO_PASS)  # the two-pass kernels' phases and log
         result = normal_round(p, buffer=buffer)
-        kernels = buffer._intranode
+        kernels = kernel_backend(buffer)
         if kernels is None:
             return result, {}, []
         return result, kernels.wait_profile(), kernels.kernel_log()
@@ -68,7 +69,7 @@ def forced_combine_round(p: Problem, stream: bool, config: Config = None, **kwar
         # No arena: a combine from it would run instead of the forced one.
         buffer = normal_buffer(p.hidden * 2 if wide else p.hidden, config, **TWO_PASS)
         result = normal_round(p, buffer=buffer, config=config, **kwargs)
-        kernels = buffer._intranode
+        kernels = kernel_backend(buffer)
         if kernels is None:
             return result, 0
         num_sms = (config or Buffer.get_combine_config(p.num_ranks)).num_sms
@@ -90,7 +91,7 @@ def fitted_blocks_round(p: Problem, fit: bool, num_sms: int, **kwargs):
         result = normal_round(p, buffer=buffer, config=config, **kwargs)
         with_arena = normal_buffer(p.hidden, config, **arena_area(p))
         result["arena"] = normal_round(p, buffer=with_arena, config=config, **kwargs)["combined"]
-        kernels = buffer._intranode
+        kernels = kernel_backend(buffer)
         if kernels is None:
             return result, (num_sms, num_sms)
         return result, (kernels.launch_blocks(num_sms), kernels.launch_blocks(num_sms, combine=True))
@@ -189,9 +190,7 @@ def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, n
     if busy:
         _keep_gpu_busy()
     event.current_stream_wait()
-    if buffer._intranode is not None:  # a kernel that gave up reports it at the next call: ask now
-        torch.cuda.synchronize()
-        buffer._intranode.check_errors()
+    buffer.check_errors()  # a kernel that gave up reports it at the next call: ask now
     return cpu(dict(layout=(per_rank, per_rdma, per_expert, in_rank), recv_x=recv_x, recv_idx=recv_idx,
                     recv_w=recv_w, counts=counts, cached=cached_x, cached_rest=cached[1:5], y=y,
                     combined=combined, combined_w=combined_w, num_recv_rows=handle.num_recv_rows))
@@ -221,10 +220,8 @@ def buffers_made_while_calls_run(p: Problem, num_buffers: int = 3, arena: bool =
         _keep_gpu_busy()
         event.current_stream_wait()
         outputs.append((recv_x, combined))  # read at the end, after every Buffer's calls
-    if device().type == "cuda":
-        torch.cuda.synchronize()
-        for buffer in buffers:
-            buffer._intranode.check_errors()
+    for buffer in buffers:
+        buffer.check_errors()
     return cpu(outputs)
 
 
@@ -263,9 +260,7 @@ def inputs_dropped_after_async_calls(p: Problem, num_worst_tokens: int, arena: b
     del y, weights
     garbage += overwrite(shapes)
     event.current_stream_wait()
-    if device().type == "cuda":
-        torch.cuda.synchronize()
-        buffer._intranode.check_errors()
+    buffer.check_errors()
     return cpu((recv_x, recv_idx, recv_w, combined, combined_w))
 
 
@@ -314,9 +309,7 @@ def normal_steps_beside_gemms(p: Problem, steps: int, arena: bool = None):
         _expert_gemms(1)  # the next layer's work beside the combine
         event.current_stream_wait()
         results.append((recv_x, recv_idx, recv_w, counts, combined, combined_w))
-    if device().type == "cuda":
-        torch.cuda.synchronize()
-        buffer._intranode.check_errors()
+    buffer.check_errors()
     return cpu(results)
 
 
@@ -380,8 +373,9 @@ def low_latency_round(p: Problem, use_fp8: bool, round_scale: bool = False, use_
         rows = buffer.get_next_low_latency_combine_buffer(handle)
         rows.copy_(y)
         x_arg = torch.zeros_like(y)   # must be ignored: zero_copy reads the buffer
-        if buffer._low_latency is not None:  # the kernels' rows lie in this rank's mapped buffer
-            start = buffer._low_latency.peers.addresses[rank]
+        kernels = kernel_backend(buffer, "low_latency")
+        if kernels is not None:  # the kernels' rows lie in this rank's mapped buffer
+            start = kernels.peers.addresses[rank]
             in_place = start <= rows.data_ptr() < start + buffer.num_rdma_bytes
     combined, _, combine_hook = buffer.low_latency_combine(
         x_arg, inp["topk_idx"], inp["topk_weights"], handle, zero_copy=zero_copy,
@@ -391,11 +385,7 @@ def low_latency_round(p: Problem, use_fp8: bool, round_scale: bool = False, use_
     _expert_gemms(gemm_repeats)
     if return_recv_hook:
         combine_hook()
-    if buffer._low_latency is not None:  # a receive that gave up reports it at the next call: ask now
-        torch.cuda.synchronize()
-        error = buffer._low_latency.peers.timeout_error()
-        if error is not None:
-            raise error
+    buffer.check_errors()  # a receive that gave up reports it at the next call: ask now
     return cpu(dict(recv_x=recv_x, recv_count=recv_count, count_before_hook=count_before_hook, stats=stats,
                     y=y, combined=combined, out_is_result=out is not None and combined.data_ptr() == out.data_ptr(),
                     zero_copy_in_place=in_place))
@@ -780,9 +770,9 @@ def nvshmem_put_round(num_bytes: int):
 
     rank = dist.get_rank()
     buffer = Buffer(dist.group.WORLD, 0, 8 << 20, low_latency_mode=True)
-    buffer._low_latency_backend(torch.empty(1, device=device()))  # maps the peers' buffers (collective)
-    assert buffer._low_latency is not None, "the low-latency kernels are off"
-    peers = buffer._low_latency.peers
+    kernels = kernel_backend(buffer, "low_latency", make=True)  # maps the peers' buffers (collective)
+    assert kernels is not None, "the low-latency kernels are off"
+    peers = kernels.peers
     own = peers.addresses[rank]  # this PE's symmetric address: what a put names on every PE
     src_at, dst_at, signal_at, value = 1 << 20, 2 << 20, 3 << 20, 7
     payload = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8,
@@ -921,10 +911,10 @@ def dispatches_into_arena(p: Problem, use_fp8: bool, num_worst_tokens: int = 0):
     kept.append((None, None))
     for result, (recv, copy) in zip(results, kept):
         result.append(recv is None or torch.equal(recv.view(torch.uint8), copy.view(torch.uint8)))
-    arena = buffer._intranode.arena
     del kept, recv, out, handle
     torch.cuda.synchronize()
-    return results, arena.free_bytes == arena.size and arena.used_regions == 0
+    arena = buffer.stats()["arena"]
+    return results, arena["in_use"] == 0 and arena["regions"] == 0
 
 
 def arena_tensor_outlives_its_buffer(p: Problem) -> bool:
@@ -1009,8 +999,7 @@ def mapped_memory_kinds(p: Problem):
     normal_round(p, buffer=normal)
     low = low_latency_buffer(p)
     low_latency_round(p, use_fp8=True, buffer=low)
-    return (normal._intranode.memory if normal._intranode else None,
-            low._low_latency.peers.memory if low._low_latency else None)
+    return normal.topology()["peer_memory"]["normal"], low.topology()["peer_memory"]["low_latency"]
 
 
 def buffers_the_kernels_cannot_serve():

@@ -9,17 +9,19 @@ import torch.distributed as dist
 from moe_ep import Buffer, Config, fp8
 from moe_ep.config import arena_bytes
 
-from .problems import Problem, expert_output, make_inputs
+from .problems import Problem, expert_output, make_inputs, ref_dispatch
 from .rank_fns import cpu, my_inputs, normal_buffer
 
 # A count of rows that no dispatch of these problems reaches: an arena this small never has room.
 TINY_ARENA_ROWS = 1
 
 
-def _one_pass(buffer: Buffer) -> bool:
-    """The device's last agreement (1: the one-pass kernel ran)."""
-    torch.cuda.synchronize()
-    return bool(buffer._intranode._choice.item())
+def _one_pass(buffer: Buffer, kind: str, call):
+    """(call(), whether the device ran it in one pass): the Buffer's count of one-pass calls of `kind`
+    ("dispatch" or "combine") before and after it."""
+    before = buffer.stats()["one_pass_calls"][kind]
+    result = call()
+    return result, buffer.stats()["one_pass_calls"][kind] == before + 1
 
 
 def arena_rounds(p: Problem, arena: str, use_fp8: bool, num_worst_tokens: int = 0, short_rank: int = -1,
@@ -41,23 +43,22 @@ def arena_rounds(p: Problem, arena: str, use_fp8: bool, num_worst_tokens: int = 
     call = dict(config=config) if small_buffer else {}
     x = fp8.per_token_cast_to_fp8(inp["x"]) if use_fp8 else inp["x"]
     layout = _layout(buffer, inp, p)
-    buffer.dispatch(x, **layout, **call)  # maps the arena (and grows one of the Buffer's own that lacks room)
-    paths = {"first": _one_pass(buffer)}
-    holds = _fill_arena(buffer) if arena == "short" and rank == short_rank else []
-    recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(x, num_worst_tokens=num_worst_tokens, **layout,
-                                                                  **call)
-    paths["dispatch"] = _one_pass(buffer)
-    cached = buffer.dispatch(x, handle=handle, **call)[0]
-    paths["cached"] = _one_pass(buffer)
+    paths = {}
+    # Maps the arena (and grows one of the Buffer's own that lacks room); only its handle is kept.
+    first, paths["first"] = _one_pass(buffer, "dispatch", lambda: buffer.dispatch(x, **layout, **call)[4])
+    holds = _fill_arena(buffer, first) if arena == "short" and rank == short_rank else []
+    (recv_x, recv_idx, recv_w, counts, handle, _), paths["dispatch"] = _one_pass(
+        buffer, "dispatch", lambda: buffer.dispatch(x, num_worst_tokens=num_worst_tokens, **layout, **call))
+    cached, paths["cached"] = _one_pass(buffer, "dispatch", lambda: buffer.dispatch(x, handle=handle, **call)[0])
     recv_bf16 = fp8.per_token_cast_back(*recv_x) if use_fp8 else recv_x
     y = expert_output(recv_bf16, rank)
     into = buffer.empty_combine_input(handle, y.shape[1], y.dtype).copy_(y)
-    combined_in_place, w_in_place, _ = buffer.combine(into, handle, topk_weights=recv_w, **call)
-    paths["combine_in_place"] = _one_pass(buffer)
-    combined, w, _ = buffer.combine(y.clone(), handle, topk_weights=recv_w, **call)
-    paths["combine"] = _one_pass(buffer)
-    again = buffer.dispatch(x, num_worst_tokens=num_worst_tokens, **layout, **call)[0]  # after any growth
-    paths["dispatch_again"] = _one_pass(buffer)
+    (combined_in_place, w_in_place, _), paths["combine_in_place"] = _one_pass(
+        buffer, "combine", lambda: buffer.combine(into, handle, topk_weights=recv_w, **call))
+    (combined, w, _), paths["combine"] = _one_pass(
+        buffer, "combine", lambda: buffer.combine(y.clone(), handle, topk_weights=recv_w, **call))
+    again, paths["dispatch_again"] = _one_pass(  # after any growth
+        buffer, "dispatch", lambda: buffer.dispatch(x, num_worst_tokens=num_worst_tokens, **layout, **call)[0])
     del holds
     return cpu(dict(recv_x=recv_x, recv_idx=recv_idx, recv_w=recv_w, counts=counts, cached=cached,
                     combined_in_place=combined_in_place, w_in_place=w_in_place, combined=combined, w=w,
@@ -70,12 +71,23 @@ def _layout(buffer: Buffer, inp: dict, p: Problem) -> dict:
                 topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"])
 
 
-def _fill_arena(buffer: Buffer) -> list:
-    """Regions that hold every free byte of this rank's arena."""
-    arena, holds = buffer._intranode.arena, []
-    while (taken := arena.reserve_largest()) is not None:
-        holds.append(buffer._intranode._region(*taken))
-    return holds
+def _fill_arena(buffer: Buffer, handle) -> list:
+    """Combine inputs of `handle` (which received rows) that hold this rank's arena until less is free
+    than the smallest of them (one float32 column), halving their width where the free bytes lie in
+    pieces."""
+    holds, rows = [], handle.num_recv_rows
+    assert rows > 0, "a handle of no rows cannot hold arena bytes"
+    while True:
+        arena = buffer.stats()["arena"]
+        hidden = max(1, (arena["capacity"] - arena["in_use"]) // (rows * 4))
+        while True:
+            held = buffer.empty_combine_input(handle, hidden, torch.float32)
+            if buffer.stats()["arena"]["in_use"] > arena["in_use"]:  # it lies in the arena
+                holds.append(held)
+                break
+            if hidden == 1:
+                return holds
+            hidden //= 2
 
 
 def _same(a, b) -> bool:
@@ -121,10 +133,13 @@ def test_every_rank_takes_the_path_the_agreement_chose(gpu_pools, seed, num_rank
                       dispatch_again=False),
     }
     reference = pool.run(arena_rounds, p, "none", False)
+    inputs = make_inputs(p)
+    # The rank whose arena is filled: the one receiving the most rows (the filler is its combine inputs).
+    short_rank = max(range(num_ranks), key=lambda r: len(ref_dispatch(p, inputs, r)[0]))
     for arena, want in cases.items():
         if want is None:
             continue
-        results = pool.run(arena_rounds, p, arena, False, short_rank=num_ranks - 1)
+        results = pool.run(arena_rounds, p, arena, False, short_rank=short_rank)
         _check_equal(results, reference, seed)
         for rank, res in enumerate(results):
             assert res["paths"] == want, f"seed {seed} arena {arena} rank {rank}: {res['paths']}"

@@ -50,9 +50,9 @@ def test_an_sm_budget_the_kernels_refuse_is_skipped_not_fatal():
             raise ValueError(f"num_sms (Config): {num_sms} blocks per kernel ... use num_sms <= 33")
 
     kernels = SimpleNamespace(check_num_sms=check_num_sms)
-    assert unfit_sm_budget(SimpleNamespace(_intranode=kernels), 24) == ""
-    assert "use num_sms <= 33" in unfit_sm_budget(SimpleNamespace(_intranode=kernels), 48)
-    assert unfit_sm_budget(SimpleNamespace(_intranode=None), 480) == ""  # the portable backend takes any
+    assert unfit_sm_budget(kernels, 24) == ""
+    assert "use num_sms <= 33" in unfit_sm_budget(kernels, 48)
+    assert unfit_sm_budget(None, 480) == ""  # the portable backend takes any
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

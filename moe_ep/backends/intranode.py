@@ -112,7 +112,8 @@ class IntranodeBackend(Backend):
         # A call with an arena queues its one-pass kernel, which chooses the path from every rank's room
         # (1: it ran), and the two-pass kernel, which runs where it chose 0.
         self._choice = torch.zeros(1, dtype=torch.int32, device=self.peers.device)
-        # Calls the device ran in one pass: [dispatch, combine] (Buffer.stats()).
+        # Calls the device ran in one pass, [dispatches, combines]: the one-pass kernels add to it where the
+        # ranks chose that path, so counting costs no host synchronisation (Buffer.stats reads it).
         self.one_pass_calls = torch.zeros(2, dtype=torch.int32, device=self.peers.device)
         self._one_pass_dispatches, self._one_pass_combines = self.one_pass_calls[0:1], self.one_pass_calls[1:2]
         if arena_bytes > 0:

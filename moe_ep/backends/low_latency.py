@@ -83,9 +83,7 @@ class LowLatencyBackend(Backend):
                 f"{call}: call the hook of the previous {self._pending} first (the kernels alternate between two "
                 "halves of the buffer, so a receive must finish before the next call is issued)"
             )
-        error = self.peers.timeout_error()
-        if error is not None:
-            raise error
+        self.check_errors()
         shape = (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         if self._shape is not None and shape != self._shape:
             self.clear_flags(call, shape)
@@ -97,6 +95,13 @@ class LowLatencyBackend(Backend):
                 self.peers.host_info, self.peers.timeout_s, *shape,
             )
         return ctx
+
+    def check_errors(self) -> None:
+        """Raises what an earlier kernel reported: a peer that did not arrive (the Buffer's ranks are then
+        out of step)."""
+        error = self.peers.timeout_error()
+        if error is not None:
+            raise error
 
     def clear_flags(self, call: str, shape) -> None:
         """Zeroes, on every rank, the signals and send scratch of both halves as laid out for `shape`.

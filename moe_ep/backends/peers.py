@@ -154,6 +154,7 @@ class MappedBuffers:
         self.group = group
         self.timeout_s = gate.timeout_s
         self.ranks_on_device = device_ids.count(self.device_id)
+        self.device_ids = list(device_ids)  # every rank's GPU, by rank: which peers share this one (topology)
         # The most ranks that any GPU of the group holds: what every rank must choose alike (the intranode
         # kernels' block count) rests on it, not on this GPU's own count.
         self.max_ranks_on_device = max(device_ids.count(d) for d in device_ids)

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from moe_ep import Buffer, Config, fp8
 from moe_ep.config import arena_bytes
+from moe_ep.diagnostics import kernel_backend
 from moe_ep.launch import RankPool
 from moe_ep.backends.choices import PEER_MEMORY_KINDS, overridden
 from moe_ep.backends.peers import (KERNEL_COMBINE, KERNEL_DISPATCH, KERNEL_NOTIFY, KERNEL_RENDEZVOUS,
@@ -151,11 +152,11 @@ def chunk_of(row: dict) -> tuple:
     return row.get("recv_tokens", 0), row.get("send_tokens", 0)
 
 
-def unfit_sm_budget(buffer: Buffer, num_sms: int) -> str:
-    """Why the kernels refuse this SM budget here (its blocks cannot all be resident with this many ranks
-    on one GPU), or "" if they take it. A sweep skips such budgets instead of stopping."""
-    kernels = buffer._intranode  # None on the portable backend, which takes any budget
-    if kernels is None:
+def unfit_sm_budget(kernels, num_sms: int) -> str:
+    """Why the kernels (moe_ep.diagnostics.kernel_backend of a Buffer) refuse this SM budget here (its
+    blocks cannot all be resident with this many ranks on one GPU), or "" if they take it. A sweep skips
+    such budgets instead of stopping."""
+    if kernels is None:  # the portable backend takes any budget
         return ""
     try:
         kernels.check_num_sms(num_sms)
@@ -230,7 +231,8 @@ def _rank_bench(args):
 
         send_values = args.send_tokens or [0]  # 0: each config's own send chunk
         for (i, num_sms), send_tokens in itertools.product(enumerate(args.sms), send_values):
-            refused = unfit_sm_budget(setups[False]["buffer"], num_sms)  # both Buffers' ranks share the GPUs alike
+            # Both Buffers' ranks share the GPUs alike: the two-pass one's kernels answer for both.
+            refused = unfit_sm_budget(kernel_backend(setups[False]["buffer"]), num_sms)
             if refused:  # the same on every rank of this GPU: all skip it
                 results.append(dict(rank=rank, sms=num_sms, mode=SKIPPED, reason=refused))
                 continue
@@ -239,11 +241,16 @@ def _rank_bench(args):
                     continue
                 if mode != "combine" and send_tokens != send_values[0]:
                     continue  # only the plain combine streams: the other modes ran with the first send chunk
-                kernels = setups[uses_arena(mode)]["buffer"]._intranode  # None on the portable backend
+                timed = setups[uses_arena(mode)]["buffer"]
+                kernels = kernel_backend(timed)  # the wait profile and kernel log; None on the portable backend
                 if kernels is not None:
                     kernels.reset_wait_profile()
                 config = variant(configs[mode][i], num_sms, 0, send_tokens)
+                kind = "combine" if mode.startswith("combine") else "dispatch"
+                one_pass_before = timed.stats()["one_pass_calls"][kind]
                 seconds = wall_seconds_per_call(functools.partial(call, mode, config), args.warmup, args.iters)
+                # The share of the mode's calls the device ran in one pass (the *_arena modes expect all).
+                one_pass = (timed.stats()["one_pass_calls"][kind] - one_pass_before) / (args.warmup + args.iters)
                 waits = wait_shares(kernels.wait_profile(), mode, args.warmup + args.iters) if kernels is not None else {}
                 times, starts = kernel_log_times(kernels.kernel_log(), args.iters) if kernels is not None else ({}, [])
                 waits.update(times)
@@ -252,7 +259,7 @@ def _rank_bench(args):
                                     send_tokens=config.num_max_nvl_chunked_send_tokens, nvl_bytes=nvl, mode=mode,
                                     us=seconds * 1e6, rows=rows, bytes=rows * row_bytes,
                                     gbps=rows * row_bytes / seconds / 1e9, waits=waits, kernel_starts=starts,
-                                    peer_memory=kernels.memory if kernels is not None else None,
+                                    one_pass=one_pass, peer_memory=timed.topology()["peer_memory"]["normal"],
                                     blocks=kernels.launch_blocks(num_sms, combine=mode.startswith("combine"))
                                     if kernels is not None else None))
         for setup in setups.values():
@@ -377,9 +384,14 @@ def main():
                 shown = f"{recv_tokens}/{send_tokens}" if recv_tokens else "-"
                 reference = deepep_v1_reference(args, num_ranks, num_sms, mode)
                 versus = f"{mean / reference:.2f}x" if reference else "-"
+                # An arena mode whose calls fell back to two passes (Buffer.stats) is not the one-pass figure.
+                one_pass = min(r.get("one_pass", 1.0) for r in rows)
+                fell_back = f"  only {one_pass:.0%} of calls one-pass" if uses_arena(mode) and not args.cpu \
+                    and one_pass < 1 else ""
                 print(f"{num_ranks:>5} {num_sms:>4} {shown:>9} {mode:>20} {max(r['us'] for r in rows):>9.0f} "
                       f"{min(r['gbps'] for r in rows):>12.0f} / {mean:<10.0f} {aggregate:>15.0f} "
-                      f"{aggregate / copy:>7.0%} {versus:>12}" + (f"  profile: {waited}" if waited else ""))
+                      f"{aggregate / copy:>7.0%} {versus:>12}" + (f"  profile: {waited}" if waited else "")
+                      + fell_back)
                 if args.json:
                     with open(args.json, "a") as f:
                         f.write(json.dumps(dict(bench="intranode", ranks=num_ranks, sms=num_sms,
@@ -390,6 +402,7 @@ def main():
                                                 us=[r["us"] for r in rows], aggregate_gbps=aggregate,
                                                 copy_gbps=copy, deepep_v1_gbps=reference, waits=waits,
                                                 peer_memory=rows[0].get("peer_memory"),
+                                                one_pass=[r.get("one_pass") for r in rows],
                                                 blocks=rows[0].get("blocks"),
                                                 stream_combine=args.stream_combine)) + "\n")
         if len(args.recv_tokens) > 1 or len(args.send_tokens) > 1:

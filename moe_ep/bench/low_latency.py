@@ -116,9 +116,10 @@ def _rank_bench(args, num_experts: int):
     fp8_bytes = args.hidden + args.hidden // 128 * 4 + 16
     results["dispatch_gbps"] = selections * fp8_bytes / results["dispatch_us"] / 1e3
     results["combine_gbps"] = selections * args.hidden * 2 / results["combine_us"] / 1e3
-    results["backend"] = "kernels" if buffer._low_latency is not None else "portable"
+    topology = buffer.topology()
+    results["backend"] = "kernels" if topology["mapped"]["low_latency"] else "portable"
     # How the peers' buffers were mapped (the mapping moves these figures: `--peer-memory vmm` / `ipc`).
-    results["peer_memory"] = buffer._low_latency.peers.memory if buffer._low_latency is not None else None
+    results["peer_memory"] = topology["peer_memory"]["low_latency"]
     return results
 
 

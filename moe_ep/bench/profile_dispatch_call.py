@@ -33,6 +33,7 @@ from moe_ep import Buffer, fp8
 from moe_ep.arena import Arena
 from moe_ep.backends.base import DispatchCall
 from moe_ep.config import INTRANODE_SLOT_ALIGN, Config, arena_bytes, arena_dispatch_region
+from moe_ep.diagnostics import kernel_backend
 from moe_ep.handles import DispatchHandle
 from moe_ep.launch import RankPool, free_port
 
@@ -99,7 +100,7 @@ def rank_profile(args):
     for _ in range(5):
         call()
     marks = []
-    kernels = buffer._intranode
+    kernels = kernel_backend(buffer)  # its extension calls are wrapped to time each launch
     kernels.ops = TimedOps(kernels.ops, marks, kernels.comm_stream)
     torch.cuda.synchronize()
     dist.barrier()
