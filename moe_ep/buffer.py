@@ -166,8 +166,8 @@ class Buffer:
 
     def _kernels_unusable(self, low_latency: bool) -> Optional[str]:
         """Why the kernels cannot serve this Buffer's normal (or low-latency) calls of CUDA tensors, or
-        None: they need the extension and a GPU, the whole group on this host (at most 64 ranks for the
-        normal calls) and the buffer the call uses."""
+        None: they need the extension and a GPU, the whole group on this host (for the normal calls, no more
+        ranks than the kernels take: the extension's INTRANODE_MAX_RANKS) and the buffer the call uses."""
         if self._backend == "portable":
             return "MOE_EP_BACKEND=portable"
         reason = _native.unavailable_reason()
@@ -179,8 +179,10 @@ class Buffer:
         if low_latency:
             if not self.low_latency_mode or self.num_rdma_bytes == 0:
                 return "low-latency calls need low_latency_mode=True and num_rdma_bytes > 0"
-        elif self.group_size > 64 or self.num_nvl_bytes == 0:
-            return "normal calls need num_nvl_bytes > 0 and at most 64 ranks"
+        else:
+            max_ranks = _native.ops().INTRANODE_MAX_RANKS  # the extension is loaded: reason is None
+            if self.group_size > max_ranks or self.num_nvl_bytes == 0:
+                return f"normal calls need num_nvl_bytes > 0 and at most {max_ranks} ranks"
         return None
 
     def _kernels_serve(self, low_latency: bool) -> bool:

@@ -208,13 +208,13 @@ def test_without_room_a_dispatch_takes_two_passes_and_gives_the_range_back(stubb
 
 
 def test_a_count_exchange_that_times_out_gives_the_range_back(stubbed, monkeypatch):
-    from moe_ep.backends.peers import HOST_KERNEL_FINISHED, HOST_KERNEL_STARTED
-
     backend, dispatch, _ = stubbed
     backend.timeout_s = 0.05
     monkeypatch.setattr(backend.ops, "wait_host_value", lambda *args: False)
-    # The progress marks as the kernels write them: (KernelId << 24) | call number.
-    backend._host[HOST_KERNEL_STARTED], backend._host[HOST_KERNEL_FINISHED] = 2 << 24 | 17, 6 << 24 | 16
+    # The progress marks as the kernels write them: KernelId, then the call number's low bits.
+    slot, kernel, bits = backend.enums.host_info, backend.enums.kernel_id, backend.enums.progress_mark.CALL_BITS
+    backend._host[slot.KERNEL_STARTED] = kernel.DISPATCH << bits | 17
+    backend._host[slot.KERNEL_FINISHED] = kernel.ZERO_COPY_COMBINE << bits | 16
     with pytest.raises(TimeoutError, match="count exchange.*no kernel of this Buffer reported a missing peer") as raised:
         dispatch()
     assert "last kernel to start: the dispatch of call 17; last to finish: the zero-copy combine of call 16" in \
@@ -225,27 +225,26 @@ def test_a_count_exchange_that_times_out_gives_the_range_back(stubbed, monkeypat
 def test_a_count_exchange_stuck_behind_a_kernel_names_the_peer_that_kernel_reports(stubbed, monkeypatch):
     """The host's wait ends first, an earlier kernel's own deadline later: the host waits for its report
     and raises the peer it names rather than a TimeoutError without one."""
-    from moe_ep.backends.peers import HOST_ERROR
-
     backend, dispatch, _ = stubbed
     backend.timeout_s = 5.0
+    error = backend.enums.host_info.ERROR
 
     def wait_host_value(host_info, index, value, timeout_s):  # the counts never come; a report does
         deadline = time.monotonic() + timeout_s
-        while index == HOST_ERROR and backend._host[index] != value and time.monotonic() < deadline:
+        while index == error and backend._host[index] != value and time.monotonic() < deadline:
             time.sleep(0.01)
-        return index == HOST_ERROR and backend._host[index] == value
+        return index == error and backend._host[index] == value
 
     monkeypatch.setattr(backend.ops, "wait_host_value", wait_host_value)
-    backend.peers.timeout_error = lambda: TimeoutError("rank 2 did not arrive") if backend._host[HOST_ERROR] else None
-    late_report = threading.Timer(0.1, lambda: backend._host.__setitem__(HOST_ERROR, 1))
+    backend.peers.timeout_error = lambda: TimeoutError("rank 2 did not arrive") if backend._host[error] else None
+    late_report = threading.Timer(0.1, lambda: backend._host.__setitem__(error, 1))
     late_report.start()
     try:
         with pytest.raises(TimeoutError, match="rank 2 did not arrive"):
             dispatch()
     finally:
         late_report.cancel()
-        backend._host[HOST_ERROR] = 0
+        backend._host[error] = 0
 
 
 def test_scales_num_worst_tokens_and_cached_dispatches_take_regions_too(stubbed, monkeypatch):
