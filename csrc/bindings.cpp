@@ -693,6 +693,13 @@ py::dict intranode_layout(int64_t num_ranks, int64_t num_nvl_bytes, int64_t x_by
     return d;
 }
 
+// {name: value} of one of kernels/reports.cuh's tables (Python: moe_ep.backends.peers.Enumerators).
+py::dict named_values(const NamedTable& table) {
+    py::dict d;
+    for (int i = 0; i < table.size; ++i) d[table.values[i].name] = table.values[i].value;
+    return d;
+}
+
 }  // namespace
 
 #ifdef MOE_EP_WITH_NVSHMEM
@@ -773,6 +780,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("ll_timeline", &moe_ep::ll_timeline, "the low-latency kernels' timeline, [calls, columns] int64");
     m.def("low_latency_layout", &moe_ep::low_latency_layout, "buffer layout numbers of the low-latency kernels");
     m.def("intranode_layout", &moe_ep::intranode_layout, "buffer layout numbers of the intranode kernels");
+    // The numbers the kernels report by, as kernels/reports.cuh defines them (moe_ep.backends.peers.KernelEnums):
+    // HOST_INFO, KERNEL_IDS, ..., each a {name: value} dict.
+    for (const moe_ep::NamedTable& table : moe_ep::kReportTables) m.attr(table.name) = moe_ep::named_values(table);
+    m.attr("INTRANODE_MAX_RANKS") = moe_ep::intranode::kMaxRanks;
 #ifdef MOE_EP_WITH_NVSHMEM
     m.attr("WITH_NVSHMEM") = true;
     m.attr("NVSHMEM_REASON") = "";

@@ -48,7 +48,7 @@ class Buffer:
     stores each received row once, at its final place in a region of the receiver's arena that recv_x
     owns like any tensor, and a combine sums the expert outputs where they lie in the arenas (write them
     into `empty_combine_input(handle, hidden)`): one pass over memory instead of two. A call takes the
-    one-pass path where every rank has room for it (the ranks agree on the device, without a host
+    one-pass path where every rank has room for it (the kernels find out on the device, without a host
     round trip), else the two-pass path through the num_nvl_bytes buffer, as under CUDA-graph capture.
     None (default): an arena of num_nvl_bytes that grows after a dispatch finds no room; 0: none (every
     call two-pass); a size: that arena, fixed (moe_ep.config.arena_bytes sizes one; the same on every
@@ -167,8 +167,8 @@ class Buffer:
 
     def _kernels_unusable(self, low_latency: bool) -> Optional[str]:
         """Why the kernels cannot serve this Buffer's normal (or low-latency) calls of CUDA tensors, or
-        None: they need the extension and a GPU, the whole group on this host (at most 64 ranks for the
-        normal calls) and the buffer the call uses."""
+        None: they need the extension and a GPU, the whole group on this host (for the normal calls, no more
+        ranks than the kernels take: the extension's INTRANODE_MAX_RANKS) and the buffer the call uses."""
         if self._backend == "portable":
             return "MOE_EP_BACKEND=portable"
         reason = _native.unavailable_reason()
@@ -180,8 +180,10 @@ class Buffer:
         if low_latency:
             if not self.low_latency_mode or self.num_rdma_bytes == 0:
                 return "low-latency calls need low_latency_mode=True and num_rdma_bytes > 0"
-        elif self.group_size > 64 or self.num_nvl_bytes == 0:
-            return "normal calls need num_nvl_bytes > 0 and at most 64 ranks"
+        else:
+            max_ranks = _native.ops().INTRANODE_MAX_RANKS  # the extension is loaded: reason is None
+            if self.group_size > max_ranks or self.num_nvl_bytes == 0:
+                return f"normal calls need num_nvl_bytes > 0 and at most {max_ranks} ranks"
         return None
 
     def _kernels_serve(self, low_latency: bool) -> bool:

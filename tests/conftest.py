@@ -47,6 +47,26 @@ def gpu_pools():
         pool.close()
 
 
+@pytest.fixture(scope="session")
+def report_tables():
+    """{table: {name: value}}: the kernels' report numbers (csrc/kernels/reports.cuh) as the extension
+    exports them, read from the header in Python (tests/test_progress_marks.py checks that reading)."""
+    from moe_ep.backends.reports import read_header
+
+    return vars(read_header())
+
+
+@pytest.fixture
+def kernel_enums(report_tables):
+    """moe_ep.backends.peers.KernelEnums over the header's tables: the numbers the Python that reads the
+    kernels' reports gets from the extension, on a machine without it."""
+    import types
+
+    from moe_ep.backends.peers import KernelEnums
+
+    return KernelEnums(types.SimpleNamespace(**report_tables))
+
+
 @pytest.fixture
 def seed(request):
     """A fresh seed per test (MOE_EP_TEST_SEED pins it); shown in the report so a failure can be replayed."""

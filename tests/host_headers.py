@@ -22,3 +22,26 @@ def run_against_headers(folder, name: str, source: str) -> list:
                    check=True)
     output = subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout
     return [json.loads(line) for line in output.splitlines()]
+
+
+# Prints every table the extension exports (kReportTables), one JSON object a line.
+REPORTS_PROGRAM = r"""
+#include <cstdio>
+#include "reports.cuh"
+int main() {
+    for (const moe_ep::NamedTable& table : moe_ep::kReportTables) {
+        std::printf("{\"table\": \"%s\", \"values\": {", table.name);
+        for (int i = 0; i < table.size; ++i)
+            std::printf("%s\"%s\": %d", i ? ", " : "", table.values[i].name, table.values[i].value);
+        std::printf("}}\n");
+    }
+    return 0;
+}
+"""
+
+
+def report_tables(folder) -> dict:
+    """{table: {name: value}} as the extension exports them, from csrc/kernels/reports.cuh compiled for the
+    host (its static_asserts hold, or this fails to compile)."""
+    lines = run_against_headers(folder, "reports", REPORTS_PROGRAM)
+    return {line["table"]: line["values"] for line in lines}

@@ -646,7 +646,7 @@ def skip_after_warmup(skipping_rank: int, phase: str):
     p = Problem(21, dist.get_world_size(), dist.get_world_size() * 2, 128, 4, max_tokens=64, drop=0.0, skew=False,
                 zero_token_rank=False)
     inp = my_inputs(p)
-    buffer = normal_buffer(p.hidden, **TWO_PASS)  # the two-pass kernels' waits (an arena's agreement waits first)
+    buffer = normal_buffer(p.hidden, **TWO_PASS)  # the two-pass kernels' waits (no arena: no one-pass kernel before them)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inp["topk_idx"], p.num_experts)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
     recv_x, _, _, _, handle, _ = buffer.dispatch(inp["x"], **layout)

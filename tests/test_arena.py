@@ -142,7 +142,7 @@ def test_tensors_over_a_region_keep_it_until_the_last_view_dies():
 
 
 # The backend's arena path on CPU: the extension's launches stubbed (moe_ep.bench.profile_dispatch_call,
-# whose agreement is this rank's vote alone), so what is checked is the host's side: the range a fresh
+# whose one-pass kernels choose from this rank's room alone), so what is checked is the host's side: the range a fresh
 # dispatch reserves, what it keeps, what it gives back, recv_x's place, and what a call without room
 # falls back to. Every token of 3 ranks comes here: 48 rows of bf16 [.., 64].
 _RANKS, _TOKENS, _HIDDEN, _TOPK = 3, 16, 64, 2
@@ -158,7 +158,7 @@ def stubbed(monkeypatch):
     launched = []  # per fresh dispatch: (offset, rows the side outputs hold, part offsets, bytes) of its range
     early = backend.ops.intranode_zero_copy_dispatch_early
     monkeypatch.setattr(backend.ops, "intranode_zero_copy_dispatch_early",
-                        lambda *args: launched.append(args[-5:-1]) or early(*args))
+                        lambda *args: launched.append(args[-6:-2]) or early(*args))
     backend.call = call  # the other ways into the arena
     return backend, (lambda: call([x])[0][0]), launched
 
@@ -192,7 +192,7 @@ def test_a_fresh_dispatch_reserves_the_largest_range_and_keeps_what_its_rows_nee
 
 
 def test_without_room_a_dispatch_takes_two_passes_and_gives_the_range_back(stubbed, monkeypatch):
-    """The agreement finds no room: the range goes back, recv_x is an ordinary tensor that the two-pass
+    """A rank has no room: the range goes back, recv_x is an ordinary tensor that the two-pass
     kernel (queued behind the one-pass one, which returns at once) fills."""
     backend, dispatch, _ = stubbed
     two_pass = []
@@ -208,13 +208,13 @@ def test_without_room_a_dispatch_takes_two_passes_and_gives_the_range_back(stubb
 
 
 def test_a_count_exchange_that_times_out_gives_the_range_back(stubbed, monkeypatch):
-    from moe_ep.backends.peers import HOST_KERNEL_FINISHED, HOST_KERNEL_STARTED
-
     backend, dispatch, _ = stubbed
     backend.timeout_s = 0.05
     monkeypatch.setattr(backend.ops, "wait_host_value", lambda *args: False)
-    # The progress marks as the kernels write them: (KernelId << 24) | call number.
-    backend._host[HOST_KERNEL_STARTED], backend._host[HOST_KERNEL_FINISHED] = 2 << 24 | 17, 6 << 24 | 16
+    # The progress marks as the kernels write them: KernelId, then the call number's low bits.
+    slot, kernel, bits = backend.enums.host_info, backend.enums.kernel_id, backend.enums.progress_mark.CALL_BITS
+    backend._host[slot.KERNEL_STARTED] = kernel.DISPATCH << bits | 17
+    backend._host[slot.KERNEL_FINISHED] = kernel.ZERO_COPY_COMBINE << bits | 16
     with pytest.raises(TimeoutError, match="count exchange.*no kernel of this Buffer reported a missing peer") as raised:
         dispatch()
     assert "last kernel to start: the dispatch of call 17; last to finish: the zero-copy combine of call 16" in \
@@ -225,27 +225,26 @@ def test_a_count_exchange_that_times_out_gives_the_range_back(stubbed, monkeypat
 def test_a_count_exchange_stuck_behind_a_kernel_names_the_peer_that_kernel_reports(stubbed, monkeypatch):
     """The host's wait ends first, an earlier kernel's own deadline later: the host waits for its report
     and raises the peer it names rather than a TimeoutError without one."""
-    from moe_ep.backends.peers import HOST_ERROR
-
     backend, dispatch, _ = stubbed
     backend.timeout_s = 5.0
+    error = backend.enums.host_info.ERROR
 
     def wait_host_value(host_info, index, value, timeout_s):  # the counts never come; a report does
         deadline = time.monotonic() + timeout_s
-        while index == HOST_ERROR and backend._host[index] != value and time.monotonic() < deadline:
+        while index == error and backend._host[index] != value and time.monotonic() < deadline:
             time.sleep(0.01)
-        return index == HOST_ERROR and backend._host[index] == value
+        return index == error and backend._host[index] == value
 
     monkeypatch.setattr(backend.ops, "wait_host_value", wait_host_value)
-    backend.peers.timeout_error = lambda: TimeoutError("rank 2 did not arrive") if backend._host[HOST_ERROR] else None
-    late_report = threading.Timer(0.1, lambda: backend._host.__setitem__(HOST_ERROR, 1))
+    backend.peers.timeout_error = lambda: TimeoutError("rank 2 did not arrive") if backend._host[error] else None
+    late_report = threading.Timer(0.1, lambda: backend._host.__setitem__(error, 1))
     late_report.start()
     try:
         with pytest.raises(TimeoutError, match="rank 2 did not arrive"):
             dispatch()
     finally:
         late_report.cancel()
-        backend._host[HOST_ERROR] = 0
+        backend._host[error] = 0
 
 
 def test_scales_num_worst_tokens_and_cached_dispatches_take_regions_too(stubbed, monkeypatch):
@@ -263,10 +262,10 @@ def test_scales_num_worst_tokens_and_cached_dispatches_take_regions_too(stubbed,
     assert arena.used_regions == 1  # the scales hold the region
     del recv_scales
     # Rows the host knows before the call: the one-pass kernel (its region's offset, rows and part
-    # offsets) and the two-pass one are both queued, behind the agreement.
-    stored = []
-    monkeypatch.setattr(backend.ops, "intranode_zero_copy_dispatch", lambda *args: stored.append(args[-7:-4]),
-                        raising=False)
+    # offsets) and the two-pass one behind it are both queued.
+    stored, one_pass = [], backend.ops.intranode_zero_copy_dispatch
+    monkeypatch.setattr(backend.ops, "intranode_zero_copy_dispatch",
+                        lambda *args: stored.append(args[-8:-5]) or one_pass(*args))
     (worst, _), *_, handle, _ = backend.call([x, scales], num_worst_tokens=rows + 5)  # rows known: no reservation
     worst_layout = arena_dispatch_region(rows + 5, _HIDDEN, 8, _TOPK)
     assert len(launched) == 1 and worst.shape[0] == rows + 5 and worst.data_ptr() == base
@@ -278,7 +277,7 @@ def test_scales_num_worst_tokens_and_cached_dispatches_take_regions_too(stubbed,
     assert arena.used_regions == 0 and arena.free_bytes == arena.size
 
 
-def test_a_num_worst_tokens_dispatch_without_room_votes_for_two_passes(stubbed):
+def test_a_num_worst_tokens_dispatch_without_room_takes_two_passes(stubbed):
     backend, _, launched = stubbed
     x = torch.randn(_TOKENS, _HIDDEN).to(torch.bfloat16)
     (recv_x,), *_ = backend.call([x], num_worst_tokens=10 * _RANKS * _TOKENS)  # more than the whole arena
@@ -287,7 +286,7 @@ def test_a_num_worst_tokens_dispatch_without_room_votes_for_two_passes(stubbed):
 
 
 # The combine from the arena, host side (the launch stubbed): where the rows are said to lie, the copy
-# of an x elsewhere where that pays, and the vote where there is no room.
+# of an x elsewhere where that pays, and two passes where there is no room.
 @pytest.fixture
 def combining(stubbed, monkeypatch):
     from moe_ep.backends.base import CombineCall
@@ -296,8 +295,8 @@ def combining(stubbed, monkeypatch):
     backend, _, _ = stubbed
     x = torch.randn(_TOKENS, _HIDDEN).to(torch.bfloat16)
     (recv_x,), _, recv_weights, _, handle, _ = backend.call([x])
-    launched = []
-    monkeypatch.setattr(backend.ops, "intranode_zero_copy_combine", lambda *args: launched.append(args))
+    launched, one_pass = [], backend.ops.intranode_zero_copy_combine
+    monkeypatch.setattr(backend.ops, "intranode_zero_copy_combine", lambda *args: launched.append(args) or one_pass(*args))
     config = Config(24, 6, 256, 6, 128)
 
     def combine(rows):
@@ -329,7 +328,7 @@ def test_a_combine_input_in_the_arena_is_read_where_it_lies(combining):
 
 
 def test_an_x_elsewhere_is_copied_into_the_arena_only_where_that_pays(combining, monkeypatch):
-    """Below COPY_INTO_ARENA_MIN_RANKS ranks (3 here) an x outside the arena votes for two passes and is
+    """Below COPY_INTO_ARENA_MIN_RANKS ranks (3 here) an x outside the arena takes two passes and is
     not copied; from there up it is copied into a region first."""
     from moe_ep.backends import intranode
 
@@ -350,7 +349,7 @@ def test_an_x_elsewhere_is_copied_into_the_arena_only_where_that_pays(combining,
     assert arena.free_bytes == free
 
 
-def test_no_room_for_the_copy_votes_for_two_passes_and_gives_everything_back(combining, monkeypatch):
+def test_no_room_for_the_copy_takes_two_passes_and_gives_everything_back(combining, monkeypatch):
     from moe_ep.backends import intranode
 
     backend, combine, launched, rows = combining

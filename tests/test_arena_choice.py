@@ -118,12 +118,12 @@ def test_each_arena_gives_the_two_pass_results(gpu_pools, seed, num_ranks, use_f
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
-def test_every_rank_takes_the_path_the_agreement_chose(gpu_pools, seed, num_ranks):
+def test_every_rank_takes_the_path_the_one_pass_kernel_chose(gpu_pools, seed, num_ranks):
     p = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=48)
     pool = gpu_pools(num_ranks)
     copy_pays = num_ranks >= 4
     cases = {
-        "none": None,  # no arena: no agreement
+        "none": None,  # no arena: no one-pass kernel
         "tiny": dict(first=False, dispatch=False, cached=False, combine_in_place=False, combine=False,
                      dispatch_again=False),
         "roomy": dict(first=True, dispatch=True, cached=True, combine_in_place=True, combine=copy_pays,

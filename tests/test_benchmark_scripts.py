@@ -205,30 +205,31 @@ def test_deepep_reference_only_for_its_shape():
     assert deepep_v1_reference(types.SimpleNamespace(**{**vars(args), "cpu": True}), 4, 24, "combine") is None
 
 
-def test_kernel_log_times_split_a_call_into_its_kernels():
+def test_kernel_log_times_split_a_call_into_its_kernels(kernel_enums):
     """The intranode benchmark's reading of a rank's kernel log (--profile-waits): spans, the time
     before each data kernel, the opening kernel's span, the period, and the ranks' start skew."""
-    from moe_ep.backends.peers import (KERNEL_DISPATCH, KERNEL_NOTIFY, KERNEL_RENDEZVOUS,
-                                       KERNEL_STREAM_COMBINE, KERNEL_ZERO_COPY_COMBINE)
     from moe_ep.bench.intranode import kernel_log_times, start_skew_us
+
+    ids = kernel_enums.kernel_id
 
     # Three combines (a rendezvous, then the streaming combine), times in ns: a 10-us rendezvous, a 2-us
     # launch gap, a 600-us data kernel, 100 us from one combine's end to the next call's rendezvous.
     log, t = [], 0
     for _ in range(3):
-        log += [(KERNEL_RENDEZVOUS, t, t + 10_000), (KERNEL_STREAM_COMBINE, t + 12_000, t + 612_000)]
+        log += [(ids.RENDEZVOUS, t, t + 10_000), (ids.STREAM_COMBINE, t + 12_000, t + 612_000)]
         t += 712_000
-    times, starts = kernel_log_times(log, calls=2)
+    times, starts = kernel_log_times(log, calls=2, kernel_ids=ids)
     assert times == {"span us": 600.0, "gap us": 2.0, "lead us": 10.0, "period us": 712.0}
     assert starts == [724_000, 1_436_000]
-    # A fresh dispatch's count exchange (1) before its data kernel (2): the gap holds the host's round.
-    times, _ = kernel_log_times([(KERNEL_NOTIFY, 0, 5_000), (KERNEL_DISPATCH, 45_000, 345_000)], calls=20)
+    # A fresh dispatch's count exchange before its data kernel: the gap holds the host's round.
+    times, _ = kernel_log_times([(ids.NOTIFY, 0, 5_000), (ids.DISPATCH, 45_000, 345_000)], calls=20, kernel_ids=ids)
     assert times == {"span us": 300.0, "gap us": 40.0, "lead us": 5.0}
     # A one-pass combine behind its rendezvous.
-    times, _ = kernel_log_times([(KERNEL_RENDEZVOUS, 0, 3_000), (KERNEL_ZERO_COPY_COMBINE, 5_000, 105_000)], calls=1)
+    times, _ = kernel_log_times([(ids.RENDEZVOUS, 0, 3_000), (ids.ZERO_COPY_COMBINE, 5_000, 105_000)], calls=1,
+                                kernel_ids=ids)
     assert times == {"span us": 100.0, "gap us": 2.0, "lead us": 3.0}
-    assert kernel_log_times([], calls=2) == ({}, [])
-    assert kernel_log_times([(KERNEL_RENDEZVOUS, 0, 1)], calls=2) == ({}, [])
+    assert kernel_log_times([], calls=2, kernel_ids=ids) == ({}, [])
+    assert kernel_log_times([(ids.RENDEZVOUS, 0, 1)], calls=2, kernel_ids=ids) == ({}, [])
     assert start_skew_us([[0, 1_000_000], [4_000, 1_010_000]]) == 7.0
     assert start_skew_us([[0], [1, 2]]) == -1.0 and start_skew_us([]) == -1.0
 

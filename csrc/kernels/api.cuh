@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+#include "reports.cuh"
+
 namespace moe_ep {
 
 // Element types the kernels accept for hidden states (values match the bindings' dtype mapping).
@@ -43,52 +45,12 @@ void per_token_cast_back(const uint8_t* x_fp8, const void* scales, bool scales_u
 
 namespace intranode {
 
-// Host-mapped int32 record each rank's kernels report into (the host polls it; no device sync).
-enum HostInfo : int {
-    kHostDone = 0,          // notify: the nonce of the last finished count exchange
-    kHostError = 1,         // 1 once a wait failed; the fields below say where
-    kHostErrorKind = 2,     // ErrorKind
-    kHostErrorPeer = 3,     // the rank that did not arrive
-    kHostErrorWindow = 4,   // the window waited for
-    kHostOverflow = 5,      // rows received when they exceeded num_recv_rows (num_worst_tokens), else 0
-    kHostTotal = 6,         // notify: rows this rank receives
-    kHostMaxTokens = 7,     // notify: largest num_tokens over the ranks
-    kHostErrorCall = 8,     // the failed wait: the call number it waited for (low 31 bits)
-    kHostErrorSeen = 9,     // ... and the call number the peer's flag last announced (-1: none yet)
-    // (KernelId << 24 | call number's low 24 bits) of this rank's last intranode kernel to start (its
-    // block 0) and to finish (its last block): where the stream stands when a host wait runs out.
-    kHostKernelStarted = 11,
-    kHostKernelFinished = 12,
-    // A failed wait's peer: its last intranode kernel to start (the same mark; 0: none yet, -1: the
-    // failed kernel keeps no marks) and how long before the failure it started, in ms. A peer still in
-    // an earlier call was held up before the kernel (its host, an event its stream waits for, or SMs),
-    // one in this call inside it.
-    kHostErrorPeerStarted = 13,
-    kHostErrorPeerStartedMs = 14,
-    kHostErrorPeerBlocks = 15,  // ... and how many blocks of its running kernel had started
-    kHostErrorBlocks = 16,      // the failed wait's kernel: its blocks (gridDim.x)
-    kHostChoice = 17,       // a one-pass kernel's choice of its call's path (PathChoice: 1 one pass, 0 two)
-    kHostChoiceDone = 18,   // ... the nonce of that call, written after kHostChoice
-    kHostCounts = 19,       // notify: [R] rows from each rank, [R] tokens to each rank, [E/R] per local expert
-};
-enum KernelId : int {
-    kKernelNotify = 1, kKernelDispatch, kKernelCombine, kKernelStreamCombine, kKernelZeroCopyDispatch,
-    kKernelZeroCopyCombine, kKernelRendezvous,
-};
-enum ErrorKind : int {
-    kErrNone = 0, kErrNotify, kErrStaged, kErrReleased, kErrOpen, kErrPushed,
-    kErrLowLatencyDispatch,  // window = the global expert whose tokens did not come
-    kErrLowLatencyCombine,
-    kErrRingRoom,  // streaming combine (window = the channel): room in the peer's ring
-    kErrRingRows,  // ... rows in this rank's ring
-    kErrRendezvous,  // (window = the KernelId of the kernel the rendezvous opens) the peer's arrival
-};
+// The most ranks the kernels take. Combine keeps one bit per sending rank; dispatch's pull and combine's
+// push a list start per rank.
+constexpr int kMaxRanks = 64;
+
+// The host record's ints (HostInfo, reports.cuh: its slots, then a count exchange's counts).
 inline int host_info_ints(int num_ranks) { return kHostCounts + 2 * num_ranks + 16384; }
-// Wait profile (Ctx::wait_ns): per block, nanoseconds spent waiting by ErrorKind (kErrNotify ..
-// kErrPushed), then in each phase of the kernels (their waits included), then the kernel's whole time
-// in the last slot.
-enum ProfilePhase : int { kPhaseStage = kErrPushed + 1, kPhasePull, kPhasePush, kPhaseReduce };
-constexpr int kWaitSlots = kPhaseReduce + 2;
 // Kernel log (with the wait profile, Ctx::kernel_log): [count, then per kernel (KernelId, start, end)], the
 // %globaltimer ns of its block 0's start and of its last block's end, appended by that last block for
 // every intranode kernel of this rank (rendezvous and count exchange included) until it is full. It
@@ -276,22 +238,10 @@ void combine_recv(const Ctx& ctx, const int64_t* topk_idx, const float* topk_wei
 
 // A timeline of the last kTimelineCalls calls on this GPU, in a build with MOE_EP_TIMELINE (a
 // measuring tool; elsewhere the kernels stamp nothing): per call (its number modulo kTimelineCalls) the
-// GPU's global timer (ns, one clock for every process on the GPU) at the edges of its phases, so that
-// a run shows where the time of ranks sharing a GPU goes, which a profiler (it serializes kernels)
-// cannot. "First" columns keep the earliest stamp of any block, the others the latest.
-enum TimelineColumn : int {
-    kCallNumber,      // the call's number
-    kCallKind,        // 1: dispatch, 2: combine
-    kSendFirstStart,  // first send block running
-    kSendLastStart,   // last send block running
-    kSendLastEnd,     // last send block done with its rows
-    kFlagsRaised,     // the last block has raised every flag
-    kWaitStart,       // the wait kernel running
-    kWaitSeen,        // every flag seen
-    kRecvFirstStart,  // first receive block running
-    kRecvLastEnd,     // last receive block done
-    kTimelineColumns
-};
+// GPU's global timer (ns, one clock for every process on the GPU) at the edges of its phases
+// (TimelineColumn in reports.cuh), so that a run shows where the time of ranks sharing a GPU goes, which
+// a profiler (it serializes kernels) cannot. "First" columns keep the earliest stamp of any block, the
+// others the latest.
 constexpr int kTimelineCalls = 64;
 bool timeline_built();
 void timeline_reset();                // every stamp cleared (synchronous)

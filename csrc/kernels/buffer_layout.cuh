@@ -33,7 +33,7 @@ enum Signal : int {
     kReduceCount = 7,  // [2] by window parity: blocks done reducing a combine window
     kPullCount = 9,    // [2] by window parity: blocks done pulling every rank's dispatch window
     kPushCount = 11,   // [2] by window parity: blocks done pushing a combine window to every owner
-    kStartedMark = 13,  // this rank's last intranode kernel to start: KernelId << 24 | its call number
+    kStartedMark = 13,  // this rank's last intranode kernel to start: its progress mark (ProgressMark)
     kStartedAt = 14,    // ... and when (%globaltimer ns): a peer's timed-out wait reports both
     kBlocksStarted = 15,  // blocks of the running kernel started so far (0 between kernels): its
                           // residency, when a wait for this rank times out

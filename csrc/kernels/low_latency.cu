@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, kSendMinBlocks) dispatch_send_kernel
     // in the flags, not in this kernel's end.
     let_dependents_start();
     const Env e = make_env(c);
-    stamp_start(e.seq, 1);
+    stamp_start(e.seq, kTimelineDispatch);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     // Nothing has arrived before the hook: the receive kernel writes the real counts later on this stream.
     if (blockIdx.x == 0)
@@ -647,7 +647,7 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ctx c, const uin
     extern __shared__ int first_row[];  // [num_local + 1]
     let_dependents_start();  // as in the dispatch send: the wait kernel after this one polls flags
     const Env e = make_env(c);
-    stamp_start(e.seq, 2);
+    stamp_start(e.seq, kTimelineCombine);
     const int lane = threadIdx.x % 32, warp_id = blockIdx.x * kWarps + threadIdx.x / 32, num_warps = gridDim.x * kWarps;
     const int64_t rows_per_expert = static_cast<int64_t>(e.num_ranks) * e.max_tokens, row_bytes = e.hidden * 2LL;
     bool issued_puts = false;  // this thread's

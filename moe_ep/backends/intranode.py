@@ -26,9 +26,7 @@ from ..handles import DispatchHandle
 from ..mps import process_sm_share
 from ..sync import ArrivalGate
 from .peers import (
-    HOST_CHOICE, HOST_CHOICE_DONE, HOST_COUNTS, HOST_DONE, HOST_ERROR, HOST_OVERFLOW, PHASE_NAMES, WAIT_NAMES,
-    MappedBuffers,
-    aligned, kernel_progress, map_peer_buffers,
+    PHASE_NAMES, WAIT_NAMES, MappedBuffers, aligned, kernel_progress, map_peer_buffers,
 )
 
 # Host-side grace on top of the kernels' own deadline before the host gives up on a count exchange.
@@ -87,6 +85,7 @@ class IntranodeBackend(Backend):
         self.peers = map_peer_buffers(group, gate, num_nvl_bytes, "dispatch", kernel_choices.peer_memory)
         self.memory = self.peers.memory  # the arena is mapped the same way
         self.ops = self.peers.ops
+        self.enums = self.peers.enums  # the host record's slots, among others, as the kernels number them
         self.rank, self.num_ranks = self.peers.rank, self.peers.num_ranks
         self.num_nvl_bytes = num_nvl_bytes
         self.timeout_s = gate.timeout_s
@@ -160,9 +159,9 @@ class IntranodeBackend(Backend):
     def check_errors(self) -> None:
         """Raises what an earlier kernel reported: a peer that did not arrive (the Buffer is then out of
         step and unusable), or a num_worst_tokens dispatch that received more rows than it had."""
-        h = self._host
-        if h[HOST_OVERFLOW]:
-            received, h[HOST_OVERFLOW] = h[HOST_OVERFLOW], 0
+        h, slot = self._host, self.enums.host_info
+        if h[slot.OVERFLOW]:
+            received, h[slot.OVERFLOW] = h[slot.OVERFLOW], 0
             raise ValueError(
                 f"num_worst_tokens: an earlier dispatch on rank {self.rank} received {received} tokens, more than "
                 "its num_worst_tokens rows; the rows past it were dropped. Pass a larger num_worst_tokens."
@@ -212,7 +211,7 @@ class IntranodeBackend(Backend):
             calls.append(f"{kind} {now - launched:.2f} s ago ({reached})")
         stream = "idle" if self.comm_stream.query() else "busy"
         return (f"rank {self.rank}: calls launched by the host, oldest first: {', '.join(calls) or 'none'}; device: "
-                f"{kernel_progress(self._host)}; communication stream {stream}")
+                f"{kernel_progress(self._host, self.enums)}; communication stream {stream}")
 
     # ---------------------------------------------------------------- wait profile
     def _profile_rows(self, kernel: str, num_blocks: int) -> int:
@@ -238,12 +237,15 @@ class IntranodeBackend(Backend):
             return {}
         self.comm_stream.synchronize()
         profile = {}
+        kinds, phases = self.enums.error_kind, self.enums.profile_phase
         for kernel, rows in self._wait_rows.items():
             totals = rows.sum(dim=0).tolist()
-            profile[kernel] = {name: totals[kind] / 1e9 for kind, name in WAIT_NAMES.items() if totals[kind]}
+            waits = {name: totals[getattr(kinds, kind)] for kind, name in WAIT_NAMES.items()}
+            profile[kernel] = {name: ns / 1e9 for name, ns in waits.items() if ns}
             profile[kernel]["kernel"] = totals[-1] / 1e9
             profile[kernel]["blocks"] = int((rows[:, -1] > 0).sum())
-            profile[kernel]["phases"] = {name: totals[slot] / 1e9 for slot, name in PHASE_NAMES.items() if totals[slot]}
+            spans = {name: totals[getattr(phases, phase)] for phase, name in PHASE_NAMES.items()}
+            profile[kernel]["phases"] = {name: ns / 1e9 for name, ns in spans.items() if ns}
         return profile
 
     def kernel_log(self) -> list:
@@ -540,7 +542,7 @@ class IntranodeBackend(Backend):
             self.ctx, config.num_sms, x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank,
             num_tokens_per_expert, local,
             self._nonce, self.recv_info_ints, self.comm_stream.cuda_stream, order_after_caller, allocate_on_comm_stream,
-            HOST_DONE, HOST_COUNTS, self.timeout_s + _HOST_GRACE_S,
+            self.enums.host_info.DONE, self.enums.host_info.COUNTS, self.timeout_s + _HOST_GRACE_S,
         )
         if done is None:
             self._count_exchange_timed_out()
@@ -568,19 +570,20 @@ class IntranodeBackend(Backend):
     def _wait_choice(self, local: int):
         """(send counts, receive counts, per-expert counts, one pass?) of a fresh dispatch into the arena,
         read from host-mapped memory once its one-pass kernel has chosen (behind its count exchange)."""
-        if not self.ops.wait_host_value(self.host_info, HOST_CHOICE_DONE, self._nonce,
+        slot = self.enums.host_info
+        if not self.ops.wait_host_value(self.host_info, slot.CHOICE_DONE, self._nonce,
                                         self.timeout_s + _HOST_GRACE_S):
             self._count_exchange_timed_out()
-        return (*self._read_counts(local), bool(self._host[HOST_CHOICE]))
+        return (*self._read_counts(local), bool(self._host[slot.CHOICE]))
 
     def _read_counts(self, local: int):
         """The count exchange's result in host-mapped memory (its kernel is done)."""
-        h, r = self._host, self.num_ranks
+        h, r, counts = self._host, self.num_ranks, self.enums.host_info.COUNTS
         # Slices of the ctypes array: one C-level copy each (indexing per element cost ~13 us a call
         # with 128 local experts).
-        recv_counts = h[HOST_COUNTS: HOST_COUNTS + r]
-        send_counts = h[HOST_COUNTS + r: HOST_COUNTS + 2 * r]
-        per_expert = h[HOST_COUNTS + 2 * r: HOST_COUNTS + 2 * r + local]
+        recv_counts = h[counts: counts + r]
+        send_counts = h[counts + r: counts + 2 * r]
+        per_expert = h[counts + 2 * r: counts + 2 * r + local]
         return send_counts, recv_counts, per_expert
 
     def _count_exchange_timed_out(self):
@@ -588,15 +591,15 @@ class IntranodeBackend(Backend):
         An earlier kernel on the communication stream that still waits for a peer reports it at its own
         deadline, which can come after the host's (its wait may have begun later): the host gives it that
         long before it raises without a name."""
-        self.ops.wait_host_value(self.host_info, HOST_ERROR, 1, self.timeout_s)
+        self.ops.wait_host_value(self.host_info, self.enums.host_info.ERROR, 1, self.timeout_s)
         self.check_errors()
         stream = "idle (its work all done)" if self.comm_stream.query() else "still busy"
         raise TimeoutError(
             f"moe_ep: the dispatch count exchange did not finish within {self.timeout_s + _HOST_GRACE_S:g} s "
             f"on rank {self.rank}, and no kernel of this Buffer reported a missing peer in {self.timeout_s:g} s "
             "more: the communication stream did not reach it (a kernel or an event it waits for never ended). "
-            f"Rank {self.rank}: {kernel_progress(self._host)}; count exchange {self._nonce} awaited, "
-            f"{self._host[HOST_DONE]} the last finished; communication stream {stream}"
+            f"Rank {self.rank}: {kernel_progress(self._host, self.enums)}; count exchange {self._nonce} awaited, "
+            f"{self._host[self.enums.host_info.DONE]} the last finished; communication stream {stream}"
         )
 
     # ---------------------------------------------------------------- dispatch arena

@@ -16,7 +16,7 @@ import functools
 import os
 import warnings
 import weakref
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -25,35 +25,105 @@ from .. import _native
 from ..sync import ArrivalGate
 from .choices import kernel_choices
 from .descriptors import DescriptorsUnavailable, exchange_descriptors
+from .reports import read_header
 
-# host_info slots (csrc/kernels/api.cuh, intranode::HostInfo)
-HOST_DONE, HOST_ERROR, HOST_ERROR_KIND, HOST_ERROR_PEER, HOST_ERROR_WINDOW, HOST_OVERFLOW = range(6)
-HOST_TOTAL, HOST_MAX_TOKENS, HOST_ERROR_CALL, HOST_ERROR_SEEN = 6, 7, 8, 9
-HOST_KERNEL_STARTED, HOST_KERNEL_FINISHED, HOST_ERROR_PEER_STARTED, HOST_ERROR_PEER_STARTED_MS = 11, 12, 13, 14
-HOST_ERROR_PEER_BLOCKS, HOST_ERROR_BLOCKS, HOST_CHOICE, HOST_CHOICE_DONE, HOST_COUNTS = 15, 16, 17, 18, 19
-# intranode::KernelId (csrc/kernels/api.cuh), and the words the progress marks name them by.
-(KERNEL_NOTIFY, KERNEL_DISPATCH, KERNEL_COMBINE, KERNEL_STREAM_COMBINE, KERNEL_ZERO_COPY_DISPATCH,
- KERNEL_ZERO_COPY_COMBINE, KERNEL_RENDEZVOUS) = range(1, 8)
-KERNEL_NAMES = {KERNEL_NOTIFY: "notify (count exchange)", KERNEL_DISPATCH: "dispatch", KERNEL_COMBINE: "combine",
-                KERNEL_STREAM_COMBINE: "streaming combine", KERNEL_ZERO_COPY_DISPATCH: "zero-copy dispatch",
-                KERNEL_ZERO_COPY_COMBINE: "zero-copy combine", KERNEL_RENDEZVOUS: "rendezvous"}
-# What a failed wait was waiting for, by intranode::ErrorKind.
+
+class Enumerators:
+    """One enum of csrc/kernels/reports.cuh by the names the extension exports: each enumerator an int
+    attribute (HOST_INFO's DONE, ERROR, ...), plain ints since a call's path reads them (an IntEnum
+    member costs about a microsecond a read), and name_of for the way back."""
+
+    def __init__(self, table: Dict[str, int]):
+        self.__dict__.update(table)
+        self._names = {value: name for name, value in table.items()}
+
+    def name_of(self, value: int) -> Optional[str]:
+        """The enumerator of that value, or None where there is none (a record no kernel wrote)."""
+        return self._names.get(value)
+
+    def names(self) -> Tuple[str, ...]:
+        """Every enumerator, in the order of their values."""
+        return tuple(self._names[value] for value in sorted(self._names))
+
+
+class KernelEnums:
+    """The numbers the kernels report to the host by, as csrc/kernels/reports.cuh (their one definition)
+    names them, from the tables an extension module exports: moe_ep._C, or the same tables read from the
+    header where none is built (kernel_enums). Each table is read when first used."""
+
+    def __init__(self, ops):
+        self._ops = ops
+
+    @functools.cached_property
+    def host_info(self) -> Enumerators:
+        """intranode::HostInfo: the slots of a rank's host record."""
+        return Enumerators(self._ops.HOST_INFO)
+
+    @functools.cached_property
+    def kernel_id(self) -> Enumerators:
+        """intranode::KernelId: the kernel a progress mark or a kernel log entry names."""
+        return Enumerators(self._ops.KERNEL_IDS)
+
+    @functools.cached_property
+    def progress_mark(self) -> Enumerators:
+        """intranode::ProgressMark: a progress mark is KernelId << CALL_BITS | the call number's low bits."""
+        return Enumerators(self._ops.PROGRESS_MARK)
+
+    @functools.cached_property
+    def error_kind(self) -> Enumerators:
+        """intranode::ErrorKind: what a failed wait waited for; the wait profile's first slots."""
+        return Enumerators(self._ops.ERROR_KINDS)
+
+    @functools.cached_property
+    def profile_phase(self) -> Enumerators:
+        """intranode::ProfilePhase: the wait profile's slots after the waits."""
+        return Enumerators(self._ops.PROFILE_PHASES)
+
+    @functools.cached_property
+    def timeline_column(self) -> Enumerators:
+        """low_latency::TimelineColumn: the columns of the low-latency kernels' timeline."""
+        return Enumerators(self._ops.TIMELINE_COLUMNS)
+
+    @functools.cached_property
+    def timeline_call_kind(self) -> Enumerators:
+        """low_latency::TimelineCallKind: what the timeline's CALL_KIND column holds."""
+        return Enumerators(self._ops.TIMELINE_CALL_KINDS)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_enums() -> KernelEnums:
+    """The extension's tables where it is built, else csrc/kernels/reports.cuh's read in Python: for what
+    runs the Python layer with the kernels stubbed (the --stub-kernels tools, CPU tests). A Buffer's
+    backends read the extension they launch (MappedBuffers.enums)."""
+    try:
+        return KernelEnums(_native.ops())
+    except RuntimeError:
+        return KernelEnums(read_header())
+
+
+# The words a progress mark names each kernel by, by KernelId.
+KERNEL_NAMES = {"NOTIFY": "notify (count exchange)", "DISPATCH": "dispatch", "COMBINE": "combine",
+                "STREAM_COMBINE": "streaming combine", "ZERO_COPY_DISPATCH": "zero-copy dispatch",
+                "ZERO_COPY_COMBINE": "zero-copy combine", "RENDEZVOUS": "rendezvous"}
+# What a failed wait was waiting for, by ErrorKind.
 WAITED_FOR = {
-    1: "its token counts (dispatch)",
-    2: "its tokens of dispatch window {window}",
-    3: "it to finish reading this rank's dispatch window {window} (or its rows of a combine from the dispatch arena)",
-    4: "it to accept combine rows of window {window}",
-    5: "its combine rows of window {window}",
-    6: "its tokens for expert {window} (low_latency_dispatch)",
-    7: "its rows (low_latency_combine)",
-    8: "it to take the combine rows in its ring of channel {window}",
-    9: "its combine rows of channel {window}",
-    10: "it to reach this call's {kernel} (ranks sharing a GPU start it together)",
+    "NOTIFY": "its token counts (dispatch)",
+    "STAGED": "its tokens of dispatch window {window}",
+    "RELEASED": "it to finish reading this rank's dispatch window {window} (or its rows of a combine from the "
+                "dispatch arena)",
+    "OPEN": "it to accept combine rows of window {window}",
+    "PUSHED": "its combine rows of window {window}",
+    "LOW_LATENCY_DISPATCH": "its tokens for expert {window} (low_latency_dispatch)",
+    "LOW_LATENCY_COMBINE": "its rows (low_latency_combine)",
+    "RING_ROOM": "it to take the combine rows in its ring of channel {window}",
+    "RING_ROWS": "its combine rows of channel {window}",
+    "RENDEZVOUS": "it to reach this call's {kernel} (ranks sharing a GPU start it together)",
 }
 # The intranode kinds again, named short for the wait profile (IntranodeBackend.wait_profile), and
-# the kernels' phases after them (ProfilePhase in csrc/kernels/api.cuh).
-WAIT_NAMES = {1: "token counts", 2: "staged tokens", 3: "window read", 4: "window open", 5: "rows pushed"}
-PHASE_NAMES = {6: "stage", 7: "pull", 8: "push", 9: "reduce"}
+# the kernels' phases after them (ProfilePhase).
+WAIT_NAMES = {"NOTIFY": "token counts", "STAGED": "staged tokens", "RELEASED": "window read", "OPEN": "window open",
+              "PUSHED": "rows pushed"}
+PHASE_NAMES = {"STAGE": "stage", "PULL": "pull", "PUSH": "push", "REDUCE": "reduce"}
 
 
 def aligned(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -87,46 +157,52 @@ def _release(steps: List[Callable[[], None]]) -> None:
         pass
 
 
-def _kernel_name(kernel_id: int) -> str:
+def _kernel_name(kernel_id: int, enums: KernelEnums) -> str:
     """An intranode::KernelId in words."""
-    return KERNEL_NAMES.get(kernel_id, f"kernel {kernel_id}")
+    return KERNEL_NAMES.get(enums.kernel_id.name_of(kernel_id), f"kernel {kernel_id}")
 
 
-def _kernel_mark(value: int) -> str:
-    """A progress mark (intranode::KernelId << 24 | call number) in words."""
+def _mark_call(value: int, enums: KernelEnums) -> int:
+    """The call number's low bits a progress mark keeps (intranode::ProgressMark), of a mark or a call."""
+    return value & ((1 << enums.progress_mark.CALL_BITS) - 1)
+
+
+def _kernel_mark(value: int, enums: KernelEnums) -> str:
+    """A progress mark (intranode::ProgressMark: KernelId, then the call number's low bits) in words."""
     if value == 0:
         return "none"
-    return f"the {_kernel_name(value >> 24)} of call {value & 0xFFFFFF}"
+    return f"the {_kernel_name(value >> enums.progress_mark.CALL_BITS, enums)} of call {_mark_call(value, enums)}"
 
 
-def kernel_progress(host) -> str:
+def kernel_progress(host, enums: KernelEnums) -> str:
     """Which of a rank's intranode kernels started and finished last, from its host record's progress
     marks: where its communication stream stands when a host wait ran out with no kernel's report."""
-    return (f"last kernel to start: {_kernel_mark(host[HOST_KERNEL_STARTED])}; "
-            f"last to finish: {_kernel_mark(host[HOST_KERNEL_FINISHED])}")
+    slot = enums.host_info
+    return (f"last kernel to start: {_kernel_mark(host[slot.KERNEL_STARTED], enums)}; "
+            f"last to finish: {_kernel_mark(host[slot.KERNEL_FINISHED], enums)}")
 
 
-def peer_progress(host) -> str:
+def peer_progress(host, enums: KernelEnums) -> str:
     """What a failed intranode wait found of the peer it waited for: its last kernel to start, and
     whether that was the waited call's (then it was inside the kernel) or an earlier one's (then its
     stream never reached this call: held up by its host, an event, or SMs other kernels held)."""
-    mark = host[HOST_ERROR_PEER_STARTED]
+    slot = enums.host_info
+    mark = host[slot.ERROR_PEER_STARTED]
     if mark < 0:  # the low-latency kernels keep no marks
         return ""
     if mark == 0:
         return " It had started no kernel of this Buffer."
-    call = mark & 0xFFFFFF
-    if call == host[HOST_ERROR_CALL] & 0xFFFFFF:
+    if _mark_call(mark, enums) == _mark_call(host[slot.ERROR_CALL], enums):
         # Fewer blocks started than the kernel has: the rest found no SM free (other kernels held them).
-        started, blocks = host[HOST_ERROR_PEER_BLOCKS], host[HOST_ERROR_BLOCKS]
+        started, blocks = host[slot.ERROR_PEER_BLOCKS], host[slot.ERROR_BLOCKS]
         where = f"it was inside this call's kernel, {started} of its {blocks} blocks started"
         if started < blocks:
             where += f" (the rest found no free SM{_SHARED_GPU_HINT})"
     else:
         where = ("it had not started this call's kernel: its stream was held up before it (its host, an event "
                  f"it waited for, or no free SMs{_SHARED_GPU_HINT})")
-    return (f" Its last kernel to start was {_kernel_mark(mark)}, {host[HOST_ERROR_PEER_STARTED_MS] / 1000:.1f} s "
-            f"before the wait gave up: {where}.")
+    return (f" Its last kernel to start was {_kernel_mark(mark, enums)}, "
+            f"{host[slot.ERROR_PEER_STARTED_MS] / 1000:.1f} s before the wait gave up: {where}.")
 
 
 # Where ranks share a GPU, one rank's GEMM can take the SMs the others' waiting kernels leave and wait
@@ -142,6 +218,7 @@ class MappedBuffers:
 
     def _start(self, group: dist.ProcessGroup):
         self.ops = _native.ops()
+        self.enums = KernelEnums(self.ops)
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
         self.device = torch.device("cuda", torch.cuda.current_device())
@@ -167,15 +244,17 @@ class MappedBuffers:
     def timeout_error(self) -> Optional[TimeoutError]:
         """The failure a kernel reported, if any: a peer that did not arrive (the Buffer's ranks are
         then out of step)."""
-        h = self.host
-        if not h[HOST_ERROR]:
+        h, enums = self.host, self.enums
+        slot = enums.host_info
+        if not h[slot.ERROR]:
             return None
-        window = h[HOST_ERROR_WINDOW]
-        waited = WAITED_FOR.get(h[HOST_ERROR_KIND], "it").format(window=window, kernel=_kernel_name(window))
-        seen = "nothing yet" if h[HOST_ERROR_SEEN] < 0 else f"call {h[HOST_ERROR_SEEN]}"
+        window = h[slot.ERROR_WINDOW]
+        waited = WAITED_FOR.get(enums.error_kind.name_of(h[slot.ERROR_KIND]), "it").format(
+            window=window, kernel=_kernel_name(window, enums))
+        seen = "nothing yet" if h[slot.ERROR_SEEN] < 0 else f"call {h[slot.ERROR_SEEN]}"
         return TimeoutError(
-            f"moe_ep: rank {h[HOST_ERROR_PEER]} did not arrive within {self.timeout_s:g} s: rank {self.rank} waited "
-            f"for {waited} (call {h[HOST_ERROR_CALL]}; its flag announced {seen}).{peer_progress(h)} Raise "
+            f"moe_ep: rank {h[slot.ERROR_PEER]} did not arrive within {self.timeout_s:g} s: rank {self.rank} waited "
+            f"for {waited} (call {h[slot.ERROR_CALL]}; its flag announced {seen}).{peer_progress(h, enums)} Raise "
             "MOE_EP_TIMEOUT_S if the peer is only slow; the Buffer's ranks are out of step now: create a new Buffer."
         )
 

@@ -51,8 +51,7 @@ from moe_ep.config import arena_bytes
 from moe_ep.diagnostics import kernel_backend
 from moe_ep.launch import RankPool
 from moe_ep.backends.choices import PEER_MEMORY_KINDS, overridden
-from moe_ep.backends.peers import (KERNEL_COMBINE, KERNEL_DISPATCH, KERNEL_NOTIFY, KERNEL_RENDEZVOUS,
-                                   KERNEL_STREAM_COMBINE, KERNEL_ZERO_COPY_COMBINE, KERNEL_ZERO_COPY_DISPATCH)
+from moe_ep.backends.peers import Enumerators
 
 from .timing import wall_seconds_per_call
 
@@ -102,26 +101,26 @@ def wait_shares(profile: dict, mode: str, calls: int) -> dict:
     return shares
 
 
-# The kernels that move a call's rows, and those that open a call.
-DATA_KERNELS = (KERNEL_DISPATCH, KERNEL_COMBINE, KERNEL_STREAM_COMBINE, KERNEL_ZERO_COPY_DISPATCH,
-                KERNEL_ZERO_COPY_COMBINE)
-LEAD_KERNELS = (KERNEL_NOTIFY, KERNEL_RENDEZVOUS)
+# The kernels that move a call's rows, and those that open a call, by KernelId.
+DATA_KERNELS = ("DISPATCH", "COMBINE", "STREAM_COMBINE", "ZERO_COPY_DISPATCH", "ZERO_COPY_COMBINE")
+LEAD_KERNELS = ("NOTIFY", "RENDEZVOUS")
 
 
-def kernel_log_times(log: list, calls: int) -> tuple:
-    """From a rank's kernel log ([(KernelId, start ns, end ns)], --profile-waits): the means over its
-    last `calls` data kernels, in us, of their span (block 0's start to the last block's end), the time
-    from the kernel before them to their start ("gap": the host's part for a fresh dispatch, a launch
-    otherwise), the span of the call's opening kernel where there is one (count exchange or rendezvous:
-    "lead"), and the time from one data kernel's start to the next ("period", against the
-    host's time per call); and the data kernels' start times, to set against the other ranks' ({} and []
-    without a log)."""
-    data = [i for i, entry in enumerate(log) if entry[0] in DATA_KERNELS][-calls:]
+def kernel_log_times(log: list, calls: int, kernel_ids: Enumerators) -> tuple:
+    """From a rank's kernel log ([(KernelId, start ns, end ns)], --profile-waits; kernel_ids: the
+    extension's KernelId): the means over its last `calls` data kernels, in us, of their span (block 0's
+    start to the last block's end), the time from the kernel before them to their start ("gap": the host's
+    part for a fresh dispatch, a launch otherwise), the span of the call's opening kernel where there is
+    one (count exchange or rendezvous: "lead"), and the time from one data kernel's start to the
+    next ("period", against the host's time per call); and the data kernels' start times, to set against
+    the other ranks' ({} and [] without a log)."""
+    kinds = [kernel_ids.name_of(entry[0]) for entry in log]
+    data = [i for i, kind in enumerate(kinds) if kind in DATA_KERNELS][-calls:]
     if not data:
         return {}, []
     spans = [log[i][2] - log[i][1] for i in data]
     gaps = [log[i][1] - log[i - 1][2] for i in data if i > 0]
-    leads = [log[i - 1][2] - log[i - 1][1] for i in data if i > 0 and log[i - 1][0] in LEAD_KERNELS]
+    leads = [log[i - 1][2] - log[i - 1][1] for i in data if i > 0 and kinds[i - 1] in LEAD_KERNELS]
     starts = [log[i][1] for i in data]
     periods = [b - a for a, b in zip(starts, starts[1:])]
     times = {"span us": spans, "gap us": gaps, "lead us": leads, "period us": periods}
@@ -252,7 +251,8 @@ def _rank_bench(args):
                 # The share of the mode's calls the device ran in one pass (the *_arena modes expect all).
                 one_pass = (timed.stats()["one_pass_calls"][kind] - one_pass_before) / (args.warmup + args.iters)
                 waits = wait_shares(kernels.wait_profile(), mode, args.warmup + args.iters) if kernels is not None else {}
-                times, starts = kernel_log_times(kernels.kernel_log(), args.iters) if kernels is not None else ({}, [])
+                times, starts = (kernel_log_times(kernels.kernel_log(), args.iters, kernels.enums.kernel_id)
+                                 if kernels is not None else ({}, []))
                 waits.update(times)
                 row_bytes = args.hidden * (1 + 4 / 128) if mode.startswith("dispatch_fp8") else args.hidden * 2
                 results.append(dict(rank=rank, sms=num_sms, recv_tokens=config.num_max_nvl_chunked_recv_tokens,

@@ -1,7 +1,7 @@
 """Where the time of a low-latency call goes when ranks share a GPU, from the kernels' own clock.
 
 Needs the extension built with MOE_EP_TIMELINE=1: then every low-latency kernel stamps the GPU's global
-timer (one clock for all processes on the GPU) at the edges of its phases (csrc/kernels/api.cuh,
+timer (one clock for all processes on the GPU) at the edges of its phases (csrc/kernels/reports.cuh,
 TimelineColumn). Every rank captures `--calls` calls in a CUDA graph (as `bench.low_latency --graph`
 times them) and replays it once with the stamps cleared; each call's stamps are then taken relative to
 its earliest send block on any rank. A profiler cannot show this: it serializes the ranks' kernels.
@@ -19,15 +19,11 @@ import torch
 import torch.distributed as dist
 
 from moe_ep._native import ops
+from moe_ep.backends.peers import KernelEnums
 from moe_ep.launch import RankPool
 
 from .low_latency import add_problem_arguments, make_problem
 from .timing import device_sync
-
-# The columns of low_latency::TimelineColumn, in order.
-COLUMNS = ("call", "kind", "send_first_start", "send_last_start", "send_last_end", "flags_raised", "wait_start",
-           "wait_seen", "recv_first_start", "recv_last_end")
-KINDS = {1: "dispatch", 2: "combine"}
 
 
 def rank_timeline(args, num_experts: int):
@@ -61,9 +57,13 @@ def rank_timeline(args, num_experts: int):
     return ops().ll_timeline().tolist()
 
 
-def phases(tables, skip: int):
-    """Per call kind, the median over calls of each phase (us): [(name, mean over ranks, worst rank)]."""
-    rows = [{int(r[0]): dict(zip(COLUMNS, r)) for r in table if r[1] in KINDS} for table in tables]
+def phases(tables, skip: int, enums: KernelEnums):
+    """Per call kind, the median over calls of each phase (us): [(name, mean over ranks, worst rank)].
+    enums: the extension's (timeline_column and timeline_call_kind name the tables' columns and kinds)."""
+    column, kinds = enums.timeline_column, enums.timeline_call_kind
+    names = [name.lower() for name in column.names()]
+    rows = [{int(r[column.CALL_NUMBER]): dict(zip(names, r)) for r in table if kinds.name_of(r[column.CALL_KIND])}
+            for table in tables]
     calls = sorted(set.intersection(*(set(r) for r in rows)))[skip:]
     by_kind = {}
     for n in calls:
@@ -86,7 +86,7 @@ def phases(tables, skip: int):
         if all(f is not None for f in following):
             per_rank["receive end -> own next send start"] = [f["send_first_start"] - s["recv_last_end"]
                                                               for s, f in zip(stamps, following)]
-        kind = KINDS[stamps[0]["kind"]]
+        kind = kinds.name_of(stamps[0]["call_kind"]).lower()
         for name, values in per_rank.items():
             by_kind.setdefault(kind, {}).setdefault(name, []).append(
                 (sum(values) / len(values) / 1e3, max(values) / 1e3))
@@ -108,7 +108,7 @@ def main():
     for num_ranks in args.ranks:
         with RankPool(num_ranks, use_cuda=True) as pool:
             tables = pool.run(rank_timeline, args, args.experts)
-        result = phases(tables, args.skip)
+        result = phases(tables, args.skip, KernelEnums(ops()))
         print(f"== {num_ranks} ranks, {args.tokens} tokens, hidden {args.hidden}, top-{args.topk} of {args.experts}"
               f"{', dispatch + combine rounds' if args.combine else ''}: us, median over calls (mean over ranks / worst)")
         for kind, named in result.items():

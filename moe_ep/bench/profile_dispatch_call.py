@@ -154,8 +154,9 @@ class _NoLaunches:
     """The extension's intranode entry points doing nothing; the count wait finds the counts there, and a
     one-pass kernel chooses from this rank's room alone (as if every peer had room too)."""
 
-    def __init__(self, host):
+    def __init__(self, host, enums):
         self._host = host  # the backend's host-mapped ints, where a fresh dispatch's choice lands
+        self._enums = enums  # the backend's KernelEnums: the host record's slots
 
     def wait_host_value(self, host_info, index, value, timeout_s):
         host_info[index] = value
@@ -163,15 +164,13 @@ class _NoLaunches:
 
     def intranode_zero_copy_dispatch_early(self, ctx, num_sms, x, scales, topk_idx, topk_weights, in_rank, per_rank,
                                            per_expert, local, nonce, recv_info_ints, *rest):
-        from moe_ep.backends.peers import HOST_CHOICE
-
         # rest ends with the target the kernel lays the rows out in (its offset, the most rows the side
         # outputs hold, part offsets, its bytes), then the choice and the one-pass count.
         capacity, length, num_topk = rest[-5], rest[-3], topk_idx.shape[1]
         rows = x.shape[0] * in_rank.shape[1]  # every token to every rank, as stub_backend's counts say
         needed = arena_dispatch_region(rows, x.shape[1] * x.element_size(),
                                        0 if scales is None else scales.shape[1] * scales.element_size(), num_topk)
-        self._host[HOST_CHOICE] = int(capacity > 0 and needed.slot_bytes <= length)
+        self._host[self._enums.host_info.CHOICE] = int(capacity > 0 and needed.slot_bytes <= length)
         ints = dict(dtype=torch.int32, device="cpu")
         return (torch.empty(x.shape[0], in_rank.shape[1], **ints), torch.empty(recv_info_ints, **ints),
                 torch.empty(capacity, **ints), torch.empty(capacity, num_topk, dtype=torch.int64, device="cpu"),
@@ -232,17 +231,19 @@ def stub_backend(ranks: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
     import types
 
     from moe_ep.backends import intranode
-    from moe_ep.backends.peers import HOST_COUNTS
+    from moe_ep.backends.peers import kernel_enums
 
     tokens, topk = x.shape[0], topk_idx.shape[1]
     setattr_(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     setattr_(torch.cuda, "current_stream", lambda *a: _NoStream())
     setattr_(torch.cuda, "is_current_stream_capturing", lambda: False)
     backend = intranode.IntranodeBackend.__new__(intranode.IntranodeBackend)
-    host_info = torch.zeros(HOST_COUNTS + 2 * ranks + experts + 64, dtype=torch.int32, device="cpu")
+    backend.enums = kernel_enums()  # the extension's numbers, or the header's where none is built
+    counts = backend.enums.host_info.COUNTS
+    host_info = torch.zeros(counts + 2 * ranks + experts + 64, dtype=torch.int32, device="cpu")
     backend.host_info = host_info  # read as the real one is: a ctypes view of pinned memory
     backend._host = (ctypes.c_int32 * host_info.numel()).from_address(host_info.data_ptr())
-    backend.ops = _NoLaunches(backend._host)
+    backend.ops = _NoLaunches(backend._host, backend.enums)
     backend.rank, backend.num_ranks, backend.recv_info_ints, backend.timeout_s = 0, ranks, 64, 20.0
     backend.prefix_matrix_at, backend._choice = 0, torch.zeros(1, dtype=torch.int32)
     backend.one_pass_calls = torch.zeros(2, dtype=torch.int32)
@@ -253,7 +254,7 @@ def stub_backend(ranks: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
     backend._nonce, backend._fitting_sms, backend._wait_rows = 0, set(), None
     backend._recent_calls = collections.deque(maxlen=intranode.RECENT_CALLS)
     backend.peers = types.SimpleNamespace(timeout_error=lambda: None)
-    backend._host[HOST_COUNTS: HOST_COUNTS + ranks] = [tokens] * ranks
+    backend._host[counts: counts + ranks] = [tokens] * ranks
     backend.arena_area = backend.arena = None
     if arena:
         area = arena_bytes(tokens * ranks, x.shape[1] * x.element_size(), 0, topk, num_live=2)

@@ -20,8 +20,6 @@ namespace moe_ep {
 namespace intranode {
 
 constexpr unsigned kFullMask = 0xffffffffu;
-// Combine keeps one bit per sending rank; dispatch's pull and combine's push a list start per rank.
-constexpr int kMaxRanks = 64;
 
 using peer::arrive_last;
 using peer::load_acquire;
@@ -44,8 +42,10 @@ struct Env {
     int64_t* kernel_log;  // Ctx::kernel_log
     int kernel;         // KernelId
 
-    // kHostKernelStarted / kHostKernelFinished's value for this kernel.
-    __device__ int progress_mark() const { return kernel << 24 | static_cast<int>(seq & 0xffffff); }
+    // kHostKernelStarted / kHostKernelFinished's value for this kernel (ProgressMark).
+    __device__ int progress_mark() const {
+        return kernel << kMarkCallBits | static_cast<int>(seq & ((1u << kMarkCallBits) - 1));
+    }
 
     __device__ uint64_t* signals(int r) const { return reinterpret_cast<uint64_t*>(buffers[r]); }
     __device__ uint64_t* own(int64_t index) const { return signals(rank) + index; }
