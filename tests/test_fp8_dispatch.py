@@ -102,8 +102,9 @@ def test_training_30_steps_with_fp8_dispatch_tracks_the_bf16_run(tmp_path):
     losses = {}
     for mode in ("on", "off"):
         log = tmp_path / f"{mode}.jsonl"
-        subprocess.run([sys.executable, "-m", "moe_ep.launch", "--nproc", "2", os.path.join(root, "examples", "train_moe.py"),
-                        "--config", os.path.join(root, "configs", "tiny_cpu_fp8.yaml"), "--steps", "30",
+        train = os.path.join(root, "examples", "train_moe.py")
+        config = os.path.join(root, "configs", "tiny_cpu_fp8.yaml")
+        subprocess.run([sys.executable, "-m", "moe_ep.launch", "--nproc", "2", train, "--config", config, "--steps", "30",
                         "--fp8-dispatch", mode, "--json-log", str(log)], check=True, env=env, cwd=root, timeout=600)
         losses[mode] = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
     fp8, full = losses["on"], losses["off"]
