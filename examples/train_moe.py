@@ -39,6 +39,9 @@ def parse_args(argv=None):
     parser.add_argument("--no-arena", action="store_true",
                         help="moe_ep: the two-pass intranode calls and no arena (default: the dispatcher's arena, "
                              "one pass over memory per call)")
+    parser.add_argument("--fp8-dispatch", choices=["auto", "on", "off"], default="auto",
+                        help="moe_ep: send the tokens as 1x128 fp8 with their scales (moe_ep_fp8_dispatch; "
+                             "auto: on with fp8_recipe=blockwise); the hidden size must be a multiple of 128")
     parser.add_argument("--json-log", help="JSON lines, one per step (rank 0)")
     parser.add_argument("--profile", help="rank 0's operator table of three profiled steps, written here")
     parser.add_argument("--stall-dump", type=float, metavar="S",
@@ -119,7 +122,8 @@ def init_distributed(use_cuda: bool) -> None:
     dist.init_process_group(backend)
 
 
-def build_model(model_cfg: dict, data_cfg: dict, use_cuda: bool, seed: int, moe_ep_arena: bool = True):
+def build_model(model_cfg: dict, data_cfg: dict, use_cuda: bool, seed: int, moe_ep_arena: bool = True,
+                fp8_dispatch: str = "auto"):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -131,6 +135,7 @@ def build_model(model_cfg: dict, data_cfg: dict, use_cuda: bool, seed: int, moe_
                                use_cpu_initialization=not use_cuda, moe_router_dtype="fp32")
     # moe_ep's dispatcher reads its options from the config it is built with (moe_ep.megatron.options).
     config.moe_ep_arena = moe_ep_arena
+    config.moe_ep_fp8_dispatch = fp8_dispatch
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     model = GPTModel(config, spec, vocab_size=data_cfg["vocab_size"], max_sequence_length=data_cfg["seq_length"])
     # float32 parameters everywhere (TF32 matrix products on the GPU): the comparison is about the
@@ -191,7 +196,8 @@ def train(args) -> list:
         label_alltoall_phases()
     rank = dist.get_rank()
     torch.manual_seed(train_cfg["seed"])
-    model = build_model(model_cfg, data_cfg, use_cuda, train_cfg["seed"], moe_ep_arena=not args.no_arena)
+    model = build_model(model_cfg, data_cfg, use_cuda, train_cfg["seed"], moe_ep_arena=not args.no_arena,
+                        fp8_dispatch=args.fp8_dispatch)
     optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg["lr"])
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     tokens_per_step = data_cfg["micro_batch_size"] * data_cfg["seq_length"] * dist.get_world_size()

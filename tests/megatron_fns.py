@@ -42,16 +42,20 @@ def _dispatcher(config, pg, num_experts, tp: int = 1):
 
 def moe_forward_backward(seed: int, num_experts: int, topk: int, hidden: int, dispatcher_type: str,
                          num_tokens: int, tp: int = 1, pad_for_fp8: bool = False, drop: float = 0.0,
-                         cuda: bool = False, moe_ep_options: dict = None, **config_kw):
+                         cuda: bool = False, moe_ep_options: dict = None, blockwise_fp8: bool = False,
+                         **config_kw):
     """Router -> dispatcher phases -> toy experts -> combine; returns output and gradients (on the CPU).
     With tp > 1 each rank of an expert's TP group holds a share of its weight (shares sum to the weight),
     so the combined output is the whole expert's. cuda: the tensors live on this rank's GPU.
     moe_ep_options: moe_ep's options (moe_ep.megatron.options) set on the config as attributes, which
-    TransformerConfig's constructor does not take."""
+    TransformerConfig's constructor does not take. blockwise_fp8: the config says fp8 with the blockwise
+    recipe (set after construction, which would need transformer-engine), so "auto" sends fp8."""
     config, pg = _setup(num_experts, topk, hidden, dispatcher_type, tp=tp, cuda=cuda, **config_kw)
     for name, value in (moe_ep_options or {}).items():
         setattr(config, name, value)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if blockwise_fp8:
+        config.fp8, config.fp8_recipe = "e4m3", "blockwise"
     if pad_for_fp8:   # set after construction: fp8 itself would need transformer-engine
         config.fp8, config.fp8_recipe, config.moe_router_padding_for_quantization = "e4m3", "delayed", True
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -10,6 +10,10 @@ Autograd: the backward of dispatch is a combine over the same handle, the backwa
 cached dispatch. By default (options.moe_ep_arena) the Buffer keeps its arena: dispatches store their
 rows once into regions recv_x owns, and the local unpermute writes into Buffer.empty_combine_input, a
 region the combine reads where it lies (both one pass, both ordinary tensors).
+FP8 dispatch (options.moe_ep_fp8_dispatch): token_dispatch casts the tokens once with transformer-engine's
+1x128 quantizer and sends (e4m3, scales); autograd follows a zero-stride stand-in for the received
+rows, and dispatch_postprocess permutes the fp8 rows with their scales (_PermuteFp8), then hands TE's
+grouped experts a Float8BlockwiseQTensor or dequantises for other experts. Gradients travel in bf16.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import functools
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -25,9 +29,12 @@ from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantizat
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from ..buffer import Buffer, default_config_size_hints
+from ..checks import FP8_BLOCK
 from ..events import EventOverlap
+from ..fp8_blockwise import blockwise_cast_to_fp8, blockwise_dequantize
 from ..mps import missing_sm_share
-from .options import options_for
+from ..te import recipe_scaling, to_float8_blockwise
+from .options import fp8_dispatch_wanted, options_for
 
 
 @dataclass
@@ -38,6 +45,9 @@ class _CommState:
     handle: object = None
     recv_topk_idx: Optional[torch.Tensor] = None
     tokens_per_expert: Optional[List[int]] = None
+    # FP8 dispatch: the recipe's (power-of-two scales, amax_epsilon), and the received (e4m3, scales).
+    fp8_scaling: Optional[Tuple[bool, float]] = None
+    recv_fp8: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
     # The exchange started by token_dispatch / token_combine, waited for by the next phase.
     pending: Optional[EventOverlap] = None
 
@@ -106,6 +116,12 @@ def _warn_once_if_sharing_without_sm_share(ranks_on_gpu: int) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_once_bf16(hidden: int) -> None:
+    warnings.warn(f"moe_ep_fp8_dispatch='auto': the hidden size {hidden} is not a multiple of {FP8_BLOCK}; "
+                  "the tokens are sent in their own dtype", RuntimeWarning, stacklevel=3)
+
+
 def progress_reports() -> List[str]:
     """Every shared Buffer's progress_report(): where this rank's calls stand, for a stalled step's dump."""
     return [report for report in (buffer.progress_report() for buffer in list(_buffers.values())) if report]
@@ -116,8 +132,9 @@ class _Dispatch(torch.autograd.Function):
     def forward(ctx, x, topk_weights, topk_idx, num_experts, state: _CommState):
         buffer = state.buffer
         per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+        payload = x if state.fp8_scaling is None else blockwise_cast_to_fp8(x, *state.fp8_scaling)
         recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(
-            x,
+            payload,
             num_tokens_per_rank=per_rank,
             num_tokens_per_rdma_rank=per_rdma,
             is_token_in_rank=in_rank,
@@ -129,6 +146,10 @@ class _Dispatch(torch.autograd.Function):
         state.handle, state.recv_topk_idx, state.tokens_per_expert = handle, recv_idx, counts
         _warn_once_if_sharing_without_sm_share(buffer.ranks_on_this_gpu)
         state.pending = event  # dispatch_postprocess waits for it before reading recv_x
+        if state.fp8_scaling is not None:
+            state.recv_fp8 = recv_x
+            # Autograd's stand-in for the received rows (no memory): their gradient comes back through it.
+            recv_x = x.new_zeros(()).expand(recv_x[0].shape)
         ctx.state = state
         ctx.handle = handle
         return recv_x, recv_w
@@ -141,6 +162,30 @@ class _Dispatch(torch.autograd.Function):
         grad_recv_w = torch.where(state.recv_topk_idx >= 0, grad_recv_w, 0).float()
         grad_x, grad_w, _ = state.buffer.combine(grad_recv_x.contiguous(), ctx.handle, topk_weights=grad_recv_w)
         return grad_x, grad_w, None, None, None
+
+
+class _PermuteFp8(torch.autograd.Function):
+    """megatron's permute of the received rows, on the fp8 rows and their scales together: TE's
+    blockwise tensor (to_te) or the rows dequantised into the stand-in's dtype. Backward: the gradient
+    rows summed back into the received rows (megatron's unpermute), in the gradient's dtype."""
+
+    @staticmethod
+    def forward(ctx, stand_in, state: _CommState, sorted_indices, to_te: bool, columnwise: bool):
+        data, scales = state.recv_fp8
+        state.recv_fp8 = None
+        data = data.view(torch.uint8).index_select(0, sorted_indices).view(data.dtype)
+        scales = scales.index_select(0, sorted_indices)
+        ctx.save_for_backward(sorted_indices)
+        ctx.num_rows = stand_in.shape[0]
+        if to_te:
+            return to_float8_blockwise(data, scales, stand_in.dtype, columnwise, *state.fp8_scaling)
+        return blockwise_dequantize(data, scales, stand_in.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (sorted_indices,) = ctx.saved_tensors
+        rows = grad.new_zeros(ctx.num_rows, grad.shape[-1])
+        return rows.index_add_(0, sorted_indices, grad), None, None, None, None
 
 
 class _Into:
@@ -195,6 +240,8 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         self.num_experts = self.tp_size * config.num_moe_experts
         self.router_topk = self.tp_size * config.moe_router_topk
         self.options = options_for(config)
+        # Set by the MoE layer (register.py) when its experts are TE's grouped MLP.
+        self.experts_take_te_tensors = False
         if self.options.moe_ep_num_sms:
             Buffer.set_num_sms(self.options.moe_ep_num_sms)
         self._state = _CommState()
@@ -238,7 +285,19 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         hidden_bytes = hidden_states.shape[1] * max(hidden_states.element_size(), 2)
         self._state.buffer = _buffer_for(self.group, hidden_bytes, self.options.moe_ep_arena,
                                          self.options.moe_ep_timeout_s)
+        self._state.fp8_scaling = recipe_scaling() if self._fp8_dispatch(hidden_states.shape[1]) else None
         return _Dispatch.apply(hidden_states, probs, self._topk_idx, self.num_experts, self._state)
+
+    def _fp8_dispatch(self, hidden: int) -> bool:
+        if not fp8_dispatch_wanted(self.options, self.config):
+            return False
+        if hidden % FP8_BLOCK == 0:
+            return True
+        if self.options.moe_ep_fp8_dispatch == "on":
+            raise ValueError(f"moe_ep_fp8_dispatch='on': the hidden size must be a multiple of {FP8_BLOCK}, "
+                             f"got {hidden}")
+        _warn_once_bf16(hidden)
+        return False
 
     @phase_range("dispatch_postprocess")
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
@@ -251,13 +310,33 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
             routing_map, tokens_per_expert = self._pad_for_quantization(routing_map, tokens_per_expert)
         self.hidden_shape_before_permute = hidden_states.shape
         self.local_routing_map = routing_map
-        # megatron-core 0.16 returns three values, 0.19 five (with padding info we do not use).
-        permuted, permuted_probs, self.reversed_mapping = permute(
-            hidden_states, routing_map, probs=expert_probs, num_out_tokens=int(tokens_per_expert.sum())
-        )[:3]
+        num_out = int(tokens_per_expert.sum())
+        if state.recv_fp8 is not None:
+            # megatron's permute on rows of no width gives the order and the probabilities; the fp8 rows follow.
+            no_rows = torch.empty(hidden_states.shape[0], 0, device=hidden_states.device)
+            _, permuted_probs, self.reversed_mapping = permute(no_rows, routing_map, probs=expert_probs,
+                                                               num_out_tokens=num_out)[:3]
+            to_te = self._hand_off_te_tensor(tokens_per_expert)
+            # The columnwise copy only where a weight gradient will read it.
+            columnwise = torch.is_grad_enabled() and hidden_states.requires_grad
+            permuted = _PermuteFp8.apply(hidden_states, state, self.reversed_mapping, to_te, columnwise)
+        else:
+            # megatron-core 0.16 returns three values, 0.19 five (with padding info we do not use).
+            permuted, permuted_probs, self.reversed_mapping = permute(
+                hidden_states, routing_map, probs=expert_probs, num_out_tokens=num_out
+            )[:3]
         if self.config.moe_router_dtype == "fp64":
             permuted_probs = permuted_probs.to(torch.float64)
         return permuted, tokens_per_expert, permuted_probs
+
+    def _hand_off_te_tensor(self, tokens_per_expert: torch.Tensor) -> bool:
+        """TE's grouped experts read a TE tensor as it is only where their own padding has nothing to do
+        (every expert's rows already aligned, moe_router_padding_for_quantization) and no probability
+        multiplies their input; otherwise they get bf16 rows (and TE quantises them itself)."""
+        if not self.experts_take_te_tensors or getattr(self.config, "moe_apply_probs_on_input", False):
+            return False
+        multiple = get_align_size_for_quantization(self.config)
+        return bool((tokens_per_expert % multiple == 0).all())
 
     def _pad_for_quantization(self, routing_map: torch.Tensor, tokens_per_expert: torch.Tensor):
         """Rounds every expert's rows up to the fp8/fp4 GEMM alignment by routing extra received tokens

@@ -23,7 +23,13 @@ class DispatcherOptions:
     moe_ep_num_sms: Optional[int] = None
     # Seconds to wait for a peer before TimeoutError; None: MOE_EP_TIMEOUT_S, else 100.
     moe_ep_timeout_s: Optional[float] = None
+    # FP8 dispatch: tokens cast once to 1x128 e4m3 (transformer-engine's blockwise quantizer, bit for bit)
+    # and sent with their scales, half the bytes of bf16; the gradients travel in bf16. "auto": on where the
+    # config trains with transformer-engine's blockwise recipe (fp8 set, fp8_recipe="blockwise").
+    moe_ep_fp8_dispatch: str = "auto"
 
+
+FP8_DISPATCH_CHOICES = ("auto", "on", "off")
 
 _defaults = DispatcherOptions()
 # megatron-core's own name for the SM budget of its DeepEP path, honoured as well.
@@ -45,4 +51,16 @@ def options_for(config) -> DispatcherOptions:
         values["moe_ep_num_sms"] = getattr(config, _MEGATRON_NUM_SMS, None)
     if not isinstance(values["moe_ep_arena"], bool):
         raise TypeError(f"moe_ep_arena: expected a bool, got {type(values['moe_ep_arena']).__name__}")
+    if values["moe_ep_fp8_dispatch"] not in FP8_DISPATCH_CHOICES:
+        raise ValueError(
+            f"moe_ep_fp8_dispatch: expected one of {FP8_DISPATCH_CHOICES}, got {values['moe_ep_fp8_dispatch']!r}"
+        )
     return DispatcherOptions(**values)
+
+
+def fp8_dispatch_wanted(options: DispatcherOptions, config) -> bool:
+    """Whether moe_ep_fp8_dispatch asks for fp8 tokens with this config ("auto": TE's blockwise recipe)."""
+    if options.moe_ep_fp8_dispatch != "auto":
+        return options.moe_ep_fp8_dispatch == "on"
+    recipe = getattr(config, "fp8_recipe", None)
+    return bool(getattr(config, "fp8", None)) and str(getattr(recipe, "value", recipe)) == "blockwise"

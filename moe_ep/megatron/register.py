@@ -26,6 +26,7 @@ def register() -> None:
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *args, **kwargs):
         if config.moe_token_dispatcher_type != DISPATCHER_TYPE:
             return original(self, config, submodules, layer_number, pg_collection, *args, **kwargs)
+        from ..te import experts_take_te_tensors
         from .dispatcher import MoEEPTokenDispatcher
 
         if pg_collection is None:
@@ -38,6 +39,8 @@ def register() -> None:
         self.token_dispatcher = MoEEPTokenDispatcher(
             self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pg_collection
         )
+        # TE's grouped experts take fp8 tokens as a transformer-engine tensor; others get them dequantised.
+        self.token_dispatcher.experts_take_te_tensors = experts_take_te_tensors(self.experts)
         if self.shared_expert_overlap:
             self.token_dispatcher.set_shared_experts(self.shared_experts)  # refuses, with the reason
 
@@ -71,6 +74,13 @@ def add_arguments(parser):
         type=float,
         default=None,
         help="seconds to wait for a peer before raising TimeoutError (default: MOE_EP_TIMEOUT_S, else 100)",
+    )
+    group.add_argument(
+        "--moe-ep-fp8-dispatch",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="send the tokens as 1x128 fp8 with their scales (half the bytes; gradients stay bf16); "
+        "auto (default): on when training with --fp8-recipe blockwise",
     )
     return parser
 
