@@ -10,7 +10,7 @@ import torch.distributed as dist
 import moe_ep
 from moe_ep import Buffer, _native
 from moe_ep.arena import Arena
-from moe_ep.diagnostics import CALL_KINDS, call_counts, kernel_backend, stats as diagnostics_stats
+from moe_ep.diagnostics import CALL_KINDS, Traffic, call_counts, kernel_backend, stats as diagnostics_stats
 
 from . import rank_fns
 from .problems import Problem, expert_output, make_inputs, ref_dispatch
@@ -212,7 +212,8 @@ def test_stats_read_the_kernel_backends_counters_and_arena(monkeypatch):
     x = torch.randn(tokens, hidden).to(torch.bfloat16)
     topk_idx = torch.rand(tokens, 6).topk(topk, dim=1).indices
     backend, call = stub_backend(ranks, x, topk_idx, torch.rand(tokens, topk), 6, monkeypatch.setattr, arena=True)
-    buffer = types.SimpleNamespace(_intranode=backend, _calls=call_counts())
+    buffer = types.SimpleNamespace(_intranode=backend, _calls=call_counts(), _traffic=Traffic(0, ranks),
+                                   num_nvl_bytes=1 << 20, num_rdma_bytes=0)
     region = arena_dispatch_region(ranks * tokens, 2 * hidden, 0, topk).slot_bytes
     first, second = call([x])[0][0], call([x])[0][0]
     backend.one_pass_calls += torch.tensor([2, 1], dtype=torch.int32)  # as the kernels would count
@@ -220,6 +221,8 @@ def test_stats_read_the_kernel_backends_counters_and_arena(monkeypatch):
     assert got["one_pass_calls"] == {"dispatch": 2, "combine": 1}
     assert got["arena"] == {"capacity": backend.arena.size, "in_use": 2 * region, "high_water": 2 * region,
                             "regions": 2}
+    assert got["buffer_capacity"] == {"nvl": 1 << 20, "rdma": 0, "arena": backend.arena.size}
+    assert got["buffer_high_water"]["arena"] == 2 * region
     del first
     assert diagnostics_stats(buffer)["arena"] == {"capacity": backend.arena.size, "in_use": region,
                                                   "high_water": 2 * region, "regions": 1}
