@@ -95,6 +95,8 @@ class Traffic:
         self.clear()
 
     def clear(self) -> None:
+        if hasattr(self, "_bytes_queue"):
+            self._fold()  # for the size of expert_tokens, which a reset keeps
         if self._device:  # every stream done with them, zeroed, and the zeros in place before any later op
             self._synchronize({key[0] for key in self._device})
             for acc in self._device.values():
@@ -103,7 +105,9 @@ class Traffic:
         self._bytes_queue: List[tuple] = []  # (row bytes, rows sent to each rank, rows received from each)
         self._experts_queue: List[list] = []
         self._bytes = [[0] * self.num_ranks, [0] * self.num_ranks]  # sent, received
-        local = len(self._experts) if hasattr(self, "_experts") else 0  # a reset keeps the size
+        # A reset keeps the size expert_tokens had, on the host or the device.
+        local = max([len(getattr(self, "_experts", []))]
+                    + [acc.numel() - 2 * self.num_ranks for acc in self._device.values()])
         self._experts = [0] * local
         self._last = [0] * local  # the last dispatch's expert counts: a list, a device tensor, or None
         self.uncounted = 0

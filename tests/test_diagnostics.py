@@ -421,6 +421,9 @@ def test_device_side_counting_equals_the_dense_reference(seed):
         assert counter._count_low_latency(ll_handle, topk_idx, p.hidden * 2, None, False, True)
         sent, received = traffic(picks, rank, x_row, p.hidden * 2)
         assert_traffic(counter.read(), sent, received, [len(e) for e in slots], [len(e) for e in slots])
+        counter.clear()  # the device counters keep their size
+        zero = [0] * p.num_ranks
+        assert_traffic(counter.read(), zero, zero, [0] * p.local_experts, [0] * p.local_experts)
 
 
 def test_host_counts_fold_over_many_calls_and_expert_counts():
@@ -442,6 +445,11 @@ def test_host_counts_fold_over_many_calls_and_expert_counts():
     assert got["expert_tokens"].tolist() == [n, total, 5] and got["expert_tokens_last"].tolist() == [0, 0, 5]
     counter.clear()
     assert counter.read()["expert_tokens"].tolist() == [0, 0, 0]
+    fresh = Traffic(0, 3)
+    fresh.dispatch(call, handle, None, EventOverlap(), None)
+    fresh.clear()  # queued, not yet summed: the size holds all the same
+    got = fresh.read()
+    assert got["expert_tokens"].tolist() == [0, 0, 0] and got["expert_tokens_last"].tolist() == [0, 0, 0]
 
 
 def test_reset_stats_switches_collection(pools):
