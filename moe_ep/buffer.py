@@ -513,7 +513,7 @@ class Buffer:
         self._traffic.need(*needed)
         backend = self._normal_backend(x_parts[0])
         recv_x, recv_idx, recv_weights, counts, new_handle, event = backend.dispatch(call)
-        self._traffic.dispatch(call, new_handle or handle, recv_idx, event,
+        self._traffic.dispatch(call, handle if new_handle is None else new_handle, recv_idx, event,
                                self._async_comm_stream(backend, async_finish))
         recv = tuple(recv_x) if len(recv_x) == 2 else recv_x[0]
         return recv, recv_idx, recv_weights, counts, new_handle, event
