@@ -43,8 +43,8 @@ FOLD_AFTER = 256
 TOPK_ENTRY_BYTES = 8 + 4
 
 
-def _row_bytes(t: Optional[torch.Tensor]) -> int:
-    return 0 if t is None else t.shape[-1] * t.element_size()
+def _row_bytes(t: torch.Tensor) -> int:
+    return t.shape[-1] * t.element_size()
 
 
 def _grown(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -95,15 +95,17 @@ class Traffic:
         self.clear()
 
     def clear(self) -> None:
-        if hasattr(self, "_bytes_queue"):
+        if hasattr(self, "_queued"):
             self._fold()  # for the size of expert_tokens, which a reset keeps
         if self._device:  # every stream done with them, zeroed, and the zeros in place before any later op
             self._synchronize({key[0] for key in self._device})
             for acc in self._device.values():
                 acc.zero_()
             self._synchronize({key[0] for key in self._device})
-        self._bytes_queue: List[tuple] = []  # (row bytes, rows sent to each rank, rows received from each)
+        # Row bytes -> (lists of rows sent to each rank, lists of rows received from each), by call.
+        self._rows_queue: Dict[int, tuple] = {}
         self._experts_queue: List[list] = []
+        self._queued = 0
         self._bytes = [[0] * self.num_ranks, [0] * self.num_ranks]  # sent, received
         # A reset keeps the size expert_tokens had, on the host or the device.
         local = max([len(getattr(self, "_experts", []))]
@@ -125,15 +127,17 @@ class Traffic:
         """After a normal dispatch; handle: the new one, or the cached dispatch's. comm_stream: where an
         async_finish call on the kernels ran (device counting goes there, before its event), else None."""
         fresh = call.handle is None
-        row = sum(_row_bytes(p) for p in call.x_parts)
+        parts = call.x_parts
+        row = _row_bytes(parts[0]) + (_row_bytes(parts[1]) if len(parts) == 2 else 0)
         if fresh and call.topk_idx is not None:
             row += call.topk_idx.shape[1] * TOPK_ENTRY_BYTES
         host_rows = handle.send_counts is not None
         experts = handle.recv_expert_counts
         if host_rows:
-            self._bytes_queue.append((row, handle.send_counts, handle.recv_counts))
+            self._queue_rows(row, handle.send_counts, handle.recv_counts)
         if isinstance(experts, list):
             self._experts_queue.append(experts)
+            self._queued += 1
             self._last = experts
         self._fold_if_long()
         if host_rows and isinstance(experts, list):
@@ -150,7 +154,7 @@ class Traffic:
         handle = call.handle
         row = _row_bytes(call.x) + (0 if call.topk_weights is None else _row_bytes(call.topk_weights))
         if handle.send_counts is not None:
-            self._bytes_queue.append((row, handle.recv_counts, handle.send_counts))
+            self._queue_rows(row, handle.recv_counts, handle.send_counts)
             self._fold_if_long()
         elif not (self.collecting and self._count_normal(handle, row, True, False, None, None, event, comm_stream)):
             self.uncounted += 1
@@ -162,7 +166,7 @@ class Traffic:
         state = call.handle.backend_state
         host_rows = isinstance(getattr(state, "send_counts", None), list)  # the portable backend's
         if host_rows:
-            self._bytes_queue.append((row, state.send_counts, state.recv_counts))
+            self._queue_rows(row, state.send_counts, state.recv_counts)
             self._fold_if_long()
         on_host = not recv_count.is_cuda
         if not (on_host or self.collecting):
@@ -174,6 +178,7 @@ class Traffic:
             if on_host:
                 self._last = recv_count.tolist()
                 self._experts_queue.append(self._last)
+                self._queued += 1
             elif not self._count_low_latency(call.handle, call.topk_idx, row, recv_count, host_rows, False):
                 self.uncounted += 1
                 self._last = None
@@ -193,7 +198,7 @@ class Traffic:
         row = call.handle.hidden * 2
         state = call.handle.backend_state
         if isinstance(getattr(state, "send_counts", None), list):
-            self._bytes_queue.append((row, state.recv_counts, state.send_counts))
+            self._queue_rows(row, state.recv_counts, state.send_counts)
             self._fold_if_long()
         elif not (self.collecting and self._count_low_latency(call.handle, call.topk_idx, row, None, False, True)):
             self.uncounted += 1
@@ -292,26 +297,32 @@ class Traffic:
         return True
 
     # ------------------------------------------------------------ reading
+    def _queue_rows(self, row: int, sent: list, received: list) -> None:
+        queued = self._rows_queue.get(row)
+        if queued is None:
+            queued = self._rows_queue[row] = ([], [])
+        queued[0].append(sent)
+        queued[1].append(received)
+        self._queued += 1
+
     def _fold_if_long(self) -> None:
-        if len(self._bytes_queue) + len(self._experts_queue) >= FOLD_AFTER:
+        if self._queued >= FOLD_AFTER:
             self._fold()
 
     def _fold(self) -> None:
         """Sums the queued host counts into the host totals (column sums over Python ints: the cheapest
         way from lists, about 20 ns an entry)."""
-        if self._bytes_queue:
-            row = [q[0] for q in self._bytes_queue]
-            for i in (1, 2):
-                columns = zip(*(q[i] for q in self._bytes_queue))
-                self._bytes[i - 1] = [total + sum(map(operator.mul, row, column))
-                                      for total, column in zip(self._bytes[i - 1], columns)]
-            self._bytes_queue = []
+        for row, queued in self._rows_queue.items():  # calls of equal row bytes: one product per rank
+            for i, lists in enumerate(queued):
+                self._bytes[i] = [total + row * sum(column) for total, column in zip(self._bytes[i], zip(*lists))]
+        self._rows_queue = {}
         if self._experts_queue:
             for local in {len(q) for q in self._experts_queue}:
                 self._experts += [0] * (local - len(self._experts))
                 sums = [sum(column) for column in zip(*(q for q in self._experts_queue if len(q) == local))]
                 self._experts[:local] = map(operator.add, self._experts[:local], sums)
             self._experts_queue = []
+        self._queued = 0
 
     def read(self) -> dict:
         """The counters as stats() reports them (waits for the devices the device counters are on)."""

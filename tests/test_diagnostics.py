@@ -58,7 +58,7 @@ def assert_traffic(got: dict, sent: list, received: list, experts: list, last) -
 
 
 def check_normal_traffic(p: Problem, results: list, use_fp8: bool = False, with_topk: bool = True, cached: int = 2,
-                         collect=None) -> None:
+                         collect=None, expert_alignment: int = 1) -> None:
     """traffic_round's stats() against the dense reference of every rank."""
     inputs = make_inputs(p)
     rows = routed_rows(p, inputs)
@@ -76,8 +76,8 @@ def check_normal_traffic(p: Problem, results: list, use_fp8: bool = False, with_
         assert before["buffer_high_water"] == {"nvl": 0, "rdma": 0, "arena": 0}  # nothing mapped yet
         # The dispatch alone; its counts list as num_recv_tokens_per_expert_list has them (none for num_worst_tokens).
         assert_traffic(res["after_dispatch"], *traffic(rows, rank, fresh_row), per_expert, per_expert)
-        if res["counts"]:
-            assert res["counts"] == per_expert
+        if res["counts"]:  # expert_alignment pads the list, not the counters
+            assert res["counts"] == [-(-c // expert_alignment) * expert_alignment for c in per_expert]
         # The round: cached dispatches count their handle's dispatch again; the combine sends the rows back.
         sent, received = traffic(rows, rank, fresh_row + cached * x_row, combine_row)
         assert_traffic(after, sent, received, [c * (1 + cached) for c in per_expert], per_expert)
@@ -230,7 +230,8 @@ def overflow_reported(p: Problem, num_worst_tokens: int) -> list:
 
 
 def traffic_round(p: Problem, num_worst_tokens: int = 0, use_fp8: bool = False, with_topk: bool = True,
-                  cached: int = 2, collect=None, arena: bool = False, stream_args: bool = False) -> dict:
+                  cached: int = 2, collect=None, arena: bool = False, stream_args: bool = False,
+                  expert_alignment: int = 1) -> dict:
     """A fresh dispatch, `cached` cached dispatches and a combine (reset_stats(collect=collect) first unless
     None): stats() before, after the dispatch, after the round, after reset_stats() and after one more
     combine, with the Buffer's sizes."""
@@ -247,7 +248,8 @@ def traffic_round(p: Problem, num_worst_tokens: int = 0, use_fp8: bool = False, 
     if stream_args:  # async calls on the kernels count on the communication stream, before their events
         extra = dict(previous_event=Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
     x = fp8.per_token_cast_to_fp8(inp["x"]) if use_fp8 else inp["x"]
-    recv_x, _, recv_w, counts, handle, event = buffer.dispatch(x, **args, num_worst_tokens=num_worst_tokens, **extra)
+    recv_x, _, recv_w, counts, handle, event = buffer.dispatch(x, **args, num_worst_tokens=num_worst_tokens,
+                                                               expert_alignment=expert_alignment, **extra)
     event.current_stream_wait()
     after_dispatch = buffer.stats()
     for _ in range(cached):
@@ -307,11 +309,12 @@ TRAFFIC_VARIANTS = {
     "fp8": dict(use_fp8=True),
     "no_topk": dict(with_topk=False),
     "collecting": dict(collect=True),
+    "expert_alignment": dict(expert_alignment=4),
 }
 
 
 def _check_variant(p: Problem, results: list, variant: dict) -> None:
-    checked = ("use_fp8", "with_topk", "cached", "collect")
+    checked = ("use_fp8", "with_topk", "cached", "collect", "expert_alignment")
     check_normal_traffic(p, results, **{k: v for k, v in variant.items() if k in checked})
 
 
@@ -434,7 +437,7 @@ def test_host_counts_fold_over_many_calls_and_expert_counts():
         handle = types.SimpleNamespace(send_counts=[i, 1, 0], recv_counts=[0, 2, i], recv_expert_counts=[1, i])
         call = types.SimpleNamespace(handle=None, x_parts=[torch.zeros(0, 8, dtype=torch.bfloat16)], topk_idx=None)
         counter.dispatch(call, handle, None, EventOverlap(), None)
-    assert len(counter._bytes_queue) < FOLD_AFTER
+    assert counter._queued < FOLD_AFTER
     n = FOLD_AFTER + 7
     total = n * (n - 1) // 2
     handle = types.SimpleNamespace(send_counts=[0, 0, 0], recv_counts=[0, 0, 0], recv_expert_counts=[0, 0, 5])
@@ -635,6 +638,7 @@ def _kernel_backends():
 KERNEL_TRAFFIC_VARIANTS = {
     "plain": {},
     "fp8": dict(use_fp8=True),
+    "expert_alignment": dict(expert_alignment=4),
     "num_worst_tokens": dict(num_worst_tokens=192, collect=True),  # 4 ranks of at most 48 tokens
     "num_worst_tokens_async": dict(num_worst_tokens=192, collect=True, stream_args=True),
     "num_worst_tokens_no_topk": dict(num_worst_tokens=192, collect=True, with_topk=False),
