@@ -137,11 +137,13 @@ class Buffer:
         # Host time per call (the 2-rank dispatch is bound by it): the default Configs, made once per SM
         # budget (a Config checks its fields when made), and the (row bytes, Config sizes) found to fit.
         self._default_configs: Dict[Tuple[str, int], Config] = {}
-        self._sizes_that_fit = set()
+        self._sizes_that_fit: Dict[tuple, Tuple[int, int]] = {}  # -> the (nvl, rdma) bytes they need
         self._destroyed = False
         self._local_buffers = {}
-        self._ll_shapes_that_fit = set()  # (tokens, hidden, experts) the low-latency buffer was checked for
+        # (tokens, hidden, experts) the low-latency buffer was checked for -> the bytes they need
+        self._ll_shapes_that_fit: Dict[Tuple[int, int, int], int] = {}
         self._calls = diagnostics.call_counts()  # calls by kind, for stats()
+        self._traffic = diagnostics.Traffic(self.rank, self.group_size)  # tokens and bytes, for stats()
 
     # ------------------------------------------------------------------ construction helpers
     def _resolve_ranks_per_node(self, ranks_per_node: Optional[int]) -> int:
@@ -282,14 +284,22 @@ class Buffer:
         diagnostics.check_errors(self)
 
     def stats(self) -> dict:
-        """(ext) {"calls": {kind: n}, "one_pass_calls": {"dispatch": n, "combine": m}, "arena":
-        {"capacity", "in_use", "high_water", "regions"}}: counters kept at no cost to the calls, since
-        the Buffer was made or reset_stats() (moe_ep.diagnostics.stats says what each counts)."""
+        """(ext) Counters since the Buffer was made or reset_stats(): "calls" {kind: n}, "one_pass_calls"
+        {"dispatch": n, "combine": m}, "arena" {"capacity", "in_use", "high_water", "regions"},
+        "expert_tokens" / "expert_tokens_last" (tokens received per local expert), "sent_bytes" /
+        "recv_bytes" (payload bytes per peer), "buffer_capacity" / "buffer_high_water" ({"nvl", "rdma",
+        "arena"}), "collecting" and "uncounted_calls" (moe_ep.diagnostics.stats says what each counts).
+        Counts the host knows cost a call next to nothing; those only the device has are collected
+        after reset_stats()."""
         return diagnostics.stats(self)
 
-    def reset_stats(self) -> None:
-        """(ext) stats()' counters back to 0; the arena's high-water mark to the bytes in use now."""
-        diagnostics.reset_stats(self)
+    def reset_stats(self, collect: bool = True) -> None:
+        """(ext) stats()' counters back to 0, the arena's high-water mark to the bytes in use now, and
+        starts collecting the device-side counters (collect=False: stops): the received tokens and bytes
+        that only the device knows (num_worst_tokens dispatches on the kernels, their cached dispatches
+        and combines, low-latency calls on CUDA tensors), at a few small device ops per such call. It
+        waits for the device where device-side counters were collected."""
+        diagnostics.reset_stats(self, collect)
 
     def topology(self) -> dict:
         """(ext) This rank, its node, which backend serves each kind of call and why, and per peer how this
@@ -370,29 +380,33 @@ class Buffer:
             config = self._default_configs[key] = make(self.group_size, Buffer.num_sms)
         return config
 
-    def _check_nvl_size(self, hidden_bytes: int, config: Config, call: str, default: bool = False) -> None:
-        """default: config is the call's default (none was passed), which the message then names."""
+    def _check_nvl_size(self, hidden_bytes: int, config: Config, call: str,
+                        default: bool = False) -> Tuple[int, int]:
+        """-> the (nvl, rdma) bytes the call needs. default: config is the call's default (none was
+        passed), which the message then names."""
         # What the size hints depend on: a call that fits once fits again.
         key = (hidden_bytes, config.num_sms, config.num_max_nvl_chunked_recv_tokens,
                config.num_max_rdma_chunked_recv_tokens)
-        if key in self._sizes_that_fit:
-            return
+        needed = self._sizes_that_fit.get(key)
+        if needed is not None:
+            return needed
         hint = f"Buffer.get_{call}_config({self.group_size})" if default else "Config"
+        nvl_needed = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)
+        rdma_needed = config.get_rdma_buffer_size_hint(hidden_bytes, self.group_size) \
+            if self.group_size > NUM_MAX_NVL_PEERS else 0
         # A Buffer sized for one call's config (or for Config()'s) can be too small for another's.
         advice = (f"; without config= the {call} uses {hint}: size the Buffer with the larger of "
                   f"Buffer.get_dispatch_config({self.group_size}) and Buffer.get_combine_config({self.group_size})'s "
                   "hints (moe_ep.buffer.default_config_size_hints gives them), or pass config=") if default else ""
-        for kind, have, needed in (
-            ("nvl", self.num_nvl_bytes, config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)),
-            ("rdma", self.num_rdma_bytes, config.get_rdma_buffer_size_hint(hidden_bytes, self.group_size)
-             if self.group_size > NUM_MAX_NVL_PEERS else 0),
-        ):
+        for kind, have, needed in (("nvl", self.num_nvl_bytes, nvl_needed),
+                                   ("rdma", self.num_rdma_bytes, rdma_needed)):
             if have < needed:
                 raise ValueError(
                     f"num_{kind}_bytes={have} is too small for {call} with {hidden_bytes} bytes per row on "
                     f"{self.group_size} ranks: need >= {needed} ({hint}.get_{kind}_buffer_size_hint){advice}"
                 )
-        self._sizes_that_fit.add(key)
+        needed = self._sizes_that_fit[key] = (nvl_needed, rdma_needed)
+        return needed
 
     def _check_handle(self, handle, kind: type, call: str):
         if not isinstance(handle, kind):
@@ -462,7 +476,7 @@ class Buffer:
         config = self._default_config("dispatch") if default else config
         if not isinstance(config, Config):
             raise TypeError(f"config: expected a moe_ep.Config, got {type(config).__name__}")
-        self._check_nvl_size(hidden * max(x_parts[0].element_size(), 2), config, "dispatch", default)
+        needed = self._check_nvl_size(hidden * max(x_parts[0].element_size(), 2), config, "dispatch", default)
         if handle is not None:
             self._check_handle(handle, DispatchHandle, "dispatch")
             for name, value in (
@@ -498,7 +512,11 @@ class Buffer:
                             topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
                             allocate_on_comm_stream, make_handle)
         self._calls["dispatch" if handle is None else "cached_dispatch"] += 1
-        recv_x, recv_idx, recv_weights, counts, new_handle, event = self._normal_backend(x_parts[0]).dispatch(call)
+        self._traffic.need(*needed)
+        backend = self._normal_backend(x_parts[0])
+        recv_x, recv_idx, recv_weights, counts, new_handle, event = backend.dispatch(call)
+        self._traffic.dispatch(call, handle if new_handle is None else new_handle, recv_idx, event,
+                               self._async_comm_stream(backend, async_finish))
         recv = tuple(recv_x) if len(recv_x) == 2 else recv_x[0]
         return recv, recv_idx, recv_weights, counts, new_handle, event
 
@@ -583,7 +601,7 @@ class Buffer:
         config = self._default_config("combine") if default else config
         if not isinstance(config, Config):
             raise TypeError(f"config: expected a moe_ep.Config, got {type(config).__name__}")
-        self._check_nvl_size(x.shape[1] * max(x.element_size(), 2), config, "combine", default)
+        needed = self._check_nvl_size(x.shape[1] * max(x.element_size(), 2), config, "combine", default)
         if topk_weights is not None:
             check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2, device=x.device)
             if topk_weights.shape[0] != x.shape[0]:
@@ -595,7 +613,16 @@ class Buffer:
         call = CombineCall(x, handle, topk_weights, biases, config, previous_event, async_finish,
                            allocate_on_comm_stream)
         self._calls["combine"] += 1
-        return self._normal_backend(x).combine(call)
+        self._traffic.need(*needed)
+        backend = self._normal_backend(x)
+        combined_x, combined_w, event = backend.combine(call)
+        self._traffic.combine(call, event, self._async_comm_stream(backend, async_finish))
+        return combined_x, combined_w, event
+
+    @staticmethod
+    def _async_comm_stream(backend: Backend, async_finish: bool) -> Optional[torch.cuda.Stream]:
+        """Where an async_finish call on the intranode kernels ran (its event covers what runs there), else None."""
+        return backend.comm_stream if async_finish and isinstance(backend, IntranodeBackend) else None
 
     # deep_ep's multi-node entry points take dispatch's and combine's arguments; here the same calls pick
     # the transport for the group by themselves.
@@ -644,12 +671,14 @@ class Buffer:
         return biases
 
     # ------------------------------------------------------------------ low-latency mode
-    def _check_low_latency(self, call: str, num_max_tokens: int, hidden: int, num_experts: int) -> None:
+    def _check_low_latency(self, call: str, num_max_tokens: int, hidden: int, num_experts: int) -> int:
+        """-> the num_rdma_bytes calls of this shape need; ValueError where the Buffer has less."""
         if not self.low_latency_mode:
             raise RuntimeError(f"{call} needs a Buffer created with low_latency_mode=True")
         shape = (num_max_tokens, hidden, num_experts)
-        if shape in self._ll_shapes_that_fit:  # a decode loop asks the same every step (microseconds)
-            return
+        needed = self._ll_shapes_that_fit.get(shape)
+        if needed is not None:  # a decode loop asks the same every step (microseconds)
+            return needed
         needed = low_latency_rdma_size_hint(num_max_tokens, hidden, self.group_size, num_experts)
         if self.num_rdma_bytes < needed:
             raise ValueError(
@@ -657,7 +686,8 @@ class Buffer:
                 f"rank, hidden {hidden}, {self.group_size} ranks and {num_experts} experts: need >= {needed} "
                 "(Buffer.get_low_latency_rdma_size_hint)"
             )
-        self._ll_shapes_that_fit.add(shape)
+        self._ll_shapes_that_fit[shape] = needed
+        return needed
 
     def low_latency_dispatch(
         self,
@@ -680,7 +710,7 @@ class Buffer:
         num_tokens, hidden = x.shape
         check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
         self._check_num_experts(num_experts)
-        self._check_low_latency("low_latency_dispatch", num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        needed = self._check_low_latency("low_latency_dispatch", num_max_dispatch_tokens_per_rank, hidden, num_experts)
         if num_tokens > num_max_dispatch_tokens_per_rank:
             raise ValueError(
                 f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}"
@@ -726,7 +756,9 @@ class Buffer:
                                       cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0, async_finish,
                                       return_recv_hook, handle)
         self._calls["low_latency_dispatch"] += 1
+        self._traffic.need(0, needed)
         recv_x, recv_count, event, hook = self._low_latency_backend(x).low_latency_dispatch(call)
+        hook = self._traffic.low_latency_dispatch(call, recv_x, recv_count, hook)
         return recv_x, recv_count, handle, event, hook
 
     def low_latency_combine(
@@ -755,7 +787,7 @@ class Buffer:
         self._check_handle(handle, LowLatencyHandle, "low_latency_dispatch")
         local = handle.num_experts // self.group_size
         rows = self.group_size * handle.num_max_dispatch_tokens_per_rank
-        self._check_low_latency(
+        needed = self._check_low_latency(
             "low_latency_combine", handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         )
         check_tensor("x", x, dtype=torch.bfloat16, shape=(local, rows, handle.hidden))
@@ -781,7 +813,10 @@ class Buffer:
             x = backend.low_latency_combine_buffer(handle)
         call = LowLatencyCombineCall(x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out)
         self._calls["low_latency_combine"] += 1
-        return backend.low_latency_combine(call)
+        self._traffic.need(0, needed)
+        result = backend.low_latency_combine(call)
+        self._traffic.low_latency_combine(call)
+        return result
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The [L, R*max, H] bf16 tensor the next low_latency_combine(zero_copy=True) reads: write the

@@ -68,6 +68,9 @@ class DispatchHandle(_TupleView):
     # Filled by the backend that ran the dispatch (e.g. device-side prefix sums for the kernels).
     backend_state: Optional[object] = None
     _send_pos: Optional[torch.Tensor] = field(default=None, repr=False)
+    # Tokens received per local expert (Buffer.stats): a list where the host learnt them, an int64 device
+    # tensor where the device counted them while stats were collected, else None.
+    recv_expert_counts: Optional[object] = field(default=None, repr=False)
 
     @property
     def num_recv_tokens(self) -> int:

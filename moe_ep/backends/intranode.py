@@ -457,6 +457,7 @@ class IntranodeBackend(Backend):
             recv_src_idx=state.recv_src_idx,
             backend_state=state,
             _send_pos=state.send_pos,
+            recv_expert_counts=None if worst else per_expert,  # the host's, where it waited for them
         )
         return recv, recv_idx, recv_weights, counts_list, new_handle, event
 

@@ -225,6 +225,7 @@ class PortableBackend(Backend):
                 recv_counts=recv_matrix[:, self.rank].tolist(),
                 num_worst_tokens=num_worst_tokens,
                 rank_prefix_matrix=torch.cumsum(recv_matrix, dim=0).to(dtype=torch.int32, device=x_parts[0].device),
+                recv_expert_counts=per_expert,
             )
             cached = False
         else:

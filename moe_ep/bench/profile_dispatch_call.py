@@ -34,6 +34,7 @@ from moe_ep.arena import Arena
 from moe_ep.backends.base import DispatchCall
 from moe_ep.config import INTRANODE_SLOT_ALIGN, Config, arena_bytes, arena_dispatch_region
 from moe_ep.diagnostics import kernel_backend
+from moe_ep.events import EventOverlap
 from moe_ep.handles import DispatchHandle
 from moe_ep.launch import RankPool, free_port
 
@@ -293,10 +294,16 @@ def stubbed_python_layer(args) -> None:
     buffer = Buffer(dist.group.WORLD, Buffer.get_dispatch_config(ranks).get_nvl_buffer_size_hint(args.hidden * 2, 1))
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
 
-    # Buffer.dispatch: its checks, the backend's call answered at once.
+    # Buffer.dispatch: its checks and stats' counting of host-known counts, the backend's call answered
+    # at once with one handle of `ranks` ranks' counts, as a dispatch that waited for them leaves.
+    local = args.experts // ranks
+    handle = DispatchHandle(buffer_serial=buffer.serial, num_tokens=args.tokens, is_token_in_rank=in_rank,
+                            send_counts=[args.tokens] * ranks, recv_counts=[args.tokens] * ranks, num_worst_tokens=0,
+                            recv_expert_counts=[args.tokens * args.topk // args.experts] * local)
+
     class Answer:
         def dispatch(self, call):
-            return call.x_parts, call.topk_idx, call.topk_weights, [], None, None
+            return call.x_parts, call.topk_idx, call.topk_weights, [], handle, EventOverlap()
 
     answer = Answer()
     buffer._normal_backend, buffer._check_data = (lambda t: answer), (lambda t: False)
