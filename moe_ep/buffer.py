@@ -230,11 +230,15 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
+        """The dispatch config at Buffer.num_sms: the config cache's for this machine where `moe-ep-bench tune`
+        wrote one (moe_ep.tuning; its own SM budget unless set_num_sms chose another), else the built-in one."""
         check_int("num_ranks", num_ranks, minimum=1)
         return dispatch_config(num_ranks, Buffer.num_sms)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
+        """The combine config at Buffer.num_sms: the config cache's for this machine where `moe-ep-bench tune`
+        wrote one (moe_ep.tuning; its own SM budget unless set_num_sms chose another), else the built-in one."""
         check_int("num_ranks", num_ranks, minimum=1)
         return combine_config(num_ranks, Buffer.num_sms)
 

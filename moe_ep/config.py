@@ -272,11 +272,33 @@ _GENERIC_DISPATCH = (6, 256)
 _GENERIC_COMBINE = (16, 256)
 
 
-def dispatch_config(num_ranks: int, num_sms: int) -> Config:
+# Buffer.num_sms before any Buffer.set_num_sms: at this budget a tuned config's own budget is taken.
+DEFAULT_NUM_SMS = 20
+
+
+def default_dispatch_config(num_ranks: int, num_sms: int) -> Config:
+    """The built-in dispatch config (the table above), whatever the config cache holds."""
     send, recv = _DISPATCH_CONFIGS.get(num_ranks, _GENERIC_DISPATCH)
     return Config(num_sms, send, recv, 6, 128)
 
 
-def combine_config(num_ranks: int, num_sms: int) -> Config:
+def default_combine_config(num_ranks: int, num_sms: int) -> Config:
+    """The built-in combine config (the table above), whatever the config cache holds."""
     send, recv = _COMBINE_CONFIGS.get(num_ranks, _GENERIC_COMBINE)
     return Config(num_sms, send, recv, 6, 128)
+
+
+def dispatch_config(num_ranks: int, num_sms: int) -> Config:
+    """The dispatch config of num_ranks ranks at num_sms: the config cache's for this machine where
+    `moe-ep-bench tune` wrote one (its own SM budget where num_sms is DEFAULT_NUM_SMS; moe_ep.tuning), else
+    the built-in one."""
+    from .tuning import tuned_config
+
+    return tuned_config("dispatch", num_ranks, num_sms, DEFAULT_NUM_SMS) or default_dispatch_config(num_ranks, num_sms)
+
+
+def combine_config(num_ranks: int, num_sms: int) -> Config:
+    """The combine config of num_ranks ranks at num_sms, as dispatch_config."""
+    from .tuning import tuned_config
+
+    return tuned_config("combine", num_ranks, num_sms, DEFAULT_NUM_SMS) or default_combine_config(num_ranks, num_sms)

@@ -8,6 +8,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from moe_ep.launch import DEFAULT_CALL_TIMEOUT_S, RankPool  # noqa: E402
 
+# The tests see the built-in configs, not a cache `moe-ep-bench tune` wrote on this machine (set the
+# variable to run them against one); the ranks the tests start inherit this.
+os.environ.setdefault("MOE_EP_CONFIG_CACHE", "")
+
 # MOE_EP_TEST_CALL_TIMEOUT_S shortens every pool call, for GPU runs on a machine lent for minutes.
 CALL_TIMEOUT_S = float(os.environ.get("MOE_EP_TEST_CALL_TIMEOUT_S", DEFAULT_CALL_TIMEOUT_S))
 

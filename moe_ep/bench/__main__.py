@@ -17,6 +17,7 @@ BENCHMARKS = {
     "profile_layout_call": "host time of a layout call, piece by piece",
     "profile_low_latency_call": "host time of a low-latency call, piece by piece",
     "profile_dispatch_call": "host and device time of an intranode dispatch call, launch by launch",
+    "tune": "searches SM budgets and chunk sizes; writes the fastest configs to the cache get_*_config read",
     "ll_timeline": "where a low-latency call's time goes with ranks sharing a GPU (a MOE_EP_TIMELINE=1 build)",
 }
 

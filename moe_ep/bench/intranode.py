@@ -308,7 +308,8 @@ def copy_gbps(num_bytes: int, iters: int = 20, device: str = "cuda") -> float:
     return num_bytes * iters / (start.elapsed_time(end) / 1e3) / 1e9
 
 
-def main():
+def make_parser() -> argparse.ArgumentParser:
+    """The command line (`moe-ep-bench tune` builds its candidates' arguments with it too)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -342,6 +343,11 @@ def main():
     parser.add_argument("--peer-memory", choices=PEER_MEMORY_KINDS, default="auto",
                         help="how peers' buffers are mapped: the virtual-memory API (vmm), CUDA IPC handles (ipc), "
                              "or auto (vmm where the GPU can)")
+    return parser
+
+
+def main():
+    parser = make_parser()
     args = parser.parse_args()
     if not args.cpu and not torch.cuda.is_available():
         # The message alone: the usage that parser.error prints first would bury it.
