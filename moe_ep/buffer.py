@@ -621,11 +621,15 @@ class Buffer:
             if not torch.equal(is_token_in_rank, in_rank):
                 token, rank = (is_token_in_rank != in_rank).nonzero()[0].tolist()
                 experts = [e for e in topk_idx[token].tolist() if e >= 0]
+                local = num_experts // self.group_size
                 if is_token_in_rank[token, rank]:
                     why = (f"token {token} is marked for rank {rank}, which holds none of its experts {experts}"
                            if experts else f"token {token} is marked for rank {rank}, but topk_idx sends it to no expert")
                 else:
                     why = f"token {token} is not marked for rank {rank}, which holds some of its experts {experts}"
+                # A num_tokens_per_expert of the wrong length moves the experts between ranks.
+                why += (f"; rank {rank} holds experts [{rank * local}, {(rank + 1) * local}) of the {num_experts} "
+                        "that num_tokens_per_expert counts")
                 raise ValueError(f"is_token_in_rank: disagrees with topk_idx ({why}); pass both from the same "
                                  "get_dispatch_layout")
             if not torch.equal(num_tokens_per_expert, per_expert):

@@ -70,8 +70,8 @@ class ArrivalGate:
         """Raises again what put the ranks out of step, on every call after it."""
         if self.broken is not None:
             exc_type, message = self.broken
-            raise exc_type(f"moe_ep: this Buffer can no longer be used (its ranks are out of step) since: "
-                           f"{message} Create a new Buffer.")
+            raise exc_type(f"moe_ep: this Buffer can no longer be used, an earlier call left its ranks out of "
+                           f"step: {message}")
 
     def enter(self, phase: str) -> None:
         """Returns once every rank of the group has entered the same call; raises TimeoutError
