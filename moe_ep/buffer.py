@@ -7,7 +7,6 @@ on the compiled kernels where they are built, and on the portable backend otherw
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
@@ -331,19 +330,12 @@ class Buffer:
             raise RuntimeError("this Buffer was destroyed; create a new one")
         self._gate.check_usable()
 
-    @contextlib.contextmanager
-    def _arguments(self, call: str, x, kernels: bool):
+    def _arguments(self, call: str, x, kernels: bool) -> "_Arguments":
         """The argument checks of a call that meets its peers at the arrival gate (the portable backend
         serves it: x is not a CUDA tensor bound for the kernels): an exception there is this rank's refusal,
         which the peers raise naming this rank, so every rank leaves the call in step and the Buffer
         stays usable."""
-        try:
-            yield
-        except Exception as exc:
-            first = x[0] if isinstance(x, (tuple, list)) and x else x
-            if not (isinstance(first, torch.Tensor) and first.is_cuda and kernels):
-                self._gate.refuse(call, f"{type(exc).__name__}: {exc}")
-            raise
+        return _Arguments(self._gate, call, x, kernels)
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -624,7 +616,8 @@ class Buffer:
                 local = num_experts // self.group_size
                 if is_token_in_rank[token, rank]:
                     why = (f"token {token} is marked for rank {rank}, which holds none of its experts {experts}"
-                           if experts else f"token {token} is marked for rank {rank}, but topk_idx sends it to no expert")
+                           if experts else
+                           f"token {token} is marked for rank {rank}, but topk_idx sends it to no expert")
                 else:
                     why = f"token {token} is not marked for rank {rank}, which holds some of its experts {experts}"
                 # A num_tokens_per_expert of the wrong length moves the experts between ranks.
@@ -801,7 +794,9 @@ class Buffer:
                     device=x.device,
                 )
             if use_ue8m0 and not (use_fp8 and round_scale):
-                raise ValueError("use_ue8m0=True needs use_fp8=True and round_scale=True (UE8M0 holds power-of-two scales)")
+                raise ValueError(
+                    "use_ue8m0=True needs use_fp8=True and round_scale=True (UE8M0 holds power-of-two scales)"
+                )
             for name, flag in (
                 ("use_fp8", use_fp8),
                 ("round_scale", round_scale),
@@ -870,7 +865,8 @@ class Buffer:
                 device=x.device,
             )
             if out is not None:
-                check_tensor("out", out, dtype=torch.bfloat16, shape=(handle.num_tokens, handle.hidden), device=x.device)
+                check_tensor("out", out, dtype=torch.bfloat16, shape=(handle.num_tokens, handle.hidden),
+                             device=x.device)
             if async_finish and return_recv_hook:
                 raise ValueError("async_finish and return_recv_hook: choose one (the hook already defers the receive)")
             if not isinstance(zero_copy, bool):
@@ -927,6 +923,25 @@ class Buffer:
 
     def low_latency_clean_mask_buffer(self) -> None:
         raise NotImplementedError(_NO_SHRINK.format(call="low_latency_clean_mask_buffer"))
+
+
+class _Arguments:
+    """Buffer._arguments' context (a class: a generator-based one costs the hot path more)."""
+
+    __slots__ = ("gate", "call", "x", "kernels")
+
+    def __init__(self, gate: ArrivalGate, call: str, x, kernels: bool):
+        self.gate, self.call, self.x, self.kernels = gate, call, x, kernels
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None and issubclass(exc_type, Exception):
+            first = self.x[0] if isinstance(self.x, (tuple, list)) and self.x else self.x
+            if not (isinstance(first, torch.Tensor) and first.is_cuda and self.kernels):
+                self.gate.refuse(self.call, f"{exc_type.__name__}: {exc}")
+        return False
 
 
 def _check_same_topk(topk_idx: torch.Tensor, dispatched: torch.Tensor) -> None:

@@ -306,7 +306,8 @@ BAD_CALLS = {
         lambda c, bad: c.dispatch(num_worst_tokens=2**40 if bad else NUM_TOKENS * dist.get_world_size())),
     "num_worst_tokens past memory": (
         ValueError, "cannot allocate the receive tensors",
-        lambda c, bad: c.dispatch(num_worst_tokens=_huge_worst_tokens() if bad else NUM_TOKENS * dist.get_world_size())),
+        lambda c, bad: c.dispatch(num_worst_tokens=_huge_worst_tokens() if bad
+                                  else NUM_TOKENS * dist.get_world_size())),
     "combine rows": (ValueError, "x: expected shape", lambda c, bad: c.combine(bad)),
     "low-latency expert id": (ValueError, "topk_idx: expert ids must be -1 or in",
                               lambda c, bad: c.low_latency(bad_id=bad)),
