@@ -7,6 +7,7 @@ on the compiled kernels where they are built, and on the portable backend otherw
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from typing import Dict, List, Optional, Tuple, Union
@@ -24,9 +25,11 @@ from .checks import FP8_BLOCK, check_expert_ids, check_fp8_pair, check_int, chec
 from .config import NUM_MAX_NVL_PEERS, NUM_MAX_TOPK, Config, combine_config, dispatch_config, low_latency_rdma_size_hint
 from .events import EventOverlap, capture_current_stream, finish_event, wait_previous
 from .handles import DispatchHandle, LowLatencyHandle
-from .sync import ArrivalGate, check_timeout, next_buffer_serial, timeout_seconds
+from .sync import ArrivalGate, check_timeout, construction_gate, next_buffer_serial, timeout_seconds
 
 topk_idx_t = torch.int64
+_CONSTRUCTION = "Buffer construction (host names)"
+INT32_MAX = 2**31 - 1
 _NO_SHRINK = ("{call}: moe_ep has no shrink mode (enable_shrink=True is not supported), so there is no mask "
               "buffer of ranks to update, query or clean; every rank of the group takes part in every call")
 HIDDEN_DTYPES = (torch.bfloat16, torch.float32)
@@ -91,44 +94,34 @@ class Buffer:
                     else ""
                 )
             )
-        check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
-        check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
-        check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
-        if num_arena_bytes is not None:
-            check_int("num_arena_bytes", num_arena_bytes, minimum=0)
-        timeout_s = timeout_seconds() if timeout_s is None else check_timeout("timeout_s", timeout_s)
-        for name, flag in (
-            ("low_latency_mode", low_latency_mode),
-            ("explicitly_destroy", explicitly_destroy),
-            ("allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode),
-            ("allow_mnnvl", allow_mnnvl),
-            ("use_fabric", use_fabric),
-            ("enable_shrink", enable_shrink),
-        ):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
-        if enable_shrink:
-            raise NotImplementedError(
-                "enable_shrink: moe_ep has no shrink mode (no mask buffer to take ranks out of low-latency "
-                "calls); pass enable_shrink=False, every rank of the group then takes part in every call"
-            )
         self.group = group
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
+        meeting = construction_gate(group)
+        try:
+            timeout_s, requested_ranks_per_node, self._backend = self._check_construction(
+                num_nvl_bytes, num_rdma_bytes, num_qps_per_rank, num_arena_bytes, timeout_s, ranks_per_node,
+                dict(low_latency_mode=low_latency_mode, explicitly_destroy=explicitly_destroy,
+                     allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode, allow_mnnvl=allow_mnnvl,
+                     use_fabric=use_fabric, enable_shrink=enable_shrink))
+        except Exception as exc:
+            # The peers raise naming this rank at once, and the group's Buffers stay in step.
+            meeting.refuse(_CONSTRUCTION, f"{type(exc).__name__}: {exc}")
+            raise
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.num_arena_bytes = num_arena_bytes
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
-        self.ranks_per_node = self._resolve_ranks_per_node(ranks_per_node)
+        index = meeting.calls  # this Buffer's place among the group's Buffers, the same on every rank
+        self.ranks_per_node = self._agree_on_construction(meeting, timeout_s, requested_ranks_per_node)
         self.serial = next_buffer_serial()
         self.timeout_s = timeout_s
         self.debug_checks = debug_checks_enabled()
-        self._gate = ArrivalGate(group, self.serial, self.timeout_s)
+        self._gate = ArrivalGate(group, f"buffer{index}", self.timeout_s)
         self._portable = PortableBackend(group, self._gate)
         self._intranode: Optional[IntranodeBackend] = None  # made at the first dispatch of CUDA tensors
-        self._backend = _native.requested_backend()
         self._kernels = self._kernels_serve(low_latency=False) if not low_latency_mode or num_nvl_bytes else False
         self._low_latency: Optional[LowLatencyBackend] = None  # made at the first low-latency CUDA dispatch
         self._ll_kernels = self._kernels_serve(low_latency=True) if low_latency_mode else False
@@ -146,26 +139,68 @@ class Buffer:
         self._traffic = diagnostics.Traffic(self.rank, self.group_size)  # tokens and bytes, for stats()
 
     # ------------------------------------------------------------------ construction helpers
-    def _resolve_ranks_per_node(self, ranks_per_node: Optional[int]) -> int:
+    def _check_construction(self, num_nvl_bytes, num_rdma_bytes, num_qps_per_rank, num_arena_bytes, timeout_s,
+                            ranks_per_node, flags: Dict[str, object]):
+        """This rank's own checks of the construction arguments and of the environment they default
+        to -> (timeout_s, ranks_per_node or None to find from host names, MOE_EP_BACKEND)."""
+        check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
+        check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
+        check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
+        if num_arena_bytes is not None:
+            check_int("num_arena_bytes", num_arena_bytes, minimum=0)
+        timeout_s = timeout_seconds() if timeout_s is None else check_timeout("timeout_s", timeout_s)
+        for name, flag in flags.items():
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+        if flags["enable_shrink"]:
+            raise NotImplementedError(
+                "enable_shrink: moe_ep has no shrink mode (no mask buffer to take ranks out of low-latency "
+                "calls); pass enable_shrink=False, every rank of the group then takes part in every call"
+            )
         if ranks_per_node is None and os.environ.get("MOE_EP_RANKS_PER_NODE"):
             raw = os.environ["MOE_EP_RANKS_PER_NODE"]
             if not raw.isdigit():
                 raise ValueError(f"MOE_EP_RANKS_PER_NODE: expected a positive integer, got {raw!r}")
             ranks_per_node = int(raw)
-        if ranks_per_node is None:
-            hosts = [None] * self.group_size
-            dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
-            ranks_per_node = hosts.count(hosts[self.rank])
-            contiguous = all(hosts[r] == hosts[r - r % ranks_per_node] for r in range(self.group_size))
-            if not (self.group_size % ranks_per_node == 0 and contiguous):
-                raise ValueError(
-                    "ranks_per_node: the group's ranks are not spread evenly and contiguously over hosts "
-                    f"(hosts by rank: {hosts}); pass ranks_per_node explicitly"
-                )
-        check_int("ranks_per_node", ranks_per_node, minimum=1)
-        if self.group_size % ranks_per_node != 0:
-            raise ValueError(f"ranks_per_node: must divide the group size {self.group_size}, got {ranks_per_node}")
-        return ranks_per_node
+        if ranks_per_node is not None:
+            check_int("ranks_per_node", ranks_per_node, minimum=1)
+            if self.group_size % ranks_per_node != 0:
+                raise ValueError(f"ranks_per_node: must divide the group size {self.group_size}, got {ranks_per_node}")
+        return timeout_s, ranks_per_node, _native.requested_backend()
+
+    def _agree_on_construction(self, meeting: ArrivalGate, timeout_s: float, ranks_per_node: Optional[int]) -> int:
+        """The construction's meeting, bounded by timeout_s: every rank's host name and the arguments
+        the ranks must share -> ranks_per_node. Every rank decides from the same answers, so all raise
+        alike where they disagree."""
+        shared = dict(num_nvl_bytes=self.num_nvl_bytes, num_rdma_bytes=self.num_rdma_bytes,
+                      num_arena_bytes=self.num_arena_bytes, low_latency_mode=self.low_latency_mode,
+                      # Calls without config= use these, and every rank's kernels must run alike: a config
+                      # cache (moe-ep-bench tune) present on some hosts only would split them.
+                      default_configs=[repr(Buffer.get_dispatch_config(self.group_size)),
+                                       repr(Buffer.get_combine_config(self.group_size))])
+        mine = json.dumps(dict(host=socket.gethostname(), ranks_per_node=ranks_per_node, **shared)).encode()
+        everyone = [json.loads(p) for p in meeting.exchange(_CONSTRUCTION, mine, timeout_s)]
+        hosts = [e["host"] for e in everyone]
+        # ranks_per_node as each rank resolves it: its given value, else its host's count of ranks.
+        resolved = [hosts.count(hosts[r]) if e["ranks_per_node"] is None else e["ranks_per_node"]
+                    for r, e in enumerate(everyone)]
+        for name, values in (("ranks_per_node", resolved), *((n, [e[n] for e in everyone]) for n in shared)):
+            if len(set(map(json.dumps, values))) > 1:
+                if name == "default_configs":
+                    raise ValueError(
+                        f"config: the ranks' default dispatch / combine configs disagree ({_by_rank(values)}): "
+                        "the config cache (MOE_EP_CONFIG_CACHE, written by moe-ep-bench tune) or Buffer.set_num_sms "
+                        "differs between ranks; give every host the same cache, or none")
+                raise ValueError(f"{name}: the ranks disagree ({_by_rank(values)}); every rank of the group must "
+                                 "make its Buffer with the same value")
+        per_node = resolved[0]
+        contiguous = all(hosts[r] == hosts[r - r % per_node] for r in range(self.group_size))
+        if any(e["ranks_per_node"] is None for e in everyone) and not (self.group_size % per_node == 0 and contiguous):
+            raise ValueError(
+                "ranks_per_node: the group's ranks are not spread evenly and contiguously over hosts "
+                f"(hosts by rank: {hosts}); pass ranks_per_node explicitly"
+            )
+        return per_node
 
     def _kernels_unusable(self, low_latency: bool) -> Optional[str]:
         """Why the kernels cannot serve this Buffer's normal (or low-latency) calls of CUDA tensors, or
@@ -258,7 +293,8 @@ class Buffer:
             raise RuntimeError(
                 "destroy() is for Buffers created with explicitly_destroy=True; others are freed by the GC"
             )
-        self._check_alive()
+        if self._destroyed:  # a Buffer whose ranks are out of step can still be freed
+            raise RuntimeError("this Buffer was destroyed; create a new one")
         for backend in (self._intranode, self._low_latency):
             if backend is not None:
                 backend.close()
@@ -315,6 +351,14 @@ class Buffer:
     def _check_alive(self) -> None:
         if self._destroyed:
             raise RuntimeError("this Buffer was destroyed; create a new one")
+        self._gate.check_usable()
+
+    def _arguments(self, call: str, x, kernels: bool) -> "_Arguments":
+        """The argument checks of a call that meets its peers at the arrival gate (the portable backend
+        serves it: x is not a CUDA tensor bound for the kernels): an exception there is this rank's refusal,
+        which the peers raise naming this rank, so every rank leaves the call in step and the Buffer
+        stays usable."""
+        return _Arguments(self._gate, call, x, kernels)
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -362,16 +406,21 @@ class Buffer:
                 "allocate_on_comm_stream=True needs previous_event (an EventOverlap) and async_finish=True"
             )
 
-    def _check_data(self, x: torch.Tensor) -> bool:
+    def _check_data(self, x: torch.Tensor, kernels: Optional[bool] = None) -> bool:
         """Data-dependent checks ride on the host synchronisation of the portable backend and of CPU
         tensors; the kernels' no-sync paths run them only under MOE_EP_DEBUG=1 (read when the Buffer
-        is created)."""
-        return not x.is_cuda or self.debug_checks or not _native.has_kernels()
+        is created). kernels: whether the kernels serve this call's CUDA tensors (default: where built)."""
+        kernels = _native.has_kernels() if kernels is None else kernels
+        return not (x.is_cuda and kernels) or self.debug_checks
 
-    def _check_num_experts(self, num_experts) -> int:
-        check_int("num_experts", num_experts, minimum=1)
+    def _check_num_experts(self, num_experts, name: str = "num_experts", unit: str = "") -> int:
+        """name: the argument that gives the number; unit: how (num_tokens_per_expert by its length)."""
+        check_int(name, num_experts, minimum=1)
+        if num_experts > INT32_MAX:
+            raise ValueError(f"{name}: expected at most {INT32_MAX}{unit} (experts are counted and indexed with "
+                             f"32-bit integers), got {num_experts}")
         if num_experts % self.group_size != 0:
-            raise ValueError(f"num_experts: must be a multiple of the group size {self.group_size}, got {num_experts}")
+            raise ValueError(f"{name}: must be a multiple of the group size {self.group_size}{unit}, got {num_experts}")
         return num_experts
 
     def _default_config(self, call: str) -> Config:
@@ -470,44 +519,48 @@ class Buffer:
     ):
         """-> (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)"""
         self._check_alive()
-        x_parts = self._split_x(x)
-        num_tokens, hidden = x_parts[0].shape
-        device = x_parts[0].device
-        check_int("expert_alignment", expert_alignment, minimum=1)
-        check_int("num_worst_tokens", num_worst_tokens, minimum=0)
-        self._check_events(previous_event, async_finish, allocate_on_comm_stream)
-        default = config is None
-        config = self._default_config("dispatch") if default else config
-        if not isinstance(config, Config):
-            raise TypeError(f"config: expected a moe_ep.Config, got {type(config).__name__}")
-        needed = self._check_nvl_size(hidden * max(x_parts[0].element_size(), 2), config, "dispatch", default)
-        if handle is not None:
-            self._check_handle(handle, DispatchHandle, "dispatch")
-            for name, value in (
-                ("num_tokens_per_rank", num_tokens_per_rank),
-                ("is_token_in_rank", is_token_in_rank),
-                ("num_tokens_per_expert", num_tokens_per_expert),
-                ("topk_idx", topk_idx),
-                ("topk_weights", topk_weights),
-            ):
-                if value is not None:
-                    raise ValueError(
-                        f"{name}: must be None for a cached dispatch (handle given): the handle fixes the layout"
-                    )
-            if num_tokens != handle.num_tokens:
-                raise ValueError(f"x: the handle's layout is for {handle.num_tokens} tokens, got {num_tokens}")
-            self._check_handle_backend(handle, x_parts[0], IntranodeDispatchState, self._kernels, "dispatch")
-        else:
-            self._check_layout_args(
-                num_tokens,
-                device,
-                num_tokens_per_rank,
-                num_tokens_per_rdma_rank,
-                is_token_in_rank,
-                num_tokens_per_expert,
-                topk_idx,
-                topk_weights,
-            )
+        with self._arguments("dispatch", x, self._kernels):
+            x_parts = self._split_x(x)
+            num_tokens, hidden = x_parts[0].shape
+            device = x_parts[0].device
+            check_int("expert_alignment", expert_alignment, minimum=1)
+            check_int("num_worst_tokens", num_worst_tokens, minimum=0)
+            if num_worst_tokens > INT32_MAX:
+                raise ValueError(f"num_worst_tokens: expected at most {INT32_MAX} (received rows are counted with "
+                                 f"32-bit integers), got {num_worst_tokens}")
+            self._check_events(previous_event, async_finish, allocate_on_comm_stream)
+            default = config is None
+            config = self._default_config("dispatch") if default else config
+            if not isinstance(config, Config):
+                raise TypeError(f"config: expected a moe_ep.Config, got {type(config).__name__}")
+            needed = self._check_nvl_size(hidden * max(x_parts[0].element_size(), 2), config, "dispatch", default)
+            if handle is not None:
+                self._check_handle(handle, DispatchHandle, "dispatch")
+                for name, value in (
+                    ("num_tokens_per_rank", num_tokens_per_rank),
+                    ("is_token_in_rank", is_token_in_rank),
+                    ("num_tokens_per_expert", num_tokens_per_expert),
+                    ("topk_idx", topk_idx),
+                    ("topk_weights", topk_weights),
+                ):
+                    if value is not None:
+                        raise ValueError(
+                            f"{name}: must be None for a cached dispatch (handle given): the handle fixes the layout"
+                        )
+                if num_tokens != handle.num_tokens:
+                    raise ValueError(f"x: the handle's layout is for {handle.num_tokens} tokens, got {num_tokens}")
+                self._check_handle_backend(handle, x_parts[0], IntranodeDispatchState, self._kernels, "dispatch")
+            else:
+                self._check_layout_args(
+                    num_tokens,
+                    device,
+                    num_tokens_per_rank,
+                    num_tokens_per_rdma_rank,
+                    is_token_in_rank,
+                    num_tokens_per_expert,
+                    topk_idx,
+                    topk_weights,
+                )
 
         def make_handle(**fields) -> DispatchHandle:
             return DispatchHandle(buffer_serial=self.serial, **fields)
@@ -554,7 +607,8 @@ class Buffer:
             "is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(num_tokens, self.group_size), device=device
         )
         check_tensor("num_tokens_per_expert", num_tokens_per_expert, dtype=torch.int32, ndim=1, device=device)
-        num_experts = self._check_num_experts(num_tokens_per_expert.shape[0])
+        num_experts = self._check_num_experts(num_tokens_per_expert.shape[0], "num_tokens_per_expert",
+                                              " in length (one count per expert)")
         if num_tokens_per_rdma_rank is not None:
             check_tensor(
                 "num_tokens_per_rdma_rank",
@@ -573,14 +627,56 @@ class Buffer:
             if not (1 <= num_topk <= NUM_MAX_TOPK):
                 raise ValueError(f"topk_idx: top-k must be in [1, {NUM_MAX_TOPK}], got {num_topk}")
             check_tensor("topk_weights", topk_weights, dtype=torch.float32, shape=(num_tokens, num_topk), device=device)
-        if self._check_data(is_token_in_rank):
-            if topk_idx is not None:
-                check_expert_ids("topk_idx", topk_idx, num_experts)
-            sent = is_token_in_rank.sum(0, dtype=torch.int32)
-            if not torch.equal(sent, num_tokens_per_rank):
+        if self._check_data(is_token_in_rank, self._kernels):
+            self._check_layout_values(num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                                      num_tokens_per_expert, topk_idx)
+
+    def _check_layout_values(self, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                             num_tokens_per_expert, topk_idx) -> None:
+        """The layout tensors must say what topk_idx says (they come from one get_dispatch_layout):
+        otherwise tokens reach ranks that hold none of their experts or miss ranks that do."""
+        num_experts = num_tokens_per_expert.shape[0]
+        if topk_idx is not None:
+            check_expert_ids("topk_idx", topk_idx, num_experts,
+                             hint=f" (num_tokens_per_expert has {num_experts} entries, one per expert)")
+            per_rank, per_rdma_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size,
+                                                                           self.ranks_per_node)
+            if not torch.equal(is_token_in_rank, in_rank):
+                token, rank = (is_token_in_rank != in_rank).nonzero()[0].tolist()
+                experts = [e for e in topk_idx[token].tolist() if e >= 0]
+                local = num_experts // self.group_size
+                if is_token_in_rank[token, rank]:
+                    why = (f"token {token} is marked for rank {rank}, which holds none of its experts {experts}"
+                           if experts else
+                           f"token {token} is marked for rank {rank}, but topk_idx sends it to no expert")
+                else:
+                    why = f"token {token} is not marked for rank {rank}, which holds some of its experts {experts}"
+                # A num_tokens_per_expert of the wrong length moves the experts between ranks.
+                why += (f"; rank {rank} holds experts [{rank * local}, {(rank + 1) * local}) of the {num_experts} "
+                        "that num_tokens_per_expert counts")
+                raise ValueError(f"is_token_in_rank: disagrees with topk_idx ({why}); pass both from the same "
+                                 "get_dispatch_layout")
+            if not torch.equal(num_tokens_per_expert, per_expert):
+                expert = int((num_tokens_per_expert != per_expert).nonzero()[0, 0])
                 raise ValueError(
-                    f"num_tokens_per_rank: disagrees with is_token_in_rank (whose column sums are {sent.tolist()}, "
-                    f"got {num_tokens_per_rank.tolist()}); pass both from the same get_dispatch_layout"
+                    f"num_tokens_per_expert: disagrees with topk_idx (expert {expert}: topk_idx sends it "
+                    f"{int(per_expert[expert])} tokens, got {int(num_tokens_per_expert[expert])}); pass both from "
+                    "the same get_dispatch_layout"
+                )
+        sent = is_token_in_rank.sum(0, dtype=torch.int32)
+        if not torch.equal(sent, num_tokens_per_rank):
+            raise ValueError(
+                f"num_tokens_per_rank: disagrees with is_token_in_rank (whose column sums are {sent.tolist()}, "
+                f"got {num_tokens_per_rank.tolist()}); pass both from the same get_dispatch_layout"
+            )
+        if num_tokens_per_rdma_rank is not None:
+            num_nodes = self.group_size // self.ranks_per_node
+            in_node = is_token_in_rank.view(-1, num_nodes, self.ranks_per_node).any(-1).sum(0, dtype=torch.int32)
+            if not torch.equal(in_node, num_tokens_per_rdma_rank):
+                raise ValueError(
+                    f"num_tokens_per_rdma_rank: disagrees with is_token_in_rank (which sends {in_node.tolist()} tokens "
+                    f"to each node, got {num_tokens_per_rdma_rank.tolist()}); pass both from the same "
+                    "get_dispatch_layout"
                 )
 
     def combine(
@@ -598,22 +694,23 @@ class Buffer:
         (num_arena_bytes), an x from empty_combine_input is read where it lies, where every rank has
         room; from 4 ranks up any other x is copied into the arena first, below it takes two passes."""
         self._check_alive()
-        self._check_handle(handle, DispatchHandle, "dispatch")
-        check_tensor("x", x, dtypes=HIDDEN_DTYPES, shape=(handle.num_recv_rows, None))
-        self._check_events(previous_event, async_finish, allocate_on_comm_stream)
-        default = config is None
-        config = self._default_config("combine") if default else config
-        if not isinstance(config, Config):
-            raise TypeError(f"config: expected a moe_ep.Config, got {type(config).__name__}")
-        needed = self._check_nvl_size(x.shape[1] * max(x.element_size(), 2), config, "combine", default)
-        if topk_weights is not None:
-            check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2, device=x.device)
-            if topk_weights.shape[0] != x.shape[0]:
-                raise ValueError(
-                    f"topk_weights: expected {x.shape[0]} rows (one per row of x), got {topk_weights.shape[0]}"
-                )
-        biases = self._split_bias(bias, handle.num_tokens, x)
-        self._check_handle_backend(handle, x, IntranodeDispatchState, self._kernels, "dispatch")
+        with self._arguments("combine", x, self._kernels):
+            self._check_handle(handle, DispatchHandle, "dispatch")
+            check_tensor("x", x, dtypes=HIDDEN_DTYPES, shape=(handle.num_recv_rows, None))
+            self._check_events(previous_event, async_finish, allocate_on_comm_stream)
+            default = config is None
+            config = self._default_config("combine") if default else config
+            if not isinstance(config, Config):
+                raise TypeError(f"config: expected a moe_ep.Config, got {type(config).__name__}")
+            needed = self._check_nvl_size(x.shape[1] * max(x.element_size(), 2), config, "combine", default)
+            if topk_weights is not None:
+                check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2, device=x.device)
+                if topk_weights.shape[0] != x.shape[0]:
+                    raise ValueError(
+                        f"topk_weights: expected {x.shape[0]} rows (one per row of x), got {topk_weights.shape[0]}"
+                    )
+            biases = self._split_bias(bias, handle.num_tokens, x)
+            self._check_handle_backend(handle, x, IntranodeDispatchState, self._kernels, "dispatch")
         call = CombineCall(x, handle, topk_weights, biases, config, previous_event, async_finish,
                            allocate_on_comm_stream)
         self._calls["combine"] += 1
@@ -709,53 +806,60 @@ class Buffer:
     ):
         """-> (recv_x, recv_count, handle, event, hook)"""
         self._check_alive()
-        _refuse_wait_cost_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)
-        check_tensor("x", x, dtype=torch.bfloat16, ndim=2)
-        num_tokens, hidden = x.shape
-        check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
-        self._check_num_experts(num_experts)
-        needed = self._check_low_latency("low_latency_dispatch", num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        if num_tokens > num_max_dispatch_tokens_per_rank:
-            raise ValueError(
-                f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}"
-            )
-        if hidden % (FP8_BLOCK if use_fp8 else 8) != 0:
-            raise ValueError(
-                f"x: hidden must be a multiple of {FP8_BLOCK if use_fp8 else 8} "
-                f"{'for fp8 dispatch' if use_fp8 else '(16-byte rows)'}, got {hidden}"
-            )
-        check_tensor("topk_idx", topk_idx, dtype=topk_idx_t, ndim=2, device=x.device)
-        if topk_idx.shape[0] != num_tokens:
-            raise ValueError(f"topk_idx: expected {num_tokens} rows (one per token of x), got {topk_idx.shape[0]}")
-        if not (1 <= topk_idx.shape[1] <= NUM_MAX_TOPK):
-            raise ValueError(f"topk_idx: top-k must be in [1, {NUM_MAX_TOPK}], got {topk_idx.shape[1]}")
-        local = num_experts // self.group_size
-        if cumulative_local_expert_recv_stats is not None:
-            check_tensor(
-                "cumulative_local_expert_recv_stats",
-                cumulative_local_expert_recv_stats,
-                dtype=torch.int32,
-                shape=(local,),
-                device=x.device,
-            )
-        if use_ue8m0 and not (use_fp8 and round_scale):
-            raise ValueError("use_ue8m0=True needs use_fp8=True and round_scale=True (UE8M0 holds power-of-two scales)")
-        for name, flag in (
-            ("use_fp8", use_fp8),
-            ("round_scale", round_scale),
-            ("use_ue8m0", use_ue8m0),
-            ("async_finish", async_finish),
-            ("return_recv_hook", return_recv_hook),
-        ):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
-        if async_finish and return_recv_hook:
-            raise ValueError("async_finish and return_recv_hook: choose one (the hook already defers the receive)")
-        if self._check_data(x):
-            check_expert_ids("topk_idx", topk_idx, num_experts)
+        with self._arguments("low_latency_dispatch", x, self._ll_kernels):
+            _refuse_wait_cost_stats("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)
+            check_tensor("x", x, dtype=torch.bfloat16, ndim=2)
+            num_tokens, hidden = x.shape
+            check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+            self._check_num_experts(num_experts)
+            needed = self._check_low_latency("low_latency_dispatch", num_max_dispatch_tokens_per_rank, hidden,
+                                             num_experts)
+            if num_tokens > num_max_dispatch_tokens_per_rank:
+                raise ValueError(
+                    f"x: {num_tokens} tokens exceed num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}"
+                )
+            if hidden % (FP8_BLOCK if use_fp8 else 8) != 0:
+                raise ValueError(
+                    f"x: hidden must be a multiple of {FP8_BLOCK if use_fp8 else 8} "
+                    f"{'for fp8 dispatch' if use_fp8 else '(16-byte rows)'}, got {hidden}"
+                )
+            check_tensor("topk_idx", topk_idx, dtype=topk_idx_t, ndim=2, device=x.device)
+            if topk_idx.shape[0] != num_tokens:
+                raise ValueError(f"topk_idx: expected {num_tokens} rows (one per token of x), got {topk_idx.shape[0]}")
+            if not (1 <= topk_idx.shape[1] <= NUM_MAX_TOPK):
+                raise ValueError(f"topk_idx: top-k must be in [1, {NUM_MAX_TOPK}], got {topk_idx.shape[1]}")
+            local = num_experts // self.group_size
+            if cumulative_local_expert_recv_stats is not None:
+                check_tensor(
+                    "cumulative_local_expert_recv_stats",
+                    cumulative_local_expert_recv_stats,
+                    dtype=torch.int32,
+                    shape=(local,),
+                    device=x.device,
+                )
+            if use_ue8m0 and not (use_fp8 and round_scale):
+                raise ValueError(
+                    "use_ue8m0=True needs use_fp8=True and round_scale=True (UE8M0 holds power-of-two scales)"
+                )
+            for name, flag in (
+                ("use_fp8", use_fp8),
+                ("round_scale", round_scale),
+                ("use_ue8m0", use_ue8m0),
+                ("async_finish", async_finish),
+                ("return_recv_hook", return_recv_hook),
+            ):
+                if not isinstance(flag, bool):
+                    raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+            if async_finish and return_recv_hook:
+                raise ValueError("async_finish and return_recv_hook: choose one (the hook already defers the receive)")
+            check_data = self._check_data(x, self._ll_kernels)
+            if check_data:
+                check_expert_ids("topk_idx", topk_idx, num_experts)
         handle = LowLatencyHandle(
             self.serial, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_tokens, topk_idx.shape[1], x.device
         )
+        if check_data:  # its combine must be given the same top-k
+            handle.dispatch_topk_idx = topk_idx.clone()
         call = LowLatencyDispatchCall(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                       cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0, async_finish,
                                       return_recv_hook, handle)
@@ -780,38 +884,42 @@ class Buffer:
     ):
         """-> (combined_x [N, H] bf16, event, hook)"""
         self._check_alive()
-        if not isinstance(use_logfmt, bool):
-            raise TypeError(f"use_logfmt: expected a bool, got {type(use_logfmt).__name__}")
-        if use_logfmt:
-            raise NotImplementedError(
-                "use_logfmt: moe_ep sends combine rows as bf16 and has no LogFMT encoding (which would change "
-                "the result); pass use_logfmt=False"
+        with self._arguments("low_latency_combine", x, self._ll_kernels):
+            if not isinstance(use_logfmt, bool):
+                raise TypeError(f"use_logfmt: expected a bool, got {type(use_logfmt).__name__}")
+            if use_logfmt:
+                raise NotImplementedError(
+                    "use_logfmt: moe_ep sends combine rows as bf16 and has no LogFMT encoding (which would change "
+                    "the result); pass use_logfmt=False"
+                )
+            _refuse_wait_cost_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats)
+            self._check_handle(handle, LowLatencyHandle, "low_latency_dispatch")
+            local = handle.num_experts // self.group_size
+            rows = self.group_size * handle.num_max_dispatch_tokens_per_rank
+            needed = self._check_low_latency(
+                "low_latency_combine", handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
             )
-        _refuse_wait_cost_stats("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats)
-        self._check_handle(handle, LowLatencyHandle, "low_latency_dispatch")
-        local = handle.num_experts // self.group_size
-        rows = self.group_size * handle.num_max_dispatch_tokens_per_rank
-        needed = self._check_low_latency(
-            "low_latency_combine", handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
-        )
-        check_tensor("x", x, dtype=torch.bfloat16, shape=(local, rows, handle.hidden))
-        check_tensor(
-            "topk_idx", topk_idx, dtype=topk_idx_t, shape=(handle.num_tokens, handle.num_topk), device=x.device
-        )
-        check_tensor(
-            "topk_weights",
-            topk_weights,
-            dtype=torch.float32,
-            shape=(handle.num_tokens, handle.num_topk),
-            device=x.device,
-        )
-        if out is not None:
-            check_tensor("out", out, dtype=torch.bfloat16, shape=(handle.num_tokens, handle.hidden), device=x.device)
-        if async_finish and return_recv_hook:
-            raise ValueError("async_finish and return_recv_hook: choose one (the hook already defers the receive)")
-        if not isinstance(zero_copy, bool):
-            raise TypeError(f"zero_copy: expected a bool, got {type(zero_copy).__name__}")
-        self._check_handle_backend(handle, x, LowLatencyKernelState, self._ll_kernels, "low_latency_dispatch")
+            check_tensor("x", x, dtype=torch.bfloat16, shape=(local, rows, handle.hidden))
+            check_tensor(
+                "topk_idx", topk_idx, dtype=topk_idx_t, shape=(handle.num_tokens, handle.num_topk), device=x.device
+            )
+            check_tensor(
+                "topk_weights",
+                topk_weights,
+                dtype=torch.float32,
+                shape=(handle.num_tokens, handle.num_topk),
+                device=x.device,
+            )
+            if out is not None:
+                check_tensor("out", out, dtype=torch.bfloat16, shape=(handle.num_tokens, handle.hidden),
+                             device=x.device)
+            if async_finish and return_recv_hook:
+                raise ValueError("async_finish and return_recv_hook: choose one (the hook already defers the receive)")
+            if not isinstance(zero_copy, bool):
+                raise TypeError(f"zero_copy: expected a bool, got {type(zero_copy).__name__}")
+            self._check_handle_backend(handle, x, LowLatencyKernelState, self._ll_kernels, "low_latency_dispatch")
+            if handle.dispatch_topk_idx is not None and self._check_data(x, self._ll_kernels):
+                _check_same_topk(topk_idx, handle.dispatch_topk_idx)
         backend = self._low_latency_backend(x)
         if zero_copy:
             x = backend.low_latency_combine_buffer(handle)
@@ -864,6 +972,41 @@ class Buffer:
 
     def low_latency_clean_mask_buffer(self) -> None:
         raise NotImplementedError(_NO_SHRINK.format(call="low_latency_clean_mask_buffer"))
+
+
+class _Arguments:
+    """Buffer._arguments' context (a class: a generator-based one costs the hot path more)."""
+
+    __slots__ = ("gate", "call", "x", "kernels")
+
+    def __init__(self, gate: ArrivalGate, call: str, x, kernels: bool):
+        self.gate, self.call, self.x, self.kernels = gate, call, x, kernels
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None and issubclass(exc_type, Exception):
+            first = self.x[0] if isinstance(self.x, (tuple, list)) and self.x else self.x
+            if not (isinstance(first, torch.Tensor) and first.is_cuda and self.kernels):
+                self.gate.refuse(self.call, f"{exc_type.__name__}: {exc}")
+        return False
+
+
+def _check_same_topk(topk_idx: torch.Tensor, dispatched: torch.Tensor) -> None:
+    """A low-latency combine sums the rows of the experts its dispatch sent each token to."""
+    if torch.equal(topk_idx, dispatched):
+        return
+    token, slot = (topk_idx != dispatched).nonzero()[0].tolist()
+    raise ValueError(
+        f"topk_idx: differs from the topk_idx given to this handle's low_latency_dispatch (token {token}, slot "
+        f"{slot}: {int(topk_idx[token, slot])}, the dispatch had {int(dispatched[token, slot])}); pass the "
+        "dispatch's topk_idx"
+    )
+
+
+def _by_rank(values) -> str:
+    return ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
 
 
 def _refuse_wait_cost_stats(name: str, stats: Optional[torch.Tensor]) -> None:

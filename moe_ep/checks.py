@@ -44,6 +44,8 @@ def check_tensor(
     Messages are built only on failure: this runs on every call of the hot path."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.is_meta:  # it has a shape but no data to send or read
+        raise ValueError(f"{name}: expected a tensor with data, got one on the meta device")
     if dtype is not None and t.dtype != dtype:
         raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
     if dtypes is not None and t.dtype not in dtypes:
@@ -73,13 +75,14 @@ def check_int(name: str, value, *, minimum: Optional[int] = None, multiple_of: O
     return value
 
 
-def check_expert_ids(name: str, topk_idx: torch.Tensor, num_experts: int) -> None:
-    """-1 means "no expert"; anything else must be a valid global expert id. Reads the data."""
+def check_expert_ids(name: str, topk_idx: torch.Tensor, num_experts: int, hint: str = "") -> None:
+    """-1 means "no expert"; anything else must be a valid global expert id. Reads the data.
+    hint: where num_experts came from, when not from an argument of that name."""
     if topk_idx.numel() == 0:
         return
     lo, hi = int(topk_idx.min()), int(topk_idx.max())
     if not (lo >= -1 and hi < num_experts):
-        raise ValueError(f"{name}: expert ids must be -1 or in [0, {num_experts}), got values in [{lo}, {hi}]")
+        raise ValueError(f"{name}: expert ids must be -1 or in [0, {num_experts}){hint}, got values in [{lo}, {hi}]")
 
 
 def check_fp8_pair(name: str, x) -> tuple:

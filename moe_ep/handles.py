@@ -108,6 +108,8 @@ class LowLatencyHandle(_TupleView):
     # source rank * max + source token, -1 where no row was received; set by the backend (its receive),
     # or a function that makes it (None before the receive ran), where making it costs device work.
     recv_source: Optional[object] = field(default=None, repr=False)
+    # The dispatch's topk_idx, kept where the data checks run, for the combine to compare with.
+    dispatch_topk_idx: Optional[torch.Tensor] = field(default=None, repr=False)
 
     def _source(self) -> torch.Tensor:
         source = self.recv_source() if callable(self.recv_source) else self.recv_source

@@ -4,6 +4,11 @@ Before the portable backend starts a collective, every rank records its arrival 
 process group's key-value store and waits, with a deadline, for all the others. A rank that does not
 arrive in time is then named in a TimeoutError on every rank that did, instead of a collective that
 hangs for the process group's timeout (30 minutes by default) and reports nothing useful.
+
+Each meeting has one verdict, set by the first rank to decide: a rank that arrives after a peer gave up
+raises TimeoutError too, instead of passing into a collective that peer will never join. A rank whose own
+arguments were refused still takes its part (refuse), so its peers raise naming it at once and the ranks
+stay in step. Buffer construction meets the same way, at a gate of its group (construction_gate).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
-from typing import List
+from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -20,8 +25,7 @@ _buffer_serials = itertools.count()
 
 
 def next_buffer_serial() -> int:
-    """Buffers are created collectively, in the same order on every rank, so the serial taken here
-    names the same Buffer on every rank of its group."""
+    """A number that tells this process's Buffers apart (a handle names the Buffer that made it)."""
     return next(_buffer_serials)
 
 
@@ -44,9 +48,12 @@ def check_timeout(name: str, value) -> float:
 
 
 class ArrivalGate:
-    """One per Buffer, keyed by the Buffer's serial."""
+    """One per Buffer, keyed by the Buffer's place in its group's sequence of Buffers; one more per
+    group for the constructions themselves (construction_gate)."""
 
-    def __init__(self, group: dist.ProcessGroup, serial: int, timeout_s: float):
+    def __init__(self, group: dist.ProcessGroup, serial, timeout_s: float, *, stays_usable: bool = False):
+        """stays_usable: a failed meeting leaves later ones usable (the construction gate: every Buffer
+        meets there once, and a rank that missed a meeting raises when it comes, which puts it back in step)."""
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -54,40 +61,108 @@ class ArrivalGate:
         self._store = dist.PrefixStore(
             f"moe_ep/{group.group_name}/{serial}", dist.distributed_c10d._get_default_store()
         )
-        self._calls = itertools.count()
+        self.calls = 0  # meetings this rank has entered (or refused)
+        self.stays_usable = stays_usable
+        # (exception type, message) of the meeting that put this rank out of step with its peers.
+        self.broken: Optional[Tuple[type, str]] = None
+
+    def check_usable(self) -> None:
+        """Raises again what put the ranks out of step, on every call after it."""
+        if self.broken is not None:
+            exc_type, message = self.broken
+            raise exc_type(f"moe_ep: this Buffer can no longer be used, an earlier call left its ranks out of "
+                           f"step: {message}")
 
     def enter(self, phase: str) -> None:
         """Returns once every rank of the group has entered the same call; raises TimeoutError
         naming the missing ranks after the deadline, RuntimeError if ranks are in different calls."""
         self.exchange(phase, b"")
 
-    def exchange(self, phase: str, payload: bytes) -> List[bytes]:
-        """enter(), and every rank's payload comes back in rank order (a bounded all-gather)."""
-        call = next(self._calls)
+    def refuse(self, phase: str, reason: str) -> None:
+        """This rank's part of the meeting `phase` when its own arguments were refused: the peers raise
+        naming this rank and `reason` instead of waiting out the timeout, and every rank stays in step.
+        Returns at once."""
+        call = self.calls
+        self.calls += 1
+        self._store.set(f"{call}/{self.rank}", _REFUSED + phase.encode() + b"\0" + reason.encode())
+
+    def exchange(self, phase: str, payload: bytes, timeout_s: Optional[float] = None) -> List[bytes]:
+        """enter(), and every rank's payload comes back in rank order (a bounded all-gather).
+        timeout_s: this meeting's deadline (default: the gate's)."""
+        call = self.calls
+        self.calls += 1
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         keys = [f"{call}/{r}" for r in range(self.num_ranks)]
-        self._store.set(keys[self.rank], phase.encode() + b"\0" + payload)
+        verdict_key = f"{call}/verdict"
+        self._store.set(keys[self.rank], _ARRIVED + phase.encode() + b"\0" + payload)
         try:
-            self._store.wait(keys, self.timeout)
+            self._store.wait(keys, datetime.timedelta(seconds=timeout_s))
+            waited_out = []
         except RuntimeError:  # DistStoreError on timeout
-            missing = [r for r, key in enumerate(keys) if not self._store.check([key])]
-            raise TimeoutError(
-                f"moe_ep: rank(s) {_fmt_ranks(missing)} did not arrive at {phase} (call #{call} of this Buffer) "
-                f"within {self.timeout_s:g} s; rank {self.rank} waited. Raise MOE_EP_TIMEOUT_S if the peer is "
-                "only slow; after this error the Buffer's ranks are out of step: create a new Buffer."
-            ) from None
-        entries = [bytes(v).split(b"\0", 1) for v in self._store.multi_get(keys)]
-        others = {r: p.decode() for r, (p, _) in enumerate(entries) if p.decode() != phase}
+            waited_out = [r for r, key in enumerate(keys) if not self._store.check([key])]
+        # One verdict per meeting, the first rank's to decide: a rank arriving after a peer gave up must
+        # not go on into a collective the peer will never join.
+        verdict = bytes(self._store.compare_set(verdict_key, "", f"timeout {self.rank}" if waited_out else "ok"))
+        if verdict != b"ok":
+            if waited_out:
+                message = (f"moe_ep: rank(s) {_fmt_ranks(waited_out)} did not arrive at {phase} (call #{call} of "
+                           f"this {self._what()}) within {timeout_s:g} s; rank {self.rank} waited.")
+            else:
+                gave_up = verdict.split(b" ", 1)[1].decode()
+                message = (f"moe_ep: rank {self.rank} arrived at {phase} (call #{call} of this {self._what()}) "
+                           f"after rank {gave_up} had stopped waiting for it (timeout {timeout_s:g} s), so the "
+                           "call ran on no rank.")
+            message += (" Raise MOE_EP_TIMEOUT_S if the peer is only slow;"
+                        + (" this Buffer was not made." if self.stays_usable else
+                           " after this error the Buffer's ranks are out of step: create a new Buffer."))
+            self._fail(TimeoutError, message)
+        entries = [bytes(v) for v in self._store.multi_get(keys)]
+        parsed = [(v[:1], *v[1:].split(b"\0", 1)) for v in entries]
+        others = {r: p.decode() for r, (_, p, _) in enumerate(parsed) if p.decode() != phase}
+        refused = {r: (p.decode(), reason.decode()) for r, (kind, p, reason) in enumerate(parsed) if kind == _REFUSED}
         if others:
-            raise RuntimeError(
+            self._fail(RuntimeError,
                 f"moe_ep: ranks disagree on the call: rank {self.rank} is in {phase}, but "
-                + ", ".join(f"rank {r} is in {p}" for r, p in others.items())
+                + ", ".join(f"rank {r} is in {p}" + (" (and refused it)" if r in refused else "")
+                            for r, p in others.items())
                 + ". Every rank of the group must make the same sequence of Buffer calls."
             )
         if call >= 2:
             # Every rank set its key for this call only after passing call - 1, so nobody reads
             # call - 2 any more.
             self._store.delete_key(f"{call - 2}/{self.rank}")
-        return [value for _, value in entries]
+            if self.rank == 0:
+                self._store.delete_key(f"{call - 2}/verdict")
+        if refused:
+            # The ranks are still in step: every one of them has passed this meeting.
+            raise RuntimeError(
+                f"moe_ep: {phase} ran on no rank: "
+                + "; ".join(f"rank {r} refused its arguments ({reason})" for r, (_, reason) in refused.items())
+                + (". This rank's Buffer is still usable." if not self.stays_usable else ".")
+            )
+        return [v for _, _, v in parsed]
+
+    def _fail(self, exc_type: type, message: str) -> None:
+        if not self.stays_usable:
+            self.broken = (exc_type, message)
+        raise exc_type(message)
+
+    def _what(self) -> str:
+        return "group's Buffer constructions" if self.stays_usable else "Buffer"
+
+
+_ARRIVED, _REFUSED = b"A", b"R"
+_construction_gates: Dict[str, ArrivalGate] = {}
+
+
+def construction_gate(group: dist.ProcessGroup) -> ArrivalGate:
+    """The gate every Buffer of `group` meets at while it is made; its meetings count the group's
+    Buffers, so the count names the same Buffer on every rank."""
+    gate = _construction_gates.get(group.group_name)
+    if gate is None:
+        gate = _construction_gates[group.group_name] = ArrivalGate(group, "constructions", DEFAULT_TIMEOUT_S,
+                                                                   stays_usable=True)
+    return gate
 
 
 def _fmt_ranks(ranks: List[int]) -> str:

@@ -179,6 +179,22 @@ CASES = [
      lambda c: Buffer(dist.group.WORLD, 1024, timeout_s=0)),
     ("cast-back hidden", ValueError, "x_fp8: the last dimension must be a multiple of block=128",
      lambda c: fp8.per_token_cast_back(torch.zeros(2, 100, dtype=torch.float8_e4m3fn), torch.ones(2, 1))),
+    ("num_experts past 32 bits", ValueError, "num_experts: expected at most 2147483647",
+     lambda c: c.buf.get_dispatch_layout(c.idx, 2**62)),
+    ("low-latency num_experts past 32 bits", ValueError, "num_experts: expected at most 2147483647",
+     lambda c: c.ll.low_latency_dispatch(c.x, c.idx, c.p.max_tokens, 2**62)),
+    ("layout topk_idx on the meta device", ValueError, "topk_idx: expected a tensor with data, got one on the meta",
+     lambda c: c.buf.get_dispatch_layout(c.idx.to("meta"), c.p.num_experts)),
+    ("dispatch topk_idx on the meta device", ValueError, "topk_idx: expected a tensor with data",
+     lambda c: c.buf.dispatch(c.x, **c.layout_kwargs(topk_idx=c.idx.to("meta")))),
+    ("num_worst_tokens past 32 bits", ValueError, "num_worst_tokens: expected at most 2147483647",
+     lambda c: c.buf.dispatch(c.x, num_worst_tokens=2**40, **c.layout_kwargs())),
+    ("num_tokens_per_expert length", ValueError, "num_tokens_per_expert: must be a multiple of the group size",
+     lambda c: c.buf.dispatch(c.x, **c.layout_kwargs(num_tokens_per_expert=torch.zeros(
+         c.p.num_experts + 1, dtype=torch.int32)))),
+    ("num_tokens_per_expert counts", ValueError, "num_tokens_per_expert: disagrees with topk_idx (expert 0",
+     lambda c: c.buf.dispatch(c.x, **c.layout_kwargs(num_tokens_per_expert=c.layout[2] + torch.arange(
+         c.p.num_experts, dtype=torch.int32).eq(0).int()))),
     ("EventOverlap wait on wrong object", TypeError, "previous_event: expected an EventOverlap",
      lambda c: c.buf.get_dispatch_layout(c.idx, c.p.num_experts, previous_event="event")),
 ]

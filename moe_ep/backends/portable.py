@@ -198,8 +198,27 @@ class PortableBackend(Backend):
         handle: Optional[DispatchHandle],
         make_handle: Callable[..., DispatchHandle],
     ):
-        self.gate.enter("dispatch")
         num_tokens = x_parts[0].shape[0]
+        device = x_parts[0].device
+        parts = list(x_parts)
+        if handle is None:  # the handle's recv_src_idx: each row's source token index travels with it
+            parts.append(torch.empty(num_tokens, 1, dtype=torch.int32, device=device))
+            if topk_idx is not None:
+                parts += [topk_idx, topk_weights]
+        # Fixed-size receive tensors are allocated before any rank communicates, so that a size that
+        # cannot be had fails on this rank alone, naming the argument, with every rank still in step.
+        num_rows = handle.num_worst_tokens if handle is not None else num_worst_tokens
+        padded = None
+        if num_rows > 0:
+            try:
+                padded = [torch.empty(num_rows, p.shape[1], dtype=p.dtype, device=device) for p in parts]
+            except (RuntimeError, MemoryError) as exc:
+                row_bytes = sum(p.shape[1] * p.element_size() for p in parts)
+                message = (f"num_worst_tokens={num_rows}: cannot allocate the receive tensors of {num_rows} rows of "
+                           f"{row_bytes} bytes on {device} ({str(exc).splitlines()[0]})")
+                self.gate.refuse("dispatch", f"ValueError: {message}")
+                raise ValueError(message) from None
+        self.gate.enter("dispatch")
         if handle is None:
             num_experts = num_tokens_per_expert.shape[0]
             local = num_experts // self.num_ranks
@@ -231,15 +250,15 @@ class PortableBackend(Backend):
         else:
             cached = True
         send_order = self._send_order(handle.is_token_in_rank)
-        parts = list(x_parts)
-        if not cached:  # the handle's recv_src_idx: each row's source token index travels with it
-            parts.append(torch.arange(num_tokens, dtype=torch.int32, device=x_parts[0].device).unsqueeze(1))
-            if topk_idx is not None:
-                parts += [topk_idx, topk_weights]
+        if not cached:
+            parts[len(x_parts)] = torch.arange(num_tokens, dtype=torch.int32, device=device).unsqueeze(1)
         received = self._exchange_rows(pack_rows(parts)[send_order], handle.send_counts, handle.recv_counts)
         outs = unpack_rows(received, row_specs(parts))
-        pad = handle.num_recv_rows - handle.num_recv_tokens
-        outs = [_pad_rows(t, pad, fill=0) for t in outs]
+        if padded is not None:
+            for into, rows in zip(padded, outs):
+                into[: rows.shape[0]] = rows
+                into[rows.shape[0] :] = 0
+            outs = padded
         recv_x = outs[: len(x_parts)]
         if cached:
             return recv_x, None, None, None, None
@@ -379,9 +398,9 @@ class PortableBackend(Backend):
     ):
         state: _LowLatencyState = handle.backend_state
         if state is None or state.arrival_expert is None:
-            raise RuntimeError(
-                "handle: its low_latency_dispatch has not received yet: call the dispatch's hook() first"
-            )
+            message = "handle: its low_latency_dispatch has not received yet: call the dispatch's hook() first"
+            self.gate.refuse("low_latency_combine", f"RuntimeError: {message}")
+            raise RuntimeError(message)
         self.gate.enter("low_latency_combine")
         rows = x[state.arrival_expert, state.arrival_row]
         pending = self._exchange_rows(pack_rows([rows]), state.recv_counts, state.send_counts, async_op=True)
@@ -406,8 +425,3 @@ class PortableBackend(Backend):
             hook = None
         return combined, hook
 
-
-def _pad_rows(t: torch.Tensor, pad: int, fill) -> torch.Tensor:
-    if pad == 0:
-        return t
-    return torch.cat([t, torch.full((pad, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)])
