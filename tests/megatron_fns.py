@@ -172,3 +172,31 @@ def layers_share_a_buffer(seed: int, num_experts: int, topk: int, hidden: int, n
         dispatcher.combine_postprocess(dispatcher.token_combine(dispatcher.combine_preprocess(h * p.unsqueeze(1))))
         buffers.append(dispatcher._state.buffer)
     return buffers[0] is buffers[1]
+
+
+def shared_expert_layer(num_experts: int, topk: int, hidden: int, dispatcher_type: str, overlap: bool,
+                        gate: bool = False):
+    """An MoELayer with shared experts (moe_shared_expert_overlap as asked): its output, the input's
+    gradient and every parameter's gradient on fixed data (same seeds, same parameters either way)."""
+    config, _ = _setup(num_experts, topk, hidden, dispatcher_type, ffn_hidden_size=2 * hidden,
+                       moe_shared_expert_intermediate_size=hidden, add_bias_linear=False,
+                       moe_shared_expert_overlap=overlap, moe_shared_expert_gate=gate)
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=dist.get_world_size())
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    spec = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
+    layer = build_module(spec, config=config, pg_collection=pg)
+    assert (layer.token_dispatcher.shared_experts is not None) == overlap
+    g = torch.Generator().manual_seed(77 + dist.get_rank())
+    x = torch.randn(6, 2, hidden, generator=g, requires_grad=True)
+    out, _ = layer(x)
+    (out * torch.randn(out.shape, generator=g)).sum().backward()
+    grads = {name: p.grad.clone() for name, p in layer.named_parameters() if p.grad is not None}
+    return out.detach(), x.grad, grads

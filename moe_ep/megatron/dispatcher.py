@@ -247,15 +247,20 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         self._state = _CommState()
 
     def set_shared_experts(self, shared_experts):
-        raise NotImplementedError(
-            "moe_shared_expert_overlap: moe_ep's dispatcher does not run shared experts inside the dispatch; "
-            "set moe_shared_expert_overlap=False and MoELayer runs them itself"
-        )
+        """moe_shared_expert_overlap: the MoE layer hands its SharedExpertMLP over, and its stages run
+        between this dispatcher's phases as in megatron's alltoall dispatcher (pre_forward_comm, fc1
+        while the dispatch is under way, fc2 while the combine is, the output added after it). They run
+        on SharedExpertMLP's own stream, the exchanges on the Buffer's communication stream, so on a
+        GPU both overlap the shared expert; on CPU ranks megatron's stream calls meet cpu_support's
+        stand-ins."""
+        super().set_shared_experts(shared_experts)
 
     # ---------------------------------------------------------------- dispatch
     @phase_range("dispatch_preprocess")
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         self.hidden_shape = hidden_states.shape
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states)
         hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
         num_tokens = hidden_states.shape[0]
         world = self.tp_size * self.ep_size
@@ -302,6 +307,9 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
     @phase_range("dispatch_postprocess")
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         state = self._state
+        if self.shared_experts is not None:
+            # Queued before the wait: the shared expert's fc1 runs while the dispatch is under way.
+            self.shared_experts.linear_fc1_forward_and_act(hidden_states)
         state.wait()
         routing_map, expert_probs = self._local_multihot(state.recv_topk_idx, probs)
         # Host counts, as megatron's alltoall dispatcher returns them (its experts read them on the host).
@@ -382,5 +390,13 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
 
     @phase_range("combine_postprocess")
     def combine_postprocess(self, hidden_states: torch.Tensor):
+        if self.shared_experts is not None:
+            # Queued before the wait: the shared expert's fc2 runs while the combine is under way.
+            self.shared_experts.linear_fc2_forward(hidden_states)
+            self.shared_experts.post_forward_comm()
         self._state.wait()
-        return hidden_states.view(self.hidden_shape)
+        output = hidden_states.view(self.hidden_shape)
+        if self.shared_experts is not None:
+            # Out of place, and routed + shared as MoELayer adds them without the overlap: the same bits.
+            output = output + self.shared_experts.get_output()
+        return output

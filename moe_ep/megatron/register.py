@@ -42,10 +42,41 @@ def register() -> None:
         # TE's grouped experts take fp8 tokens as a transformer-engine tensor; others get them dequantised.
         self.token_dispatcher.experts_take_te_tensors = experts_take_te_tensors(self.experts)
         if self.shared_expert_overlap:
-            self.token_dispatcher.set_shared_experts(self.shared_experts)  # refuses, with the reason
+            self.token_dispatcher.set_shared_experts(self.shared_experts)
 
     __init__._moe_ep_wrapped = True
     moe_layer.MoELayer.__init__ = __init__
+    _accept_shared_expert_overlap()
+
+
+def _accept_shared_expert_overlap() -> None:
+    """TransformerConfig refuses moe_shared_expert_overlap for every dispatcher type but alltoall; ours
+    runs the shared experts' stages too. Its check is wrapped, not forked: a "deepep" config is checked
+    with the flag off (every dispatcher-type check still sees "deepep"), then the flag is put back and
+    the one other refusal that reads it (recomputing the shared experts) is applied."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    original = TransformerConfig.__post_init__
+    if getattr(original, "_moe_ep_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def __post_init__(self):
+        overlap = getattr(self, "moe_shared_expert_overlap", False)
+        if not overlap or self.moe_token_dispatcher_type != DISPATCHER_TYPE:
+            return original(self)
+        self.moe_shared_expert_overlap = False
+        try:
+            original(self)
+        finally:
+            self.moe_shared_expert_overlap = overlap
+        selective = getattr(self, "recompute_granularity", None) == "selective"
+        recompute = getattr(self, "recompute_modules", None) or ()
+        if selective and self.moe_shared_expert_intermediate_size is not None and "shared_experts" in recompute:
+            raise ValueError("shared_experts recompute cannot work with --moe-shared-expert-overlap.")
+
+    __post_init__._moe_ep_wrapped = True
+    TransformerConfig.__post_init__ = __post_init__
 
 
 def add_arguments(parser):
