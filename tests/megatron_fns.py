@@ -113,12 +113,9 @@ def flex_on_moe_ep(seed: int, num_experts: int, topk: int, hidden: int, num_toke
                                 moe_flex_dispatcher_backend="deepep")
 
 
-def build_moe_layer(num_experts: int, topk: int, hidden: int, dispatcher_type: str = "deepep",
-                    shared_experts: bool = False):
-    """TransformerConfig(moe_token_dispatcher_type=...) -> an MoELayer; its output and input gradient
-    on fixed data (the same parameters for every dispatcher type: same seeds, same construction order)."""
-    extra = dict(moe_shared_expert_intermediate_size=hidden, add_bias_linear=False) if shared_experts else {}
-    config, _ = _setup(num_experts, topk, hidden, dispatcher_type, ffn_hidden_size=2 * hidden, **extra)
+def _moe_layer(config, num_experts: int):
+    """megatron's MoELayer (no transformer-engine) for config, with the same seeds before its parameters
+    are made every time, so that layers built for different settings start alike."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -130,8 +127,19 @@ def build_moe_layer(num_experts: int, topk: int, hidden: int, dispatcher_type: s
     model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
     pg = ProcessGroupCollection.use_mpu_process_groups()
     spec = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
-    layer = build_module(spec, config=config, pg_collection=pg) if not callable(spec) or hasattr(spec, "module") \
-        else spec(config=config, pg_collection=pg)
+    # A ModuleSpec where megatron-core has one; newer versions may hand back the module's class itself.
+    if not callable(spec) or hasattr(spec, "module"):
+        return build_module(spec, config=config, pg_collection=pg)
+    return spec(config=config, pg_collection=pg)
+
+
+def build_moe_layer(num_experts: int, topk: int, hidden: int, dispatcher_type: str = "deepep",
+                    shared_experts: bool = False):
+    """TransformerConfig(moe_token_dispatcher_type=...) -> an MoELayer; its output and input gradient
+    on fixed data (the same parameters for every dispatcher type: same seeds, same construction order)."""
+    extra = dict(moe_shared_expert_intermediate_size=hidden, add_bias_linear=False) if shared_experts else {}
+    config, _ = _setup(num_experts, topk, hidden, dispatcher_type, ffn_hidden_size=2 * hidden, **extra)
+    layer = _moe_layer(config, num_experts)
     g = torch.Generator().manual_seed(99 + dist.get_rank())
     x = torch.randn(6, 2, hidden, generator=g, requires_grad=True)
     out, _ = layer(x)
@@ -181,18 +189,7 @@ def shared_expert_layer(num_experts: int, topk: int, hidden: int, dispatcher_typ
     config, _ = _setup(num_experts, topk, hidden, dispatcher_type, ffn_hidden_size=2 * hidden,
                        moe_shared_expert_intermediate_size=hidden, add_bias_linear=False,
                        moe_shared_expert_overlap=overlap, moe_shared_expert_gate=gate)
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.spec_utils import build_module
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=dist.get_world_size())
-    torch.manual_seed(1234)
-    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
-    pg = ProcessGroupCollection.use_mpu_process_groups()
-    spec = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
-    layer = build_module(spec, config=config, pg_collection=pg)
+    layer = _moe_layer(config, num_experts)
     assert (layer.token_dispatcher.shared_experts is not None) == overlap
     g = torch.Generator().manual_seed(77 + dist.get_rank())
     x = torch.randn(6, 2, hidden, generator=g, requires_grad=True)
