@@ -308,14 +308,21 @@ def copy_gbps(num_bytes: int, iters: int = 20, device: str = "cuda") -> float:
     return num_bytes * iters / (start.elapsed_time(end) / 1e3) / 1e9
 
 
-def make_parser() -> argparse.ArgumentParser:
-    """The command line (`moe-ep-bench tune` builds its candidates' arguments with it too)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The shape of the timed calls and how many are timed (the intranode benchmark's, and tune's)."""
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The command line (`moe-ep-bench tune` builds its candidates' arguments with it too)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    add_shape_arguments(parser)
     parser.add_argument("--sms", type=int, nargs="+", default=[24])
     parser.add_argument("--modes", nargs="+", choices=ALL_MODES, default=list(MODES),
                         help="which calls to time (default: all but the *_cached ones)")
@@ -325,8 +332,6 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--send-tokens", type=int, nargs="+", default=[],
                         help="num_max_nvl_chunked_send_tokens values to sweep (rows per owner in a sending round of "
                              "the streaming combine; kept below the recv tokens); default: the tuned config's")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--nccl", action="store_true", help="also time NCCL all_to_all_single (one rank per GPU)")
     parser.add_argument("--json", help="append one JSON line per (ranks, sms, mode) here")
     parser.add_argument("--cpu", action="store_true", help="CPU tensors (portable backend): checks the script anywhere")

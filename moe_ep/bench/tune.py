@@ -188,12 +188,7 @@ def make_parser() -> argparse.ArgumentParser:
                              "receive chunk)")
     parser.add_argument("--dispatch-mode", choices=DISPATCH_MODES, default="dispatch_bf16",
                         help="the dispatch timed for the dispatch config (an intranode benchmark mode)")
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=256)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=20)
+    intranode.add_shape_arguments(parser)
     parser.add_argument("--cache", help=f"the cache file to write (default: ${tuning.CACHE_ENV}, else "
                                         "$XDG_CACHE_HOME/moe_ep/configs.json, else ~/.cache/moe_ep/configs.json)")
     parser.add_argument("--dry-run", action="store_true", help="time and print the best configs; write no cache")
