@@ -120,7 +120,7 @@ class Buffer:
         self.timeout_s = timeout_s
         self.debug_checks = debug_checks_enabled()
         self._gate = ArrivalGate(group, f"buffer{index}", self.timeout_s)
-        self._portable = PortableBackend(group, self._gate)
+        self._portable = PortableBackend(group, self._gate, self.ranks_per_node)
         self._intranode: Optional[IntranodeBackend] = None  # made at the first dispatch of CUDA tensors
         self._kernels = self._kernels_serve(low_latency=False) if not low_latency_mode or num_nvl_bytes else False
         self._low_latency: Optional[LowLatencyBackend] = None  # made at the first low-latency CUDA dispatch

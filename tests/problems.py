@@ -97,8 +97,12 @@ def ref_recv_x(inputs, sources, key="x") -> torch.Tensor:
 
 
 def ref_combine(p: Problem, inputs, received_sources: List[List[Tuple[int, int]]],
-                returned: List[torch.Tensor], src: int, biases: List[torch.Tensor]) -> torch.Tensor:
-    """Combine on rank src: float32 bias0 + bias1 + rows from each destination rank in rank order."""
+                returned: List[torch.Tensor], src: int, biases: List[torch.Tensor],
+                ranks_per_node: Optional[int] = None) -> torch.Tensor:
+    """Combine on rank src: float32 bias0 + bias1 + rows from each destination rank in rank order. Across
+    nodes (ranks_per_node < ranks): each node's rows summed from 0 in rank order and rounded to bf16,
+    then bias0 + bias1 + those sums in node order."""
+    per_node = p.num_ranks if ranks_per_node is None else ranks_per_node
     n = inputs[src]["x"].shape[0]
     out = torch.empty(n, p.hidden, dtype=torch.bfloat16)
     position = [{st: i for i, st in enumerate(srcs)} for srcs in received_sources]
@@ -106,10 +110,17 @@ def ref_combine(p: Problem, inputs, received_sources: List[List[Tuple[int, int]]
         acc = torch.zeros(p.hidden, dtype=torch.float32)
         for b in biases:
             acc = acc + b[t].float()
-        for dst in range(p.num_ranks):
-            i = position[dst].get((src, t))
-            if i is not None:
-                acc = acc + returned[dst][i].float()
+        for node in range(p.num_ranks // per_node):
+            flat = per_node == p.num_ranks  # one node: every row straight into acc
+            part, reached = (acc if flat else torch.zeros(p.hidden, dtype=torch.float32)), False
+            for dst in range(node * per_node, (node + 1) * per_node):
+                i = position[dst].get((src, t))
+                if i is not None:
+                    part, reached = part + returned[dst][i].float(), True
+            if flat:
+                acc = part
+            elif reached:
+                acc = acc + part.to(torch.bfloat16).float()
         out[t] = acc.to(torch.bfloat16)
     return out
 

@@ -139,7 +139,7 @@ def arena_kwargs(p: Problem, arena, num_worst_tokens: int = 0, num_live: int = 4
 def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, num_worst_tokens: int = 0,
                  num_biases: int = 0, with_topk: bool = True, config: Config = None, buffer: Buffer = None,
                  stream_args: bool = False, dtype: torch.dtype = torch.bfloat16, arena: bool = None,
-                 combine_x: str = "tensor", busy: bool = False):
+                 combine_x: str = "tensor", busy: bool = False, ranks_per_node: int = None):
     """Layout, dispatch, cached dispatch, combine: everything a test compares, per rank. stream_args:
     the calls chain through previous_event/async_finish/allocate_on_comm_stream. arena (arena_kwargs):
     the Buffer's own arena (None), none (False: the two-pass kernels), or one with room for the round's
@@ -147,11 +147,14 @@ def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, n
     cached dispatch, and the combine reads from it). combine_x: what combine's x is: a tensor of its own
     ("tensor"), Buffer.empty_combine_input ("empty_combine_input"), or the cached dispatch's recv_x,
     overwritten ("recv_x": bf16 rows only). busy: matmuls on the current stream while each call's kernels
-    run (with stream_args: as a training step overlaps them)."""
+    run (with stream_args: as a training step overlaps them). ranks_per_node: the Buffer's (None: its
+    default): several nodes of ranks on this host."""
     rank = dist.get_rank()
     inp = my_inputs(p)
     inp["x"] = inp["x"].to(dtype)
     area = arena_kwargs(p, arena, num_worst_tokens)
+    if ranks_per_node is not None:
+        area["ranks_per_node"] = ranks_per_node
     # normal_buffer sizes for 2-byte elements: float32 rows are twice as wide.
     buffer = buffer if buffer is not None else normal_buffer(p.hidden * (2 if dtype == torch.float32 else 1), config,
                                                              **area)

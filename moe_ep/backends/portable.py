@@ -6,6 +6,11 @@ against it. Where an operation rounds, the order of operations here is the contr
 
 * combine: per token, acc = 0.0f; acc += bias0; acc += bias1; then acc += row from rank r for every
   rank r the token was sent to, in ascending r; all in float32; one rounding to the output dtype.
+  Where the group spans several nodes (ranks_per_node < group size) the sum follows the traffic: per
+  node, part = 0.0f; part += row from rank r for the node's ranks r in ascending order, rounded to the
+  output dtype (what crosses the network back); then acc = 0.0f; acc += bias0; acc += bias1; acc +=
+  part of each node the token went to, in ascending node order; one rounding. Combined top-k weights
+  follow the same order in float32.
 * low-latency combine: per token, acc = 0.0f; for k ascending with topk_idx[k] >= 0:
   acc = acc + (weight[k] * row[k]) with the product rounded to float32 before the sum (no FMA).
 
@@ -90,10 +95,12 @@ class _LowLatencyState:
 class PortableBackend(Backend):
     """Every call completes before it returns (its event is empty unless async_finish asks for one)."""
 
-    def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate):
+    def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, ranks_per_node: Optional[int] = None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
+        # Nodes of the group: several make the combine sum per node first (the module's docstring).
+        self.ranks_per_node = self.num_ranks if ranks_per_node is None else ranks_per_node
         self.gate = gate
         # gloo moves host memory only; NCCL moves device memory.
         self.comm_on_host = dist.get_backend(group) == "gloo"
@@ -293,23 +300,31 @@ class PortableBackend(Backend):
         received = self._exchange_rows(pack_rows(parts), handle.recv_counts, handle.send_counts)
         outs = unpack_rows(received, row_specs(parts))
         send_order = self._send_order(handle.is_token_in_rank)
-        combined_x = self._reduce_by_rank(outs[0], send_order, handle, biases)
+        combined_x = self._reduce_by_rank(outs[0], send_order, handle, biases, x.dtype)
         combined_w = None
         if topk_weights is not None:
-            combined_w = self._reduce_by_rank(outs[1], send_order, handle, [])
+            combined_w = self._reduce_by_rank(outs[1], send_order, handle, [], torch.float32)
         return combined_x.to(x.dtype), combined_w
 
-    def _reduce_by_rank(
-        self, rows: torch.Tensor, send_order: torch.Tensor, handle: DispatchHandle, biases: List[torch.Tensor]
-    ) -> torch.Tensor:
+    def _reduce_by_rank(self, rows: torch.Tensor, send_order: torch.Tensor, handle: DispatchHandle,
+                        biases: List[torch.Tensor], part_dtype: torch.dtype) -> torch.Tensor:
+        """float32 [N, cols]: the biases, then the rows each rank returned, in the contract's order
+        (across nodes: each node's rows summed and rounded to part_dtype first)."""
         acc = torch.zeros(handle.num_tokens, rows.shape[1], dtype=torch.float32, device=rows.device)
         for bias in biases:
             acc += bias.float()
-        start = 0
-        for count in handle.send_counts:  # rank order: the summation order of the contract
-            tokens = send_order[start : start + count]
-            acc[tokens] += rows[start : start + count].float()
-            start += count
+        per_node = self.ranks_per_node
+        starts = [0]
+        for count in handle.send_counts:
+            starts.append(starts[-1] + count)
+        for node in range(self.num_ranks // per_node):
+            part = acc if per_node == self.num_ranks else torch.zeros_like(acc)
+            for r in range(node * per_node, (node + 1) * per_node):  # rank order: the contract's summation order
+                tokens = send_order[starts[r] : starts[r + 1]]
+                part[tokens] += rows[starts[r] : starts[r + 1]].float()
+            if part is not acc:
+                reached = handle.is_token_in_rank[:, node * per_node : (node + 1) * per_node].any(1)
+                acc[reached] += part[reached].to(part_dtype).float()
         return acc
 
     # ---------------------------------------------------------------- low-latency mode
