@@ -1,4 +1,5 @@
-"""moe_ep: pure Python everywhere; the CUDA extension moe_ep._C where torch has CUDA and nvcc exists.
+"""moe_ep: pure Python everywhere; the CUDA extension moe_ep._C where torch has CUDA and nvcc exists, and
+moe_ep._internode (the kernels across nodes, on NVSHMEM's device library) where NVSHMEM is found too.
 
 Environment:
   MOE_EP_NO_CUDA=1      install pure Python even where CUDA is present
@@ -102,13 +103,33 @@ def cuda_extension():
     ext = CUDAExtension(
         "moe_ep._C", sources, include_dirs=include_dirs, define_macros=define_macros, libraries=libraries,
         extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags}, extra_link_args=extra_link, **dlink)
-    return (ext, BuildExtension.with_options(use_ninja=True)), None
+    extensions = [ext]
+    if nvshmem is not None:
+        extensions.append(internode_extension(nvshmem, include_dirs[:2], nvcc_flags[:3]))
+    return (extensions, BuildExtension.with_options(use_ninja=True)), None
+
+
+def internode_extension(nvshmem, include_dirs, nvcc_flags):
+    """moe_ep._internode: NVSHMEM's device calls need relocatable device code (-rdc) and a device link
+    against its static library, which would cost the intranode kernels if they shared the module."""
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, CUDAExtension
+
+    include, lib, host_library = nvshmem
+    # torch builds extensions without the half/bf16 operators, which NVSHMEM's device headers use.
+    nvshmem_flags = [f"-U{flag[2:]}" for flag in COMMON_NVCC_FLAGS if flag.startswith("-D__CUDA_NO_")]
+    return CUDAExtension(
+        "moe_ep._internode",
+        ["csrc/internode_bindings.cpp", "csrc/internode_runtime.cpp", "csrc/kernels/internode/kernels.cu"],
+        include_dirs=[*include_dirs, include],
+        extra_compile_args={"cxx": ["-O3"], "nvcc": [*nvcc_flags, "-rdc=true", *nvshmem_flags]},
+        extra_link_args=[os.path.join(lib, "libnvshmem_device.a"), host_library, f"-Wl,-rpath,{lib}"],
+        dlink=True, dlink_libraries=["nvshmem_device"], library_dirs=[lib])
 
 
 built, reason = cuda_extension()
 if built is None:
     _say(f"installing pure Python (portable backend only): {reason}")
-ext_modules = [built[0]] if built else []
+ext_modules = built[0] if built else []
 cmdclass = {"build_ext": built[1]} if built else {}
 
 setup(

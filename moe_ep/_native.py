@@ -1,4 +1,5 @@
-"""Loads the compiled extension `moe_ep._C` when it was built, and says why when it was not."""
+"""Loads the compiled extensions (`moe_ep._C`, and `moe_ep._internode` for the kernels across nodes) when
+they were built, and says why when they were not."""
 
 from __future__ import annotations
 
@@ -31,6 +32,28 @@ def has_kernels() -> bool:
     this sits on every call's path)."""
     module, _ = _load()
     return module is not None and torch.cuda.is_available()
+
+
+@functools.lru_cache(maxsize=None)
+def _load_internode():
+    try:
+        from . import _internode  # noqa: F401  (built by setup.py where NVSHMEM is found)
+    except ImportError as exc:
+        return None, f"the internode extension moe_ep._internode is not built ({exc})"
+    return _internode, None
+
+
+def internode_ops():
+    module, reason = _load_internode()
+    if module is None:
+        raise RuntimeError(reason)
+    return module
+
+
+def internode_unavailable_reason() -> Optional[str]:
+    """Why the kernels across nodes cannot run here, or None."""
+    reason = unavailable_reason()
+    return reason if reason is not None else _load_internode()[1]
 
 
 def has_nvshmem() -> bool:
@@ -81,6 +104,7 @@ def backend_info() -> dict:
         "nvshmem": has_nvshmem(),
         "nvshmem_device": has_nvshmem_device(),
         "sm90": is_sm90_compiled(),
+        "internode_kernels": reason is None and _load_internode()[0] is not None,
         "cuda_tensors_run_on": "cuda kernels" if reason is None else "portable backend (torch.distributed)",
         "cpu_tensors_run_on": "portable backend (torch.distributed)",
         "reason": reason or "extension loaded",

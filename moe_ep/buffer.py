@@ -18,6 +18,8 @@ import torch.distributed as dist
 from . import _native, diagnostics
 from .backends.base import Backend, CombineCall, DispatchCall, LowLatencyCombineCall, LowLatencyDispatchCall
 from .backends.choices import kernel_choices
+from .backends.internode import InternodeBackend, InternodeDispatchState
+from .backends.internode import rdma_size_hint as internode_rdma_size_hint
 from .backends.intranode import IntranodeBackend, IntranodeDispatchState
 from .backends.low_latency import LowLatencyBackend, LowLatencyKernelState
 from .backends.portable import PortableBackend, dispatch_layout
@@ -122,6 +124,7 @@ class Buffer:
         self._gate = ArrivalGate(group, f"buffer{index}", self.timeout_s)
         self._portable = PortableBackend(group, self._gate, self.ranks_per_node)
         self._intranode: Optional[IntranodeBackend] = None  # made at the first dispatch of CUDA tensors
+        self._internode: Optional[InternodeBackend] = None  # ... where the group spans several nodes
         self._kernels = self._kernels_serve(low_latency=False) if not low_latency_mode or num_nvl_bytes else False
         self._low_latency: Optional[LowLatencyBackend] = None  # made at the first low-latency CUDA dispatch
         self._ll_kernels = self._kernels_serve(low_latency=True) if low_latency_mode else False
@@ -212,8 +215,15 @@ class Buffer:
         if reason is not None:
             return reason
         if self.ranks_per_node != self.group_size:
-            return (f"the group spans {self.group_size // self.ranks_per_node} nodes of {self.ranks_per_node} "
-                    "ranks; the kernels serve the ranks of one node")
+            nodes = f"the group spans {self.group_size // self.ranks_per_node} nodes of {self.ranks_per_node} ranks"
+            if low_latency:
+                return f"{nodes}; the low-latency kernels serve the ranks of one node"
+            reason = _native.internode_unavailable_reason()
+            if reason is not None:
+                return f"{nodes} and {reason}"
+            if self.num_rdma_bytes == 0:
+                return f"{nodes}: normal calls across nodes need num_rdma_bytes > 0"
+            return None
         if low_latency:
             if not self.low_latency_mode or self.num_rdma_bytes == 0:
                 return "low-latency calls need low_latency_mode=True and num_rdma_bytes > 0"
@@ -238,6 +248,11 @@ class Buffer:
         collective)."""
         if not (x.is_cuda and self._kernels):
             return self._portable
+        if self.ranks_per_node != self.group_size:
+            if self._internode is None:
+                self._internode = InternodeBackend(self.group, self._gate, self.num_rdma_bytes, self.ranks_per_node,
+                                                   self.get_comm_stream())
+            return self._internode
         if self._intranode is None:
             auto = self.num_arena_bytes is None
             self._intranode = IntranodeBackend(self.group, self._gate, self.num_nvl_bytes, self.get_comm_stream(),
@@ -284,6 +299,13 @@ class Buffer:
         return low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     @staticmethod
+    def get_internode_rdma_size_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int, ranks_per_node: int,
+                                     num_topk: int) -> int:
+        """(ext) num_rdma_bytes for normal calls across nodes of up to num_max_tokens_per_rank tokens a rank
+        (needs the internode extension)."""
+        return internode_rdma_size_hint(num_max_tokens_per_rank, hidden, num_ranks, ranks_per_node, num_topk)
+
+    @staticmethod
     def is_sm90_compiled() -> bool:
         return _native.is_sm90_compiled()
 
@@ -295,10 +317,10 @@ class Buffer:
             )
         if self._destroyed:  # a Buffer whose ranks are out of step can still be freed
             raise RuntimeError("this Buffer was destroyed; create a new one")
-        for backend in (self._intranode, self._low_latency):
+        for backend in (self._intranode, self._internode, self._low_latency):
             if backend is not None:
                 backend.close()
-        self._intranode = self._low_latency = None
+        self._intranode = self._internode = self._low_latency = None
         self._local_buffers.clear()
         self._destroyed = True
 
@@ -549,7 +571,7 @@ class Buffer:
                         )
                 if num_tokens != handle.num_tokens:
                     raise ValueError(f"x: the handle's layout is for {handle.num_tokens} tokens, got {num_tokens}")
-                self._check_handle_backend(handle, x_parts[0], IntranodeDispatchState, self._kernels, "dispatch")
+                self._check_handle_backend(handle, x_parts[0], _KERNEL_STATES, self._kernels, "dispatch")
             else:
                 self._check_layout_args(
                     num_tokens,
@@ -710,7 +732,7 @@ class Buffer:
                         f"topk_weights: expected {x.shape[0]} rows (one per row of x), got {topk_weights.shape[0]}"
                     )
             biases = self._split_bias(bias, handle.num_tokens, x)
-            self._check_handle_backend(handle, x, IntranodeDispatchState, self._kernels, "dispatch")
+            self._check_handle_backend(handle, x, _KERNEL_STATES, self._kernels, "dispatch")
         call = CombineCall(x, handle, topk_weights, biases, config, previous_event, async_finish,
                            allocate_on_comm_stream)
         self._calls["combine"] += 1
@@ -737,8 +759,9 @@ class Buffer:
         (num_arena_bytes) that memory is a region of this rank's arena, so the combine reads its rows where
         they lie (one pass; an x elsewhere is first copied into the arena). Otherwise a plain tensor."""
         self._check_combine_rows(handle, hidden, dtype)
-        made_by_kernels = isinstance(handle.backend_state, IntranodeDispatchState)
-        return (self._intranode if made_by_kernels else self._portable).combine_input(handle, hidden, dtype)
+        if isinstance(handle.backend_state, IntranodeDispatchState):
+            return self._intranode.combine_input(handle, hidden, dtype)
+        return self._portable.combine_input(handle, hidden, dtype)  # a plain tensor
 
     def _check_combine_rows(self, handle: DispatchHandle, hidden: int, dtype: torch.dtype) -> None:
         """The arguments of the tensor a combine of `handle` reads (empty_combine_input)."""
@@ -972,6 +995,10 @@ class Buffer:
 
     def low_latency_clean_mask_buffer(self) -> None:
         raise NotImplementedError(_NO_SHRINK.format(call="low_latency_clean_mask_buffer"))
+
+
+# The device state of a handle whose dispatch ran on the kernels (on one node, across nodes).
+_KERNEL_STATES = (IntranodeDispatchState, InternodeDispatchState)
 
 
 class _Arguments:

@@ -524,7 +524,8 @@ def topology(buffer: "Buffer") -> dict:
 def kernel_backend(buffer: "Buffer", kind: str = "normal", make: bool = False):
     """For benchmarks and white-box tests of the kernels' measurement switches (wait profile, kernel log,
     streaming-combine ring rows, launch blocks) and of their memory: the backend object that runs this
-    Buffer's calls of CUDA tensors of `kind`, "normal" (the IntranodeBackend) or "low_latency" (the
+    Buffer's calls of CUDA tensors of `kind`, "normal" (the IntranodeBackend, or the InternodeBackend where
+    the group spans nodes) or "low_latency" (the
     LowLatencyBackend), or None where the portable backend serves them or no such call has made it yet.
     make=True first makes it where the kernels serve (collective: it maps the peers' buffers as the first
     call would). Its attributes are the backends' internals, not a stable API: prefer Buffer.stats() and
@@ -535,4 +536,6 @@ def kernel_backend(buffer: "Buffer", kind: str = "normal", make: bool = False):
     if make and torch.cuda.is_available():
         probe = torch.empty(0, device=torch.device("cuda", torch.cuda.current_device()))
         (buffer._normal_backend if kind == "normal" else buffer._low_latency_backend)(probe)
-    return buffer._intranode if kind == "normal" else buffer._low_latency
+    if kind == "normal":
+        return buffer._intranode if buffer._internode is None else buffer._internode
+    return buffer._low_latency

@@ -57,4 +57,14 @@ compile "$NVCC" "${COMMON[@]}" -I "$NVSHMEM_INC" -DMOE_EP_WITH_NVSHMEM_DEVICE=1 
   "${TORCH_NVCC[@]}" "${NVSHMEM_DEVICE_NVCC[@]}" -c csrc/kernels/low_latency.cu -o "$OUT/low_latency_puts.o" || status=1
 compile "$NVCC" -dlink -gencode=arch=compute_90,code=sm_90 "$OUT/nvshmem_puts.o" "$OUT/low_latency_puts.o" \
   -L "$NVSHMEM_LIB" -lnvshmem_device -o "$OUT/nvshmem_puts_dlink.o" || status=1
+# The internode module (setup.py's moe_ep._internode): its kernels relocatable and device-linked, its host
+# sources against torch's and NVSHMEM's headers.
+compile "$NVCC" "${COMMON[@]}" -I "$NVSHMEM_INC" -rdc=true -gencode=arch=compute_80,code=sm_80 \
+  -gencode=arch=compute_90,code=sm_90 --expt-relaxed-constexpr "${TORCH_NVCC[@]}" "${NVSHMEM_DEVICE_NVCC[@]}" \
+  -c csrc/kernels/internode/kernels.cu -o "$OUT/internode_kernels.o" || status=1
+compile "$NVCC" -dlink -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 \
+  "$OUT/internode_kernels.o" -L "$NVSHMEM_LIB" -lnvshmem_device -o "$OUT/internode_dlink.o" || status=1
+compile g++ "${COMMON[@]}" -std=c++20 $TORCH_INCS -idirafter "$OUT/shim" -I "$PY_INC" ${PYBIND_INC:+-I "$PYBIND_INC"} \
+  -DTORCH_EXTENSION_NAME=_internode -fsyntax-only csrc/internode_bindings.cpp || status=1
+compile g++ "${COMMON[@]}" -I "$NVSHMEM_INC" -fsyntax-only csrc/internode_runtime.cpp || status=1
 exit $status

@@ -199,6 +199,29 @@ def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, n
                     combined=combined, combined_w=combined_w, num_recv_rows=handle.num_recv_rows))
 
 
+def internode_buffer(p: Problem, ranks_per_node: int) -> Buffer:
+    """A Buffer over nodes of ranks_per_node ranks, sized for any normal call of this Problem (the
+    internode kernels on CUDA ranks, the portable backend on CPU ones)."""
+    rdma = 0
+    if device().type == "cuda":
+        rdma = Buffer.get_internode_rdma_size_hint(p.max_tokens, p.hidden * 2, p.num_ranks, ranks_per_node,
+                                                   p.num_topk)
+    nvl = default_config_size_hints(p.hidden * 4, p.num_ranks)[0]
+    # Destroyed after use: NVSHMEM's heap is freed collectively only, not by the garbage collector.
+    return Buffer(dist.group.WORLD, nvl, max(rdma, Config().get_rdma_buffer_size_hint(p.hidden * 4, p.num_ranks)),
+                  ranks_per_node=ranks_per_node, explicitly_destroy=True)
+
+
+def internode_round(p: Problem, ranks_per_node: int, rounds: int = 1, **kwargs):
+    """normal_round on an internode_buffer, `rounds` times on the same Buffer: the last round's results."""
+    buffer = internode_buffer(p, ranks_per_node)
+    for _ in range(rounds):
+        result = normal_round(p, buffer=buffer, **kwargs)
+    result["backend"] = type(kernel_backend(buffer) or buffer).__name__ if device().type == "cuda" else "portable"
+    buffer.destroy()
+    return result
+
+
 def buffers_made_while_calls_run(p: Problem, num_buffers: int = 3, arena: bool = None):
     """A Buffer per layer, each made (collectively) right after the previous one's async calls were
     issued and their outputs left unread, matmuls beside every call: how megatron's dispatcher once used

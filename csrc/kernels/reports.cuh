@@ -52,6 +52,10 @@ enum ErrorKind : int {
     kErrRingRoom,  // streaming combine (window = the channel): room in the peer's ring
     kErrRingRows,  // ... rows in this rank's ring
     kErrRendezvous,  // (window = the KernelId of the kernel the rendezvous opens) the peer's arrival
+    // Internode calls: the peer's arrival at the call; (window = the chunk) a chunk of its dispatch
+    // messages; its forwarded rows; its combine rows pushed to this forwarder; (window = the chunk) a
+    // chunk of its node's sums.
+    kErrInternodeArrive, kErrInternodeChunk, kErrInternodeForwarded, kErrInternodePushed, kErrInternodeSums,
     kErrorKindEnd,   // one past the last kind
 };
 // Wait profile (Ctx::wait_ns): per block, nanoseconds spent waiting by ErrorKind (kErrNotify ..
@@ -136,6 +140,11 @@ constexpr NamedValue kErrorKindNames[] = {
     {"RING_ROOM", intranode::kErrRingRoom},
     {"RING_ROWS", intranode::kErrRingRows},
     {"RENDEZVOUS", intranode::kErrRendezvous},
+    {"INTERNODE_ARRIVE", intranode::kErrInternodeArrive},
+    {"INTERNODE_CHUNK", intranode::kErrInternodeChunk},
+    {"INTERNODE_FORWARDED", intranode::kErrInternodeForwarded},
+    {"INTERNODE_PUSHED", intranode::kErrInternodePushed},
+    {"INTERNODE_SUMS", intranode::kErrInternodeSums},
 };
 constexpr NamedValue kProfilePhaseNames[] = {
     {"STAGE", intranode::kPhaseStage},

@@ -118,6 +118,11 @@ WAITED_FOR = {
     "RING_ROOM": "it to take the combine rows in its ring of channel {window}",
     "RING_ROWS": "its combine rows of channel {window}",
     "RENDEZVOUS": "it to reach this call's {kernel} (ranks sharing a GPU start it together)",
+    "INTERNODE_ARRIVE": "it to arrive at this call (internode)",
+    "INTERNODE_CHUNK": "chunk {window} of its dispatch messages (internode)",
+    "INTERNODE_FORWARDED": "the rows it forwards to this rank (internode dispatch)",
+    "INTERNODE_PUSHED": "its combine rows for this forwarder (internode combine)",
+    "INTERNODE_SUMS": "chunk {window} of its node's combine sums (internode combine)",
 }
 # The intranode kinds again, named short for the wait profile (IntranodeBackend.wait_profile), and
 # the kernels' phases after them (ProfilePhase).
@@ -348,11 +353,15 @@ def bootstrap_nvshmem(group: dist.ProcessGroup, gate: ArrivalGate, symmetric_byt
         return
     if not getattr(ops, "WITH_NVSHMEM", False):
         raise RuntimeError(f"NVSHMEM buffers: {getattr(ops, 'NVSHMEM_REASON', 'built without NVSHMEM')}")
-    # Room for two Buffers of this size plus NVSHMEM's own bookkeeping.
-    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(2 * symmetric_bytes + (256 << 20)))
+    # Room for two Buffers of this size plus NVSHMEM's own bookkeeping, and at least 1 GiB (the heap's
+    # memory is mapped as it is used, so the reservation costs address space only).
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(2 * symmetric_bytes + (256 << 20), 1 << 30)))
     unique_id = ops.nvshmem_unique_id() if dist.get_rank(group) == 0 else b""
     payloads = gate.exchange(f"{call} (NVSHMEM bootstrap)", unique_id)
-    ops.nvshmem_init_with_unique_id(payloads[0], dist.get_rank(group), len(ranks))
+    # The internode module's device calls need its own copy of NVSHMEM's device state, which only its
+    # initialisation sets up; the host library behind both modules is one.
+    starter = _native.internode_ops() if _native.internode_unavailable_reason() is None else ops
+    starter.nvshmem_init_with_unique_id(payloads[0], dist.get_rank(group), len(ranks))
     if ops.nvshmem_pe() != dist.get_rank(group) or ops.nvshmem_num_pes() != len(ranks):
         raise RuntimeError("NVSHMEM started with PE numbers that differ from the process group's ranks")
     _nvshmem_world = ranks
@@ -365,7 +374,10 @@ class NvshmemBuffers(MappedBuffers):
 
     memory = "nvshmem"
 
-    def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_bytes: int, call: str):
+    def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_bytes: int, call: str,
+                 puts_reach_all: bool = False):
+        """puts_reach_all: the caller's kernels put to the peers that loads and stores cannot reach (the
+        internode kernels); otherwise those peers need the low-latency kernels' put build."""
         self._start(group)
         bootstrap_nvshmem(group, gate, num_bytes, call)
         own = self.ops.nvshmem_alloc(num_bytes)
@@ -376,7 +388,7 @@ class NvshmemBuffers(MappedBuffers):
         # Peers without a mapping (another host without NVLink) are reached through NVSHMEM puts, which
         # need the device library in the build.
         self.unreachable = [r for r, p in enumerate(pointers) if p == 0]
-        if self.unreachable and not _native.has_nvshmem_device():
+        if self.unreachable and not (puts_reach_all or _native.has_nvshmem_device()):
             raise RuntimeError(
                 f"{call}: ranks {self.unreachable} cannot be reached by loads and stores from rank {self.rank} "
                 "(another host without NVLink), and this build cannot put to them: build with "
