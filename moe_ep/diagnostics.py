@@ -397,6 +397,11 @@ def stats(buffer: "Buffer") -> dict:
       given; a low-latency dispatch moves one row per (token, expert) pick: x's row (bf16), or fp8 bytes
       plus its scales; a low-latency combine returns each as a bf16 row. Handle metadata (source
       indices, flags, counts) and padding rows are not counted.
+    - "network_bytes": bytes this rank sent to ranks of other nodes (ranks_per_node), summed over normal
+      dispatches and combines: on the internode kernels what they put across nodes, once per destination
+      node (a message: the row, its scales, top-k ids and weights, its source index and its rows on that
+      node's ranks; a combine sum: the row and its top-k weights), counted on the host; elsewhere the
+      sent_bytes to other nodes' ranks (one copy per rank). 0 where the group is one node.
     - "buffer_capacity": {"nvl": num_nvl_bytes, "rdma": num_rdma_bytes, "arena": the arena's bytes}.
     - "buffer_high_water": {"nvl", "rdma": the size hints of the calls made (the largest
       Config.get_nvl_buffer_size_hint / get_rdma_buffer_size_hint of the normal calls' rows and configs,
@@ -427,8 +432,14 @@ def stats(buffer: "Buffer") -> dict:
         if kernels.arena is not None:
             arena = kernels.arena.usage()
     traffic = buffer._traffic
+    counted = traffic.read()
+    if buffer._internode is not None:
+        network = buffer._internode.network_bytes
+    else:
+        nodes = torch.arange(buffer.group_size) // buffer.ranks_per_node
+        network = int(counted["sent_bytes"][nodes != buffer.rank // buffer.ranks_per_node].sum())
     return dict(
-        calls=dict(buffer._calls), one_pass_calls=one_pass, arena=arena, **traffic.read(),
+        calls=dict(buffer._calls), one_pass_calls=one_pass, arena=arena, **counted, network_bytes=network,
         buffer_capacity=dict(nvl=buffer.num_nvl_bytes, rdma=buffer.num_rdma_bytes, arena=arena["capacity"]),
         buffer_high_water=dict(traffic.needed, arena=arena["high_water"]),
         collecting=traffic.collecting, uncounted_calls=traffic.uncounted,
@@ -445,6 +456,8 @@ def reset_stats(buffer: "Buffer", collect: bool = True) -> None:
     buffer._calls.update(call_counts())
     buffer._traffic.clear()
     buffer._traffic.collecting = collect
+    if buffer._internode is not None:
+        buffer._internode.network_bytes = 0
     kernels = buffer._intranode
     if kernels is not None:
         with torch.cuda.stream(kernels.comm_stream):

@@ -164,6 +164,43 @@ def group_limited_layout(seed: int, num_experts: int, topk: int, ranks_per_node:
     return int(nodes_per_token.max()), int(per_node.sum()), int(nodes_per_token.sum())
 
 
+def group_limited_network_bytes(seed: int, num_experts: int, topk: int, hidden: int, ranks_per_node: int,
+                                group_topk: int):
+    """megatron's group-limited routing (groups = nodes), one dispatch and combine of bf16 rows on a
+    Buffer over those nodes: (Buffer.stats' network_bytes, the rows that leave this rank's node once per
+    destination node, once per destination rank, once per top-k pick)."""
+    enable_cpu_execution(force=True)
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    from moe_ep import Buffer
+    from .rank_fns import device
+    world, rank = dist.get_world_size(), dist.get_rank()
+    nodes = world // ranks_per_node
+    g = torch.Generator().manual_seed(seed + rank)
+    logits = torch.randn(64, num_experts, generator=g)
+    _, routing_map = topk_routing_with_score_function(
+        logits, topk, num_groups=nodes, group_topk=group_topk, score_function="sigmoid")
+    topk_idx = routing_map.float().topk(topk, dim=1).indices.to(device())
+    rdma = 0
+    if device().type == "cuda":
+        rdma = Buffer.get_internode_rdma_size_hint(64, hidden, world, ranks_per_node, topk)
+    buffer = Buffer(dist.group.WORLD, 1 << 26, rdma, ranks_per_node=ranks_per_node, explicitly_destroy=True)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+    x = torch.randn(64, hidden, generator=g).to(torch.bfloat16).to(device())
+    weights = torch.rand(64, topk, generator=g).to(device())
+    recv_x, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                 num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+                                                 topk_weights=weights)
+    network = buffer.stats()["network_bytes"]
+    buffer.destroy()
+    mine = rank // ranks_per_node
+    other_nodes = torch.arange(nodes) != mine
+    in_node = in_rank.cpu().view(64, nodes, ranks_per_node).any(-1)
+    pick_node = topk_idx.cpu() // (num_experts // world) // ranks_per_node
+    return (network, int(in_node[:, other_nodes].sum()),
+            int(in_rank.cpu()[:, (torch.arange(world) // ranks_per_node) != mine].sum()),
+            int(((topk_idx.cpu() >= 0) & (pick_node != mine)).sum()))
+
+
 def layers_share_a_buffer(seed: int, num_experts: int, topk: int, hidden: int, num_tokens: int) -> bool:
     """Two MoE layers' dispatchers over one group dispatch and combine in turn: whether they used one Buffer."""
     config, pg = _setup(num_experts, topk, hidden, "deepep")

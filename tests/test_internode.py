@@ -55,3 +55,21 @@ def test_internode_rounds_on_one_buffer(pools, gpu_pools, seed, num_ranks, ranks
     p = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=64, drop=0.5)
     on_gpu = gpu_pools(num_ranks).run(rank_fns.internode_round, p, ranks_per_node, rounds=3, num_biases=1)
     _compare(seed, on_gpu, pools(num_ranks).run(rank_fns.internode_round, p, ranks_per_node, num_biases=1))
+
+
+@pytest.mark.parametrize("num_ranks,ranks_per_node", [(8, 2)], ids=["4x2"])
+def test_group_limited_routing_puts_each_token_once_per_node(gpu_pools, seed, num_ranks, ranks_per_node):
+    """With megatron's group-limited router (groups = nodes, 2 of 4), the bytes put across nodes are one
+    message per token and distinct other node its experts sit on: fewer than one row per destination rank,
+    and fewer still than one per top-k pick."""
+    pytest.importorskip("megatron.core")
+    from . import megatron_fns
+    from moe_ep import _native as native
+    hidden, topk = 256, 8
+    message = native.internode_ops().message(hidden * 2, 0, topk, ranks_per_node)["bytes"]
+    results = gpu_pools(num_ranks).run(megatron_fns.group_limited_network_bytes, seed, 64, topk, hidden,
+                                       ranks_per_node, 2)
+    for rank, (network, messages, rank_rows, picks) in enumerate(results):
+        assert network == messages * message, f"seed {seed} rank {rank}: {network} bytes for {messages} messages"
+        assert messages <= rank_rows <= picks
+    assert sum(r[1] for r in results) < sum(r[2] for r in results) < sum(r[3] for r in results)

@@ -54,6 +54,7 @@ class InternodeDispatchState:
     num_recv: int  # rows this rank receives
     num_chunks: int
     rank_count: torch.Tensor  # int64 [source, destination] tokens, on the host
+    node_count: torch.Tensor  # int64 [source, node] messages, on the host
 
 
 class InternodeBackend(Backend):
@@ -90,6 +91,8 @@ class InternodeBackend(Backend):
         self.comm_stream = comm_stream
         self._nonce = 0
         self._done = torch.cuda.Event()
+        # Bytes this rank put to other nodes (Buffer.stats' network_bytes), known on the host from the counts.
+        self.network_bytes = 0
 
     # ---------------------------------------------------------------- shared
     def close(self) -> None:
@@ -168,6 +171,9 @@ class InternodeBackend(Backend):
                 self._arrive(nonce)
             num_topk = 0 if call.handle is not None or call.topk_idx is None else call.topk_idx.shape[1]
             regions = self._dispatch_regions(state, row_bytes, scale_bytes, num_topk)
+            node = self.rank // self.per_node
+            messages = int(state.node_count[self.rank].sum() - state.node_count[self.rank, node])
+            self.network_bytes += messages * self.ops.message(row_bytes, scale_bytes, num_topk, self.per_node)["bytes"]
             topk_idx = call.topk_idx.contiguous() if num_topk else None
             topk_weights = call.topk_weights.contiguous() if num_topk else None
             num_experts = call.num_tokens_per_expert.shape[0] if call.handle is None else 0
@@ -237,7 +243,8 @@ class InternodeBackend(Backend):
             forward_mask=torch.empty(max(int(forward_count.sum()), 1), dtype=torch.int32, device=device),
             recv_forward=torch.empty(0, 2, dtype=torch.int32, device=device),
             sent=int(node_count.sum(1).max()), forwarded=max(forwarded_by), received=int(rank_count.sum(0).max()),
-            num_recv=int(rank_count[:, me].sum()), num_chunks=num_chunks, rank_count=rank_count)
+            num_recv=int(rank_count[:, me].sum()), num_chunks=num_chunks, rank_count=rank_count,
+            node_count=node_count)
         regions = self._dispatch_regions(state, row_bytes, scale_bytes, num_topk)
         needed = regions.pop("end")
         if needed > self.num_bytes:
@@ -347,6 +354,9 @@ class InternodeBackend(Backend):
             raise ValueError(f"num_rdma_bytes={self.num_bytes} is too small for this combine across nodes: it needs "
                              f"{offset} bytes")
         biases = [aligned(b) for b in call.biases]
+        node, local = self.rank // self.per_node, self.rank % self.per_node
+        forwarded = state.node_count[local :: self.per_node, node]
+        self.network_bytes += int(forwarded.sum() - forwarded[node]) * combine_row
         compute = self._enter(call.previous_event)
         with torch.cuda.stream(self.comm_stream if call.allocate_on_comm_stream else compute):
             out = torch.empty(handle.num_tokens, x.shape[1], dtype=x.dtype, device=x.device)
