@@ -545,8 +545,9 @@ def test_stats_read_the_kernel_backends_counters_and_arena(monkeypatch):
     x = torch.randn(tokens, hidden).to(torch.bfloat16)
     topk_idx = torch.rand(tokens, 6).topk(topk, dim=1).indices
     backend, call = stub_backend(ranks, x, topk_idx, torch.rand(tokens, topk), 6, monkeypatch.setattr, arena=True)
-    buffer = types.SimpleNamespace(_intranode=backend, _calls=call_counts(), _traffic=Traffic(0, ranks),
-                                   num_nvl_bytes=1 << 20, num_rdma_bytes=0)
+    buffer = types.SimpleNamespace(_intranode=backend, _internode=None, _calls=call_counts(), _traffic=Traffic(0, ranks),
+                                   num_nvl_bytes=1 << 20, num_rdma_bytes=0, group_size=ranks, ranks_per_node=ranks,
+                                   rank=0)
     region = arena_dispatch_region(ranks * tokens, 2 * hidden, 0, topk).slot_bytes
     first, second = call([x])[0][0], call([x])[0][0]
     backend.one_pass_calls += torch.tensor([2, 1], dtype=torch.int32)  # as the kernels would count
