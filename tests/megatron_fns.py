@@ -169,10 +169,11 @@ def group_limited_network_bytes(seed: int, num_experts: int, topk: int, hidden: 
     """megatron's group-limited routing (groups = nodes), one dispatch and combine of bf16 rows on a
     Buffer over those nodes: (Buffer.stats' network_bytes, the rows that leave this rank's node once per
     destination node, once per destination rank, once per top-k pick)."""
-    enable_cpu_execution(force=True)
+    from .rank_fns import device
+    if device().type == "cpu":  # it stands in for CUDA calls, which CUDA ranks make for real
+        enable_cpu_execution(force=True)
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
     from moe_ep import Buffer
-    from .rank_fns import device
     world, rank = dist.get_world_size(), dist.get_rank()
     nodes = world // ranks_per_node
     g = torch.Generator().manual_seed(seed + rank)
