@@ -46,10 +46,11 @@ def deep_ep_missing() -> str:
 
 def moe_ep_on_portable() -> str:
     """Why moe_ep's CUDA calls run on the portable backend here (then it is no peer of itself), or ""."""
-    import moe_ep
+    from moe_ep import _native
 
-    info = moe_ep.backend_info()
-    return "" if info["cuda_kernels"] else info["reason"]
+    if _native.requested_backend() == "portable":
+        return "MOE_EP_BACKEND=portable"
+    return _native.unavailable_reason() or ""  # asks no GPU: this process makes no CUDA context
 
 
 def skip_reasons(args, num_ranks: int, num_gpus: int, input_bytes: int,
