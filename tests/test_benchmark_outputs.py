@@ -3,6 +3,7 @@ the progress bar without tqdm, the peers measured beside moe_ep or reported as s
 and the ratios taken from the figures of the same run. The figures themselves are not checked."""
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -196,7 +197,22 @@ def test_a_peer_that_fails_is_reported_not_fatal():
 
     args = types.SimpleNamespace(cpu=True, tokens=8, hidden=256, topk=4, experts=16, warmup=1, iters=1, sms=[8])
     rows, failed = peers.run_in_own_ranks(deepep_peer.intranode_rank, (args, ["combine"]), 2, False, 60)
-    assert rows == [] and failed.startswith("failed: 2 rank(s) failed; rank 0: ModuleNotFoundError"), failed
+    assert rows == [] and re.match(r"failed: 2 rank\(s\) failed; rank [01]: ModuleNotFoundError: No module named "
+                                   r"'deep_ep'$", failed), failed
+
+
+def test_a_peer_that_hangs_is_reported_and_not_tried_again():
+    import time
+
+    rows, failed = peers.run_in_own_ranks(time.sleep, (60,), 2, False, 3)
+    assert rows == [] and "did not finish sleep in time" in failed, failed
+    given_up = {}
+    peers.note_hangs({"deep_ep": failed, "nccl": "", "portable": "failed: 2 rank(s) failed; rank 0: ValueError: x"},
+                     given_up, "2 ranks, 64 tokens")
+    assert given_up == {"deep_ep": "not tried again: it did not finish in time at 2 ranks, 64 tokens"}
+    reasons = peers.skip_reasons(_args(), 4, 4, 1, deep_ep_check=lambda: "", portable_check=lambda: "",
+                                 given_up=given_up)
+    assert reasons["deep_ep"] == given_up["deep_ep"] and reasons["portable"] == ""
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -55,8 +55,8 @@ from moe_ep.backends.peers import Enumerators
 
 from . import copy_peer, deepep_peer, nccl_peer
 from .inputs import intranode_inputs, row_bytes
-from .peers import (COPY, DEEP_EP, MOE_EP, NCCL, PEERS, PORTABLE, add_peer_arguments, ratio, run_in_own_ranks,
-                    shown_ratio, skip_reasons)
+from .peers import (COPY, DEEP_EP, MOE_EP, NCCL, PEERS, PORTABLE, add_peer_arguments, note_hangs, ratio,
+                    run_in_own_ranks, shown_ratio, skip_reasons)
 from .report import Report, add_output_arguments, progress, say
 from .timing import wall_seconds_per_call
 
@@ -528,13 +528,15 @@ def main():
     report = Report("intranode", args.jsonl, args.plot)
     runs = list(itertools.product(args.ranks, args.tokens))
     bar = progress(len(runs), "intranode", unit="run")
+    given_up = {}
     try:
         say(bar, HEADER)
         for num_ranks, tokens in runs:
             bar.set_postfix_str(f"{num_ranks} ranks, {tokens} tokens")
             run_args = at_tokens(args, tokens)
-            reasons = skip_reasons(run_args, num_ranks, num_gpus, tokens * args.hidden * 2)
+            reasons = skip_reasons(run_args, num_ranks, num_gpus, tokens * args.hidden * 2, given_up=given_up)
             rows = measure(run_args, num_ranks, reasons, bar)
+            note_hangs(reasons, given_up, f"{num_ranks} ranks, {tokens} tokens")
             report_run(run_args, num_ranks, rows, reasons, report, bar)
             bar.update(1)
     finally:

@@ -36,8 +36,8 @@ from moe_ep.launch import RankError, RankPool
 
 from . import copy_peer, deepep_peer, nccl_peer
 from .inputs import LOW_LATENCY_SEED, low_latency_inputs, low_latency_selection_bytes, selections_per_rank
-from .peers import (COPY, DEEP_EP, MOE_EP, NCCL, PORTABLE, add_peer_arguments, ratio, run_in_own_ranks, shown_ratio,
-                    skip_reasons)
+from .peers import (COPY, DEEP_EP, MOE_EP, NCCL, PORTABLE, add_peer_arguments, note_hangs, ratio, run_in_own_ranks,
+                    shown_ratio, skip_reasons)
 from .report import Report, add_output_arguments, progress, say
 from .timing import cuda_kernel_us, device_sync, wall_seconds_per_call
 
@@ -274,12 +274,13 @@ def main():
     problems = [(n, e) for n in args.ranks for e in sorted({args.experts, 288 if n == 8 else args.experts})]
     bar = progress(len(problems), "low_latency", unit="problem")
     failed = False
+    given_up = {}
     try:
         say(bar, f"{'ranks':>5} {'experts':>7} {'backend':>8} {'dispatch us':>11} {'GB/s':>6} {'combine us':>10} "
                  f"{'GB/s':>6} {'zero-copy us':>12} {'hook: send+recv us (dispatch / combine)':>40}")
         for num_ranks, num_experts in problems:
             bar.set_postfix_str(f"{num_ranks} ranks, {num_experts} experts")
-            reasons = skip_reasons(args, num_ranks, num_gpus, args.tokens * args.hidden * 2)
+            reasons = skip_reasons(args, num_ranks, num_gpus, args.tokens * args.hidden * 2, given_up=given_up)
             own = argparse.Namespace(**{**vars(args), "peers": [p for p in (NCCL, COPY) if not reasons[p]]})
             try:
                 with RankPool(num_ranks, use_cuda=not args.cpu) as pool:
@@ -290,6 +291,7 @@ def main():
                 bar.update(1)
                 continue
             peer_rows = measure_peers(args, num_ranks, num_experts, rows, reasons)
+            note_hangs(reasons, given_up, f"{num_ranks} ranks, {num_experts} experts")
             report_problem(args, num_ranks, num_experts, rows, peer_rows, reasons, report, bar)
             bar.update(1)
     finally:

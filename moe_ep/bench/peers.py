@@ -31,8 +31,9 @@ def add_peer_arguments(parser) -> None:
                              "--peers alone: none)")
     parser.add_argument("--portable-any-size", action="store_true",
                         help=f"time the portable peer above {PORTABLE_CHEAP_BYTES >> 20} MiB of bf16 rows a rank too")
-    parser.add_argument("--peer-timeout", type=float, default=180.0,
-                        help="seconds a peer's ranks may take before the peer is reported as failed")
+    parser.add_argument("--peer-timeout", type=float, default=120.0,
+                        help="seconds a peer's ranks may take before the peer is reported as failed (and, having "
+                             "hung, is not tried again in the run)")
 
 
 def deep_ep_missing() -> str:
@@ -55,14 +56,17 @@ def moe_ep_on_portable() -> str:
 
 def skip_reasons(args, num_ranks: int, num_gpus: int, input_bytes: int,
                  deep_ep_check: Callable[[], str] = deep_ep_missing,
-                 portable_check: Callable[[], str] = moe_ep_on_portable) -> Dict[str, str]:
+                 portable_check: Callable[[], str] = moe_ep_on_portable,
+                 given_up: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     """{peer: why it is not measured in this run at num_ranks ranks} for every peer of PEERS ("" where it
-    is measured); input_bytes: a rank's bf16 input rows."""
+    is measured); input_bytes: a rank's bf16 input rows; given_up: {peer: why} of peers that hung earlier."""
     reasons = {}
     on_portable = portable_check() if PORTABLE in args.peers and not args.cpu else ""
     for peer in PEERS:
         if peer not in args.peers:
             reasons[peer] = "not asked for (--peers)"
+        elif given_up and peer in given_up:
+            reasons[peer] = given_up[peer]
         elif peer == DEEP_EP:
             reasons[peer] = "CPU ranks (--cpu): DeepEP's calls take CUDA tensors" if args.cpu else deep_ep_check()
         elif peer == NCCL:
@@ -100,6 +104,14 @@ def run_in_own_ranks(fn, args_for_ranks: tuple, num_ranks: int, use_cuda: bool, 
     except (RankError, RuntimeError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return [], f"failed: {first}"
+
+
+def note_hangs(reasons: Dict[str, str], given_up: Dict[str, str], where: str) -> None:
+    """Records in given_up each peer whose ranks did not finish in time (`where`: the problem it hung on):
+    one that hangs would most likely hang again, and each try costs --peer-timeout."""
+    for peer, reason in reasons.items():
+        if "did not finish" in reason and peer not in given_up:
+            given_up[peer] = f"not tried again: it did not finish in time at {where}"
 
 
 def ratio(ours: Optional[float], theirs: Optional[float]) -> Optional[float]:
