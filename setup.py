@@ -142,7 +142,7 @@ setup(
     extras_require={
         "test": ["pytest>=7", "numpy"],
         "demo": ["rich"],
-        "bench": ["tqdm"],  # moe-ep-bench tune's progress bar (a line per candidate without it)
+        "bench": ["tqdm", "matplotlib"],  # the benchmarks' progress bars and --plot (both optional)
         "cuda": ["pybind11", "ninja"],
     },
     entry_points={"console_scripts": ["moe-ep-bench = moe_ep.bench.__main__:main"]},

@@ -185,26 +185,6 @@ def test_peer_copy_benchmark_moves_bytes_between_ranks(tmp_path):
     assert all(len(r["per_rank_gbps"]) == 2 and min(r["per_rank_gbps"]) > 0 for r in rows)
 
 
-def test_deepep_reference_only_for_its_shape():
-    """The intranode benchmark's "x DeepEP V1" column: the issue's figure of the same operation, and none
-    for another shape, SM budget, a CPU run or the NCCL row."""
-    import types
-
-    from moe_ep.bench.intranode import NCCL_MODE, deepep_v1_reference
-
-    args = types.SimpleNamespace(tokens=4096, hidden=7168, topk=8, experts=256, cpu=False)
-    if torch.cuda.device_count() > 1:
-        pytest.skip("ranks on GPUs of their own: the figures are for ranks sharing one GPU")
-    assert deepep_v1_reference(args, 4, 24, "dispatch_fp8_arena") == 220
-    assert deepep_v1_reference(args, 2, 24, "dispatch_bf16_cached") == 283
-    assert deepep_v1_reference(args, 8, 24, "combine_arena_input") == 94
-    assert deepep_v1_reference(args, 4, 24, NCCL_MODE) is None
-    assert deepep_v1_reference(args, 4, 32, "combine") is None
-    assert deepep_v1_reference(args, 3, 24, "combine") is None
-    assert deepep_v1_reference(types.SimpleNamespace(**{**vars(args), "hidden": 4096}), 4, 24, "combine") is None
-    assert deepep_v1_reference(types.SimpleNamespace(**{**vars(args), "cpu": True}), 4, 24, "combine") is None
-
-
 def test_kernel_log_times_split_a_call_into_its_kernels(kernel_enums):
     """The intranode benchmark's reading of a rank's kernel log (--profile-waits): spans, the time
     before each data kernel, the opening kernel's span, the period, and the ranks' start skew."""

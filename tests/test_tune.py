@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from moe_ep import tuning
+from moe_ep.bench import report
 from moe_ep.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,7 +180,8 @@ def test_tune_command_writes_a_cache_that_get_config_reads(tmp_path):
     cache = tmp_path / "configs.json"
     tuning.write_entries(_entry("combine", 4, [24, 8, 64, 6, 128]), cache)
     grid = ["--sms", "8", "16", "--recv-chunks", "32", "64", "--send-chunks", "4", "8"]
-    done = _tune(*grid, "--json", str(tmp_path / "t.jsonl"), cache=cache)
+    done = _tune(*grid, "--json", str(tmp_path / "t.jsonl"), "--jsonl", str(tmp_path / "m.jsonl"), "--plot",
+                 str(tmp_path / "plots"), cache=cache)
     assert "5/5" in done.stderr and "candidate" in done.stderr, done.stderr  # the progress bar
     assert f"wrote 2 entries to {cache}" in done.stdout, done.stdout
     entries = json.loads(cache.read_text())["entries"]
@@ -199,6 +201,14 @@ def test_tune_command_writes_a_cache_that_get_config_reads(tmp_path):
         assert entry["command"].startswith("moe-ep-bench tune --cpu --ranks 2")
         row = f"{entry['config']['num_sms']:>4} {entry['config']['num_max_nvl_chunked_recv_tokens']:>5}"
         assert f"2       2 {entry['kind']:>8} {row}" in done.stdout, done.stdout
+    # The same figures as measurements (report.py's JSON lines), and their SM sweep plotted where matplotlib is.
+    measured = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert sorted((m["shape"]["sms"], m["shape"]["recv_tokens"], m["shape"]["send_tokens"], m["kind"], m["value"])
+                  for m in measured) == sorted((line["sms"], line["recv_tokens"], line["send_tokens"], line["kind"],
+                                                line["gbps_per_rank"]) for line in lines)
+    assert all(m["benchmark"] == "tune" and m["metric"] == "gbps_per_rank" and m["unit"] == "GB/s" for m in measured)
+    plot = tmp_path / "plots" / "tune_2ranks_sms.png"
+    assert plot.read_bytes().startswith(b"\x89PNG") if not report.matplotlib_missing() else not plot.exists()
     configs, _ = _configs(cache)
     assert configs["None 2 dispatch"] == [dispatch["config"][f] for f in FIELDS]
     assert configs["None 2 combine"] == [combine["config"][f] for f in FIELDS]

@@ -7,9 +7,11 @@ import sys
 
 # Name -> what it measures (the module moe_ep.bench.NAME).
 BENCHMARKS = {
-    "intranode": "intranode dispatch/combine bandwidth: received GB/s per rank, all ranks of one host at once",
+    "intranode": "intranode dispatch/combine bandwidth: received GB/s per rank, all ranks of one host at once, "
+                 "beside DeepEP V1, NCCL, the portable backend and a device copy",
     "internode": "normal calls across nodes (ranks cut into nodes) against the intranode calls on the same ranks",
-    "low_latency": "low-latency dispatch/combine latency (us a call) and bandwidth, with and without the receive hook",
+    "low_latency": "low-latency dispatch/combine latency (us a call) and bandwidth, with and without the receive "
+                   "hook, beside the same peers",
     "layout": "get_dispatch_layout: kernel and whole-call time",
     "fp8": "the 1x128 FP8 cast and cast-back kernels",
     "portable": "the portable backend (torch.distributed) on CPU or GPU ranks",

@@ -1,5 +1,6 @@
-"""Intranode dispatch/combine bandwidth, all ranks of one host running concurrently (measured the way
-DeepEP V1 was measured on the same machine).
+"""Intranode dispatch/combine bandwidth, all ranks of one host running concurrently, with its peers
+measured in the same run on the same shapes and ranks (moe_ep/bench/peers.py: DeepEP V1, NCCL's
+all-to-all, the portable backend, a plain device copy).
 
 Per rank: received bytes / wall time per call (host work included; `--iters` calls after `--warmup`,
 a barrier before). bf16 rows count hidden * 2 bytes, fp8 rows hidden * (1 + 4/128) (values + scales);
@@ -8,18 +9,19 @@ combine counts the bf16 rows sent back. The *_arena modes run on a Buffer with a
 straight into regions of the receivers' arenas, and combine_arena_input sums rows written into
 empty_combine_input where they lie (combine_arena: rows of a tensor of their own, which the combine
 copies into the arena first from 4 ranks up and sends the two-pass way below). The other modes run on a
-Buffer without an arena (num_arena_bytes=0: the two-pass calls). The aggregate over ranks is also given
-as a fraction of one process's plain device copy of the same number of bytes, measured in the same run,
-and the mean per rank against DeepEP V1's figure for the same operation where the run has that figure's
-shape (4096 tokens a rank, hidden 7168, top-8 of 256 experts, 24 SMs, every rank on one GPU).
+Buffer without an arena (num_arena_bytes=0: the two-pass calls). Each mode's mean per rank is set against
+each peer's figure for the same operation from this run: "of copy" (the device copy of the same bytes)
+and "x deep_ep", "x nccl", "x portable" (moe_ep's GB/s over the peer's; "-" where the peer was skipped,
+with the reason printed below the rows).
 
     python -m moe_ep.bench.intranode --ranks 2 4 8 --sms 24
+    python -m moe_ep.bench.intranode --ranks 4 --tokens 512 1024 2048 4096 --plot plots/   # token sweep
     python -m moe_ep.bench.intranode --ranks 4 --sms 8 16 24 32 48     # SM sweep
     python -m moe_ep.bench.intranode --ranks 4 --recv-tokens 64 128 256 512   # window (buffer) sweep
     python -m moe_ep.bench.intranode --ranks 4 8 --modes combine --recv-tokens 1024 --send-tokens 8 32 128
         # the streaming combine's send chunk (rows per owner a sending round writes)
     python -m moe_ep.bench.intranode --ranks 8 --profile-waits   # where the kernels' time goes
-    python -m moe_ep.bench.intranode --ranks 8 --nccl     # one rank per GPU: also NCCL's all-to-all
+    python -m moe_ep.bench.intranode --ranks 8 --nccl     # one rank per GPU: NCCL's all-to-all required
     python -m moe_ep.bench.intranode --ranks 4 8 --modes combine   # only some of the modes
     python -m moe_ep.bench.intranode --ranks 2 --modes dispatch_fp8_arena dispatch_fp8_arena_cached
         # *_cached: from the first call's handle, no count exchange and no host wait (DeepEP's tests' way)
@@ -27,13 +29,12 @@ shape (4096 tokens a rank, hidden 7168, top-8 of 256 experts, 24 SMs, every rank
         # the combine from the arena: of x elsewhere (copied in) and of x in empty_combine_input
     python -m moe_ep.bench.intranode --ranks 4 8 --modes combine --stream-combine 0   # the windowed combine
     python -m moe_ep.bench.intranode --ranks 8 --peer-memory ipc   # peers mapped through CUDA IPC handles
+    python -m moe_ep.bench.intranode --ranks 8 --peers deep_ep --jsonl out/peers.jsonl   # DeepEP alone beside it
 
 The buffer is sized by the size hint of the largest SM budget given (the kernels size their windows
-from the buffer, not from num_sms), once per --recv-tokens value.
-
-With --nccl (one rank per GPU, so the group is NCCL), `torch.distributed.all_to_all_single` moves the
-same bf16 rows, already grouped by destination (the collective alone: its layout exchange and
-permutation are not timed, which favours it).
+from the buffer, not from num_sms), once per --recv-tokens value. DeepEP runs on ranks of its own after
+moe_ep's, with its recommended chunk configs for the rank count at each SM budget of --sms; NCCL and the
+copy run on moe_ep's ranks after its calls, the portable backend on ranks of its own at the first budget.
 """
 from __future__ import annotations
 
@@ -41,18 +42,22 @@ import argparse
 import functools
 import itertools
 import json
-import time
 
 import torch
 import torch.distributed as dist
 
-from moe_ep import Buffer, Config, fp8
+from moe_ep import Buffer, Config
 from moe_ep.config import arena_bytes
 from moe_ep.diagnostics import kernel_backend
 from moe_ep.launch import RankPool
 from moe_ep.backends.choices import PEER_MEMORY_KINDS, overridden
 from moe_ep.backends.peers import Enumerators
 
+from . import copy_peer, deepep_peer, nccl_peer
+from .inputs import intranode_inputs, row_bytes
+from .peers import (COPY, DEEP_EP, MOE_EP, NCCL, PEERS, PORTABLE, add_peer_arguments, note_hangs, ratio,
+                    run_in_own_ranks, shown_ratio, skip_reasons)
+from .report import Report, add_output_arguments, progress, say
 from .timing import wall_seconds_per_call
 
 MODES = ("dispatch_fp8", "dispatch_bf16", "dispatch_fp8_arena", "dispatch_bf16_arena", "combine",
@@ -65,27 +70,24 @@ CACHED_MODES = tuple(f"{m}_cached" for m in MODES if m.startswith("dispatch"))
 ALL_MODES = MODES + CACHED_MODES + ("combine_arena",)
 # The order the modes run in: every dispatch, then the combines.
 RUN_ORDER = tuple(m for m in ALL_MODES if m.startswith("dispatch")) + tuple(m for m in ALL_MODES if m.startswith("combine"))
-NCCL_MODE = "nccl_all_to_all_bf16"
 SKIPPED = "skipped"  # a result row that says an SM budget was refused, and why
-# DeepEP V1 measured this benchmark's way on one H200 (4096 tokens a rank, hidden 7168, top-8 of 256 experts,
-# 24 SMs, every rank on the one GPU), GB/s per rank: fp8 dispatch, bf16 dispatch, combine.
-DEEPEP_V1_ONE_H200 = {2: (201, 283, 252), 4: (220, 206, 250), 8: (105, 110, 94)}
-DEEPEP_V1_SHAPE = dict(tokens=4096, hidden=7168, topk=8, experts=256, sms=24)
 
 
-def deepep_v1_reference(args, num_ranks: int, num_sms: int, mode: str):
-    """DeepEP V1's figure for the same operation (any of its calls: two-pass or through the arena, cached),
-    where this run has that figure's shape and ranks share one GPU; else None."""
-    shape = dict(tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=args.experts, sms=num_sms)
-    if (args.cpu or shape != DEEPEP_V1_SHAPE or num_ranks not in DEEPEP_V1_ONE_H200
-            or num_ranks <= torch.cuda.device_count()):
-        return None
-    fp8_dispatch, bf16_dispatch, combine = DEEPEP_V1_ONE_H200[num_ranks]
-    if mode.startswith("dispatch_fp8"):
-        return fp8_dispatch
-    if mode.startswith("dispatch_bf16"):
-        return bf16_dispatch
-    return combine if mode.startswith("combine") else None
+def bytes_kind(mode: str) -> str:
+    """What a mode's call moves, as NCCL and the copy move it: fp8 rows or bf16 rows dispatched, or rows combined."""
+    if mode.startswith("combine"):
+        return "combine"
+    return "dispatch_fp8" if mode.startswith("dispatch_fp8") else "dispatch_bf16"
+
+
+def peer_mode(peer: str, mode: str) -> str:
+    """The peer's operation that moe_ep's `mode` is set against: the portable backend's same mode, DeepEP's
+    same call (it has no arena: the *_arena modes meet its plain calls), NCCL's and the copy's same bytes."""
+    if peer == PORTABLE:
+        return mode
+    if peer == DEEP_EP:
+        return mode.replace("_arena_input", "").replace("_arena", "")
+    return bytes_kind(mode)
 
 
 def wait_shares(profile: dict, mode: str, calls: int) -> dict:
@@ -182,13 +184,8 @@ def rank_bench(args):
 
 def _rank_bench(args):
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(1000 + rank)
     device = "cpu" if args.cpu else "cuda"
-    scores = torch.rand(args.tokens, args.experts, dtype=torch.float32, device=device)
-    topk_idx = scores.topk(args.topk, dim=1).indices
-    topk_weights = torch.rand(args.tokens, args.topk, dtype=torch.float32, device=device)
-    x = torch.randn(args.tokens, args.hidden, dtype=torch.float32, device=device).to(torch.bfloat16)
-    x_fp8 = fp8.per_token_cast_to_fp8(x)
+    x, x_fp8, topk_idx, topk_weights = intranode_inputs(args, device)
     defaults = {m: (Buffer.get_combine_config if m.startswith("combine") else Buffer.get_dispatch_config)(num_ranks)
                 for m in ALL_MODES}
     # The *_arena modes' Buffer: every row this rank could receive (all tokens of all ranks), as bf16 rows
@@ -233,7 +230,7 @@ def _rank_bench(args):
             # Both Buffers' ranks share the GPUs alike: the two-pass one's kernels answer for both.
             refused = unfit_sm_budget(kernel_backend(setups[False]["buffer"]), num_sms)
             if refused:  # the same on every rank of this GPU: all skip it
-                results.append(dict(rank=rank, sms=num_sms, mode=SKIPPED, reason=refused))
+                results.append(dict(rank=rank, backend=MOE_EP, sms=num_sms, mode=SKIPPED, reason=refused))
                 continue
             for mode in RUN_ORDER:
                 if mode not in args.modes:
@@ -254,63 +251,51 @@ def _rank_bench(args):
                 times, starts = (kernel_log_times(kernels.kernel_log(), args.iters, kernels.enums.kernel_id)
                                  if kernels is not None else ({}, []))
                 waits.update(times)
-                row_bytes = args.hidden * (1 + 4 / 128) if mode.startswith("dispatch_fp8") else args.hidden * 2
-                results.append(dict(rank=rank, sms=num_sms, recv_tokens=config.num_max_nvl_chunked_recv_tokens,
+                moved = rows * row_bytes(mode, args.hidden)
+                results.append(dict(rank=rank, backend=MOE_EP, sms=num_sms,
+                                    recv_tokens=config.num_max_nvl_chunked_recv_tokens,
                                     send_tokens=config.num_max_nvl_chunked_send_tokens, nvl_bytes=nvl, mode=mode,
-                                    us=seconds * 1e6, rows=rows, bytes=rows * row_bytes,
-                                    gbps=rows * row_bytes / seconds / 1e9, waits=waits, kernel_starts=starts,
+                                    us=seconds * 1e6, rows=rows, bytes=moved,
+                                    gbps=moved / seconds / 1e9, waits=waits, kernel_starts=starts,
                                     one_pass=one_pass, peer_memory=timed.topology()["peer_memory"]["normal"],
                                     blocks=kernels.launch_blocks(num_sms, combine=mode.startswith("combine"))
                                     if kernels is not None else None))
         for setup in setups.values():
             setup["buffer"].destroy()  # collective: no peer reads this rank's windows any more
         layout = setups[False]["layout"]
-    if args.nccl:  # the routing is the same for every buffer: the last one's layout serves
-        results.append(nccl_reference(args, x, layout["is_token_in_rank"], layout["num_tokens_per_rank"], rows))
+    # The routing is the same for every buffer: the last one's layout and row count serve the peers.
+    results += peers_in_these_ranks(args, layout["num_tokens_per_rank"].tolist(), rows, device)
     return results
 
 
-def nccl_reference(args, x, in_rank, per_rank, rows):
-    """all_to_all_single of the same rows (bf16), grouped by destination beforehand."""
-    rank = dist.get_rank()
-    order = in_rank.t().nonzero(as_tuple=True)[1]  # destination major, token minor
-    send = x[order].contiguous()
-    send_counts = per_rank.tolist()
-    recv_counts_t = torch.empty_like(per_rank)
-    dist.all_to_all_single(recv_counts_t, per_rank.clone())
-    recv_counts = recv_counts_t.tolist()
-    recv = torch.empty(sum(recv_counts), args.hidden, dtype=x.dtype, device=x.device)
-    assert recv.shape[0] == rows
-    seconds = wall_seconds_per_call(lambda: dist.all_to_all_single(recv, send, recv_counts, send_counts),
-                                    args.warmup, args.iters)
-    row_bytes = args.hidden * 2
-    return dict(rank=rank, sms=args.sms[0], mode=NCCL_MODE, us=seconds * 1e6, rows=rows, bytes=rows * row_bytes,
-                gbps=rows * row_bytes / seconds / 1e9)
+def peer_row(backend: str, mode: str, seconds: float, rows: int, moved: float, sms=None) -> dict:
+    return dict(rank=dist.get_rank(), backend=backend, sms=sms, mode=mode, us=seconds * 1e6, rows=rows, bytes=moved,
+                gbps=moved / seconds / 1e9)
 
 
-def copy_gbps(num_bytes: int, iters: int = 20, device: str = "cuda") -> float:
-    """Payload rate of a plain device copy of num_bytes (one process alone on the GPU)."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty_like(src)
-    if device == "cpu":
-        start = time.perf_counter()
-        for _ in range(iters):
-            dst.copy_(src)
-        return num_bytes * iters / (time.perf_counter() - start) / 1e9
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return num_bytes * iters / (start.elapsed_time(end) / 1e3) / 1e9
+def peers_in_these_ranks(args, rows_to: list, rows: int, device: str) -> list:
+    """The NCCL and copy peers' rows (those in args.peers), timed on moe_ep's ranks after its calls: per
+    kind of bytes the modes move, rows_to[r] rows sent to rank r, `rows` received."""
+    found = []
+    for kind in sorted({bytes_kind(m) for m in args.modes}):
+        moved = rows * row_bytes(kind, args.hidden)
+        if NCCL in args.peers:
+            seconds = nccl_peer.rows_per_pair_seconds(rows_to, round(row_bytes(kind, args.hidden)), kind == "combine",
+                                                      args.warmup, args.iters, device)
+            found.append(peer_row(NCCL, kind, seconds, rows, moved))
+        if COPY in args.peers:
+            found.append(peer_row(COPY, kind, copy_peer.copy_seconds(round(moved), args.warmup, args.iters, device),
+                                  rows, moved))
+    return found
 
 
-def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
-    """The shape of the timed calls and how many are timed (the intranode benchmark's, and tune's)."""
-    parser.add_argument("--tokens", type=int, default=4096)
+def add_shape_arguments(parser: argparse.ArgumentParser, token_sweep: bool = False) -> None:
+    """The shape of the timed calls and how many are timed (the intranode benchmark's, which sweeps
+    --tokens, and tune's)."""
+    if token_sweep:
+        parser.add_argument("--tokens", type=int, nargs="+", default=[4096], help="tokens a rank; several: a sweep")
+    else:
+        parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=256)
@@ -322,7 +307,7 @@ def make_parser() -> argparse.ArgumentParser:
     """The command line (`moe-ep-bench tune` builds its candidates' arguments with it too)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
-    add_shape_arguments(parser)
+    add_shape_arguments(parser, token_sweep=True)
     parser.add_argument("--sms", type=int, nargs="+", default=[24])
     parser.add_argument("--modes", nargs="+", choices=ALL_MODES, default=list(MODES),
                         help="which calls to time (default: all but the *_cached ones)")
@@ -332,8 +317,12 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--send-tokens", type=int, nargs="+", default=[],
                         help="num_max_nvl_chunked_send_tokens values to sweep (rows per owner in a sending round of "
                              "the streaming combine; kept below the recv tokens); default: the tuned config's")
-    parser.add_argument("--nccl", action="store_true", help="also time NCCL all_to_all_single (one rank per GPU)")
-    parser.add_argument("--json", help="append one JSON line per (ranks, sms, mode) here")
+    parser.add_argument("--nccl", action="store_true",
+                        help="require the NCCL peer (all_to_all_single of the same bytes): one rank per GPU")
+    parser.add_argument("--json", help="append one JSON line per (ranks, tokens, sms, chunk, mode) of moe_ep here, "
+                                       "its peers' GB/s inside (the lines scripts/ab_summary.py reads)")
+    add_output_arguments(parser)
+    add_peer_arguments(parser)
     parser.add_argument("--cpu", action="store_true", help="CPU tensors (portable backend): checks the script anywhere")
     parser.add_argument("--profile-waits", action="store_true",
                         help="print what the kernels' blocks wait for, as shares of their time, and their kernel "
@@ -351,75 +340,210 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def at_tokens(args, tokens: int) -> argparse.Namespace:
+    """The arguments of one run of the sweep: `tokens` a rank (what the rank functions read)."""
+    return argparse.Namespace(**{**vars(args), "tokens": tokens})
+
+
+def measure(args, num_ranks: int, reasons: dict, bar) -> list:
+    """Every rank's rows of one run (args.tokens a rank): moe_ep's and those of the peers timed on its
+    ranks, then DeepEP's and the portable backend's, each on ranks of its own; a peer that fails there
+    gets its reason in `reasons` instead of rows."""
+    own = [p for p in (NCCL, COPY) if not reasons[p]]
+    with RankPool(num_ranks, use_cuda=not args.cpu) as pool:
+        rows = [r for rank_rows in pool.run(rank_bench, argparse.Namespace(**{**vars(args), "peers": own}))
+                for r in rank_rows]
+    if not reasons[DEEP_EP]:
+        bar.set_postfix_str(f"{num_ranks} ranks: {DEEP_EP}")
+        operations = sorted({peer_mode(DEEP_EP, m) for m in args.modes})
+        found, reasons[DEEP_EP] = run_in_own_ranks(deepep_peer.intranode_rank, (args, operations), num_ranks,
+                                                   not args.cpu, args.peer_timeout)
+        rows += [r for rank_rows in found for r in rank_rows]
+    if not reasons[PORTABLE]:
+        bar.set_postfix_str(f"{num_ranks} ranks: {PORTABLE}")
+        # The portable backend takes no SM budget and no chunks: its calls run once, at the first budget.
+        portable = argparse.Namespace(**{**vars(args), "sms": args.sms[:1], "recv_tokens": [], "send_tokens": [],
+                                         "peers": [], "profile_waits": False})
+        found, reasons[PORTABLE] = run_in_own_ranks(rank_bench, (portable,), num_ranks, not args.cpu,
+                                                    args.peer_timeout, env={"MOE_EP_BACKEND": "portable"})
+        rows += [dict(r, backend=PORTABLE, sms=None) for rank_rows in found for r in rank_rows if r["mode"] != SKIPPED]
+    return rows
+
+
+def summarize(rows: list) -> dict:
+    """One mode's figures over the ranks: the slowest call, the slowest and mean rank's GB/s, their sum."""
+    gbps = [r["gbps"] for r in rows]
+    return dict(us=max(r["us"] for r in rows), min=min(gbps), mean=sum(gbps) / len(gbps), aggregate=sum(gbps))
+
+
+def peer_means(rows: list) -> dict:
+    """{(peer, sms or None, operation): mean GB/s per rank} of the peers' rows of one run."""
+    grouped = {}
+    for r in rows:
+        if r["backend"] != MOE_EP:
+            grouped.setdefault((r["backend"], r["sms"], r["mode"]), []).append(r["gbps"])
+    return {key: sum(v) / len(v) for key, v in grouped.items()}
+
+
+def peer_figure(means: dict, peer: str, num_sms: int, mode: str):
+    """The peer's mean GB/s per rank for the operation moe_ep's `mode` at num_sms is set against, or None."""
+    return means.get((peer, num_sms if peer == DEEP_EP else None, peer_mode(peer, mode)))
+
+
+HEADER = (f"{'ranks':>5} {'tokens':>6} {'sms':>4} {'chunk':>9} {'mode':>28} {'us/call':>9} "
+          f"{'GB/s per rank (min/mean)':>25} {'aggregate GB/s':>15} {'of copy':>8} {'x deep_ep':>10} {'x nccl':>7} "
+          f"{'x portable':>10}")
+
+
+def report_run(args, num_ranks: int, rows: list, reasons: dict, report: Report, bar) -> None:
+    """Prints one run's rows (moe_ep's with their ratios to the peers, then the peers' own, then why a peer
+    was skipped) and records them in the report and the --json file."""
+    base_shape = dict(tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=args.experts)
+    for num_sms in sorted({r["sms"] for r in rows if r["mode"] == SKIPPED}):
+        reason = next(r["reason"] for r in rows if r["mode"] == SKIPPED and r["sms"] == num_sms)
+        say(bar, f"{num_ranks:>5} {args.tokens:>6} {num_sms:>4}  skipped: {reason}")
+    ours = [r for r in rows if r["backend"] == MOE_EP and r["mode"] != SKIPPED]
+    means = peer_means(rows)
+    best = {}
+    for num_sms, chunk in sorted({(r["sms"], chunk_of(r)) for r in ours}):
+        recv_tokens, send_tokens = chunk
+        shape = dict(base_shape, sms=num_sms, recv_tokens=recv_tokens, send_tokens=send_tokens)
+        for mode in (m for m in ALL_MODES if m in args.modes):
+            timed = [r for r in ours if r["sms"] == num_sms and chunk_of(r) == chunk and r["mode"] == mode]
+            if not timed:
+                continue
+            figures = summarize(timed)
+            if figures["mean"] > best.get((num_sms, mode), (0, 0))[0]:
+                best[(num_sms, mode)] = (figures["mean"], chunk)
+            versus = {peer: ratio(figures["mean"], peer_figure(means, peer, num_sms, mode)) for peer in PEERS}
+            say(bar, moe_ep_line(num_ranks, args.tokens, num_sms, chunk, mode, timed, figures, versus, args.cpu))
+            record_moe_ep(report, mode, shape, num_ranks, figures, versus)
+            if args.json:
+                write_json_line(args, num_ranks, num_sms, chunk, mode, timed, figures, means)
+    for (peer, num_sms, operation), _ in sorted(means.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0, kv[0][2])):
+        timed = [r for r in rows if (r["backend"], r["sms"], r["mode"]) == (peer, num_sms, operation)]
+        figures = summarize(timed)
+        shown_sms = "-" if num_sms is None else num_sms
+        say(bar, f"{num_ranks:>5} {args.tokens:>6} {shown_sms:>4} {'-':>9} {peer + ' ' + operation:>28} "
+                 f"{figures['us']:>9.0f} {figures['min']:>12.0f} / {figures['mean']:<10.0f} {figures['aggregate']:>15.0f}")
+        shape = dict(base_shape, sms=num_sms, recv_tokens=None, send_tokens=None)
+        report.add(operation, shape, num_ranks, peer, "gbps_per_rank", figures["mean"], "GB/s")
+        report.add(operation, shape, num_ranks, peer, "us_per_call", figures["us"], "us")
+    for peer, reason in reasons.items():
+        if reason:
+            say(bar, f"  {peer} at {num_ranks} ranks, {args.tokens} tokens: {'' if reason.startswith('failed') else 'skipped: '}"
+                     f"{reason}")
+            report.skipped("all", base_shape, num_ranks, peer, reason)
+    if len(args.recv_tokens) > 1 or len(args.send_tokens) > 1:
+        for (num_sms, mode), (gbps, (recv_tokens, send_tokens)) in sorted(best.items()):
+            say(bar, f"  best chunk at {num_ranks} ranks, {num_sms} SMs, {mode}: num_max_nvl_chunked_recv_tokens="
+                     f"{recv_tokens}, num_max_nvl_chunked_send_tokens={send_tokens} ({gbps:.0f} GB/s per rank)")
+
+
+def mean_waits(timed: list) -> dict:
+    """The kernels' profile of one mode (--profile-waits), the mean over the ranks, with their start skew."""
+    waits = {}
+    for r in timed:
+        for what, share in r.get("waits", {}).items():
+            waits[what] = waits.get(what, 0.0) + share / len(timed)
+    skew = start_skew_us([r.get("kernel_starts", []) for r in timed])  # -1 without kernel logs
+    if skew >= 0:
+        waits["start skew us"] = skew
+    return waits
+
+
+def moe_ep_line(num_ranks, tokens, num_sms, chunk, mode, timed, figures, versus, cpu: bool) -> str:
+    """A table line of moe_ep's figures for one mode, with the kernels' profile where --profile-waits took one."""
+    waited = ", ".join(f"{what} {share:.0f}" if what.endswith(" us") else f"{what} {share:.0%}"
+                       for what, share in mean_waits(timed).items())
+    recv_tokens, send_tokens = chunk
+    shown = f"{recv_tokens}/{send_tokens}" if recv_tokens else "-"
+    of_copy = f"{versus[COPY]:.0%}" if versus[COPY] is not None else "-"
+    # An arena mode whose calls fell back to two passes (Buffer.stats) is not the one-pass figure.
+    one_pass = min(r.get("one_pass", 1.0) for r in timed)
+    fell_back = f"  only {one_pass:.0%} of calls one-pass" if uses_arena(mode) and not cpu and one_pass < 1 else ""
+    return (f"{num_ranks:>5} {tokens:>6} {num_sms:>4} {shown:>9} {mode:>28} {figures['us']:>9.0f} "
+            f"{figures['min']:>12.0f} / {figures['mean']:<10.0f} {figures['aggregate']:>15.0f} {of_copy:>8} "
+            f"{shown_ratio(versus[DEEP_EP]):>10} {shown_ratio(versus[NCCL]):>7} {shown_ratio(versus[PORTABLE]):>10}"
+            + (f"  profile: {waited}" if waited else "") + fell_back)
+
+
+def record_moe_ep(report: Report, mode: str, shape: dict, num_ranks: int, figures: dict, versus: dict) -> None:
+    report.add(mode, shape, num_ranks, MOE_EP, "gbps_per_rank", figures["mean"], "GB/s")
+    report.add(mode, shape, num_ranks, MOE_EP, "gbps_per_rank_min", figures["min"], "GB/s")
+    report.add(mode, shape, num_ranks, MOE_EP, "aggregate_gbps", figures["aggregate"], "GB/s")
+    report.add(mode, shape, num_ranks, MOE_EP, "us_per_call", figures["us"], "us")
+    for peer, value in versus.items():
+        if value is not None:  # moe_ep's GB/s over the peer's, both from this run
+            report.add(mode, shape, num_ranks, MOE_EP, f"vs_{peer}", value, "x", peer=peer,
+                       peer_operation=peer_mode(peer, mode))
+
+
+def write_json_line(args, num_ranks, num_sms, chunk, mode, timed, figures, means) -> None:
+    """The --json line of one moe_ep mode (the form scripts/ab_summary.py reads), its peers' GB/s beside it."""
+    recv_tokens, send_tokens = chunk
+    peer_gbps = {peer: peer_figure(means, peer, num_sms, mode) for peer in PEERS}
+    with open(args.json, "a") as f:
+        f.write(json.dumps(dict(bench="intranode", ranks=num_ranks, sms=num_sms, recv_tokens=recv_tokens,
+                                send_tokens=send_tokens, nvl_bytes=timed[0].get("nvl_bytes"), mode=mode,
+                                tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=args.experts,
+                                per_rank_gbps=[r["gbps"] for r in timed], us=[r["us"] for r in timed],
+                                aggregate_gbps=figures["aggregate"],
+                                copy_gbps=peer_gbps[COPY] * len(timed) if peer_gbps[COPY] else None,
+                                peer_gbps={p: v for p, v in peer_gbps.items() if v is not None},
+                                waits=mean_waits(timed), peer_memory=timed[0].get("peer_memory"),
+                                one_pass=[r.get("one_pass") for r in timed], blocks=timed[0].get("blocks"),
+                                stream_combine=args.stream_combine)) + "\n")
+
+
+def plot_token_sweeps(report: Report, args) -> None:
+    """GB/s per rank against tokens a rank, a plot per (ranks, SM budget): a line per moe_ep mode (its
+    best chunk) and per peer operation."""
+    for num_ranks, num_sms in itertools.product(args.ranks, args.sms):
+        series = {}
+        for record in report.select(metric="gbps_per_rank", ranks=num_ranks):
+            # moe_ep and DeepEP at this budget; the other peers take none.
+            takes_sms = record["backend"] in (MOE_EP, DEEP_EP)
+            if record["shape"]["sms"] != (num_sms if takes_sms else None):
+                continue
+            points = series.setdefault(f"{record['backend']} {record['mode']}", {})
+            tokens = record["shape"]["tokens"]
+            points[tokens] = max(points.get(tokens, 0.0), record["value"])
+        report.plot(f"intranode_{num_ranks}ranks_{num_sms}sms.png",
+                    f"intranode, {num_ranks} ranks, {num_sms} SMs", "tokens a rank", "GB/s per rank (mean)",
+                    {label: sorted(points.items()) for label, points in series.items()}, log_x=True)
+
+
 def main():
     parser = make_parser()
     args = parser.parse_args()
     if not args.cpu and not torch.cuda.is_available():
         # The message alone: the usage that parser.error prints first would bury it.
         parser.exit(2, f"{parser.prog}: error: no GPU here: pass --cpu (CPU tensors on the portable backend)\n")
-    if args.nccl and (args.cpu or any(n > torch.cuda.device_count() for n in args.ranks)):
+    num_gpus = 0 if args.cpu else torch.cuda.device_count()
+    if args.nccl and (args.cpu or any(n > num_gpus for n in args.ranks)):
         parser.error("--nccl needs one rank per GPU (NCCL refuses two ranks on one GPU)")
-    print(f"{'ranks':>5} {'sms':>4} {'chunk':>9} {'mode':>20} {'us/call':>9} {'GB/s per rank (min/mean)':>25} "
-          f"{'aggregate GB/s':>15} {'of copy':>8} {'x DeepEP V1':>12}")
-    for num_ranks in args.ranks:
-        with RankPool(num_ranks, use_cuda=not args.cpu) as pool:
-            per_rank = pool.run(rank_bench, args)
-        flat = [r for rows in per_rank for r in rows]
-        for num_sms in sorted({r["sms"] for r in flat if r["mode"] == SKIPPED}):
-            reason = next(r["reason"] for r in flat if r["mode"] == SKIPPED and r["sms"] == num_sms)
-            print(f"{num_ranks:>5} {num_sms:>4}  skipped: {reason}")
-        flat = [r for r in flat if r["mode"] != SKIPPED]
-        best = {}
-        for num_sms, chunk in sorted({(r["sms"], chunk_of(r)) for r in flat}):
-            recv_tokens, send_tokens = chunk
-            modes = tuple(m for m in ALL_MODES if m in args.modes) + ((NCCL_MODE,) if args.nccl and num_sms == args.sms[0] else ())
-            for mode in modes:
-                rows = [r for r in flat if r["sms"] == num_sms and chunk_of(r) == chunk and r["mode"] == mode]
-                if not rows:
-                    continue
-                aggregate_bytes = sum(r["bytes"] for r in rows)
-                aggregate = sum(r["gbps"] for r in rows)
-                copy = copy_gbps(int(aggregate_bytes), device="cpu" if args.cpu else "cuda")
-                mean = aggregate / len(rows)
-                if mode != NCCL_MODE and mean > best.get((num_sms, mode), (0, 0))[0]:
-                    best[(num_sms, mode)] = (mean, chunk)
-                waits = {}
-                for r in rows:
-                    for what, share in r.get("waits", {}).items():
-                        waits[what] = waits.get(what, 0.0) + share / len(rows)
-                skew = start_skew_us([r.get("kernel_starts", []) for r in rows])  # -1 without kernel logs
-                if skew >= 0:
-                    waits["start skew us"] = skew
-                waited = ", ".join(f"{what} {share:.0f}" if what.endswith(" us") else f"{what} {share:.0%}"
-                                   for what, share in waits.items())
-                shown = f"{recv_tokens}/{send_tokens}" if recv_tokens else "-"
-                reference = deepep_v1_reference(args, num_ranks, num_sms, mode)
-                versus = f"{mean / reference:.2f}x" if reference else "-"
-                # An arena mode whose calls fell back to two passes (Buffer.stats) is not the one-pass figure.
-                one_pass = min(r.get("one_pass", 1.0) for r in rows)
-                fell_back = f"  only {one_pass:.0%} of calls one-pass" if uses_arena(mode) and not args.cpu \
-                    and one_pass < 1 else ""
-                print(f"{num_ranks:>5} {num_sms:>4} {shown:>9} {mode:>20} {max(r['us'] for r in rows):>9.0f} "
-                      f"{min(r['gbps'] for r in rows):>12.0f} / {mean:<10.0f} {aggregate:>15.0f} "
-                      f"{aggregate / copy:>7.0%} {versus:>12}" + (f"  profile: {waited}" if waited else "")
-                      + fell_back)
-                if args.json:
-                    with open(args.json, "a") as f:
-                        f.write(json.dumps(dict(bench="intranode", ranks=num_ranks, sms=num_sms,
-                                                recv_tokens=recv_tokens, send_tokens=send_tokens,
-                                                nvl_bytes=rows[0].get("nvl_bytes"),
-                                                mode=mode, tokens=args.tokens, hidden=args.hidden, topk=args.topk,
-                                                experts=args.experts, per_rank_gbps=[r["gbps"] for r in rows],
-                                                us=[r["us"] for r in rows], aggregate_gbps=aggregate,
-                                                copy_gbps=copy, deepep_v1_gbps=reference, waits=waits,
-                                                peer_memory=rows[0].get("peer_memory"),
-                                                one_pass=[r.get("one_pass") for r in rows],
-                                                blocks=rows[0].get("blocks"),
-                                                stream_combine=args.stream_combine)) + "\n")
-        if len(args.recv_tokens) > 1 or len(args.send_tokens) > 1:
-            for (num_sms, mode), (gbps, (recv_tokens, send_tokens)) in sorted(best.items()):
-                print(f"  best chunk at {num_ranks} ranks, {num_sms} SMs, {mode}: num_max_nvl_chunked_recv_tokens="
-                      f"{recv_tokens}, num_max_nvl_chunked_send_tokens={send_tokens} ({gbps:.0f} GB/s per rank)")
+    if args.nccl and NCCL not in args.peers:
+        args.peers.append(NCCL)
+    report = Report("intranode", args.jsonl, args.plot)
+    runs = list(itertools.product(args.ranks, args.tokens))
+    bar = progress(len(runs), "intranode", unit="run")
+    given_up = {}
+    try:
+        say(bar, HEADER)
+        for num_ranks, tokens in runs:
+            bar.set_postfix_str(f"{num_ranks} ranks, {tokens} tokens")
+            run_args = at_tokens(args, tokens)
+            reasons = skip_reasons(run_args, num_ranks, num_gpus, tokens * args.hidden * 2, given_up=given_up)
+            rows = measure(run_args, num_ranks, reasons, bar)
+            note_hangs(reasons, given_up, f"{num_ranks} ranks, {tokens} tokens")
+            report_run(run_args, num_ranks, rows, reasons, report, bar)
+            bar.update(1)
+    finally:
+        bar.close()
+    plot_token_sweeps(report, args)
+    report.say_plots()
+
 
 if __name__ == "__main__":
     main()

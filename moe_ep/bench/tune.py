@@ -14,6 +14,7 @@ fastest chunks at each budget tried (used where Buffer.set_num_sms picks that bu
     moe-ep-bench tune --ranks 2 4 8 --sms 16 24 32 --recv-chunks 256 1024 --send-chunks 8 16 32
     moe-ep-bench tune --ranks 4 --dry-run      # times and prints; writes nothing
     moe-ep-bench tune --ranks 4 --cache ./configs.json --json tune.jsonl
+    moe-ep-bench tune --ranks 8 --dry-run --jsonl tune.jsonl --plot plots/   # GB/s against the SM budget
 
 The cache: $MOE_EP_CONFIG_CACHE, else $XDG_CACHE_HOME/moe_ep/configs.json, else
 ~/.cache/moe_ep/configs.json (--cache overrides). Its entries are keyed by the GPU's name, the rank count,
@@ -39,6 +40,8 @@ from moe_ep.config import DEFAULT_NUM_SMS, Config, default_combine_config, defau
 from moe_ep.launch import RankPool
 
 from . import intranode
+from .peers import MOE_EP
+from .report import Report, add_output_arguments, progress
 
 DISPATCH_MODES = tuple(m for m in intranode.MODES if m.startswith("dispatch"))
 COMBINE_MODE = "combine"  # the plain combine: the one whose sending round the send chunk sets
@@ -63,7 +66,8 @@ def bench_args(args, num_ranks: int, sms: list, recv: list, send: list) -> argpa
         argv += ["--send-tokens", *map(str, send)]
     if args.cpu:
         argv.append("--cpu")
-    return intranode.make_parser().parse_args(argv)
+    argv.append("--peers")  # none: a candidate's rate is moe_ep's alone
+    return intranode.at_tokens(intranode.make_parser().parse_args(argv), args.tokens)
 
 
 def kind_of(mode: str) -> str:
@@ -74,7 +78,7 @@ def mean_rates(per_rank: list) -> tuple:
     """({(kind, sms, recv chunk, send chunk): mean GB/s per rank}, {refused SM budget: why}) of one
     benchmark run's rows (a budget the kernels refuse where ranks share a GPU is skipped, not timed)."""
     rates, skipped = {}, {}
-    for row in (r for rows in per_rank for r in rows):
+    for row in (r for rows in per_rank for r in rows if r["backend"] == MOE_EP):
         if row["mode"] == intranode.SKIPPED:
             skipped[row["sms"]] = row["reason"]
             continue
@@ -107,43 +111,18 @@ def best_entries(rates: dict, args, num_ranks: int, device: str, ranks_per_gpu: 
             device=device, num_ranks=num_ranks, ranks_per_gpu=ranks_per_gpu, kind=kind,
             config=vars(config_for(kind, num_ranks, *best)), by_sms=by_sms,
             gbps_per_rank=timed[best], default_gbps_per_rank=timed.get(default_key, 0.0),
-            mode=args.dispatch_mode if kind == "dispatch" else COMBINE_MODE,
+            mode=mode_of(kind, args),
             shape=dict(tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=args.experts),
             command=command, tuned_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             torch=torch.__version__)
     return entries
 
 
-def progress(total: int, desc: str):
-    """A progress bar over the candidates (tqdm, on stderr); a line per candidate without tqdm."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        class Lines:
-            def __init__(self):
-                self.n = 0
-
-            def update(self, n=1):
-                self.n += n
-                print(f"{desc}: {self.n}/{total}", file=sys.stderr)
-
-            def set_postfix_str(self, text):
-                pass
-
-            def write(self, text):
-                print(text, file=sys.stderr)
-
-            def close(self):
-                pass
-        return Lines()
-    return tqdm(total=total, desc=desc, unit="candidate", file=sys.stderr, dynamic_ncols=True)
-
-
-def tune_ranks(args, num_ranks: int, json_lines: list) -> dict:
+def tune_ranks(args, num_ranks: int, json_lines: list, report: Report) -> dict:
     """Times every candidate at num_ranks ranks; returns {(kind, sms, recv, send): GB/s per rank}."""
     runs = candidates(args)
     rates = {}
-    bar = progress(len(runs), f"tune {num_ranks} ranks")
+    bar = progress(len(runs), f"tune {num_ranks} ranks", unit="candidate")
     try:
         # The tuned ranks read no cache: each run starts from the built-in configs.
         with RankPool(num_ranks, use_cuda=not args.cpu, env={tuning.CACHE_ENV: ""}) as pool:
@@ -157,12 +136,33 @@ def tune_ranks(args, num_ranks: int, json_lines: list) -> dict:
                                            send_tokens=key[3], gbps_per_rank=value, default=not recv,
                                            cpu=args.cpu, tokens=args.tokens, hidden=args.hidden, topk=args.topk,
                                            experts=args.experts))
+                    shape = dict(tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=args.experts,
+                                 sms=key[1], recv_tokens=key[2], send_tokens=key[3])
+                    report.add(mode_of(key[0], args), shape, num_ranks, MOE_EP, "gbps_per_rank", value, "GB/s",
+                               kind=key[0], default=not recv)
                 best = {kind: max((v for k, v in rates.items() if k[0] == kind), default=0) for kind in tuning.KINDS}
                 bar.set_postfix_str(", ".join(f"best {kind} {gbps:.3g} GB/s" for kind, gbps in best.items()))
                 bar.update(1)
     finally:
         bar.close()
     return rates
+
+
+def mode_of(kind: str, args) -> str:
+    """The intranode benchmark mode a kind's candidates are timed with."""
+    return args.dispatch_mode if kind == "dispatch" else COMBINE_MODE
+
+
+def plot_sm_sweeps(report: Report, args) -> None:
+    """GB/s per rank against the SM budget, a plot per rank count: a line per kind, its best chunks at each budget."""
+    for num_ranks in args.ranks:
+        series = {}
+        for record in report.select(metric="gbps_per_rank", ranks=num_ranks):
+            points = series.setdefault(f"{record['kind']} ({record['mode']})", {})
+            sms = record["shape"]["sms"]
+            points[sms] = max(points.get(sms, 0.0), record["value"])
+        report.plot(f"tune_{num_ranks}ranks_sms.png", f"tune, {num_ranks} ranks: the best chunks at each SM budget",
+                    "SMs", "GB/s per rank (mean)", {label: sorted(points.items()) for label, points in series.items()})
 
 
 def print_table(entries: dict) -> None:
@@ -193,6 +193,7 @@ def make_parser() -> argparse.ArgumentParser:
                                         "$XDG_CACHE_HOME/moe_ep/configs.json, else ~/.cache/moe_ep/configs.json)")
     parser.add_argument("--dry-run", action="store_true", help="time and print the best configs; write no cache")
     parser.add_argument("--json", help="append one JSON line per timed candidate and kind here")
+    add_output_arguments(parser)
     parser.add_argument("--cpu", action="store_true",
                         help="CPU tensors on the portable backend: checks the command anywhere; CPU figures are not "
                              "a tuning")
@@ -209,11 +210,14 @@ def main(argv=None) -> None:
         parser.error(f"{tuning.CACHE_ENV} is empty (no cache): pass --cache PATH or --dry-run")
     command = shlex.join(["moe-ep-bench", "tune", *(sys.argv[1:] if argv is None else argv)])
     entries, json_lines = {}, []
+    report = Report("tune", args.jsonl, args.plot)
     for num_ranks in args.ranks:
         device, ranks_per_gpu = ("cpu", num_ranks) if args.cpu else tuning.this_machine(num_ranks)
-        rates = tune_ranks(args, num_ranks, json_lines)
+        rates = tune_ranks(args, num_ranks, json_lines, report)
         entries.update(best_entries(rates, args, num_ranks, device, ranks_per_gpu, command))
     print_table(entries)
+    plot_sm_sweeps(report, args)
+    report.say_plots()
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(line) + "\n" for line in json_lines)
