@@ -71,6 +71,9 @@ class DispatchHandle(_TupleView):
     # Tokens received per local expert (Buffer.stats): a list where the host learnt them, an int64 device
     # tensor where the device counted them while stats were collected, else None.
     recv_expert_counts: Optional[object] = field(default=None, repr=False)
+    # The arrival gate's number of the meeting its dispatch passed (the same on every rank), where the
+    # portable backend ran it: the calls that take the handle name their dispatch by it.
+    gate_call: Optional[int] = field(default=None, repr=False)
 
     @property
     def num_recv_tokens(self) -> int:
@@ -110,6 +113,8 @@ class LowLatencyHandle(_TupleView):
     recv_source: Optional[object] = field(default=None, repr=False)
     # The dispatch's topk_idx, kept where the data checks run, for the combine to compare with.
     dispatch_topk_idx: Optional[torch.Tensor] = field(default=None, repr=False)
+    # As DispatchHandle.gate_call: the meeting its low_latency_dispatch passed on the portable backend.
+    gate_call: Optional[int] = field(default=None, repr=False)
 
     def _source(self) -> torch.Tensor:
         source = self.recv_source() if callable(self.recv_source) else self.recv_source

@@ -9,6 +9,11 @@ Each meeting has one verdict, set by the first rank to decide: a rank that arriv
 raises TimeoutError too, instead of passing into a collective that peer will never join. A rank whose own
 arguments were refused still takes its part (refuse), so its peers raise naming it at once and the ranks
 stay in step. Buffer construction meets the same way, at a gate of its group (construction_gate).
+
+A call's arrival also carries its form (enter's `form`: which dtype, sizes, flags and handle the call was
+made with), compared on every rank against every other's in the same exchange: ranks that made the same
+call in different forms all raise the same ValueError, naming the fields and the ranks, before any data
+moves, and stay in step.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 100.0
+# A call's form: (field, phrase) pairs such as ("x dtype", "bf16 x"), in a fixed order per kind of call.
+Form = Sequence[Tuple[str, str]]
 _buffer_serials = itertools.count()
 
 
@@ -73,10 +80,16 @@ class ArrivalGate:
             raise exc_type(f"moe_ep: this Buffer can no longer be used, an earlier call left its ranks out of "
                            f"step: {message}")
 
-    def enter(self, phase: str) -> None:
-        """Returns once every rank of the group has entered the same call; raises TimeoutError
-        naming the missing ranks after the deadline, RuntimeError if ranks are in different calls."""
-        self.exchange(phase, b"")
+    def enter(self, phase: str, form: Form = ()) -> int:
+        """Returns once every rank of the group has entered the same call in the same form, with the
+        meeting's number (the same on every rank); raises TimeoutError naming the missing ranks after
+        the deadline, RuntimeError if ranks are in different calls, and ValueError naming the fields
+        and ranks where the forms differ (the call then ran on no rank, and the ranks stay in step)."""
+        call = self.calls
+        payloads = self.exchange(phase, _encode_form(form))
+        if any(p != payloads[0] for p in payloads):
+            raise ValueError(_form_mismatch(phase, [_decode_form(p) for p in payloads]))
+        return call
 
     def refuse(self, phase: str, reason: str) -> None:
         """This rank's part of the meeting `phase` when its own arguments were refused: the peers raise
@@ -167,3 +180,51 @@ def construction_gate(group: dist.ProcessGroup) -> ArrivalGate:
 
 def _fmt_ranks(ranks: List[int]) -> str:
     return ", ".join(str(r) for r in ranks)
+
+
+_FIELD_END, _ENTRY_END = "\x1f", "\x1e"
+
+
+def _encode_form(form: Form) -> bytes:
+    return "".join(field + _FIELD_END + phrase + _ENTRY_END for field, phrase in form).encode()
+
+
+def _decode_form(payload: bytes) -> Dict[str, str]:
+    entries = payload.decode().split(_ENTRY_END)[:-1]
+    return dict(entry.split(_FIELD_END, 1) for entry in entries)
+
+
+def _form_mismatch(phase: str, forms: List[Dict[str, str]]) -> str:
+    """The message every rank raises where the ranks' forms of `phase` differ; built from every
+    rank's form alike, so it reads the same on every rank."""
+    clauses = [f"{field}: {_ranks_by_phrase(phase, phrases)}" for field, phrases in _differing_fields(forms)]
+    return (f"moe_ep: the ranks called {phase} in different forms, so it ran on no rank: " + "; ".join(clauses)
+            + ". Every rank must make each call with the same dtypes, sizes, flags and handle; this Buffer is "
+            "still usable.")
+
+
+def _differing_fields(forms: List[Dict[str, str]]) -> List[Tuple[str, List[str]]]:
+    """(field, every rank's phrase) of each field whose phrases differ: the fields every rank's form has,
+    else (forms of different kinds, none of whose shared fields differ) every field, missing ones as none."""
+    shared = [field for field in forms[0] if all(field in form for form in forms)]
+    every = list(dict.fromkeys(field for form in forms for field in form))
+    for fields in (shared, every):
+        differing = [(field, [form.get(field, f"no {field}") for form in forms]) for field in fields]
+        differing = [(field, phrases) for field, phrases in differing if len(set(phrases)) > 1]
+        if differing:
+            return differing
+    return []
+
+
+def _ranks_by_phrase(phase: str, phrases: List[str]) -> str:
+    """e.g. "rank 1 called dispatch with fp8 x, ranks 0, 2, 3 with bf16 x": the smallest group first."""
+    groups: Dict[str, List[int]] = {}
+    for rank, phrase in enumerate(phrases):
+        groups.setdefault(phrase, []).append(rank)
+    ordered = sorted(groups.items(), key=lambda item: (len(item[1]), item[1][0]))
+    return ", ".join(f"{_ranks_word(ranks)}{f' called {phase}' if i == 0 else ''} with {phrase}"
+                     for i, (phrase, ranks) in enumerate(ordered))
+
+
+def _ranks_word(ranks: List[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_fmt_ranks(ranks)}"

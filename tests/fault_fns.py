@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from moe_ep import Buffer, Config
+from moe_ep.fp8 import per_token_cast_to_fp8
 
 from .rank_fns import with_env
 
@@ -55,7 +56,7 @@ def inputs():
 
 
 def valid_round(buffer: Buffer) -> str:
-    """Layout, dispatch, combine and a low-latency dispatch and combine, each result checked."""
+    """Layout, dispatch, combine and a low-latency dispatch and combine, each combine's result checked."""
     x, idx, w = inputs()
     per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, num_experts())
     recv_x, _, _, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
@@ -65,8 +66,17 @@ def valid_round(buffer: Buffer) -> str:
     expected = x.float() * in_rank.sum(1, keepdim=True).float()
     assert torch.equal(combined.float(), expected), "combine returned other values than the tokens sent"
     recv, _, ll_handle, _, _ = buffer.low_latency_dispatch(x, idx, MAX_TOKENS, num_experts(), use_fp8=False)
-    buffer.low_latency_combine(recv, idx, w, ll_handle)
+    combined, _, _ = buffer.low_latency_combine(recv, idx, w, ll_handle)
+    assert torch.equal(combined, _weighted_sum(x, idx, w)), "low_latency_combine returned other values than expected"
     return "passed"
+
+
+def _weighted_sum(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What a low-latency combine of the dispatched rows returns, in the portable backend's order of operations."""
+    acc = torch.zeros(x.shape, dtype=torch.float32)
+    for k in range(idx.shape[1]):
+        acc = torch.where(idx[:, k : k + 1] >= 0, acc + w[:, k : k + 1] * x.float(), acc)
+    return acc.to(torch.bfloat16)
 
 
 def _outcome(fn):
@@ -351,3 +361,157 @@ def construction_with_other_configs(odd_rank: int):
     finally:
         Buffer.set_num_sms(default)
     return made, _outcome(lambda: valid_round(make_buffer()))
+
+
+# ---------------------------------------------------------------- one rank makes a call in another form
+WIDE = 2 * HIDDEN  # the other hidden size a rank tries
+
+
+def form_buffer() -> Buffer:
+    """make_buffer with room for float32 rows of WIDE and for low-latency calls of WIDE and twice the experts."""
+    world = dist.get_world_size()
+    return make_buffer(num_nvl_bytes=Config().get_nvl_buffer_size_hint(WIDE * 4, world) * 4,
+                       num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, WIDE, world, 2 * num_experts()))
+
+
+class FormCall(Call):
+    """A valid call's arguments on this rank, and the calls a case makes on every rank before the one
+    the odd rank makes in another form."""
+
+    def layout_for(self, idx: torch.Tensor, experts: int) -> dict:
+        per_rank, per_rdma, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(idx, experts)
+        return dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                    num_tokens_per_expert=per_expert, topk_idx=idx)
+
+    def top_1(self) -> dict:
+        return dict(self.layout_for(self.idx[:, :1].contiguous(), num_experts()),
+                    topk_weights=self.w[:, :1].contiguous())
+
+    def cached(self, handle):
+        return self.buffer.dispatch(self.x, handle=handle)
+
+    def dispatches(self, count: int) -> list:
+        """(recv_x, recv_topk_weights, handle) of `count` dispatches on every rank."""
+        return [(recv_x, recv_w, handle) for recv_x, _, recv_w, _, handle, _ in
+                (self.dispatch() for _ in range(count))]
+
+    def low_latency_dispatch(self, **kwargs):
+        args = dict(x=self.x, topk_idx=self.idx, num_max_dispatch_tokens_per_rank=MAX_TOKENS,
+                    num_experts=num_experts(), use_fp8=False)
+        args.update(kwargs)
+        return self.buffer.low_latency_dispatch(**args)
+
+    def low_latency_combine(self, dispatched, **kwargs):
+        recv, _, handle, _, _ = dispatched
+        return self.buffer.low_latency_combine(recv, self.idx, self.w, handle, **kwargs)
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x, x], dim=1)
+
+
+def _combine_older_handle(c: FormCall, odd: bool):
+    (recv0, _, handle0), (recv1, _, handle1) = c.dispatches(2)
+    return c.buffer.combine(recv0, handle0) if odd else c.buffer.combine(recv1, handle1)
+
+
+def _combine_with(c: FormCall, odd: bool, spoil):
+    ((recv_x, recv_w, handle),) = c.dispatches(1)
+    return c.buffer.combine(*spoil(recv_x, recv_w, handle)) if odd else c.buffer.combine(recv_x, handle)
+
+
+def _cached_or_fresh(c: FormCall, odd: bool):
+    ((_, _, handle),) = c.dispatches(1)
+    return c.cached(handle) if odd else c.dispatch()
+
+
+def _cached_older_handle(c: FormCall, odd: bool):
+    (_, _, handle0), (_, _, handle1) = c.dispatches(2)
+    return c.cached(handle0 if odd else handle1)
+
+
+def _low_latency_combine_older_handle(c: FormCall, odd: bool):
+    first, second = c.low_latency_dispatch(), c.low_latency_dispatch()
+    return c.low_latency_combine(first if odd else second)
+
+
+def _ll_fp8_flags(**odd_flags):
+    """A low-latency dispatch with fp8 on every rank, and odd_flags on the odd rank only."""
+    return lambda c, odd: c.low_latency_dispatch(use_fp8=True, **(odd_flags if odd else {}))
+
+
+# name -> (call, field, the odd rank's phrase, the others', the case: f(FormCall, odd: bool)), each case on a
+# new Buffer, so that the meetings' numbers (call #n) are the same in every run. {experts}: num_experts();
+# {double}: twice that.
+FORM_DISAGREEMENTS = {
+    "fp8 x": ("dispatch", "x dtype", "fp8 x", "bf16 x",
+              lambda c, odd: c.dispatch(**(dict(x=per_token_cast_to_fp8(c.x)) if odd else {}))),
+    "float32 x": ("dispatch", "x dtype", "float32 x", "bf16 x",
+                  lambda c, odd: c.dispatch(**(dict(x=c.x.float()) if odd else {}))),
+    "hidden": ("dispatch", "hidden", f"hidden {WIDE}", f"hidden {HIDDEN}",
+               lambda c, odd: c.dispatch(**(dict(x=_wide(c.x)) if odd else {}))),
+    "without top-k": ("dispatch", "top-k", "no top-k", f"top-k {NUM_TOPK}",
+                      lambda c, odd: c.dispatch(**(dict(topk_idx=None, topk_weights=None) if odd else {}))),
+    "top-k 1": ("dispatch", "top-k", "top-k 1", f"top-k {NUM_TOPK}",
+                lambda c, odd: c.dispatch(**(c.top_1() if odd else {}))),
+    "experts": ("dispatch", "experts", "{double} experts", "{experts} experts",
+                lambda c, odd: c.dispatch(**(c.layout_for(c.idx, 2 * num_experts()) if odd else {}))),
+    "num_worst_tokens": ("dispatch", "num_worst_tokens", "num_worst_tokens=64", "num_worst_tokens=0",
+                         lambda c, odd: c.dispatch(num_worst_tokens=64 if odd else 0)),
+    "cached dispatch beside fresh ones": ("dispatch", "handle", "the handle of the dispatch at call #0", "no handle",
+                                          _cached_or_fresh),
+    "cached dispatch with an older handle": ("dispatch", "handle", "the handle of the dispatch at call #0",
+                                             "the handle of the dispatch at call #1", _cached_older_handle),
+    "combine with an older handle": ("combine", "handle", "the handle of the dispatch at call #0",
+                                     "the handle of the dispatch at call #1", _combine_older_handle),
+    "combine float32 x": ("combine", "x dtype", "float32 x", "bf16 x",
+                          lambda c, odd: _combine_with(c, odd, lambda x, w, h: (x.float(), h))),
+    "combine hidden": ("combine", "hidden", f"hidden {WIDE}", f"hidden {HIDDEN}",
+                       lambda c, odd: _combine_with(c, odd, lambda x, w, h: (_wide(x), h))),
+    "combine topk_weights": ("combine", "topk_weights", f"topk_weights of {NUM_TOPK} columns", "no topk_weights",
+                             lambda c, odd: _combine_with(c, odd, lambda x, w, h: (x, h, w))),
+    "low-latency use_fp8": ("low_latency_dispatch", "use_fp8", "use_fp8=True", "use_fp8=False",
+                            lambda c, odd: c.low_latency_dispatch(use_fp8=odd)),
+    "low-latency round_scale": ("low_latency_dispatch", "round_scale", "round_scale=True", "round_scale=False",
+                                _ll_fp8_flags(round_scale=True)),
+    "low-latency use_ue8m0": ("low_latency_dispatch", "use_ue8m0", "use_ue8m0=True", "use_ue8m0=False",
+                              lambda c, odd: c.low_latency_dispatch(use_fp8=True, round_scale=True, use_ue8m0=odd)),
+    "low-latency return_recv_hook": ("low_latency_dispatch", "return_recv_hook", "return_recv_hook=True",
+                                     "return_recv_hook=False",
+                                     lambda c, odd: c.low_latency_dispatch(return_recv_hook=odd)),
+    "low-latency num_max_dispatch_tokens_per_rank": (
+        "low_latency_dispatch", "num_max_dispatch_tokens_per_rank",
+        f"num_max_dispatch_tokens_per_rank={NUM_TOKENS}", f"num_max_dispatch_tokens_per_rank={MAX_TOKENS}",
+        lambda c, odd: c.low_latency_dispatch(num_max_dispatch_tokens_per_rank=NUM_TOKENS if odd else MAX_TOKENS)),
+    "low-latency hidden": ("low_latency_dispatch", "hidden", f"hidden {WIDE}", f"hidden {HIDDEN}",
+                           lambda c, odd: c.low_latency_dispatch(x=_wide(c.x) if odd else c.x)),
+    "low-latency experts": ("low_latency_dispatch", "experts", "{double} experts", "{experts} experts",
+                            lambda c, odd: c.low_latency_dispatch(num_experts=(2 if odd else 1) * num_experts())),
+    "low-latency combine with an older handle": (
+        "low_latency_combine", "handle", "the handle of the low_latency_dispatch at call #0",
+        "the handle of the low_latency_dispatch at call #1", _low_latency_combine_older_handle),
+    "low-latency combine return_recv_hook": (
+        "low_latency_combine", "return_recv_hook", "return_recv_hook=True", "return_recv_hook=False",
+        lambda c, odd: c.low_latency_combine(c.low_latency_dispatch(), return_recv_hook=odd)),
+}
+
+
+def form_disagreements_on_one_rank(odd_rank: int, names):
+    """Per case of FORM_DISAGREEMENTS named, on a new Buffer: (what the disputed call raised on this rank,
+    the valid round on the same Buffer afterwards)."""
+    results = {}
+    for name in names:
+        case = FORM_DISAGREEMENTS[name][4]
+        buffer = form_buffer()
+        results[name] = (_outcome(lambda: case(FormCall(buffer), dist.get_rank() == odd_rank)),
+                         _outcome(lambda: valid_round(buffer)))
+    return results
+
+
+def forms_of_three_values(fp8_rank: int, wide_float_rank: int):
+    """fp8_rank dispatches fp8 x, wide_float_rank float32 x of WIDE columns, the others bf16 x: (what the
+    dispatch raised on this rank, the valid round on the same Buffer afterwards)."""
+    buffer = form_buffer()
+    c = FormCall(buffer)
+    x = {fp8_rank: per_token_cast_to_fp8(c.x), wide_float_rank: _wide(c.x).float()}.get(dist.get_rank(), c.x)
+    return _outcome(lambda: c.dispatch(x=x)), _outcome(lambda: valid_round(buffer))

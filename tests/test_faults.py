@@ -4,8 +4,10 @@ others naming that rank and the step), and the group's next Buffer (or the same 
 stayed in step) must work."""
 import pytest
 
+from moe_ep import sync
+
 from . import fault_fns
-from .fault_fns import BAD_CALLS, BAD_CONSTRUCTIONS, DISAGREEMENTS, TIMEOUT_S
+from .fault_fns import BAD_CALLS, BAD_CONSTRUCTIONS, DISAGREEMENTS, FORM_DISAGREEMENTS, TIMEOUT_S
 
 NUM_RANKS = 4
 BAD_RANK = 2
@@ -111,3 +113,64 @@ def test_one_rank_with_other_default_configs(pools):
     for made, later in pools(NUM_RANKS).run(fault_fns.construction_with_other_configs, BAD_RANK):
         assert made[0] == "ValueError" and "default dispatch / combine configs disagree" in made[1], made
         assert later == ("returned", ""), later
+
+
+# Where the odd ranks' calls would hang or abort instead, the pool call gives up after this.
+FORM_TEST_TIMEOUT_S = 120
+
+
+def _form_differences(raised) -> str:
+    """The clauses of a form mismatch's message, one per differing field."""
+    exc_type, message = raised
+    assert exc_type == "ValueError" and "ran on no rank: " in message, raised
+    assert message.endswith("this Buffer is still usable."), message
+    return message.split("ran on no rank: ", 1)[1].split(". Every rank must", 1)[0]
+
+
+def _one_odd_rank(call: str, odd_rank: int, num_ranks: int, odd: str, good: str) -> str:
+    """The ranks grouped by phrase, the smaller group first (the lower rank first between equals)."""
+    others = [r for r in range(num_ranks) if r != odd_rank]
+    if len(others) == 1 and others[0] < odd_rank:
+        return f"rank {others[0]} called {call} with {good}, rank {odd_rank} with {odd}"
+    return f"rank {odd_rank} called {call} with {odd}, {'ranks' if len(others) > 1 else 'rank'} " \
+           f"{', '.join(map(str, others))} with {good}"
+
+
+@pytest.mark.parametrize("num_ranks", [2, NUM_RANKS])
+def test_one_rank_making_a_call_in_another_form(pools, num_ranks):
+    """Every rank raises the same ValueError naming the field and the ranks, before any data moves, and
+    the same Buffer then runs a valid round exactly."""
+    odd_rank = 1
+    experts = fault_fns.experts_per_rank() * num_ranks
+    results = pools(num_ranks).run(fault_fns.form_disagreements_on_one_rank, odd_rank, list(FORM_DISAGREEMENTS),
+                                   timeout_s=FORM_TEST_TIMEOUT_S)
+    for name, (call, field, odd, good, _) in FORM_DISAGREEMENTS.items():
+        odd, good = (phrase.format(experts=experts, double=2 * experts) for phrase in (odd, good))
+        raised = [outcomes[name][0] for outcomes in results]
+        assert all(r == raised[0] for r in raised), (name, raised)
+        assert _form_differences(raised[0]) == f"{field}: {_one_odd_rank(call, odd_rank, num_ranks, odd, good)}", \
+            (name, raised[0])
+        assert f"the ranks called {call} in different forms" in raised[0][1], (name, raised[0])
+        for rank, outcomes in enumerate(results):
+            assert outcomes[name][1] == ("returned", ""), (name, rank, outcomes[name][1])
+
+
+def test_ranks_in_three_forms_are_grouped_by_value(pools):
+    """Each differing field is named once, with the ranks grouped by value, the smallest groups first."""
+    results = pools(NUM_RANKS).run(fault_fns.forms_of_three_values, 2, 3, timeout_s=FORM_TEST_TIMEOUT_S)
+    wide = fault_fns.WIDE
+    expected = ("x dtype: rank 2 called dispatch with fp8 x, rank 3 with float32 x, ranks 0, 1 with bf16 x; "
+                f"hidden: rank 3 called dispatch with hidden {wide}, ranks 0, 1, 2 with hidden {fault_fns.HIDDEN}")
+    for raised, later in results:
+        assert raised == results[0][0], results
+        assert _form_differences(raised) == expected, raised
+        assert later == ("returned", ""), later
+
+
+def test_forms_without_a_shared_difference_are_compared_on_every_field():
+    """Forms of different fields whose shared fields agree: the fields some rank lacks are named, read as
+    none there."""
+    forms = [(("handle", "no handle"), ("top-k", "top-k 2")), (("handle", "no handle"),)]
+    message = sync._form_mismatch("dispatch", [sync._decode_form(sync._encode_form(f)) for f in forms])
+    expected = "top-k: rank 0 called dispatch with top-k 2, rank 1 with no top-k"
+    assert _form_differences(("ValueError", message)) == expected, message

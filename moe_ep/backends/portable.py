@@ -30,8 +30,9 @@ from .. import fp8
 from ..checks import FP8_DTYPE
 from ..events import finish_event, wait_previous
 from ..handles import DispatchHandle, LowLatencyHandle
-from ..sync import ArrivalGate
+from ..sync import ArrivalGate, Form
 from .base import Backend, CombineCall, DispatchCall, LowLatencyCombineCall, LowLatencyDispatchCall
+from .forms import combine_form, dispatch_form, low_latency_combine_form, low_latency_dispatch_form
 
 
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_node: int):
@@ -113,24 +114,25 @@ class PortableBackend(Backend):
         wait_previous(call.previous_event)
         recv_x, recv_idx, recv_weights, counts, handle = self._dispatch(
             call.x_parts, call.topk_idx, call.topk_weights, call.is_token_in_rank, call.num_tokens_per_rank,
-            call.num_tokens_per_expert, call.expert_alignment, call.num_worst_tokens, call.handle, call.make_handle)
+            call.num_tokens_per_expert, call.expert_alignment, call.num_worst_tokens, call.handle, call.make_handle,
+            dispatch_form(call))
         return recv_x, recv_idx, recv_weights, counts, handle, finish_event(call.async_finish, [*call.x_parts, *recv_x])
 
     def combine(self, call: CombineCall):
         wait_previous(call.previous_event)
-        combined_x, combined_w = self._combine(call.x, call.handle, call.topk_weights, call.biases)
+        combined_x, combined_w = self._combine(call.x, call.handle, call.topk_weights, call.biases, combine_form(call))
         return combined_x, combined_w, finish_event(call.async_finish, [call.x, combined_x])
 
     def low_latency_dispatch(self, call: LowLatencyDispatchCall):
         recv_x, recv_count, hook = self._low_latency_dispatch(
             call.x, call.topk_idx, call.num_max_tokens, call.num_experts, call.stats, call.use_fp8, call.round_scale,
-            call.use_ue8m0, call.return_recv_hook, call.handle)
+            call.use_ue8m0, call.return_recv_hook, call.handle, low_latency_dispatch_form(call))
         return recv_x, recv_count, finish_event(call.async_finish, [call.x, recv_count]), hook
 
     def low_latency_combine(self, call: LowLatencyCombineCall):
         self._combine_next ^= 1
         combined, hook = self._low_latency_combine(call.x, call.topk_idx, call.topk_weights, call.handle,
-                                                   call.return_recv_hook, call.out)
+                                                   call.return_recv_hook, call.out, low_latency_combine_form(call))
         return combined, finish_event(call.async_finish, [call.x, combined]), hook
 
     def low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
@@ -204,6 +206,7 @@ class PortableBackend(Backend):
         num_worst_tokens: int,
         handle: Optional[DispatchHandle],
         make_handle: Callable[..., DispatchHandle],
+        form: Form,
     ):
         num_tokens = x_parts[0].shape[0]
         device = x_parts[0].device
@@ -225,7 +228,7 @@ class PortableBackend(Backend):
                            f"{row_bytes} bytes on {device} ({str(exc).splitlines()[0]})")
                 self.gate.refuse("dispatch", f"ValueError: {message}")
                 raise ValueError(message) from None
-        self.gate.enter("dispatch")
+        gate_call = self.gate.enter("dispatch", form)
         if handle is None:
             num_experts = num_tokens_per_expert.shape[0]
             local = num_experts // self.num_ranks
@@ -252,6 +255,7 @@ class PortableBackend(Backend):
                 num_worst_tokens=num_worst_tokens,
                 rank_prefix_matrix=torch.cumsum(recv_matrix, dim=0).to(dtype=torch.int32, device=x_parts[0].device),
                 recv_expert_counts=per_expert,
+                gate_call=gate_call,
             )
             cached = False
         else:
@@ -291,10 +295,9 @@ class PortableBackend(Backend):
         """Token indices in send order: destination rank major, token index minor."""
         return is_token_in_rank.t().nonzero(as_tuple=True)[1]
 
-    def _combine(
-        self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor], biases: List[torch.Tensor]
-    ):
-        self.gate.enter("combine")
+    def _combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor],
+                 biases: List[torch.Tensor], form: Form):
+        self.gate.enter("combine", form)
         valid = handle.num_recv_tokens
         parts = [x[:valid]] + ([topk_weights[:valid]] if topk_weights is not None else [])
         received = self._exchange_rows(pack_rows(parts), handle.recv_counts, handle.send_counts)
@@ -340,8 +343,9 @@ class PortableBackend(Backend):
         use_ue8m0: bool,
         return_recv_hook: bool,
         handle: LowLatencyHandle,
+        form: Form,
     ):
-        self.gate.enter("low_latency_dispatch")
+        handle.gate_call = self.gate.enter("low_latency_dispatch", form)
         local = num_experts // self.num_ranks
         hidden = x.shape[1]
         token, slot = (topk_idx >= 0).nonzero(as_tuple=True)  # ordered by token, then slot
@@ -410,13 +414,14 @@ class PortableBackend(Backend):
         handle: LowLatencyHandle,
         return_recv_hook: bool,
         out: Optional[torch.Tensor],
+        form: Form,
     ):
         state: _LowLatencyState = handle.backend_state
         if state is None or state.arrival_expert is None:
             message = "handle: its low_latency_dispatch has not received yet: call the dispatch's hook() first"
             self.gate.refuse("low_latency_combine", f"RuntimeError: {message}")
             raise RuntimeError(message)
-        self.gate.enter("low_latency_combine")
+        self.gate.enter("low_latency_combine", form)
         rows = x[state.arrival_expert, state.arrival_row]
         pending = self._exchange_rows(pack_rows([rows]), state.recv_counts, state.send_counts, async_op=True)
         num_tokens, num_topk = topk_idx.shape
