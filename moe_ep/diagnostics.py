@@ -354,13 +354,18 @@ def check_errors(buffer: "Buffer") -> None:
     stream, which it waits for; the low-latency kernels run on the callers' streams, so with them it waits
     for the device. On the portable backend it does nothing: its errors are raised in the call itself."""
     buffer._check_alive()
-    normal, low = buffer._intranode, buffer._low_latency
+    normal, low = _normal_kernels(buffer), buffer._low_latency
     if normal is not None:
         normal.comm_stream.synchronize()
         normal.check_errors()
     if low is not None:
         torch.cuda.synchronize(low.peers.device)
         low.check_errors()
+
+
+def _normal_kernels(buffer: "Buffer"):
+    """The kernel backend of the Buffer's normal calls (intranode or internode), or None before one exists."""
+    return buffer._internode if buffer._internode is not None else buffer._intranode
 
 
 def _zero_arena() -> dict:
@@ -466,9 +471,9 @@ def reset_stats(buffer: "Buffer", collect: bool = True) -> None:
             kernels.arena.reset_high_water()
 
 
-def _peer_paths(rank: int, num_ranks: int, kernels: bool, peers) -> List[Optional[str]]:
+def _peer_paths(rank: int, num_ranks: int, kernels: bool, peers, per_node: int = 0) -> List[Optional[str]]:
     """Per rank, how this rank reaches it (PEER_PATHS); None where the kernels serve but have not mapped
-    the peers yet."""
+    the peers yet. per_node > 0: the internode kernels, which put to every rank of another node."""
     paths: List[Optional[str]] = []
     for r in range(num_ranks):
         if r == rank:
@@ -477,7 +482,7 @@ def _peer_paths(rank: int, num_ranks: int, kernels: bool, peers) -> List[Optiona
             paths.append("portable")
         elif peers is None:
             paths.append(None)
-        elif r in peers.unreachable:
+        elif r in peers.unreachable or (per_node and r // per_node != rank // per_node):
             paths.append("nvshmem_put")
         else:
             paths.append("same_gpu" if peers.device_ids[r] == peers.device_ids[rank] else "nvlink")
@@ -489,9 +494,10 @@ def topology(buffer: "Buffer") -> dict:
 
     - "rank", "num_ranks", "ranks_per_node", "node_of_rank" (list: each rank's node, ranks of a node
       being contiguous).
-    - "normal_backend": what runs dispatch / combine of CUDA tensors: "intranode" (the kernels) or
-      "portable" (torch.distributed). "low_latency_backend": the same for the low-latency calls:
-      "low_latency" (the kernels), "portable", or None (no low_latency_mode: the calls are refused).
+    - "normal_backend": what runs dispatch / combine of CUDA tensors: "intranode" (the kernels of one
+      node), "internode" (the kernels across nodes) or "portable" (torch.distributed).
+      "low_latency_backend": the same for the low-latency calls: "low_latency" (the kernels), "portable",
+      or None (no low_latency_mode: the calls are refused).
       CPU tensors always run on the portable backend.
     - "portable_reasons": {"normal": ..., "low_latency": ...}: why the kernels do not serve those calls,
       or None where they do.
@@ -499,7 +505,7 @@ def topology(buffer: "Buffer") -> dict:
       They do so lazily, at the Buffer's first call of CUDA tensors of that kind (collectively); before
       that the entries below that depend on the mapping are None.
     - "peer_memory": {"normal": ..., "low_latency": ...}: how the peers' buffers were mapped: "vmm" (the
-      driver's virtual-memory API), "ipc" (CUDA IPC handles), "nvshmem" (low-latency only), or None
+      driver's virtual-memory API), "ipc" (CUDA IPC handles), "nvshmem" (NVSHMEM's heap), or None
       (not mapped, or the portable backend). The intranode arena is mapped like the normal buffers.
     - "peers": {"normal": [...], "low_latency": [...]}: per rank, how this rank reaches it: "self",
       "same_gpu" (a mapped buffer of a rank on this GPU), "nvlink" (a mapped buffer of a rank on another
@@ -511,7 +517,8 @@ def topology(buffer: "Buffer") -> dict:
 
     It reads host state only: no communication, no synchronisation."""
     rank, num_ranks = buffer.rank, buffer.group_size
-    normal, low = buffer._intranode, buffer._low_latency
+    normal, low = _normal_kernels(buffer), buffer._low_latency
+    across_nodes = buffer.ranks_per_node < num_ranks
     ll_mode = buffer.low_latency_mode
     normal_reason = None if buffer._kernels else buffer._kernels_unusable(low_latency=False)
     ll_reason = None if buffer._ll_kernels else buffer._kernels_unusable(low_latency=True)
@@ -520,13 +527,14 @@ def topology(buffer: "Buffer") -> dict:
         num_ranks=num_ranks,
         ranks_per_node=buffer.ranks_per_node,
         node_of_rank=[r // buffer.ranks_per_node for r in range(num_ranks)],
-        normal_backend="intranode" if buffer._kernels else "portable",
+        normal_backend=("internode" if across_nodes else "intranode") if buffer._kernels else "portable",
         low_latency_backend=("low_latency" if buffer._ll_kernels else "portable") if ll_mode else None,
         portable_reasons=dict(normal=normal_reason, low_latency=ll_reason),
         mapped=dict(normal=normal is not None, low_latency=low is not None),
         peer_memory=dict(normal=normal.peers.memory if normal is not None else None,
                          low_latency=low.peers.memory if low is not None else None),
-        peers=dict(normal=_peer_paths(rank, num_ranks, buffer._kernels, normal.peers if normal else None),
+        peers=dict(normal=_peer_paths(rank, num_ranks, buffer._kernels, normal.peers if normal else None,
+                                      buffer.ranks_per_node if across_nodes else 0),
                    low_latency=_peer_paths(rank, num_ranks, buffer._ll_kernels, low.peers if low else None)
                    if ll_mode else None),
         ranks_on_this_gpu=buffer.ranks_on_this_gpu,
@@ -549,6 +557,4 @@ def kernel_backend(buffer: "Buffer", kind: str = "normal", make: bool = False):
     if make and torch.cuda.is_available():
         probe = torch.empty(0, device=torch.device("cuda", torch.cuda.current_device()))
         (buffer._normal_backend if kind == "normal" else buffer._low_latency_backend)(probe)
-    if kind == "normal":
-        return buffer._intranode if buffer._internode is None else buffer._internode
-    return buffer._low_latency
+    return _normal_kernels(buffer) if kind == "normal" else buffer._low_latency

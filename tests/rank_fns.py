@@ -218,6 +218,8 @@ def internode_round(p: Problem, ranks_per_node: int, rounds: int = 1, **kwargs):
     for _ in range(rounds):
         result = normal_round(p, buffer=buffer, **kwargs)
     result["backend"] = type(kernel_backend(buffer) or buffer).__name__ if device().type == "cuda" else "portable"
+    topology = buffer.topology()
+    result["topology"] = (topology["normal_backend"], topology["peers"]["normal"])
     buffer.destroy()
     return result
 

@@ -26,9 +26,14 @@ FIELDS = ("recv_x", "recv_idx", "recv_w", "counts", "cached", "cached_rest", "co
 NODES = pytest.mark.parametrize("num_ranks,ranks_per_node", [(4, 2), (8, 4), (8, 2)], ids=["2x2", "2x4", "4x2"])
 
 
-def _compare(seed, on_gpu, on_cpu):
+def _compare(seed, on_gpu, on_cpu, ranks_per_node):
     for rank, (g, c) in enumerate(zip(on_gpu, on_cpu)):
         assert g["backend"] == "InternodeBackend", f"rank {rank}: the CUDA calls ran on {g['backend']}"
+        backend, peers = g["topology"]
+        node = rank // ranks_per_node
+        assert backend == "internode" and c["topology"][0] == "portable"
+        assert peers == ["self" if r == rank else "same_gpu" if r // ranks_per_node == node else "nvshmem_put"
+                         for r in range(len(on_gpu))], f"rank {rank}: topology peers {peers}"
         for field in FIELDS:
             assert _same(g[field], c[field]), f"seed {seed} rank {rank}: {field} differs from the portable backend"
 
@@ -46,7 +51,8 @@ def _compare(seed, on_gpu, on_cpu):
 def test_internode_equals_portable(pools, gpu_pools, seed, num_ranks, ranks_per_node, variant):
     p = Problem(seed, num_ranks, num_ranks * 8, 512, 6, max_tokens=96)
     on_gpu = gpu_pools(num_ranks).run(rank_fns.internode_round, p, ranks_per_node, **variant)
-    _compare(seed, on_gpu, pools(num_ranks).run(rank_fns.internode_round, p, ranks_per_node, **variant))
+    _compare(seed, on_gpu, pools(num_ranks).run(rank_fns.internode_round, p, ranks_per_node, **variant),
+             ranks_per_node)
 
 
 @NODES
@@ -54,7 +60,8 @@ def test_internode_rounds_on_one_buffer(pools, gpu_pools, seed, num_ranks, ranks
     """Calls reuse every region of the buffer: three rounds on one Buffer end as one round does."""
     p = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=64, drop=0.5)
     on_gpu = gpu_pools(num_ranks).run(rank_fns.internode_round, p, ranks_per_node, rounds=3, num_biases=1)
-    _compare(seed, on_gpu, pools(num_ranks).run(rank_fns.internode_round, p, ranks_per_node, num_biases=1))
+    _compare(seed, on_gpu, pools(num_ranks).run(rank_fns.internode_round, p, ranks_per_node, num_biases=1),
+             ranks_per_node)
 
 
 @pytest.mark.parametrize("num_ranks,ranks_per_node", [(8, 2)], ids=["4x2"])

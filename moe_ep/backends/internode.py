@@ -236,10 +236,11 @@ class InternodeBackend(Backend):
         forwarded_by = [int(node_count[r % P :: P, r // P].sum()) for r in range(R)]
         plan = torch.cat([row_base, _exclusive_cumsum(send_count), send_count, remote_offset,
                           _exclusive_cumsum(forward_count), forward_count, return_offset]).to(torch.int32)
+        plan = plan.pin_memory().to(device, non_blocking=True)
+        node_pos = self._positions(in_node)
         state = InternodeDispatchState(
-            plan=plan.pin_memory().to(device, non_blocking=True),
-            node_token=in_node.t().nonzero()[:, 1].to(torch.int32),
-            send_pos=self._positions(in_rank), node_pos=self._positions(in_node),
+            plan=plan, node_token=self._node_tokens(node_pos, plan[R : R + N], int(send_count.sum())),
+            send_pos=self._positions(in_rank), node_pos=node_pos,
             forward_mask=torch.empty(max(int(forward_count.sum()), 1), dtype=torch.int32, device=device),
             recv_forward=torch.empty(0, 2, dtype=torch.int32, device=device),
             sent=int(node_count.sum(1).max()), forwarded=max(forwarded_by), received=int(rank_count.sum(0).max()),
@@ -251,6 +252,17 @@ class InternodeBackend(Backend):
             raise ValueError(f"num_rdma_bytes={self.num_bytes} is too small for this dispatch across nodes: its "
                              f"counts need {needed} bytes (the most any rank sends, forwards and receives)")
         return state, per_expert
+
+    @staticmethod
+    def _node_tokens(node_pos: torch.Tensor, send_offset: torch.Tensor, total: int) -> torch.Tensor:
+        """int32 [total]: the token of each message, by destination node then position (scattered on the
+        device: a nonzero() would wait for it on the host)."""
+        num_tokens, num_nodes = node_pos.shape
+        slot = torch.where(node_pos >= 0, node_pos + send_offset, total).view(-1).to(torch.int64)
+        tokens = torch.arange(num_tokens, dtype=torch.int32, device=node_pos.device)
+        into = torch.empty(total + 1, dtype=torch.int32, device=node_pos.device)  # [total]: where the unsent land
+        into.scatter_(0, slot, tokens.repeat_interleave(num_nodes))
+        return into[:total]
 
     @staticmethod
     def _positions(mask: torch.Tensor) -> torch.Tensor:
