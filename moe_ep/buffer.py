@@ -219,11 +219,7 @@ class Buffer:
             if low_latency:
                 return f"{nodes}; the low-latency kernels serve the ranks of one node"
             reason = _native.internode_unavailable_reason()
-            if reason is not None:
-                return f"{nodes} and {reason}"
-            if self.num_rdma_bytes == 0:
-                return f"{nodes}: normal calls across nodes need num_rdma_bytes > 0"
-            return None
+            return None if reason is None else f"{nodes} and {reason}"
         if low_latency:
             if not self.low_latency_mode or self.num_rdma_bytes == 0:
                 return "low-latency calls need low_latency_mode=True and num_rdma_bytes > 0"

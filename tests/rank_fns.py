@@ -199,27 +199,32 @@ def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, n
                     combined=combined, combined_w=combined_w, num_recv_rows=handle.num_recv_rows))
 
 
-def internode_buffer(p: Problem, ranks_per_node: int) -> Buffer:
+def internode_buffer(p: Problem, ranks_per_node: int, small: bool = False) -> Buffer:
     """A Buffer over nodes of ranks_per_node ranks, sized for any normal call of this Problem (the
-    internode kernels on CUDA ranks, the portable backend on CPU ones)."""
-    rdma = 0
-    if device().type == "cuda":
-        rdma = Buffer.get_internode_rdma_size_hint(p.max_tokens, p.hidden * 2, p.num_ranks, ranks_per_node,
-                                                   p.num_topk)
+    internode kernels on CUDA ranks, the portable backend on CPU ones), or with small=True a megabyte
+    past the kernels' control area (their calls grow it)."""
     nvl = default_config_size_hints(p.hidden * 4, p.num_ranks)[0]
+    rdma = Config().get_rdma_buffer_size_hint(p.hidden * 4, p.num_ranks)
+    if device().type == "cuda" and small:
+        rdma = moe_ep._native.internode_ops().layout()["control_bytes"] + (1 << 20)
+    elif device().type == "cuda":
+        rdma = max(rdma, Buffer.get_internode_rdma_size_hint(p.max_tokens, p.hidden * 2, p.num_ranks, ranks_per_node,
+                                                             p.num_topk))
     # Destroyed after use: NVSHMEM's heap is freed collectively only, not by the garbage collector.
-    return Buffer(dist.group.WORLD, nvl, max(rdma, Config().get_rdma_buffer_size_hint(p.hidden * 4, p.num_ranks)),
-                  ranks_per_node=ranks_per_node, explicitly_destroy=True)
+    return Buffer(dist.group.WORLD, nvl, rdma, ranks_per_node=ranks_per_node, explicitly_destroy=True)
 
 
-def internode_round(p: Problem, ranks_per_node: int, rounds: int = 1, **kwargs):
-    """normal_round on an internode_buffer, `rounds` times on the same Buffer: the last round's results."""
-    buffer = internode_buffer(p, ranks_per_node)
+def internode_round(p: Problem, ranks_per_node: int, rounds: int = 1, small: bool = False, **kwargs):
+    """normal_round on an internode_buffer, `rounds` times on the same Buffer: the last round's results,
+    with the bytes the kernels' buffer has at the end (0 on the portable backend)."""
+    buffer = internode_buffer(p, ranks_per_node, small)
     for _ in range(rounds):
         result = normal_round(p, buffer=buffer, **kwargs)
     result["backend"] = type(kernel_backend(buffer) or buffer).__name__ if device().type == "cuda" else "portable"
     topology = buffer.topology()
     result["topology"] = (topology["normal_backend"], topology["peers"]["normal"])
+    kernels = kernel_backend(buffer)
+    result["buffer_bytes"] = kernels.num_bytes if kernels is not None else 0
     buffer.destroy()
     return result
 

@@ -80,3 +80,17 @@ def test_group_limited_routing_puts_each_token_once_per_node(gpu_pools, seed, nu
         assert network == messages * message, f"seed {seed} rank {rank}: {network} bytes for {messages} messages"
         assert messages <= rank_rows <= picks
     assert sum(r[1] for r in results) < sum(r[2] for r in results) < sum(r[3] for r in results)
+
+
+def test_a_buffer_too_small_grows(pools, gpu_pools, seed):
+    """A Buffer whose num_rdma_bytes leaves a megabyte past the control area: the first calls that need
+    more replace its buffer (collectively) with a larger one, and every round still equals the portable
+    backend's."""
+    num_ranks, ranks_per_node = 4, 2
+    p = Problem(seed, num_ranks, num_ranks * 8, 1024, 6, max_tokens=256, zero_token_rank=False)
+    on_gpu = gpu_pools(num_ranks).run(rank_fns.internode_round, p, ranks_per_node, rounds=2, small=True,
+                                      num_biases=1, dtype=torch.float32)
+    _compare(seed, on_gpu, pools(num_ranks).run(rank_fns.internode_round, p, ranks_per_node, num_biases=1,
+                                                dtype=torch.float32), ranks_per_node)
+    control = _native.internode_ops().layout()["control_bytes"]
+    assert all(r["buffer_bytes"] > control + (1 << 20) for r in on_gpu), [r["buffer_bytes"] for r in on_gpu]

@@ -28,6 +28,8 @@ from .base import Backend, CombineCall, DispatchCall
 from .peers import NvshmemBuffers, aligned, device_view
 
 _FORM = ("tokens", "row bytes", "scale bytes", "top-k", "experts", "chunks")
+# Data regions of a buffer made with a smaller num_rdma_bytes, before any call grows it.
+_FIRST_DATA_BYTES = 64 << 20
 
 
 def _exclusive_cumsum(values: torch.Tensor) -> torch.Tensor:
@@ -71,14 +73,25 @@ class InternodeBackend(Backend):
                                    ("nodes", self.num_nodes, limits["max_nodes"])):
             if value > limit:
                 raise ValueError(f"{name}: the internode kernels take at most {limit}, got {value}")
-        if num_rdma_bytes <= self.control_bytes:
-            raise ValueError(f"num_rdma_bytes: the internode kernels need more than {self.control_bytes} bytes "
-                             f"(their control area) plus each call's regions, got {num_rdma_bytes}")
         self.limits = limits
-        self.num_bytes = num_rdma_bytes
-        self.peers = NvshmemBuffers(group, gate, num_rdma_bytes, "dispatch", puts_reach_all=True)
-        node = self.rank // ranks_per_node
-        node_ranks = range(node * ranks_per_node, (node + 1) * ranks_per_node)
+        self.group, self.gate = group, gate
+        self.peers = None
+        # num_rdma_bytes is where the buffer starts; a call that needs more grows it (_grow).
+        self._map(max(num_rdma_bytes, self.control_bytes + _FIRST_DATA_BYTES))
+        self.comm_stream = comm_stream
+        self._nonce = 0
+        self._done = torch.cuda.Event()
+        # Bytes this rank put to other nodes (Buffer.stats' network_bytes), known on the host from the counts.
+        self.network_bytes = 0
+
+    # ---------------------------------------------------------------- shared
+    def _map(self, num_bytes: int) -> None:
+        """Collective: a symmetric buffer of num_bytes on every rank, zeroed before any peer may write to it."""
+        self.peers = NvshmemBuffers(self.group, self.gate, num_bytes, "dispatch", puts_reach_all=True)
+        self.num_bytes = num_bytes
+        P = self.per_node
+        node = self.rank // P
+        node_ranks = range(node * P, (node + 1) * P)
         unmapped = [r for r in node_ranks if self.peers.addresses[r] == 0]
         if unmapped:
             raise RuntimeError(f"ranks {unmapped} share node {node} with rank {self.rank} but their buffers are not "
@@ -87,14 +100,21 @@ class InternodeBackend(Backend):
         self.node_peers = torch.tensor([self.peers.addresses[r] for r in node_ranks], dtype=torch.int64,
                                        device=self.peers.device)
         self.group_ctx = self.ops.Group(self.base, self.node_peers.data_ptr(), self.peers.host_info.data_ptr(),
-                                        self.rank, self.num_ranks, ranks_per_node, self.peers.timeout_s)
-        self.comm_stream = comm_stream
-        self._nonce = 0
-        self._done = torch.cuda.Event()
-        # Bytes this rank put to other nodes (Buffer.stats' network_bytes), known on the host from the counts.
-        self.network_bytes = 0
+                                        self.rank, self.num_ranks, P, self.peers.timeout_s)
 
-    # ---------------------------------------------------------------- shared
+    def _grow(self, needed: int) -> None:
+        """Collective (every rank decides from the same counts at the same call): the buffer replaced by one
+        with room for `needed` bytes and a quarter more. Every rank's earlier calls are done (the call's
+        arrival says so), so nothing reads the old one."""
+        self.comm_stream.synchronize()
+        self.peers.close()
+        try:
+            self._map((needed + needed // 4 + (1 << 20) - 1) >> 20 << 20)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}; a call across nodes needed {needed} bytes of NVSHMEM's heap: set "
+                               "NVSHMEM_SYMMETRIC_SIZE above it before the first Buffer, or pass a num_rdma_bytes "
+                               "of Buffer.get_internode_rdma_size_hint") from None
+
     def close(self) -> None:
         self.peers.close()
 
@@ -248,9 +268,8 @@ class InternodeBackend(Backend):
             node_count=node_count)
         regions = self._dispatch_regions(state, row_bytes, scale_bytes, num_topk)
         needed = regions.pop("end")
-        if needed > self.num_bytes:
-            raise ValueError(f"num_rdma_bytes={self.num_bytes} is too small for this dispatch across nodes: its "
-                             f"counts need {needed} bytes (the most any rank sends, forwards and receives)")
+        if needed > self.num_bytes:  # the same on every rank: all counts are everyone's
+            self._grow(needed)
         return state, per_expert
 
     @staticmethod
@@ -362,9 +381,8 @@ class InternodeBackend(Backend):
                            ("area_region", self.per_node * state.forwarded * combine_row)):
             regions[name] = offset
             offset = _align16(offset + size)
-        if offset > self.num_bytes:
-            raise ValueError(f"num_rdma_bytes={self.num_bytes} is too small for this combine across nodes: it needs "
-                             f"{offset} bytes")
+        if offset > self.num_bytes:  # the same on every rank: the handle's sizes are every rank's
+            self._grow(offset)
         biases = [aligned(b) for b in call.biases]
         node, local = self.rank // self.per_node, self.rank % self.per_node
         forwarded = state.node_count[local :: self.per_node, node]
