@@ -76,8 +76,10 @@ class InternodeBackend(Backend):
         self.limits = limits
         self.group, self.gate = group, gate
         self.peers = None
-        # num_rdma_bytes is where the buffer starts; a call that needs more grows it (_grow).
-        self._map(max(num_rdma_bytes, self.control_bytes + _FIRST_DATA_BYTES))
+        # num_rdma_bytes is where the buffer starts (where it leaves room past the control area); a call
+        # that needs more grows it (_grow).
+        first = num_rdma_bytes if num_rdma_bytes > self.control_bytes else self.control_bytes + _FIRST_DATA_BYTES
+        self._map(first)
         self.comm_stream = comm_stream
         self._nonce = 0
         self._done = torch.cuda.Event()
