@@ -28,6 +28,7 @@ from .config import NUM_MAX_NVL_PEERS, NUM_MAX_TOPK, Config, combine_config, dis
 from .events import EventOverlap, capture_current_stream, finish_event, wait_previous
 from .handles import DispatchHandle, LowLatencyHandle
 from .profiling import Profile, profiling_requested
+from .slow_ranks import SlowRanks, slow_rank_ms
 from .sync import ArrivalGate, check_timeout, construction_gate, next_buffer_serial, timeout_seconds
 
 topk_idx_t = torch.int64
@@ -102,7 +103,7 @@ class Buffer:
         self.group_size = dist.get_world_size(group)
         meeting = construction_gate(group)
         try:
-            timeout_s, requested_ranks_per_node, self._backend, profiled = self._check_construction(
+            timeout_s, requested_ranks_per_node, self._backend, profiled, slow_ms = self._check_construction(
                 num_nvl_bytes, num_rdma_bytes, num_qps_per_rank, num_arena_bytes, timeout_s, ranks_per_node,
                 dict(low_latency_mode=low_latency_mode, explicitly_destroy=explicitly_destroy,
                      allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode, allow_mnnvl=allow_mnnvl,
@@ -122,7 +123,7 @@ class Buffer:
         self.serial = next_buffer_serial()
         self.timeout_s = timeout_s
         self.debug_checks = debug_checks_enabled()
-        self._gate = ArrivalGate(group, f"buffer{index}", self.timeout_s)
+        self._gate = ArrivalGate(group, f"buffer{index}", self.timeout_s, slow_ranks=SlowRanks(self.rank, slow_ms))
         self._portable = PortableBackend(group, self._gate, self.ranks_per_node)
         self._intranode: Optional[IntranodeBackend] = None  # made at the first dispatch of CUDA tensors
         self._internode: Optional[InternodeBackend] = None  # ... where the group spans several nodes
@@ -148,7 +149,8 @@ class Buffer:
     def _check_construction(self, num_nvl_bytes, num_rdma_bytes, num_qps_per_rank, num_arena_bytes, timeout_s,
                             ranks_per_node, flags: Dict[str, object]):
         """This rank's own checks of the construction arguments and of the environment they default
-        to -> (timeout_s, ranks_per_node or None to find from host names, MOE_EP_BACKEND, MOE_EP_PROFILE)."""
+        to -> (timeout_s, ranks_per_node or None to find from host names, MOE_EP_BACKEND, MOE_EP_PROFILE,
+        MOE_EP_SLOW_RANK_MS)."""
         check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
         check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
         check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
@@ -172,7 +174,7 @@ class Buffer:
             check_int("ranks_per_node", ranks_per_node, minimum=1)
             if self.group_size % ranks_per_node != 0:
                 raise ValueError(f"ranks_per_node: must divide the group size {self.group_size}, got {ranks_per_node}")
-        return timeout_s, ranks_per_node, _native.requested_backend(), profiling_requested()
+        return timeout_s, ranks_per_node, _native.requested_backend(), profiling_requested(), slow_rank_ms()
 
     def _agree_on_construction(self, meeting: ArrivalGate, timeout_s: float, ranks_per_node: Optional[int]) -> int:
         """The construction's meeting, bounded by timeout_s: every rank's host name and the arguments
@@ -353,7 +355,10 @@ class Buffer:
         {"dispatch": n, "combine": m}, "arena" {"capacity", "in_use", "high_water", "regions"},
         "expert_tokens" / "expert_tokens_last" (tokens received per local expert), "sent_bytes" /
         "recv_bytes" (payload bytes per peer), "buffer_capacity" / "buffer_high_water" ({"nvl", "rdma",
-        "arena"}), "collecting" and "uncounted_calls" (moe_ep.diagnostics.stats says what each counts).
+        "arena"}), "collecting", "uncounted_calls" and "slow_ranks" ({peer: {"count", "max_ms",
+        "total_ms"}}: the peers this rank waited for longer than MOE_EP_SLOW_RANK_MS at the portable
+        backend's host meetings; the kernels wait on the device and add nothing) (moe_ep.diagnostics.stats
+        says what each counts).
         Counts the host knows cost a call next to nothing; those only the device has are collected
         after reset_stats()."""
         return diagnostics.stats(self)
