@@ -1,10 +1,13 @@
 """Buffer.profile() (moe_ep.profiling): the phases it times on CPU ranks, that nothing records outside it,
 MOE_EP_PROFILE=1, and gather() on rank 0."""
+import types
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from moe_ep import Buffer
+from moe_ep.bench.profile import rank_rounds
 from moe_ep.buffer import default_config_size_hints
 from moe_ep.profiling import PHASES, format_table
 
@@ -143,3 +146,12 @@ def test_gather_returns_every_ranks_summary_on_rank_zero(pools, seed, num_ranks)
             assert mine is None
     table = format_table(gathered)
     assert all(f"{phase:<20}" in table for phase in ROUND_CALLS)
+
+
+def test_bench_profile_rounds_gather_every_rank_on_rank_zero(pools):
+    args = types.SimpleNamespace(rounds=3, tokens=32, hidden=128, topk=2, experts=8)
+    gathered, other = pools(2).run(rank_rounds, args, False)
+    assert other is None and sorted(gathered) == [0, 1]
+    for summary in gathered.values():
+        assert {phase: row["calls"] for phase, row in summary.items()} == {
+            "layout": 3, "count exchange": 3, "dispatch": 3, "cached dispatch": 3, "combine": 3}
