@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import weakref
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -45,7 +46,8 @@ class Profile:
     gather() (every rank calls it) collects every rank's on rank 0."""
 
     def __init__(self, buffer: "Buffer"):
-        self._buffer = buffer
+        # A weak reference: under MOE_EP_PROFILE=1 the Buffer holds its Profile, and must stay freeable.
+        self._buffer_ref = weakref.ref(buffer)
         self._outer: Optional[Profile] = None  # the Profile that recorded before this one was entered
         self._totals: Dict[str, List[float]] = {}  # phase -> [calls, total ms, max ms]
         self._pending: List[Tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
@@ -130,24 +132,34 @@ class Profile:
         """Every rank's summary() -> on rank 0 {rank: summary}, on the others None. Collective: every rank
         of the Buffer's group calls it, and it meets them within the Buffer's timeout (TimeoutError
         naming a rank that does not come, as a call would)."""
-        self._buffer._check_alive()
-        payloads = self._buffer._gate.exchange("Profile.gather", json.dumps(self.summary()).encode())
-        if self._buffer.rank != 0:
+        buffer = self._buffer()
+        buffer._check_alive()
+        payloads = buffer._gate.exchange("Profile.gather", json.dumps(self.summary()).encode())
+        if buffer.rank != 0:
             return None
         return {rank: json.loads(payload) for rank, payload in enumerate(payloads)}
 
     # ------------------------------------------------------------ recording window
     def __enter__(self) -> "Profile":
-        if self._buffer._profile is self:
+        buffer = self._buffer()
+        if buffer._profile is self:
             raise RuntimeError("this Profile is already recording")
-        self._outer = self._buffer._profile
-        self._buffer._profile = self
+        self._outer = buffer._profile
+        buffer._profile = self
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        self._buffer._profile = self._outer
+        buffer = self._buffer_ref()
+        if buffer is not None:
+            buffer._profile = self._outer
         self._outer = None
         return False
+
+    def _buffer(self) -> "Buffer":
+        buffer = self._buffer_ref()
+        if buffer is None:
+            raise RuntimeError("the Buffer this Profile recorded was freed; gather() and recording need it")
+        return buffer
 
 
 def format_table(summaries: Dict[int, Dict[str, Dict[str, float]]]) -> str:

@@ -1,6 +1,7 @@
 """Buffer.profile() (moe_ep.profiling): the phases it times on CPU ranks, that nothing records outside it,
 MOE_EP_PROFILE=1, and gather() on rank 0."""
 import types
+import weakref
 
 import pytest
 import torch
@@ -118,6 +119,29 @@ def test_profile_env_records_from_construction(pools, seed):
         assert res["stays"]
         assert_round_summary(res["whole"], rounds=2)
         assert_round_summary(res["inner"])
+
+
+def profiled_buffer_freed(p: Problem) -> dict:
+    """Whether a Buffer profiled from construction is freed as soon as it is dropped (no cycle with its
+    Profile), and what its Profile says then."""
+    buffer = profiled_buffer(p)
+    one_round(buffer, p)
+    prof, freed = buffer.profiler, weakref.ref(buffer)
+    del buffer
+    try:
+        prof.gather()
+        gather_error = ""
+    except RuntimeError as exc:
+        gather_error = str(exc)
+    return dict(freed=freed() is None, summary=prof.summary(), gather_error=gather_error)
+
+
+def test_a_profiled_buffer_is_freed_when_dropped(pools, seed):
+    p = Problem(seed, 2, 8, 128, 3, max_tokens=16)
+    for res in pools(2).run(with_env, {"MOE_EP_PROFILE": "1"}, profiled_buffer_freed, p):
+        assert res["freed"]
+        assert_round_summary(res["summary"])
+        assert "was freed" in res["gather_error"]
 
 
 def test_profile_env_refuses_other_values(pools):
