@@ -27,6 +27,8 @@ from .checks import FP8_BLOCK, check_expert_ids, check_fp8_pair, check_int, chec
 from .config import NUM_MAX_NVL_PEERS, NUM_MAX_TOPK, Config, combine_config, dispatch_config, low_latency_rdma_size_hint
 from .events import EventOverlap, capture_current_stream, finish_event, wait_previous
 from .handles import DispatchHandle, LowLatencyHandle
+from .profiling import Profile, profiling_requested
+from .slow_ranks import SlowRanks, slow_rank_ms
 from .sync import ArrivalGate, check_timeout, construction_gate, next_buffer_serial, timeout_seconds
 
 topk_idx_t = torch.int64
@@ -101,7 +103,7 @@ class Buffer:
         self.group_size = dist.get_world_size(group)
         meeting = construction_gate(group)
         try:
-            timeout_s, requested_ranks_per_node, self._backend = self._check_construction(
+            timeout_s, requested_ranks_per_node, self._backend, profiled, slow_ms = self._check_construction(
                 num_nvl_bytes, num_rdma_bytes, num_qps_per_rank, num_arena_bytes, timeout_s, ranks_per_node,
                 dict(low_latency_mode=low_latency_mode, explicitly_destroy=explicitly_destroy,
                      allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode, allow_mnnvl=allow_mnnvl,
@@ -121,7 +123,7 @@ class Buffer:
         self.serial = next_buffer_serial()
         self.timeout_s = timeout_s
         self.debug_checks = debug_checks_enabled()
-        self._gate = ArrivalGate(group, f"buffer{index}", self.timeout_s)
+        self._gate = ArrivalGate(group, f"buffer{index}", self.timeout_s, slow_ranks=SlowRanks(self.rank, slow_ms))
         self._portable = PortableBackend(group, self._gate, self.ranks_per_node)
         self._intranode: Optional[IntranodeBackend] = None  # made at the first dispatch of CUDA tensors
         self._internode: Optional[InternodeBackend] = None  # ... where the group spans several nodes
@@ -140,12 +142,15 @@ class Buffer:
         self._ll_shapes_that_fit: Dict[Tuple[int, int, int], int] = {}
         self._calls = diagnostics.call_counts()  # calls by kind, for stats()
         self._traffic = diagnostics.Traffic(self.rank, self.group_size)  # tokens and bytes, for stats()
+        # The Profile recording this Buffer's calls (None: none records, and a call checks only this).
+        self._profile: Optional[Profile] = Profile(self) if profiled else None
 
     # ------------------------------------------------------------------ construction helpers
     def _check_construction(self, num_nvl_bytes, num_rdma_bytes, num_qps_per_rank, num_arena_bytes, timeout_s,
                             ranks_per_node, flags: Dict[str, object]):
         """This rank's own checks of the construction arguments and of the environment they default
-        to -> (timeout_s, ranks_per_node or None to find from host names, MOE_EP_BACKEND)."""
+        to -> (timeout_s, ranks_per_node or None to find from host names, MOE_EP_BACKEND, MOE_EP_PROFILE,
+        MOE_EP_SLOW_RANK_MS)."""
         check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
         check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
         check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
@@ -169,7 +174,7 @@ class Buffer:
             check_int("ranks_per_node", ranks_per_node, minimum=1)
             if self.group_size % ranks_per_node != 0:
                 raise ValueError(f"ranks_per_node: must divide the group size {self.group_size}, got {ranks_per_node}")
-        return timeout_s, ranks_per_node, _native.requested_backend()
+        return timeout_s, ranks_per_node, _native.requested_backend(), profiling_requested(), slow_rank_ms()
 
     def _agree_on_construction(self, meeting: ArrivalGate, timeout_s: float, ranks_per_node: Optional[int]) -> int:
         """The construction's meeting, bounded by timeout_s: every rank's host name and the arguments
@@ -346,7 +351,10 @@ class Buffer:
         {"dispatch": n, "combine": m}, "arena" {"capacity", "in_use", "high_water", "regions"},
         "expert_tokens" / "expert_tokens_last" (tokens received per local expert), "sent_bytes" /
         "recv_bytes" (payload bytes per peer), "buffer_capacity" / "buffer_high_water" ({"nvl", "rdma",
-        "arena"}), "collecting" and "uncounted_calls" (moe_ep.diagnostics.stats says what each counts).
+        "arena"}), "collecting", "uncounted_calls" and "slow_ranks" ({peer: {"count", "max_ms",
+        "total_ms"}}: the peers this rank waited for longer than MOE_EP_SLOW_RANK_MS at the portable
+        backend's host meetings; the kernels wait on the device and add nothing) (moe_ep.diagnostics.stats
+        says what each counts).
         Counts the host knows cost a call next to nothing; those only the device has are collected
         after reset_stats()."""
         return diagnostics.stats(self)
@@ -365,6 +373,24 @@ class Buffer:
         with; the peers are mapped at the first call of CUDA tensors, and entries that need the mapping
         are None before it (moe_ep.diagnostics.topology lists the keys)."""
         return diagnostics.topology(self)
+
+    def profile(self) -> Profile:
+        """(ext) `with buffer.profile() as prof:` times each phase of this Buffer's calls made inside it:
+        "layout", "count exchange" (a fresh dispatch's exchange of counts: the portable backend's
+        all-gather; on the kernels from the call's start until the host holds the counts), "dispatch",
+        "cached dispatch", "combine", "low-latency dispatch", "low-latency combine" and "hook wait" (a
+        receive hook's call). prof.summary() gives this rank's {phase: {"calls", "total_ms", "mean_ms",
+        "max_ms"}}, prof.gather() (collective) every rank's on rank 0. CUDA phases are timed by events
+        read only when asked for (moe_ep.profiling says where they are recorded); outside a profile a
+        call pays one attribute check. MOE_EP_PROFILE=1 profiles every call from construction (profiler)."""
+        self._check_alive()
+        return Profile(self)
+
+    @property
+    def profiler(self) -> Optional[Profile]:
+        """(ext) The Profile recording this Buffer's calls now: the innermost profile() being run, or
+        under MOE_EP_PROFILE=1 the one made with the Buffer; None when none records."""
+        return self._profile
 
     def _check_alive(self) -> None:
         if self._destroyed:
@@ -503,12 +529,16 @@ class Buffer:
             check_expert_ids("topk_idx", topk_idx, num_experts)
         wait_previous(previous_event)
         self._calls["get_dispatch_layout"] += 1
+        profile = self._profile
+        mark = profile.start(topk_idx.device) if profile is not None else None
         if topk_idx.is_cuda and _native.has_kernels():
             outs = _native.ops().get_dispatch_layout(
                 topk_idx.contiguous(), num_experts, self.group_size, self.ranks_per_node
             )
         else:
             outs = dispatch_layout(topk_idx, num_experts, self.group_size, self.ranks_per_node)
+        if profile is not None:
+            profile.stop("layout", mark)
         return (*outs, finish_event(async_finish, [topk_idx, *outs]))
 
     # ------------------------------------------------------------------ normal dispatch / combine
@@ -585,11 +615,16 @@ class Buffer:
 
         call = DispatchCall(x_parts, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
                             topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
-                            allocate_on_comm_stream, make_handle)
+                            allocate_on_comm_stream, make_handle, self._profile)
         self._calls["dispatch" if handle is None else "cached_dispatch"] += 1
         self._traffic.need(*needed)
         backend = self._normal_backend(x_parts[0])
+        profile = call.profile
+        mark = profile.start(device) if profile is not None else None
         recv_x, recv_idx, recv_weights, counts, new_handle, event = backend.dispatch(call)
+        if profile is not None:
+            profile.stop("dispatch" if handle is None else "cached dispatch", mark,
+                         self._work_stream(backend, async_finish))
         self._traffic.dispatch(call, handle if new_handle is None else new_handle, recv_idx, event,
                                self._async_comm_stream(backend, async_finish))
         recv = tuple(recv_x) if len(recv_x) == 2 else recv_x[0]
@@ -734,9 +769,19 @@ class Buffer:
         self._calls["combine"] += 1
         self._traffic.need(*needed)
         backend = self._normal_backend(x)
+        profile = self._profile
+        mark = profile.start(x.device) if profile is not None else None
         combined_x, combined_w, event = backend.combine(call)
+        if profile is not None:
+            profile.stop("combine", mark, self._work_stream(backend, async_finish))
         self._traffic.combine(call, event, self._async_comm_stream(backend, async_finish))
         return combined_x, combined_w, event
+
+    @staticmethod
+    def _work_stream(backend: Backend, async_finish: bool) -> Optional[torch.cuda.Stream]:
+        """The stream whose queue ends a normal call's work: the kernels' communication stream for an
+        async_finish call (the caller's stream waits for it otherwise), else None: the caller's."""
+        return getattr(backend, "comm_stream", None) if async_finish else None
 
     @staticmethod
     def _async_comm_stream(backend: Backend, async_finish: bool) -> Optional[torch.cuda.Stream]:
@@ -884,7 +929,12 @@ class Buffer:
                                       return_recv_hook, handle)
         self._calls["low_latency_dispatch"] += 1
         self._traffic.need(0, needed)
+        profile = self._profile
+        mark = profile.start(x.device) if profile is not None else None
         recv_x, recv_count, event, hook = self._low_latency_backend(x).low_latency_dispatch(call)
+        if profile is not None:
+            profile.stop("low-latency dispatch", mark)
+            hook = profile.timed_hook(hook, x.device)
         hook = self._traffic.low_latency_dispatch(call, recv_x, recv_count, hook)
         return recv_x, recv_count, handle, event, hook
 
@@ -945,7 +995,12 @@ class Buffer:
         call = LowLatencyCombineCall(x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out)
         self._calls["low_latency_combine"] += 1
         self._traffic.need(0, needed)
+        profile = self._profile
+        mark = profile.start(x.device) if profile is not None else None
         result = backend.low_latency_combine(call)
+        if profile is not None:
+            profile.stop("low-latency combine", mark)
+            result = (*result[:2], profile.timed_hook(result[2], x.device))
         self._traffic.low_latency_combine(call)
         return result
 

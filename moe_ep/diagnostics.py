@@ -423,6 +423,13 @@ def stats(buffer: "Buffer") -> dict:
       a num_worst_tokens dispatch on the kernels without topk_idx leaves its expert counts out (nothing
       received tells them), as does a cached dispatch of a handle whose dispatch was not counted, and so
       does a first device-counted call made while a CUDA graph is captured.
+    - "slow_ranks": {peer rank: {"count", "max_ms", "total_ms"}}: the meetings where this rank waited
+      longer than MOE_EP_SLOW_RANK_MS (default moe_ep.slow_ranks.DEFAULT_SLOW_RANK_MS) for that peer, the
+      last to arrive, with the longest and the total of those waits. Only the portable backend's host
+      meetings (every call of CPU tensors, and of CUDA tensors the kernels do not serve) and the kernels'
+      host set-up meetings tell this: the kernels wait for their peers on the device, which says nothing
+      here. The first such wait for a peer, and every 100th after it, is logged as a warning on the
+      "moe_ep" logger.
 
     Tensors are CPU tensors. Reading the device counters waits for the communication stream and, with
     device-side counters, for the device (not allowed while a CUDA graph is being captured). A call
@@ -448,6 +455,7 @@ def stats(buffer: "Buffer") -> dict:
         buffer_capacity=dict(nvl=buffer.num_nvl_bytes, rdma=buffer.num_rdma_bytes, arena=arena["capacity"]),
         buffer_high_water=dict(traffic.needed, arena=arena["high_water"]),
         collecting=traffic.collecting, uncounted_calls=traffic.uncounted,
+        slow_ranks=buffer._gate.slow_ranks.read(),
     )
 
 
@@ -460,6 +468,7 @@ def reset_stats(buffer: "Buffer", collect: bool = True) -> None:
         raise TypeError(f"collect: expected a bool, got {type(collect).__name__}")
     buffer._calls.update(call_counts())
     buffer._traffic.clear()
+    buffer._gate.slow_ranks.clear()
     buffer._traffic.collecting = collect
     if buffer._internode is not None:
         buffer._internode.network_bytes = 0

@@ -14,6 +14,10 @@ A call's arrival also carries its form (enter's `form`: which dtype, sizes, flag
 made with), compared on every rank against every other's in the same exchange: ranks that made the same
 call in different forms all raise the same ValueError, naming the fields and the ranks, before any data
 moves, and stay in step.
+
+A rank that waited at a meeting longer than its SlowRanks threshold (a Buffer's gate has one) records
+the peer that arrived last, found by the wall-clock stamp every arrival carries: across hosts, clocks
+that differ by more than the gap between the last two arrivals can name the other of those two.
 """
 
 from __future__ import annotations
@@ -21,9 +25,13 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
+import struct
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
+
+from .slow_ranks import SlowRanks
 
 DEFAULT_TIMEOUT_S = 100.0
 # A call's form: (field, phrase) pairs such as ("x dtype", "bf16 x"), in a fixed order per kind of call.
@@ -58,9 +66,11 @@ class ArrivalGate:
     """One per Buffer, keyed by the Buffer's place in its group's sequence of Buffers; one more per
     group for the constructions themselves (construction_gate)."""
 
-    def __init__(self, group: dist.ProcessGroup, serial, timeout_s: float, *, stays_usable: bool = False):
+    def __init__(self, group: dist.ProcessGroup, serial, timeout_s: float, *, stays_usable: bool = False,
+                 slow_ranks: Optional[SlowRanks] = None):
         """stays_usable: a failed meeting leaves later ones usable (the construction gate: every Buffer
-        meets there once, and a rank that missed a meeting raises when it comes, which puts it back in step)."""
+        meets there once, and a rank that missed a meeting raises when it comes, which puts it back in step).
+        slow_ranks: where this rank's long waits for a late peer are counted (None: not watched)."""
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -72,6 +82,7 @@ class ArrivalGate:
         self.stays_usable = stays_usable
         # (exception type, message) of the meeting that put this rank out of step with its peers.
         self.broken: Optional[Tuple[type, str]] = None
+        self.slow_ranks = slow_ranks
 
     def check_usable(self) -> None:
         """Raises again what put the ranks out of step, on every call after it."""
@@ -97,7 +108,7 @@ class ArrivalGate:
         Returns at once."""
         call = self.calls
         self.calls += 1
-        self._store.set(f"{call}/{self.rank}", _REFUSED + phase.encode() + b"\0" + reason.encode())
+        self._store.set(f"{call}/{self.rank}", _REFUSED + _stamp() + phase.encode() + b"\0" + reason.encode())
 
     def exchange(self, phase: str, payload: bytes, timeout_s: Optional[float] = None) -> List[bytes]:
         """enter(), and every rank's payload comes back in rank order (a bounded all-gather).
@@ -107,9 +118,11 @@ class ArrivalGate:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         keys = [f"{call}/{r}" for r in range(self.num_ranks)]
         verdict_key = f"{call}/verdict"
-        self._store.set(keys[self.rank], _ARRIVED + phase.encode() + b"\0" + payload)
+        arrived = time.perf_counter()
+        self._store.set(keys[self.rank], _ARRIVED + _stamp() + phase.encode() + b"\0" + payload)
         try:
             self._store.wait(keys, datetime.timedelta(seconds=timeout_s))
+            waited_ms = (time.perf_counter() - arrived) * 1e3
             waited_out = []
         except RuntimeError:  # DistStoreError on timeout
             waited_out = [r for r, key in enumerate(keys) if not self._store.check([key])]
@@ -130,7 +143,9 @@ class ArrivalGate:
                            " after this error the Buffer's ranks are out of step: create a new Buffer."))
             self._fail(TimeoutError, message)
         entries = [bytes(v) for v in self._store.multi_get(keys)]
-        parsed = [(v[:1], *v[1:].split(b"\0", 1)) for v in entries]
+        if self.slow_ranks is not None and waited_ms > self.slow_ranks.threshold_ms:
+            self._record_last_arrival(entries, waited_ms, phase)
+        parsed = [(v[:1], *v[1 + _STAMP.size:].split(b"\0", 1)) for v in entries]
         others = {r: p.decode() for r, (_, p, _) in enumerate(parsed) if p.decode() != phase}
         refused = {r: (p.decode(), reason.decode()) for r, (kind, p, reason) in enumerate(parsed) if kind == _REFUSED}
         if others:
@@ -155,6 +170,14 @@ class ArrivalGate:
             )
         return [v for _, _, v in parsed]
 
+    def _record_last_arrival(self, entries: List[bytes], waited_ms: float, phase: str) -> None:
+        """The peer whose arrival stamp is latest kept this rank waiting, unless this rank came last (its
+        wait was the store's)."""
+        stamps = [_STAMP.unpack_from(entry, 1)[0] for entry in entries]
+        last = max((r for r in range(self.num_ranks) if r != self.rank), key=stamps.__getitem__, default=None)
+        if last is not None and stamps[last] > stamps[self.rank]:
+            self.slow_ranks.record(last, waited_ms, phase)
+
     def _fail(self, exc_type: type, message: str) -> None:
         if not self.stays_usable:
             self.broken = (exc_type, message)
@@ -165,6 +188,12 @@ class ArrivalGate:
 
 
 _ARRIVED, _REFUSED = b"A", b"R"
+_STAMP = struct.Struct("<d")  # an arrival's wall-clock time, after its kind
+
+
+def _stamp() -> bytes:
+    return _STAMP.pack(time.time())
+
 _construction_gates: Dict[str, ArrivalGate] = {}
 
 

@@ -15,6 +15,7 @@ from moe_ep.diagnostics import (CALL_KINDS, FOLD_AFTER, Traffic, call_counts, ke
                                 stats as diagnostics_stats)
 from moe_ep.events import EventOverlap
 from moe_ep.handles import DispatchHandle, LowLatencyHandle
+from moe_ep.slow_ranks import DEFAULT_SLOW_RANK_MS, SlowRanks
 
 from . import rank_fns
 from .problems import Problem, expert_output, make_inputs, ref_dispatch, ref_low_latency_slots
@@ -547,7 +548,7 @@ def test_stats_read_the_kernel_backends_counters_and_arena(monkeypatch):
     backend, call = stub_backend(ranks, x, topk_idx, torch.rand(tokens, topk), 6, monkeypatch.setattr, arena=True)
     buffer = types.SimpleNamespace(_intranode=backend, _internode=None, _calls=call_counts(), _traffic=Traffic(0, ranks),
                                    num_nvl_bytes=1 << 20, num_rdma_bytes=0, group_size=ranks, ranks_per_node=ranks,
-                                   rank=0)
+                                   rank=0, _gate=types.SimpleNamespace(slow_ranks=SlowRanks(0, DEFAULT_SLOW_RANK_MS)))
     region = arena_dispatch_region(ranks * tokens, 2 * hidden, 0, topk).slot_bytes
     first, second = call([x])[0][0], call([x])[0][0]
     backend.one_pass_calls += torch.tensor([2, 1], dtype=torch.int32)  # as the kernels would count

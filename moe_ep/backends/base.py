@@ -10,13 +10,16 @@ arena, the low-latency zero-copy rows).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 import torch
 
 from ..config import Config
 from ..events import EventOverlap
 from ..handles import DispatchHandle, LowLatencyHandle
+
+if TYPE_CHECKING:
+    from ..profiling import Profile
 
 
 @dataclass
@@ -35,6 +38,7 @@ class DispatchCall:
     async_finish: bool
     allocate_on_comm_stream: bool
     make_handle: Callable[..., DispatchHandle]
+    profile: Optional["Profile"] = None  # times the count exchange where the backend has one
 
 
 @dataclass

@@ -236,7 +236,11 @@ class InternodeBackend(Backend):
         form = torch.tensor([num_tokens, row_bytes, scale_bytes, num_topk, num_experts, num_chunks], dtype=torch.int32)
         row = torch.cat([form.to(device, non_blocking=True), call.num_tokens_per_rank,
                          in_node.sum(0, dtype=torch.int32)])
+        profile = call.profile
+        mark = profile.start() if profile is not None else None  # on the host: it waits for the counts
         matrix = self._arrive(nonce, row, call.num_tokens_per_expert.contiguous(), local_experts)
+        if profile is not None:
+            profile.stop("count exchange", mark)
         forms = matrix[:, : len(_FORM)]
         for i, name in enumerate(_FORM):
             if len(set(forms[:, i].tolist())) > 1 and name != "tokens":

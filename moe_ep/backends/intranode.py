@@ -24,6 +24,7 @@ from .choices import kernel_choices
 from ..events import EventOverlap
 from ..handles import DispatchHandle
 from ..mps import process_sm_share
+from ..profiling import Profile
 from ..sync import ArrivalGate
 from .peers import (
     PHASE_NAMES, WAIT_NAMES, MappedBuffers, aligned, kernel_progress, map_peer_buffers,
@@ -307,7 +308,7 @@ class IntranodeBackend(Backend):
                               call.num_tokens_per_rank, call.num_tokens_per_expert, call.expert_alignment,
                               call.num_worst_tokens, call.handle,
                               call.make_handle, call.config, call.previous_event, call.async_finish,
-                              call.allocate_on_comm_stream)
+                              call.allocate_on_comm_stream, call.profile)
 
     def combine(self, call: CombineCall):
         return self._combine(call.x, call.handle, call.topk_weights, call.biases, call.config, call.previous_event,
@@ -335,6 +336,7 @@ class IntranodeBackend(Backend):
         previous_event: Optional[EventOverlap],
         async_finish: bool,
         allocate_on_comm_stream: bool,
+        profile: Optional[Profile] = None,
     ):
         """With an arena, the senders store every row once into a region of it that recv_x owns (one
         pass) when every rank has room for its rows; otherwise the rows pass through the windows of the
@@ -363,9 +365,12 @@ class IntranodeBackend(Backend):
         if fresh and not into_arena:
             # The two-pass kernel needs the count for its outputs: from the count exchange to the
             # dispatch's launch in one call.
+            mark = profile.start() if profile is not None else None  # on the host: it waits for the counts
             compute, state, recv_x, recv_scales, recv_idx, recv_weights, counts = self._dispatch_fresh(
                 x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
                 local, config, previous_event, allocate_on_comm_stream)
+            if profile is not None:
+                profile.stop("count exchange", mark)
             recv_counts, send_counts, per_expert = counts
         elif fresh:
             # Into the arena the kernel starts before the host learns how many rows arrive: it lays them
@@ -380,10 +385,13 @@ class IntranodeBackend(Backend):
             most = arena_dispatch_rows_within(self.arena.size, row_bytes(x), row_bytes(scales), num_topk)
             target = (start, most if reserved else 0, [0] * 5, length)
             try:
+                mark = profile.start() if profile is not None else None  # on the host: it waits for the counts
                 compute, state, recv_idx, recv_weights = self._launch_arena_early(
                     x, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
                     local, target, config, previous_event, allocate_on_comm_stream)
                 send_counts, recv_counts, per_expert, one_pass = self._wait_choice(local)
+                if profile is not None:
+                    profile.stop("count exchange", mark)
             except BaseException:
                 if reserved is not None:  # else the arena's largest range stays taken
                     self.arena.free(reserved[0])

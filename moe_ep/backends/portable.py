@@ -30,6 +30,7 @@ from .. import fp8
 from ..checks import FP8_DTYPE
 from ..events import finish_event, wait_previous
 from ..handles import DispatchHandle, LowLatencyHandle
+from ..profiling import Profile
 from ..sync import ArrivalGate, Form
 from .base import Backend, CombineCall, DispatchCall, LowLatencyCombineCall, LowLatencyDispatchCall
 from .forms import combine_form, dispatch_form, low_latency_combine_form, low_latency_dispatch_form
@@ -115,7 +116,7 @@ class PortableBackend(Backend):
         recv_x, recv_idx, recv_weights, counts, handle = self._dispatch(
             call.x_parts, call.topk_idx, call.topk_weights, call.is_token_in_rank, call.num_tokens_per_rank,
             call.num_tokens_per_expert, call.expert_alignment, call.num_worst_tokens, call.handle, call.make_handle,
-            dispatch_form(call))
+            dispatch_form(call), call.profile)
         return recv_x, recv_idx, recv_weights, counts, handle, finish_event(call.async_finish, [*call.x_parts, *recv_x])
 
     def combine(self, call: CombineCall):
@@ -207,6 +208,7 @@ class PortableBackend(Backend):
         handle: Optional[DispatchHandle],
         make_handle: Callable[..., DispatchHandle],
         form: Form,
+        profile: Optional[Profile] = None,
     ):
         num_tokens = x_parts[0].shape[0]
         device = x_parts[0].device
@@ -232,7 +234,10 @@ class PortableBackend(Backend):
         if handle is None:
             num_experts = num_tokens_per_expert.shape[0]
             local = num_experts // self.num_ranks
+            mark = profile.start(device) if profile is not None else None
             counts = self._all_gather_ints(torch.cat([num_tokens_per_rank, num_tokens_per_expert]))
+            if profile is not None:
+                profile.stop("count exchange", mark)
             recv_matrix = counts[:, : self.num_ranks]  # [src, dst]
             if num_worst_tokens > 0:
                 totals = recv_matrix.sum(0)

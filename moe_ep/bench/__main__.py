@@ -15,6 +15,7 @@ BENCHMARKS = {
     "layout": "get_dispatch_layout: kernel and whole-call time",
     "fp8": "the 1x128 FP8 cast and cast-back kernels",
     "portable": "the portable backend (torch.distributed) on CPU or GPU ranks",
+    "profile": "Buffer.profile() phase times of dispatch/combine rounds on every rank (CPU or CUDA ranks)",
     "peer_copy": "plain copies into and out of a peer's mapped buffer (ranks on one GPU)",
     "trace_kernels": "device time per kernel inside the calls (torch.profiler)",
     "profile_layout_call": "host time of a layout call, piece by piece",

@@ -1,0 +1,114 @@
+"""Slow ranks (moe_ep.slow_ranks): a rank that keeps its peers waiting at the portable backend's meetings
+is named in their stats()["slow_ranks"] and in a warning on the "moe_ep" logger."""
+import logging
+import time
+
+import pytest
+import torch.distributed as dist
+
+from moe_ep import Buffer
+from moe_ep.slow_ranks import DEFAULT_SLOW_RANK_MS, LOG_EVERY, SlowRanks, slow_rank_ms
+
+from .problems import Problem
+from .rank_fns import dispatch_args, my_inputs, normal_buffer, with_env
+
+SLEEP_S = 0.05
+
+
+class _Messages(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def late_rank_dispatches(p: Problem, late_rank: int, rounds: int) -> dict:
+    """`rounds` dispatches that late_rank enters SLEEP_S late; stats()["slow_ranks"] after them, after
+    reset_stats(), after a dispatch nobody is late for, then after one more late one; the warnings logged."""
+    handler = _Messages()
+    logger = logging.getLogger("moe_ep")
+    logger.addHandler(handler)
+    try:
+        inp = my_inputs(p)
+        buffer = normal_buffer(p.hidden)
+        args = dispatch_args(buffer, inp, p)
+
+        def dispatch(late: bool):
+            if late and dist.get_rank() == late_rank:
+                time.sleep(SLEEP_S)
+            buffer.dispatch(inp["x"], **args)
+
+        for _ in range(rounds):
+            dispatch(late=True)
+        after_rounds = buffer.stats()["slow_ranks"]
+        buffer.reset_stats()
+        after_reset = buffer.stats()["slow_ranks"]
+        dispatch(late=False)
+        on_time = buffer.stats()["slow_ranks"]
+        dispatch(late=True)
+        return dict(after_rounds=after_rounds, after_reset=after_reset, on_time=on_time,
+                    after_one_more=buffer.stats()["slow_ranks"], messages=handler.messages)
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_a_late_rank_is_named_in_its_peers_stats_and_log(pools, seed):
+    p = Problem(seed, 3, 12, 128, 3, max_tokens=16)
+    rounds, late = 4, 1
+    # A threshold well above a loaded machine's jitter between the punctual ranks, well below the sleep.
+    results = pools(3).run(with_env, {"MOE_EP_SLOW_RANK_MS": "20"}, late_rank_dispatches, p, late, rounds)
+    for rank, res in enumerate(results):
+        if rank == late:  # it never waited for anyone
+            assert res["after_rounds"] == {} and res["messages"] == []
+            continue
+        waits = res["after_rounds"]
+        assert list(waits) == [late], waits
+        assert waits[late]["count"] == rounds
+        assert SLEEP_S * 1e3 * 0.8 <= waits[late]["max_ms"] <= waits[late]["total_ms"]
+        assert res["after_reset"] == {} and res["on_time"] == {}
+        assert res["after_one_more"][late]["count"] == 1
+        # Logged once: the first occurrence; the reset keeps the log's count.
+        assert len(res["messages"]) == 1, res["messages"]
+        assert res["messages"][0].startswith(f"moe_ep: rank {late} arrived ")
+        assert res["messages"][0].endswith(f" ms after rank {rank} at dispatch (1 time so far)")
+
+
+def test_slow_ranks_log_the_first_wait_and_every_hundredth(caplog):
+    waits = SlowRanks(rank=0, threshold_ms=5.0)
+    with caplog.at_level(logging.WARNING, logger="moe_ep"):
+        waits.record(2, 4.0, "combine")  # under the threshold: not a slow rank
+        for i in range(2 * LOG_EVERY + 1):
+            waits.record(2, 6.0 + i % 3, "combine")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"moe_ep: rank 2 arrived {6.0 + n % 3:.1f} ms after rank 0 at combine ({n + 1} time{'' if n == 0 else 's'} so far)"
+        for n in (0, LOG_EVERY, 2 * LOG_EVERY)]
+    assert waits.read() == {2: dict(count=2 * LOG_EVERY + 1, max_ms=8.0,
+                                    total_ms=pytest.approx(sum(6.0 + i % 3 for i in range(2 * LOG_EVERY + 1))))}
+    waits.clear()
+    assert waits.read() == {}
+
+
+def test_slow_rank_threshold_from_the_environment(monkeypatch):
+    monkeypatch.delenv("MOE_EP_SLOW_RANK_MS", raising=False)
+    assert slow_rank_ms() == DEFAULT_SLOW_RANK_MS
+    monkeypatch.setenv("MOE_EP_SLOW_RANK_MS", "12.5")
+    assert slow_rank_ms() == 12.5
+    for bad in ("0", "-1", "inf", "nan", "fast"):
+        monkeypatch.setenv("MOE_EP_SLOW_RANK_MS", bad)
+        with pytest.raises(ValueError, match="MOE_EP_SLOW_RANK_MS"):
+            slow_rank_ms()
+
+
+def _construction_error() -> str:
+    try:
+        Buffer(dist.group.WORLD, 1 << 20)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def test_a_bad_threshold_is_refused_at_construction(pools):
+    messages = pools(2).run(with_env, {"MOE_EP_SLOW_RANK_MS": "soon"}, _construction_error)
+    assert all("MOE_EP_SLOW_RANK_MS" in m for m in messages), messages
