@@ -220,3 +220,16 @@ def test_portable_benchmark_runs_with_two_ranks():
     out = _run("moe_ep.bench.portable", "--ranks", "2", "--tokens", "32", "--hidden", "256", "--experts", "16",
                "--topk", "4", "--iters", "2")
     assert all(name in out for name in ("dispatch", "combine", "ll_dispatch", "ll_combine")), out
+
+
+def test_internode_benchmark(tmp_path):
+    """Both Buffers (pretend nodes and one node) time every mode; the traffic line counts rows leaving their
+    node once per node, per rank and per pick, in that order of size."""
+    out = _run("moe_ep.bench.internode", "--cpu", "--nodes", "2x2", "--tokens", "32", "--hidden", "128",
+               "--experts", "8", "--topk", "4", "--warmup", "1", "--iters", "1", "--json", str(tmp_path / "i.jsonl"))
+    lines = [json.loads(line) for line in (tmp_path / "i.jsonl").read_text().splitlines()]
+    assert sorted((r["buffer"], r["mode"]) for r in lines) == sorted(
+        (b, m) for b in ("internode", "intranode") for m in ("dispatch_fp8", "dispatch_bf16", "combine"))
+    traffic = next(line for line in out.splitlines() if "rows leaving their node" in line)
+    messages, per_rank, per_pick = (int(w) for w in traffic.replace("(", " ").split() if w.isdigit())
+    assert 0 < messages <= per_rank <= per_pick
