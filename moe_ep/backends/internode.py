@@ -8,8 +8,8 @@ the portable backend's bit for bit (its combine across nodes sums the same way).
 
 Every call begins with an arrival of every rank at every other (a fresh dispatch's carries its counts,
 which the host reads: the one host synchronisation of a call), so each call may reuse every region of the
-buffer: one NVSHMEM buffer of num_rdma_bytes holds the control area and the regions of the call in flight,
-sized by that call's counts.
+buffer: one NVSHMEM buffer holds the control area and the regions of the call in flight, laid out from
+that call's counts; it starts at num_rdma_bytes and a call that needs more replaces it with a larger one.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _align16(n: int) -> int:
 class InternodeDispatchState:
     """What a fresh dispatch leaves for its combine and its cached dispatches."""
 
-    plan: torch.Tensor  # int32 device: row_base [R] | the per-node arrays (DispatchPlan.FIELDS)
+    plan: torch.Tensor  # int32 device: row_base [R], then the per-node arrays that _plan_pointers names
     node_token: torch.Tensor  # int32 [messages sent]: the token of each, by node then position
     send_pos: torch.Tensor  # int32 [N, R]
     node_pos: torch.Tensor  # int32 [N, nodes]
@@ -190,6 +190,9 @@ class InternodeBackend(Backend):
             else:
                 handle = call.handle
                 state = handle.backend_state
+                needed = self._dispatch_regions(state, row_bytes, scale_bytes, 0)["end"]
+                if needed > self.num_bytes:  # rows wider than its dispatch's (the same on every rank)
+                    self._grow(needed)
                 self._arrive(nonce)
             num_topk = 0 if call.handle is not None or call.topk_idx is None else call.topk_idx.shape[1]
             regions = self._dispatch_regions(state, row_bytes, scale_bytes, num_topk)
