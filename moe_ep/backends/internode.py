@@ -105,11 +105,14 @@ class InternodeBackend(Backend):
                                         self.rank, self.num_ranks, P, self.peers.timeout_s)
 
     def _grow(self, needed: int) -> None:
-        """Collective (every rank decides from the same counts at the same call): the buffer replaced by one
-        with room for `needed` bytes and a quarter more. Every rank's earlier calls are done (the call's
-        arrival says so), so nothing reads the old one."""
+        """Collective (every rank decides from the same sizes at the same call): the buffer replaced by one
+        with room for `needed` bytes and a quarter more. Nothing reads the old one any more: this rank's
+        stream is synchronised here, and the old buffer's close() synchronises every rank's device before
+        the barrier that precedes its free."""
         self.comm_stream.synchronize()
+        self.check_errors()  # a peer's failure reported into the old buffer's record is raised, not lost
         self.peers.close()
+        self.peers = None  # freed: a growth that fails leaves the backend unusable, not pointing at it
         try:
             self._map((needed + needed // 4 + (1 << 20) - 1) >> 20 << 20)
         except RuntimeError as exc:
@@ -118,9 +121,13 @@ class InternodeBackend(Backend):
                                "of Buffer.get_internode_rdma_size_hint") from None
 
     def close(self) -> None:
-        self.peers.close()
+        if self.peers is not None:
+            self.peers.close()
 
     def check_errors(self) -> None:
+        if self.peers is None:
+            raise RuntimeError("moe_ep: this Buffer's internode buffer could not be grown (an earlier call said "
+                               "why); create a new Buffer")
         error = self.peers.timeout_error()
         if error is not None:
             raise error
@@ -176,13 +183,14 @@ class InternodeBackend(Backend):
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, call: DispatchCall):
-        x_parts = [aligned(p) for p in call.x_parts]
-        x, scales = x_parts[0], (x_parts[1] if len(x_parts) == 2 else None)
-        num_tokens = x.shape[0]
-        row_bytes = x.shape[1] * x.element_size()
-        scale_bytes = 0 if scales is None else scales.shape[1] * scales.element_size()
         compute = self._enter(call.previous_event)
         with torch.cuda.stream(self.comm_stream):
+            # Copies (where the kernels need other strides) on the comm stream: ordered after what it waited for.
+            x_parts = [aligned(p) for p in call.x_parts]
+            x, scales = x_parts[0], (x_parts[1] if len(x_parts) == 2 else None)
+            num_tokens = x.shape[0]
+            row_bytes = x.shape[1] * x.element_size()
+            scale_bytes = 0 if scales is None else scales.shape[1] * scales.element_size()
             nonce = self._next_nonce()
             if call.handle is None:
                 state, per_expert = self._plan(call, num_tokens, row_bytes, scale_bytes, nonce)
@@ -217,12 +225,13 @@ class InternodeBackend(Backend):
         recv_x = outputs[:2] if scales is not None else outputs[:1]
         if call.handle is not None:
             event = self._leave(compute, call.async_finish, call.allocate_on_comm_stream,
-                                [*x_parts, state.plan], recv_x)
+                                [*call.x_parts, *x_parts, state.plan], recv_x)
             return recv_x, None, None, None, None, event
         recv_idx, recv_weights, recv_src = outputs[len(recv_x):]
         handle, counts = self._make_handle(call, state, per_expert, recv_src)
         event = self._leave(compute, call.async_finish, call.allocate_on_comm_stream,
-                            [*x_parts, topk_idx, topk_weights], [*recv_x, recv_idx, recv_weights])
+                            [*call.x_parts, *x_parts, call.topk_idx, call.topk_weights, topk_idx, topk_weights],
+                            [*recv_x, recv_idx, recv_weights, recv_src])
         return recv_x, recv_idx, recv_weights, counts, handle, event
 
     def _plan(self, call: DispatchCall, num_tokens: int, row_bytes: int, scale_bytes: int, nonce: int):
@@ -233,6 +242,9 @@ class InternodeBackend(Backend):
         device = in_rank.device
         in_node = in_rank.view(num_tokens, N, P).any(-1)
         num_experts = call.num_tokens_per_expert.shape[0]
+        if num_experts > self.limits["max_experts"]:
+            raise ValueError(f"num_tokens_per_expert: the internode kernels take at most {self.limits['max_experts']} "
+                             f"experts, got {num_experts}")
         local_experts = num_experts // R
         num_topk = 0 if call.topk_idx is None else call.topk_idx.shape[1]
         num_chunks = max(1, min(self.limits["max_chunks"], call.config.num_sms // N))
@@ -377,13 +389,12 @@ class InternodeBackend(Backend):
     def combine(self, call: CombineCall):
         handle: DispatchHandle = call.handle
         state: InternodeDispatchState = handle.backend_state
-        x = aligned(call.x)
-        row_bytes = x.shape[1] * x.element_size()
+        hidden, dtype, device = call.x.shape[1], call.x.dtype, call.x.device
+        row_bytes = hidden * call.x.element_size()
         if row_bytes % 16:
             raise ValueError(f"x: the internode combine sums rows in 16-byte vectors: hidden * element size must be "
                              f"a multiple of 16, got {row_bytes}")
-        weights = None if call.topk_weights is None else call.topk_weights.contiguous()
-        num_weights = 0 if weights is None else weights.shape[1]
+        num_weights = 0 if call.topk_weights is None else call.topk_weights.shape[1]
         combine_row = _align16(row_bytes + 4 * num_weights)
         regions, offset = {}, self.control_bytes
         for name, size in (("return_region", state.sent * combine_row), ("sum_region", state.forwarded * combine_row),
@@ -392,16 +403,19 @@ class InternodeBackend(Backend):
             offset = _align16(offset + size)
         if offset > self.num_bytes:  # the same on every rank: the handle's sizes are every rank's
             self._grow(offset)
-        biases = [aligned(b) for b in call.biases]
         node, local = self.rank // self.per_node, self.rank % self.per_node
         forwarded = state.node_count[local :: self.per_node, node]
         self.network_bytes += int(forwarded.sum() - forwarded[node]) * combine_row
         compute = self._enter(call.previous_event)
         with torch.cuda.stream(self.comm_stream if call.allocate_on_comm_stream else compute):
-            out = torch.empty(handle.num_tokens, x.shape[1], dtype=x.dtype, device=x.device)
-            out_weights = None if weights is None else torch.empty(handle.num_tokens, num_weights,
-                                                                   dtype=torch.float32, device=x.device)
+            out = torch.empty(handle.num_tokens, hidden, dtype=dtype, device=device)
+            out_weights = None if num_weights == 0 else torch.empty(handle.num_tokens, num_weights,
+                                                                    dtype=torch.float32, device=device)
         with torch.cuda.stream(self.comm_stream):
+            # Copies (where the kernels need other strides) on the comm stream: ordered after what it waited for.
+            x = aligned(call.x)
+            weights = None if call.topk_weights is None else call.topk_weights.contiguous()
+            biases = [aligned(b) for b in call.biases]
             nonce = self._next_nonce()
             self._arrive(nonce)
             pointers = self._plan_pointers(state)
@@ -416,7 +430,7 @@ class InternodeBackend(Backend):
                 forwarded=state.forwarded, num_chunks=state.num_chunks, out=out.data_ptr(),
                 out_weights=0 if out_weights is None else out_weights.data_ptr(), **regions))
         event = self._leave(compute, call.async_finish, call.allocate_on_comm_stream,
-                            [x, weights, *biases, state.plan], [out, out_weights])
+                            [call.x, x, call.topk_weights, weights, *call.biases, *biases, state.plan], [out, out_weights])
         return out, out_weights, event
 
 

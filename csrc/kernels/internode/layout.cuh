@@ -33,8 +33,9 @@ struct Control {
     static constexpr int64_t kForwardedFlags = kReturnSignals + 8 * kMaxNodes * kMaxChunks;  // u64 [local forwarder]
     static constexpr int64_t kPushedFlags = kForwardedFlags + 8 * kMaxRanksPerNode;  // u64 [local rank]
     static constexpr int64_t kWords = kPushedFlags + 8 * kMaxRanksPerNode;  // u64 Word
-    static constexpr int64_t kOutbox = kWords + 64;  // int32: this rank's row, then its per-expert counts
-    static constexpr int64_t kOutboxInts = kFormInts + kMaxRanks + kMaxNodes + kMaxExperts;
+    // int32: for each rank r, this rank's row and then its counts of r's experts (R rows and E counts in all).
+    static constexpr int64_t kOutbox = kWords + 64;
+    static constexpr int64_t kOutboxInts = kMaxRanks * (kFormInts + kMaxRanks + kMaxNodes) + kMaxExperts;
     // int32 [2 call parities][kMaxRanks][kInboxInts]: each rank's row and its counts of this rank's experts.
     static constexpr int64_t kInbox = align16(kOutbox + 4 * kOutboxInts);
     static constexpr int64_t kInboxInts = kFormInts + kMaxRanks + kMaxNodes + kMaxExperts;
