@@ -2,8 +2,8 @@
 dispatcher type, and the same seeds before the parameters are made, so that layers built with "deepep"
 and with "alltoall" start with equal weights and can be compared output for output.
 
-Every rank is one expert-parallel rank (EP = world size, TP = PP = 1), the layout of the tests, the
-examples and `moe-ep-bench megatron_layer`.
+Every rank is one expert-parallel rank (EP = world size, TP = PP = 1), as in the tests and
+`moe-ep-bench megatron_layer`.
 """
 from __future__ import annotations
 
