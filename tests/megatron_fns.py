@@ -13,9 +13,8 @@ def _setup(num_experts: int, topk: int, hidden: int, dispatcher_type: str, tp: i
     """Groups laid out as megatron does: rank = ep_rank * tp + tp_rank (expert TP fastest)."""
     if not cuda:
         enable_cpu_execution(force=True)
-    import moe_ep.megatron  # noqa: F401  (registers the "deepep" type)
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from moe_ep.megatron.seeded_layer import moe_layer_config
     world, rank = dist.get_world_size(), dist.get_rank()
     ep = world // tp
     tp_groups = [dist.new_group([e * tp + t for t in range(tp)]) for e in range(ep)]
@@ -23,10 +22,7 @@ def _setup(num_experts: int, topk: int, hidden: int, dispatcher_type: str, tp: i
     pg = ProcessGroupCollection()
     pg.tp_ep = dist.group.WORLD
     pg.ep, pg.expt_tp, pg.tp = ep_groups[rank % tp], tp_groups[rank // tp], tp_groups[rank // tp]
-    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=4, num_moe_experts=num_experts,
-                               moe_router_topk=topk, moe_token_dispatcher_type=dispatcher_type,
-                               expert_model_parallel_size=ep, use_cpu_initialization=True,
-                               moe_router_dtype="fp32", **config_kw)
+    config = moe_layer_config(num_experts, topk, hidden, dispatcher_type, ep, **config_kw)
     return config, pg
 
 
@@ -114,23 +110,9 @@ def flex_on_moe_ep(seed: int, num_experts: int, topk: int, hidden: int, num_toke
 
 
 def _moe_layer(config, num_experts: int):
-    """megatron's MoELayer (no transformer-engine) for config, with the same seeds before its parameters
-    are made every time, so that layers built for different settings start alike."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.spec_utils import build_module
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=dist.get_world_size())
-    torch.manual_seed(1234)
-    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
-    pg = ProcessGroupCollection.use_mpu_process_groups()
-    spec = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
-    # A ModuleSpec where megatron-core has one; newer versions may hand back the module's class itself.
-    if not callable(spec) or hasattr(spec, "module"):
-        return build_module(spec, config=config, pg_collection=pg)
-    return spec(config=config, pg_collection=pg)
+    """megatron's MoELayer for config, made after the same seeds every time (moe_ep.megatron.seeded_layer)."""
+    from moe_ep.megatron.seeded_layer import seeded_moe_layer
+    return seeded_moe_layer(config, num_experts)
 
 
 def build_moe_layer(num_experts: int, topk: int, hidden: int, dispatcher_type: str = "deepep",

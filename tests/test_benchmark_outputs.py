@@ -222,3 +222,11 @@ def test_nccl_is_skipped_where_ranks_share_a_gpu(tmp_path):
     out = _run("moe_ep.bench.intranode", *gpu, "--ranks", str(over), "--tokens", "64", "--modes", "dispatch_bf16",
                "--peers", "nccl", "copy")
     assert f"nccl at {over} ranks, 64 tokens: skipped: {over} ranks share" in out, out
+
+
+@pytest.mark.skipif(bool(report.matplotlib_missing()), reason="matplotlib is not importable")
+def test_a_bar_chart_is_a_png_with_a_bar_per_label(tmp_path):
+    made = report.Report("megatron_layer", None, str(tmp_path))
+    path = made.bar_chart("bars.png", "layer", "ms", {"deepep": 2.0, "alltoall": 3.0})
+    assert Path(path).read_bytes().startswith(PNG) and made.plots_written == [path]
+    assert made.bar_chart("empty.png", "layer", "ms", {}) == ""

@@ -22,6 +22,8 @@ BENCHMARKS = {
     "profile_low_latency_call": "host time of a low-latency call, piece by piece",
     "profile_dispatch_call": "host and device time of an intranode dispatch call, launch by launch",
     "tune": "searches SM budgets and chunk sizes; writes the fastest configs to the cache get_*_config read",
+    "megatron_layer": "one megatron-core MoE layer's forward+backward with moe_ep's dispatcher (deepep) and "
+                      "megatron's alltoall, same seeds, shape and ranks; their outputs compared",
     "ll_timeline": "where a low-latency call's time goes with ranks sharing a GPU (a MOE_EP_TIMELINE=1 build)",
 }
 

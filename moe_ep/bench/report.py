@@ -1,6 +1,6 @@
 """What the benchmarks write besides their tables, the same way for every one of them: JSON lines (one
-object per measurement, `--jsonl PATH`), PNG line plots (`--plot DIR`, with matplotlib) and a progress
-bar over a sweep's steps (tqdm, else a line per step on stderr).
+object per measurement, `--jsonl PATH`), PNG line plots and bar charts (`--plot DIR`, with matplotlib)
+and a progress bar over a sweep's steps (tqdm, else a line per step on stderr).
 
 A JSON line holds: benchmark, mode, shape (a dict), ranks, backend (moe_ep or the peer measured beside
 it), metric, value and unit; a peer that was not measured has metric "skipped", value null and its
@@ -97,6 +97,30 @@ class Report:
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
+        fig.tight_layout()
+        path = os.path.join(self.plot_dir, filename)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        self.plots_written.append(path)
+        return path
+
+    def bar_chart(self, filename: str, title: str, ylabel: str, bars: Dict[str, float]) -> str:
+        """A bar per label of `bars` as DIR/filename; returns its path, or "" without --plot, matplotlib or data."""
+        if not self.plot_dir or self.no_plots or not bars:
+            return ""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        os.makedirs(self.plot_dir, exist_ok=True)
+        fig, ax = plt.subplots(figsize=(9, 5))
+        labels, values = list(bars), list(bars.values())
+        drawn = ax.bar(labels, values)
+        ax.bar_label(drawn, fmt="%.3g")
+        ax.set_title(title, fontsize="medium")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, axis="y", alpha=0.3)
         fig.tight_layout()
         path = os.path.join(self.plot_dir, filename)
         fig.savefig(path, dpi=120)

@@ -1,0 +1,90 @@
+"""`moe-ep-bench megatron_layer` on CPU ranks: both dispatchers timed in one run and written as JSON
+lines, their outputs compared, and the transports labelled as they are. The figures are not checked."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+
+from moe_ep.bench import megatron_layer, report  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = {"benchmark", "mode", "shape", "ranks", "backend", "metric", "value", "unit"}
+SHAPE = dict(tokens=32, hidden=64, ffn_hidden=128, experts=4, topk=2)
+
+
+def _one(lines: list, **match) -> dict:
+    found = [r for r in lines if all(r.get(k) == v for k, v in match.items())]
+    assert len(found) == 1, (match, found)
+    return found[0]
+
+
+def test_both_dispatchers_are_timed_on_two_cpu_ranks_and_their_outputs_match(tmp_path):
+    jsonl = tmp_path / "m.jsonl"
+    done = subprocess.run([sys.executable, "-m", "moe_ep.bench", "megatron_layer", "--cpu", "--ranks", "2",
+                           "--tokens", "32", "--hidden", "64", "--ffn-hidden", "128", "--experts", "4", "--topk", "2",
+                           "--warmup", "1", "--iters", "2", "--jsonl", str(jsonl)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert all(KEYS <= set(r) for r in lines) and {r["benchmark"] for r in lines} == {"megatron_layer"}
+    assert all(r["shape"] == SHAPE and r["ranks"] == 2 for r in lines)
+    means = {}
+    for dispatcher in ("deepep", "alltoall"):
+        mean = _one(lines, backend=dispatcher, metric="ms_mean")
+        slowest = _one(lines, backend=dispatcher, metric="ms_max_rank")
+        assert mean["unit"] == slowest["unit"] == "ms" and len(mean["per_rank"]) == 2
+        assert 0 < mean["value"] <= slowest["value"] == max(mean["per_rank"])
+        assert mean["like_for_like"] is False and "CPU ranks" in mean["transport"]
+        means[dispatcher] = mean["value"]
+    ratio = _one(lines, metric="vs_alltoall")
+    assert ratio["unit"] == "x" and ratio["value"] == pytest.approx(means["deepep"] / means["alltoall"])
+    for metric in ("output_max_abs_diff", "input_grad_max_abs_diff"):
+        check = _one(lines, metric=metric)
+        assert check["matched"] is True and 0 <= check["value"] < 1e-4
+    assert "note: CPU ranks check the script" in done.stdout
+    assert "(match: limit" in done.stdout
+
+
+def _args(**over):
+    fields = dict(ranks=2, warmup=1, iters=2, dispatchers=["deepep", "alltoall"], **SHAPE)
+    return SimpleNamespace(**dict(fields, **over))
+
+
+def test_outputs_that_differ_beyond_float_order_fail_the_run(capsys):
+    rows = [dict(rank=r, ms=dict(deepep=2.0, alltoall=4.0), out_diff=0.5, grad_diff=0.0, out_size=3.0)
+            for r in range(2)]
+    made = report.Report("megatron_layer")
+    assert megatron_layer.report_results(_args(), rows, megatron_layer.transports(True, False), made) is False
+    assert "DIFFER" in capsys.readouterr().out
+    assert made.select(metric="vs_alltoall")[0]["value"] == 0.5
+    rows = [dict(row, out_diff=1e-6) for row in rows]
+    assert megatron_layer.report_results(_args(), rows, megatron_layer.transports(True, False), made) is True
+
+
+def test_one_dispatcher_alone_is_timed_without_a_ratio_or_a_check(capsys):
+    rows = [dict(rank=0, ms=dict(alltoall=4.0), out_diff=0.0, grad_diff=0.0, out_size=1.0)]
+    made = report.Report("megatron_layer")
+    assert megatron_layer.report_results(_args(ranks=1, dispatchers=["alltoall"]), rows,
+                                         megatron_layer.transports(False, False), made) is True
+    assert [r["metric"] for r in made.records] == ["ms_mean", "ms_max_rank"]
+    assert "deepep / alltoall" not in capsys.readouterr().out
+
+
+def test_ranks_sharing_a_gpu_are_labelled_as_alltoall_over_gloo():
+    shared = megatron_layer.transports(cpu=False, ranks_share_gpu=True)
+    assert shared["like_for_like"] is False and "gloo" in shared["alltoall"] and "not like for like" in shared["note"]
+    own = megatron_layer.transports(cpu=False, ranks_share_gpu=False)
+    assert own["like_for_like"] is True and own["alltoall"] == "NCCL"
+
+
+def test_experts_must_split_evenly_over_the_ranks():
+    with pytest.raises(SystemExit) as exit_:
+        megatron_layer.parse_args(["--cpu", "--ranks", "3", "--experts", "4"])
+    assert exit_.value.code == 2
