@@ -17,6 +17,7 @@
 #include "kernels/api.cuh"
 #include "kernels/buffer_layout.cuh"
 #include "peer_memory.h"
+#include "runtime_nvshmem.h"
 
 #ifndef MOE_EP_NVSHMEM_REASON
 #define MOE_EP_NVSHMEM_REASON ""
@@ -701,19 +702,6 @@ py::dict named_values(const NamedTable& table) {
 }
 
 }  // namespace
-
-#ifdef MOE_EP_WITH_NVSHMEM
-// runtime_nvshmem.cpp
-std::string nvshmem_version();
-std::string nvshmem_unique_id();
-bool nvshmem_initialized();
-void nvshmem_init_with_unique_id(const std::string& id_bytes, int rank, int num_ranks);
-int nvshmem_pe();
-int nvshmem_num_pes();
-int64_t nvshmem_alloc(int64_t num_bytes);
-void nvshmem_release(int64_t ptr);
-int64_t nvshmem_peer_pointer(int64_t ptr, int pe);
-#endif
 
 #ifdef MOE_EP_WITH_NVSHMEM_DEVICE
 // A put of `num_bytes` from `src` to the symmetric `dst` at PE `pe`, then `signal` there set to `value`,

@@ -9,20 +9,9 @@
 #include <string>
 
 #include "kernels/internode/api.cuh"
+#include "runtime_nvshmem.h"  // internode_runtime.cpp: the runtime with the device library's initialisation
 
 namespace moe_ep {
-
-// runtime_nvshmem.cpp, compiled into this module too (with the device library's initialisation).
-std::string nvshmem_version();
-std::string nvshmem_unique_id();
-bool nvshmem_initialized();
-void nvshmem_init_with_unique_id(const std::string& id_bytes, int rank, int num_ranks);
-int nvshmem_pe();
-int nvshmem_num_pes();
-int64_t nvshmem_alloc(int64_t num_bytes);
-void nvshmem_release(int64_t ptr);
-int64_t nvshmem_peer_pointer(int64_t ptr, int pe);
-
 namespace {
 
 namespace in = internode;

@@ -8,6 +8,8 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include "runtime_nvshmem.h"
+
 #include <cstring>
 #include <stdexcept>
 #include <string>
