@@ -20,12 +20,16 @@ def _run(pools, ranks, chunks, seed, topk=2, capacity_factor=None, elementwise_e
                             seed % 10000, capacity_factor, elementwise_experts)
 
 
-def _assert_close_to_unchunked(unchunked, chunked, ranks, bitwise_rows: bool):
-    """bitwise_rows: the output and the input's gradient are the same bits (each row's operations are
-    unchanged by chunking wherever the experts' are). Parameter gradients sum over rows chunk by chunk
-    and then add the chunks' sums, another order: always compared to float32 rounding."""
-    for rank, ((out, grad_x, grads), (c_out, c_grad_x, c_grads)) in enumerate(zip(unchunked, chunked)):
+def _assert_close_to_unchunked(unchunked, chunked, ranks, chunks: int, bitwise_rows: bool):
+    """Every rank made chunks times the Buffer calls (each chunk's layout, dispatch and combine, and in
+    the backward each chunk's combine and cached dispatch). bitwise_rows: the output and the input's
+    gradient are the same bits (each row's operations are unchanged by chunking wherever the experts'
+    are). Parameter gradients sum over rows chunk by chunk and then add the chunks' sums, another
+    order: always compared to float32 rounding."""
+    for rank, ((out, grad_x, grads, calls), (c_out, c_grad_x, c_grads, c_calls)) in enumerate(zip(unchunked, chunked)):
         assert out.shape[0] == TOKENS[ranks][rank]
+        assert calls == dict(get_dispatch_layout=1, dispatch=1, combine=2, cached_dispatch=1), calls
+        assert c_calls == {kind: chunks * n for kind, n in calls.items()}, f"rank {rank}: {c_calls}"
         if bitwise_rows:
             assert torch.equal(out, c_out), f"rank {rank} output"
             assert torch.equal(grad_x, c_grad_x), f"rank {rank} input gradient"
@@ -45,7 +49,7 @@ def test_chunks_pass_every_row_through_unchanged(pools, seed, ranks, chunks):
     so the output and the input's gradient are the unchunked layer's bits."""
     unchunked = _run(pools, ranks, 1, seed, elementwise_experts=True)
     chunked = _run(pools, ranks, chunks, seed, elementwise_experts=True)
-    _assert_close_to_unchunked(unchunked, chunked, ranks, bitwise_rows=True)
+    _assert_close_to_unchunked(unchunked, chunked, ranks, chunks, bitwise_rows=True)
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -55,7 +59,7 @@ def test_chunks_with_megatrons_expert_mlps(pools, seed, ranks, chunks):
     differ in its last bits with the chunk it came in; compared to float32 rounding."""
     unchunked = _run(pools, ranks, 1, seed)
     chunked = _run(pools, ranks, chunks, seed)
-    _assert_close_to_unchunked(unchunked, chunked, ranks, bitwise_rows=False)
+    _assert_close_to_unchunked(unchunked, chunked, ranks, chunks, bitwise_rows=False)
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -63,7 +67,7 @@ def test_chunks_with_routes_dropped_by_capacity(pools, seed, ranks):
     """Routes past an expert's capacity are -1 slots in the dispatch: chunked, the same as unchunked."""
     unchunked = _run(pools, ranks, 1, seed, topk=3, capacity_factor=0.5, elementwise_experts=True)
     chunked = _run(pools, ranks, 3, seed, topk=3, capacity_factor=0.5, elementwise_experts=True)
-    _assert_close_to_unchunked(unchunked, chunked, ranks, bitwise_rows=True)
+    _assert_close_to_unchunked(unchunked, chunked, ranks, 3, bitwise_rows=True)
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.0, "2", True, None])
