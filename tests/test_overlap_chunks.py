@@ -15,9 +15,9 @@ from . import megatron_fns  # noqa: E402
 TOKENS = {2: [13, 2], 4: [11, 1, 7, 2]}
 
 
-def _run(pools, ranks, chunks, seed, topk=2, capacity_factor=None, elementwise_experts=False):
+def _run(pools, ranks, chunks, seed, topk=2, capacity_factor=None, elementwise_experts=False, **config_kw):
     return pools(ranks).run(megatron_fns.chunked_moe_layer, 2 * ranks, topk, 32, chunks, TOKENS[ranks],
-                            seed % 10000, capacity_factor, elementwise_experts)
+                            seed % 10000, capacity_factor, elementwise_experts, **config_kw)
 
 
 def _assert_close_to_unchunked(unchunked, chunked, ranks, chunks: int, bitwise_rows: bool):
@@ -68,6 +68,18 @@ def test_chunks_with_routes_dropped_by_capacity(pools, seed, ranks):
     unchunked = _run(pools, ranks, 1, seed, topk=3, capacity_factor=0.5, elementwise_experts=True)
     chunked = _run(pools, ranks, 3, seed, topk=3, capacity_factor=0.5, elementwise_experts=True)
     _assert_close_to_unchunked(unchunked, chunked, ranks, 3, bitwise_rows=True)
+
+
+def test_chunks_with_the_shared_expert_overlap(pools, seed):
+    """moe_shared_expert_overlap: the shared expert's stages run around the chunks' pipeline; the
+    shared expert's parameters get their gradients as unchunked."""
+    shared = dict(moe_shared_expert_intermediate_size=32, add_bias_linear=False, moe_shared_expert_overlap=True)
+    unchunked = _run(pools, 2, 1, seed, elementwise_experts=True, **shared)
+    chunked = _run(pools, 2, 2, seed, elementwise_experts=True, **shared)
+    assert any("shared_experts" in name for name in unchunked[0][2])
+    # The input gradient's three shares (shared expert, router, dispatch) are added in the order autograd
+    # runs them, which the graph's shape fixes: the same bits chunked, whatever the data.
+    _assert_close_to_unchunked(unchunked, chunked, 2, 2, bitwise_rows=True)
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.0, "2", True, None])

@@ -14,6 +14,9 @@ FP8 dispatch (options.moe_ep_fp8_dispatch): token_dispatch casts the tokens once
 1x128 quantizer and sends (e4m3, scales); autograd follows a zero-stride stand-in for the received
 rows, and dispatch_postprocess permutes the fp8 rows with their scales (_PermuteFp8), then hands TE's
 grouped experts a Float8BlockwiseQTensor or dequantises for other experts. Gradients travel in bf16.
+Chunks (options.moe_ep_overlap_chunks > 1): token_dispatch splits the tokens and starts the first chunk's
+dispatch, MoELayer hands its experts to experts_in_chunks (register.py), which runs each chunk's experts
+between that chunk's dispatch and combine, and combine_postprocess waits for every chunk's combine.
 """
 
 from __future__ import annotations
@@ -465,10 +468,11 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         return chunks.combined
 
     @phase_range("combine_postprocess")
-    def combine_postprocess(self, hidden_states: torch.Tensor):
+    def combine_postprocess(self, hidden_states):
         if self.shared_experts is not None:
-            # Queued before the wait: the shared expert's fc2 runs while the combine is under way.
-            self.shared_experts.linear_fc2_forward(hidden_states)
+            # Queued before the wait: the shared expert's fc2 runs while the combine is under way (in
+            # chunks, the last chunk's, whose rows megatron's overlap orders first in the backward).
+            self.shared_experts.linear_fc2_forward(hidden_states[-1] if self.runs_in_chunks else hidden_states)
             self.shared_experts.post_forward_comm()
         output = self._finish_combines(hidden_states).view(self.hidden_shape)
         if self.shared_experts is not None:
