@@ -252,16 +252,18 @@ class _ElementwiseExperts(torch.nn.Module):
 
 
 def chunked_moe_layer(num_experts: int, topk: int, hidden: int, chunks: int, tokens_per_rank, seed: int,
-                      capacity_factor=None, elementwise_experts: bool = False, **config_kw):
+                      capacity_factor=None, elementwise_experts: bool = False, moe_ep_options: dict = None,
+                      **config_kw):
     """An MoELayer on "deepep" with moe_ep_overlap_chunks=chunks (same seeds, same parameters for every
     chunk count): its output, the input's gradient and every parameter's gradient on tokens_per_rank[rank]
     random tokens. capacity_factor: megatron drops routes past each expert's capacity (-1 slots).
-    elementwise_experts: _ElementwiseExperts instead of megatron's expert MLPs. config_kw: more
-    TransformerConfig fields."""
+    elementwise_experts: _ElementwiseExperts instead of megatron's expert MLPs. moe_ep_options: more of
+    moe_ep's options, set on the config. config_kw: more TransformerConfig fields."""
     capacity = {} if capacity_factor is None else dict(moe_expert_capacity_factor=capacity_factor,
                                                        moe_token_drop_policy="probs")
     config, _ = _setup(num_experts, topk, hidden, "deepep", ffn_hidden_size=2 * hidden, **capacity, **config_kw)
-    config.moe_ep_overlap_chunks = chunks
+    for name, value in dict(moe_ep_options or {}, moe_ep_overlap_chunks=chunks).items():
+        setattr(config, name, value)
     layer = _moe_layer(config, num_experts)
     if elementwise_experts:
         layer.experts = _ElementwiseExperts(layer.num_local_experts, hidden)

@@ -15,9 +15,10 @@ from . import megatron_fns  # noqa: E402
 TOKENS = {2: [13, 2], 4: [11, 1, 7, 2]}
 
 
-def _run(pools, ranks, chunks, seed, topk=2, capacity_factor=None, elementwise_experts=False, **config_kw):
-    return pools(ranks).run(megatron_fns.chunked_moe_layer, 2 * ranks, topk, 32, chunks, TOKENS[ranks],
-                            seed % 10000, capacity_factor, elementwise_experts, **config_kw)
+def _run(pools, ranks, chunks, seed, topk=2, capacity_factor=None, elementwise_experts=False, hidden=32,
+         **kw):
+    return pools(ranks).run(megatron_fns.chunked_moe_layer, 2 * ranks, topk, hidden, chunks, TOKENS[ranks],
+                            seed % 10000, capacity_factor, elementwise_experts, **kw)
 
 
 def _assert_close_to_unchunked(unchunked, chunked, ranks, chunks: int, bitwise_rows: bool):
@@ -80,6 +81,18 @@ def test_chunks_with_the_shared_expert_overlap(pools, seed):
     # The input gradient's three shares (shared expert, router, dispatch) are added in the order autograd
     # runs them, which the graph's shape fixes: the same bits chunked, whatever the data.
     _assert_close_to_unchunked(unchunked, chunked, 2, 2, bitwise_rows=True)
+
+
+def test_chunks_with_fp8_dispatch(pools, seed):
+    """FP8 dispatch casts each row on its own (1x128 blocks along the hidden size), in any chunk the
+    same bits; each chunk keeps its own received fp8 rows until its permute."""
+    fp8 = dict(hidden=128, elementwise_experts=True, moe_ep_options=dict(moe_ep_fp8_dispatch="on"))
+    unchunked = _run(pools, 2, 1, seed, **fp8)
+    chunked = _run(pools, 2, 3, seed, **fp8)
+    _assert_close_to_unchunked(unchunked, chunked, 2, 3, bitwise_rows=True)
+    in_bf16 = _run(pools, 2, 3, seed, hidden=128, elementwise_experts=True,
+                   moe_ep_options=dict(moe_ep_fp8_dispatch="off"))
+    assert not torch.equal(in_bf16[0][0], chunked[0][0]), "the tokens travelled in fp8"
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.0, "2", True, None])
