@@ -95,6 +95,15 @@ def test_chunks_with_fp8_dispatch(pools, seed):
     assert not torch.equal(in_bf16[0][0], chunked[0][0]), "the tokens travelled in fp8"
 
 
+def test_phases_called_one_by_one_are_refused_in_chunks(pools, seed):
+    """Only MoELayer's routed_experts_compute runs the chunks' experts; a caller of the phases themselves
+    is told so instead of permuting rows that were never dispatched."""
+    from moe_ep.launch import RankError
+    with pytest.raises(RankError, match="moe_ep_overlap_chunks > 1: each chunk's experts run in experts_in_chunks"):
+        pools(2).run(megatron_fns.moe_forward_backward, seed % 10000, 4, 2, 32, "deepep", 12,
+                     moe_ep_options=dict(moe_ep_overlap_chunks=2))
+
+
 @pytest.mark.parametrize("bad", [0, -2, 2.0, "2", True, None])
 def test_a_bad_chunk_count_is_refused(bad):
     from moe_ep.megatron import options

@@ -354,6 +354,9 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
 
     @phase_range("dispatch_postprocess")
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        if self.runs_in_chunks:
+            raise RuntimeError("moe_ep_overlap_chunks > 1: each chunk's experts run in experts_in_chunks, "
+                               "which MoELayer.routed_experts_compute calls instead of dispatch_postprocess")
         if self.shared_experts is not None:
             # Queued before the wait: the shared expert's fc1 runs while the dispatch is under way.
             self.shared_experts.linear_fc1_forward_and_act(hidden_states)
