@@ -270,17 +270,19 @@ def chunked_moe_layer(num_experts: int, topk: int, hidden: int, chunks: int, tok
     assert layer.token_dispatcher.runs_in_chunks == (chunks > 1)
     g = torch.Generator().manual_seed(seed * 31 + dist.get_rank())
     x = torch.randn(tokens_per_rank[dist.get_rank()], 1, hidden, generator=g, requires_grad=True)
-    before = _buffer_calls(layer.token_dispatcher.group)
+    buffer_before, before = _buffer_calls(layer.token_dispatcher.group)
     out, _ = layer(x)
     (out * torch.randn(out.shape, generator=g)).sum().backward()
-    after = _buffer_calls(layer.token_dispatcher.group)
+    buffer_after, after = _buffer_calls(layer.token_dispatcher.group)
+    if buffer_after is not buffer_before:  # replaced by a larger one before this step's first call
+        before = {}
     calls = {kind: n - before.get(kind, 0) for kind, n in after.items() if n != before.get(kind, 0)}
     grads = {name: p.grad.clone() for name, p in layer.named_parameters() if p.grad is not None}
     return out.detach(), x.grad, grads, calls
 
 
-def _buffer_calls(group) -> dict:
-    """The calls counted so far by the group's shared Buffer ({} before it exists)."""
+def _buffer_calls(group):
+    """The group's shared Buffer (None before it exists) and the calls it counted so far."""
     from moe_ep.megatron import dispatcher
     buffer = dispatcher._buffers.get(group)
-    return {} if buffer is None else dict(buffer.stats()["calls"])
+    return buffer, {} if buffer is None else dict(buffer.stats()["calls"])
