@@ -217,3 +217,54 @@ def shared_expert_layer(num_experts: int, topk: int, hidden: int, dispatcher_typ
     (out * torch.randn(out.shape, generator=g)).sum().backward()
     grads = {name: p.grad.clone() for name, p in layer.named_parameters() if p.grad is not None}
     return out.detach(), x.grad, grads
+
+
+class _ElementwiseExperts(torch.nn.Module):
+    """Experts computing each row elementwise (tanh(row * the expert's scale) * prob): a row's result is
+    the same bits whatever other rows come with it, unlike a CPU GEMM's, whose blocking follows the rows."""
+
+    def __init__(self, num_local_experts: int, hidden: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(4321 + dist.get_rank())
+        self.scale = torch.nn.Parameter(torch.randn(num_local_experts, hidden, generator=g))
+
+    def forward(self, rows, tokens_per_expert, probs):
+        scale = self.scale.repeat_interleave(tokens_per_expert, dim=0, output_size=rows.shape[0])
+        return torch.tanh(rows * scale) * probs.unsqueeze(1), None
+
+
+def chunked_moe_layer(num_experts: int, topk: int, hidden: int, chunks: int, tokens_per_rank, seed: int,
+                      capacity_factor=None, elementwise_experts: bool = False, moe_ep_options: dict = None,
+                      **config_kw):
+    """An MoELayer on "deepep" with moe_ep_overlap_chunks=chunks (same seeds, same parameters for every
+    chunk count): its output, the input's gradient and every parameter's gradient on tokens_per_rank[rank]
+    random tokens. capacity_factor: megatron drops routes past each expert's capacity (-1 slots).
+    elementwise_experts: _ElementwiseExperts instead of megatron's expert MLPs. moe_ep_options: more of
+    moe_ep's options, set on the config. config_kw: more TransformerConfig fields."""
+    capacity = {} if capacity_factor is None else dict(moe_expert_capacity_factor=capacity_factor,
+                                                       moe_token_drop_policy="probs")
+    config, _ = _setup(num_experts, topk, hidden, "deepep", ffn_hidden_size=2 * hidden, **capacity, **config_kw)
+    for name, value in dict(moe_ep_options or {}, moe_ep_overlap_chunks=chunks).items():
+        setattr(config, name, value)
+    layer = _moe_layer(config, num_experts)
+    if elementwise_experts:
+        layer.experts = _ElementwiseExperts(layer.num_local_experts, hidden)
+    assert layer.token_dispatcher.runs_in_chunks == (chunks > 1)
+    g = torch.Generator().manual_seed(seed * 31 + dist.get_rank())
+    x = torch.randn(tokens_per_rank[dist.get_rank()], 1, hidden, generator=g, requires_grad=True)
+    buffer_before, before = _buffer_calls(layer.token_dispatcher.group)
+    out, _ = layer(x)
+    (out * torch.randn(out.shape, generator=g)).sum().backward()
+    buffer_after, after = _buffer_calls(layer.token_dispatcher.group)
+    if buffer_after is not buffer_before:  # replaced by a larger one before this step's first call
+        before = {}
+    calls = {kind: n - before.get(kind, 0) for kind, n in after.items() if n != before.get(kind, 0)}
+    grads = {name: p.grad.clone() for name, p in layer.named_parameters() if p.grad is not None}
+    return out.detach(), x.grad, grads, calls
+
+
+def _buffer_calls(group):
+    """The group's shared Buffer (None before it exists) and the calls it counted so far."""
+    from moe_ep.megatron import dispatcher
+    buffer = dispatcher._buffers.get(group)
+    return buffer, {} if buffer is None else dict(buffer.stats()["calls"])

@@ -14,6 +14,9 @@ FP8 dispatch (options.moe_ep_fp8_dispatch): token_dispatch casts the tokens once
 1x128 quantizer and sends (e4m3, scales); autograd follows a zero-stride stand-in for the received
 rows, and dispatch_postprocess permutes the fp8 rows with their scales (_PermuteFp8), then hands TE's
 grouped experts a Float8BlockwiseQTensor or dequantises for other experts. Gradients travel in bf16.
+Chunks (options.moe_ep_overlap_chunks > 1): token_dispatch splits the tokens and starts the first chunk's
+dispatch, MoELayer hands its experts to experts_in_chunks (register.py), which runs each chunk's experts
+between that chunk's dispatch and combine, and combine_postprocess waits for every chunk's combine.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ class _CommState:
     recv_fp8: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
     # The exchange started by token_dispatch / token_combine, waited for by the next phase.
     pending: Optional[EventOverlap] = None
+    # dispatch_postprocess's permutation of the received rows, which combine_preprocess undoes.
+    reversed_mapping: Optional[torch.Tensor] = None
+    local_routing_map: Optional[torch.Tensor] = None
+    received_shape: Optional[torch.Size] = None
 
     def wait(self) -> None:
         if self.pending is not None:
@@ -228,6 +235,19 @@ class _Combine(torch.autograd.Function):
         return recv_grad, None
 
 
+@dataclass
+class _Chunks:
+    """One layer's forward in chunks (moe_ep_overlap_chunks): each chunk's rows of the tokens, and its
+    own exchange state, received rows and combined rows."""
+
+    hidden_states: Tuple[torch.Tensor, ...]
+    probs: Tuple[torch.Tensor, ...]
+    topk_idx: Tuple[torch.Tensor, ...]
+    states: List[_CommState]
+    received: List[Optional[Tuple[torch.Tensor, torch.Tensor]]]
+    combined: List[torch.Tensor]
+
+
 class MoEEPTokenDispatcher(MoETokenDispatcher):
     """Token dispatcher for `moe_token_dispatcher_type="deepep"`: one moe_ep.Buffer over the TPxEP
     group; tokens routed to the experts of a TP group go to every rank of that group."""
@@ -245,6 +265,12 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         if self.options.moe_ep_num_sms:
             Buffer.set_num_sms(self.options.moe_ep_num_sms)
         self._state = _CommState()
+        self._chunks: Optional[_Chunks] = None
+
+    @property
+    def runs_in_chunks(self) -> bool:
+        """moe_ep_overlap_chunks > 1: the MoE layer hands its experts to experts_in_chunks (register.py)."""
+        return self.options.moe_ep_overlap_chunks > 1
 
     def set_shared_experts(self, shared_experts):
         """moe_shared_expert_overlap: the MoE layer hands its SharedExpertMLP over, and its stages run
@@ -287,11 +313,33 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
 
     @phase_range("token_dispatch")
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        hidden_bytes = hidden_states.shape[1] * max(hidden_states.element_size(), 2)
-        self._state.buffer = _buffer_for(self.group, hidden_bytes, self.options.moe_ep_arena,
-                                         self.options.moe_ep_timeout_s)
-        self._state.fp8_scaling = recipe_scaling() if self._fp8_dispatch(hidden_states.shape[1]) else None
+        if self.runs_in_chunks:
+            self._chunks = self._split_into_chunks(hidden_states, probs)
+            self._dispatch_chunk(0)
+            return hidden_states, probs
+        self._prepare(self._state, hidden_states)
         return _Dispatch.apply(hidden_states, probs, self._topk_idx, self.num_experts, self._state)
+
+    def _prepare(self, state: _CommState, hidden_states: torch.Tensor) -> None:
+        """The group's Buffer, sized for these rows, and the fp8 recipe's scaling if they travel as fp8."""
+        hidden_bytes = hidden_states.shape[1] * max(hidden_states.element_size(), 2)
+        state.buffer = _buffer_for(self.group, hidden_bytes, self.options.moe_ep_arena, self.options.moe_ep_timeout_s)
+        state.fp8_scaling = recipe_scaling() if self._fp8_dispatch(hidden_states.shape[1]) else None
+
+    def _split_into_chunks(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> _Chunks:
+        """Contiguous token ranges as even as possible; a rank with fewer tokens than chunks has empty
+        ones, which still make their Buffer calls (every rank makes the same calls in the same order)."""
+        count = self.options.moe_ep_overlap_chunks
+        states = [_CommState() for _ in range(count)]
+        for state in states:
+            self._prepare(state, hidden_states)
+        return _Chunks(hidden_states.tensor_split(count), probs.tensor_split(count), self._topk_idx.tensor_split(count),
+                       states, [None] * count, [])
+
+    def _dispatch_chunk(self, index: int) -> None:
+        chunks = self._chunks
+        chunks.received[index] = _Dispatch.apply(chunks.hidden_states[index], chunks.probs[index],
+                                                 chunks.topk_idx[index], self.num_experts, chunks.states[index])
 
     def _fp8_dispatch(self, hidden: int) -> bool:
         if not fp8_dispatch_wanted(self.options, self.config):
@@ -306,31 +354,37 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
 
     @phase_range("dispatch_postprocess")
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        state = self._state
+        if self.runs_in_chunks:
+            raise RuntimeError("moe_ep_overlap_chunks > 1: each chunk's experts run in experts_in_chunks, "
+                               "which MoELayer.routed_experts_compute calls instead of dispatch_postprocess")
         if self.shared_experts is not None:
             # Queued before the wait: the shared expert's fc1 runs while the dispatch is under way.
             self.shared_experts.linear_fc1_forward_and_act(hidden_states)
+        return self._permute(self._state, hidden_states, probs)
+
+    def _permute(self, state: _CommState, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """The received rows (once the dispatch is done), grouped by local expert as megatron's experts take them."""
         state.wait()
         routing_map, expert_probs = self._local_multihot(state.recv_topk_idx, probs)
         # Host counts, as megatron's alltoall dispatcher returns them (its experts read them on the host).
         tokens_per_expert = torch.tensor(state.tokens_per_expert, dtype=torch.long, device="cpu")
         if self.config.moe_router_padding_for_quantization:
             routing_map, tokens_per_expert = self._pad_for_quantization(routing_map, tokens_per_expert)
-        self.hidden_shape_before_permute = hidden_states.shape
-        self.local_routing_map = routing_map
+        state.received_shape = hidden_states.shape
+        state.local_routing_map = routing_map
         num_out = int(tokens_per_expert.sum())
         if state.recv_fp8 is not None:
             # megatron's permute on rows of no width gives the order and the probabilities; the fp8 rows follow.
             no_rows = torch.empty(hidden_states.shape[0], 0, device=hidden_states.device)
-            _, permuted_probs, self.reversed_mapping = permute(no_rows, routing_map, probs=expert_probs,
-                                                               num_out_tokens=num_out)[:3]
+            _, permuted_probs, state.reversed_mapping = permute(no_rows, routing_map, probs=expert_probs,
+                                                                num_out_tokens=num_out)[:3]
             to_te = self._hand_off_te_tensor(tokens_per_expert)
             # The columnwise copy only where a weight gradient will read it.
             columnwise = torch.is_grad_enabled() and hidden_states.requires_grad
-            permuted = _PermuteFp8.apply(hidden_states, state, self.reversed_mapping, to_te, columnwise)
+            permuted = _PermuteFp8.apply(hidden_states, state, state.reversed_mapping, to_te, columnwise)
         else:
             # megatron-core 0.16 returns three values, 0.19 five (with padding info we do not use).
-            permuted, permuted_probs, self.reversed_mapping = permute(
+            permuted, permuted_probs, state.reversed_mapping = permute(
                 hidden_states, routing_map, probs=expert_probs, num_out_tokens=num_out
             )[:3]
         if self.config.moe_router_dtype == "fp64":
@@ -372,31 +426,70 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
     # ---------------------------------------------------------------- combine
     @phase_range("combine_preprocess")
     def combine_preprocess(self, hidden_states: torch.Tensor):
-        state = self._state
+        return self._unpermute(self._state, hidden_states)
+
+    def _unpermute(self, state: _CommState, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The experts' rows summed back into the received rows' order: the combine's input."""
         if hidden_states.dtype in (torch.bfloat16, torch.float32) and state.buffer.num_arena_bytes != 0:
             # The combine's x, in the arena: read where it lies.
             rows = state.buffer.empty_combine_input(state.handle, hidden_states.shape[-1], hidden_states.dtype)
-            return _UnpermuteInto.apply(hidden_states, self.reversed_mapping, _Into(rows))
+            return _UnpermuteInto.apply(hidden_states, state.reversed_mapping, _Into(rows))
         return unpermute(
             hidden_states,
-            self.reversed_mapping,
-            restore_shape=self.hidden_shape_before_permute,
-            routing_map=self.local_routing_map,
+            state.reversed_mapping,
+            restore_shape=state.received_shape,
+            routing_map=state.local_routing_map,
         )
 
     @phase_range("token_combine")
-    def token_combine(self, hidden_states: torch.Tensor):
+    def token_combine(self, hidden_states):
+        if self.runs_in_chunks:
+            return hidden_states  # experts_in_chunks started every chunk's combine
         return _Combine.apply(hidden_states, self._state)
 
+    # ---------------------------------------------------------------- chunks
+    @phase_range("experts_in_chunks")
+    def experts_in_chunks(self, experts) -> List[torch.Tensor]:
+        """moe_ep_overlap_chunks: the experts run once a chunk, between that chunk's dispatch and combine.
+        Chunk i+1's dispatch is started before chunk i's experts and chunk i's combine after them, so on a
+        GPU chunk i's GEMMs overlap the next chunk's dispatch and the previous chunk's combine. Returns the
+        chunks' combined rows, which combine_postprocess waits for."""
+        chunks = self._chunks
+        for index, state in enumerate(chunks.states):
+            if index + 1 < len(chunks.states):
+                self._dispatch_chunk(index + 1)
+            if index == 0 and self.shared_experts is not None:
+                # Queued before the first wait: the shared expert's fc1 runs while the dispatches are under way.
+                self.shared_experts.linear_fc1_forward_and_act()
+            received, received_probs = chunks.received[index]
+            chunks.received[index] = None
+            permuted, tokens_per_expert, permuted_probs = self._permute(state, received, received_probs)
+            output, bias = experts(permuted, tokens_per_expert, permuted_probs)
+            if bias is not None:
+                raise ValueError("moe_ep_overlap_chunks: the experts' bias is not supported (add_bias_linear)")
+            chunks.combined.append(_Combine.apply(self._unpermute(state, output), state))
+        return chunks.combined
+
     @phase_range("combine_postprocess")
-    def combine_postprocess(self, hidden_states: torch.Tensor):
+    def combine_postprocess(self, hidden_states):
         if self.shared_experts is not None:
-            # Queued before the wait: the shared expert's fc2 runs while the combine is under way.
-            self.shared_experts.linear_fc2_forward(hidden_states)
+            # Queued before the wait: the shared expert's fc2 runs while the combine is under way (in
+            # chunks, the last chunk's, whose rows megatron's overlap orders first in the backward).
+            self.shared_experts.linear_fc2_forward(hidden_states[-1] if self.runs_in_chunks else hidden_states)
             self.shared_experts.post_forward_comm()
-        self._state.wait()
-        output = hidden_states.view(self.hidden_shape)
+        output = self._finish_combines(hidden_states).view(self.hidden_shape)
         if self.shared_experts is not None:
             # Out of place, and routed + shared as MoELayer adds them without the overlap: the same bits.
             output = output + self.shared_experts.get_output()
         return output
+
+    def _finish_combines(self, combined) -> torch.Tensor:
+        """The layer's combined rows, once its combine (every chunk's, in chunks) is done."""
+        if not self.runs_in_chunks:
+            self._state.wait()
+            return combined
+        states = self._chunks.states
+        self._chunks = None
+        for state in states:
+            state.wait()
+        return torch.cat(combined)

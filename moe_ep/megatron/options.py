@@ -27,6 +27,9 @@ class DispatcherOptions:
     # and sent with their scales, half the bytes of bf16; the gradients travel in bf16. "auto": on where the
     # config trains with transformer-engine's blockwise recipe (fp8 set, fp8_recipe="blockwise").
     moe_ep_fp8_dispatch: str = "auto"
+    # Splits a layer's tokens into this many chunks and pipelines them: chunk i's experts compute while
+    # chunk i+1's dispatch and chunk i-1's combine are under way. 1: one dispatch and one combine a layer.
+    moe_ep_overlap_chunks: int = 1
 
 
 FP8_DISPATCH_CHOICES = ("auto", "on", "off")
@@ -55,7 +58,14 @@ def options_for(config) -> DispatcherOptions:
         raise ValueError(
             f"moe_ep_fp8_dispatch: expected one of {FP8_DISPATCH_CHOICES}, got {values['moe_ep_fp8_dispatch']!r}"
         )
+    _check_overlap_chunks(values["moe_ep_overlap_chunks"])
     return DispatcherOptions(**values)
+
+
+def _check_overlap_chunks(chunks) -> None:
+    # bool is an int to Python, but True would silently mean one chunk.
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"moe_ep_overlap_chunks: expected an int >= 1, got {chunks!r}")
 
 
 def fp8_dispatch_wanted(options: DispatcherOptions, config) -> bool:

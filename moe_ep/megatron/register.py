@@ -46,7 +46,29 @@ def register() -> None:
 
     __init__._moe_ep_wrapped = True
     moe_layer.MoELayer.__init__ = __init__
+    _run_experts_in_chunks(moe_layer.MoELayer)
     _accept_shared_expert_overlap()
+
+
+def _run_experts_in_chunks(layer_class) -> None:
+    """moe_ep_overlap_chunks: MoELayer calls its experts once between the dispatcher's phases; a chunked
+    dispatcher calls them once a chunk, between that chunk's dispatch and combine, so its
+    routed_experts_compute hands the experts to the dispatcher (the other phases stay megatron's)."""
+    original = layer_class.routed_experts_compute
+    if getattr(original, "_moe_ep_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def routed_experts_compute(self, hidden_states, probs):
+        from .dispatcher import MoEEPTokenDispatcher
+
+        dispatcher = self.token_dispatcher
+        if not isinstance(dispatcher, MoEEPTokenDispatcher) or not dispatcher.runs_in_chunks:
+            return original(self, hidden_states, probs)
+        return dispatcher.experts_in_chunks(self.experts), None
+
+    routed_experts_compute._moe_ep_wrapped = True
+    layer_class.routed_experts_compute = routed_experts_compute
 
 
 def _accept_shared_expert_overlap() -> None:
@@ -112,6 +134,13 @@ def add_arguments(parser):
         default=None,
         help="send the tokens as 1x128 fp8 with their scales (half the bytes; gradients stay bf16); "
         "auto (default): on when training with --fp8-recipe blockwise",
+    )
+    group.add_argument(
+        "--moe-ep-overlap-chunks",
+        type=int,
+        default=None,
+        help="split each MoE layer's tokens into this many chunks, one chunk's experts computing while the "
+        "next chunk's dispatch and the previous chunk's combine are under way (default: 1, no chunks)",
     )
     return parser
 
