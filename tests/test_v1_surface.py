@@ -254,7 +254,8 @@ def test_internode_dispatch_and_combine_are_dispatch_and_combine(pools, seed, nu
         assert torch.equal(internode["cached"][0], internode["recv_x"])
         assert internode["cached"][1:] == (None, None, None, None)
         bias = bias_for(p, rank, inputs[rank]["x"].shape[0], 0)
-        want = ref_combine(p, inputs, received, returned, rank, [bias])
+        # Across nodes each node's rows are summed first (the contract's order there).
+        want = ref_combine(p, inputs, received, returned, rank, [bias], ranks_per_node)
         assert torch.equal(internode["combined"], want), f"seed {seed} rank {rank}: combined_x"
 
 
