@@ -30,6 +30,9 @@ class RankMask:
         else:
             self.ranks.discard(rank)
 
+    def add(self, ranks) -> None:
+        self.ranks.update(ranks)
+
     def clean(self) -> None:
         self.ranks.clear()
 
@@ -57,7 +60,7 @@ class SurvivorExchange:
         try:
             present = self.gate.enter_survivors(phase, form, frozenset(self.mask.ranks))
         except MaskedByPeers as exc:
-            self.mask.ranks.update(exc.masked)
+            self.mask.add(exc.masked)
             warnings.warn(str(exc), RuntimeWarning, stacklevel=5)
             return Meeting(call, [])
         newly_masked = [r for r in range(self.mask.num_ranks) if r not in present and r not in self.mask.ranks]
@@ -65,7 +68,7 @@ class SurvivorExchange:
             warnings.warn(f"moe_ep: rank(s) {', '.join(map(str, newly_masked))} did not arrive at {phase} (call "
                           f"#{call} of this Buffer) within {self.gate.timeout_s:g} s and are masked from now on "
                           "(enable_shrink=True)", RuntimeWarning, stacklevel=5)
-            self.mask.ranks.update(newly_masked)
+            self.mask.add(newly_masked)
         return Meeting(call, present)
 
     def send_rows(self, meeting: "Meeting", tag: str, rows: torch.Tensor, counts: Sequence[int]):

@@ -15,6 +15,11 @@ made with), compared on every rank against every other's in the same exchange: r
 call in different forms all raise the same ValueError, naming the fields and the ranks, before any data
 moves, and stay in step.
 
+In shrink mode (enter_survivors) a meeting waits for the unmasked ranks only, and a rank that does not
+come in time is masked rather than named in a TimeoutError: the meeting's one verdict names the ranks it
+masks, so every rank that came masks the same ones; post and collect then move bytes between those ranks
+through the store, bounded by the same timeout.
+
 A rank that waited at a meeting longer than its SlowRanks threshold (a Buffer's gate has one) records
 the peer that arrived last, found by the wall-clock stamp every arrival carries: across hosts, clocks
 that differ by more than the gap between the last two arrivals can name the other of those two.
@@ -118,16 +123,11 @@ class ArrivalGate:
         call = self.calls
         self.calls += 1
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        keys = [f"{call}/{r}" for r in range(self.num_ranks)]
         verdict_key = f"{call}/verdict"
         arrived = time.perf_counter()
-        self._store.set(keys[self.rank], _ARRIVED + _stamp() + phase.encode() + b"\0" + payload)
-        try:
-            self._store.wait(keys, datetime.timedelta(seconds=timeout_s))
-            waited_ms = (time.perf_counter() - arrived) * 1e3
-            waited_out = []
-        except RuntimeError:  # DistStoreError on timeout
-            waited_out = [r for r, key in enumerate(keys) if not self._store.check([key])]
+        self._store.set(f"{call}/{self.rank}", _ARRIVED + _stamp() + phase.encode() + b"\0" + payload)
+        waited_out = self._wait_for(call, list(range(self.num_ranks)), timeout_s)
+        waited_ms = (time.perf_counter() - arrived) * 1e3
         # One verdict per meeting, the first rank's to decide: a rank arriving after a peer gave up must
         # not go on into a collective the peer will never join.
         verdict = bytes(self._store.compare_set(verdict_key, "", f"timeout {self.rank}" if waited_out else "ok"))

@@ -99,3 +99,20 @@ def mask_by_hand(p: Problem, masked_rank: int, timeout_s: float):
     mask = mask_of(buffer)
     steps.append((mask, timed_round(p, buffer)))
     return steps
+
+
+def rank_stops_after_dispatch(p: Problem, dead_rank: int, timeout_s: float):
+    """Every rank dispatches; dead_rank then makes no combine. -> None on dead_rank, else (the round, the
+    mask after it)."""
+    buffer = shrink_buffer(p, timeout_s)
+    inp = make_inputs(p)[dist.get_rank()]
+    recv_x, recv_count, handle, _, _ = buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens,
+                                                                  p.num_experts, use_fp8=False)
+    if dist.get_rank() == dead_rank:
+        return None
+    y = expert_output(recv_x, dist.get_rank())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        combined, _, _ = buffer.low_latency_combine(y, inp["topk_idx"], inp["topk_weights"], handle)
+    return dict(recv_x=recv_x, recv_count=recv_count, y=y, combined=combined,
+                warnings=[str(w.message) for w in caught]), mask_of(buffer)

@@ -190,7 +190,7 @@ class PortableBackend(Backend):
 
     @staticmethod
     def _rank_of_each(counts: Sequence[int], device: torch.device) -> torch.Tensor:
-        """[sum(counts)] the rank of each row of rows grouped by rank, counts[r] for rank r."""
+        """The rank of each row, for rows grouped by rank with counts[r] rows of rank r."""
         return torch.repeat_interleave(torch.arange(len(counts), device=device),
                                        torch.tensor(list(counts), dtype=torch.int64, device=device))
 
