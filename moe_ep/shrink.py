@@ -10,7 +10,7 @@ ones. A masked rank's calls run alone: it receives nothing, and its tokens reach
 from __future__ import annotations
 
 import warnings
-from typing import List, Sequence
+from typing import List, Sequence, Set
 
 import torch
 
@@ -22,16 +22,13 @@ class RankMask:
 
     def __init__(self, num_ranks: int):
         self.num_ranks = num_ranks
-        self.ranks: set = set()
+        self.ranks: Set[int] = set()
 
     def update(self, rank: int, masked: bool) -> None:
         if masked:
             self.ranks.add(rank)
         else:
             self.ranks.discard(rank)
-
-    def add(self, ranks) -> None:
-        self.ranks.update(ranks)
 
     def clean(self) -> None:
         self.ranks.clear()
@@ -57,19 +54,18 @@ class SurvivorExchange:
         if self.rank in self.mask.ranks:
             return Meeting(self.gate.pass_alone(), [])
         call = self.gate.calls
+        masked_before = set(self.mask.ranks)
         try:
-            present = self.gate.enter_survivors(phase, form, frozenset(self.mask.ranks))
+            return Meeting(call, self.gate.enter_survivors(phase, form, self.mask.ranks))
         except MaskedByPeers as exc:
-            self.mask.add(exc.masked)
             warnings.warn(str(exc), RuntimeWarning, stacklevel=5)
             return Meeting(call, [])
-        newly_masked = [r for r in range(self.mask.num_ranks) if r not in present and r not in self.mask.ranks]
-        if newly_masked:
-            warnings.warn(f"moe_ep: rank(s) {', '.join(map(str, newly_masked))} did not arrive at {phase} (call "
-                          f"#{call} of this Buffer) within {self.gate.timeout_s:g} s and are masked from now on "
-                          "(enable_shrink=True)", RuntimeWarning, stacklevel=5)
-            self.mask.add(newly_masked)
-        return Meeting(call, present)
+        finally:
+            newly_masked = sorted(self.mask.ranks - masked_before)
+            if newly_masked and self.rank not in newly_masked:
+                warnings.warn(f"moe_ep: rank(s) {', '.join(map(str, newly_masked))} did not arrive at {phase} "
+                              f"(call #{call} of this Buffer) within {self.gate.timeout_s:g} s and are masked from "
+                              "now on (enable_shrink=True)", RuntimeWarning, stacklevel=5)
 
     def send_rows(self, meeting: "Meeting", tag: str, rows: torch.Tensor, counts: Sequence[int]):
         """Sends counts[r] consecutive uint8 rows to each rank r that took part (rows for other ranks must

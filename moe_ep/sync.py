@@ -32,7 +32,7 @@ import itertools
 import os
 import struct
 import time
-from typing import AbstractSet, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch.distributed as dist
 
@@ -146,12 +146,12 @@ class ArrivalGate:
             self._fail(TimeoutError, message)
         return self._read_arrivals(call, phase, list(range(self.num_ranks)), waited_ms)
 
-    def enter_survivors(self, phase: str, form: Form, masked: AbstractSet[int]) -> List[int]:
+    def enter_survivors(self, phase: str, form: Form, masked: Set[int]) -> List[int]:
         """enter() among the ranks not in `masked` (shrink mode): a rank that has not arrived by the
-        deadline is masked instead of failing the meeting. Returns the ranks that took part, ascending:
-        the meeting's one verdict decides which ranks it masked, so every one of them gets the same list.
-        A rank that comes after its peers masked it raises MaskedByPeers, naming the ranks they masked
-        (the meeting still counts: its later meetings keep their numbers)."""
+        deadline is added to `masked` instead of failing the meeting. Returns the ranks that took part,
+        ascending: the meeting's one verdict decides which ranks it masks, so every one of them gets the same
+        list. A rank that comes after its peers masked it adds them (itself among them) and raises
+        MaskedByPeers (the meeting still counts: its later meetings keep their numbers)."""
         call = self.calls
         self.calls += 1
         expected = [r for r in range(self.num_ranks) if r not in masked]
@@ -164,8 +164,9 @@ class ArrivalGate:
         newly_masked = [] if verdict == "ok" else [int(r) for r in verdict[len("mask "):].split(", ")]
         if newly_masked:
             self._masking_calls.add(call)
+            masked.update(newly_masked)
         if self.rank in newly_masked:
-            raise MaskedByPeers(newly_masked,
+            raise MaskedByPeers(
                 f"moe_ep: rank {self.rank} arrived at {phase} (call #{call} of this Buffer) after its peers had "
                 f"stopped waiting (timeout {self.timeout_s:g} s) and masked rank(s) {_fmt_ranks(newly_masked)}; "
                 "this rank is masked now: its low-latency calls run alone (receiving nothing, their tokens "
@@ -173,8 +174,7 @@ class ArrivalGate:
         present = [r for r in expected if r not in newly_masked]
         payloads = self._read_arrivals(call, phase, present, waited_ms)
         if any(p != payloads[0] for p in payloads):
-            forms = {r: _decode_form(p) for r, p in zip(present, payloads)}
-            raise ValueError(_form_mismatch(phase, [forms[r] for r in present], present))
+            raise ValueError(_form_mismatch(phase, [_decode_form(p) for p in payloads], present))
         return present
 
     def pass_alone(self) -> int:
@@ -283,10 +283,6 @@ _construction_gates: Dict[str, ArrivalGate] = {}
 
 class MaskedByPeers(TimeoutError):
     """Raised on a rank that reached a shrink-mode meeting after its peers had masked it."""
-
-    def __init__(self, masked: List[int], message: str):
-        super().__init__(message)
-        self.masked = masked
 
 
 def construction_gate(group: dist.ProcessGroup) -> ArrivalGate:
