@@ -90,7 +90,8 @@ class _LowLatencyState:
     send_token: torch.Tensor  # [M] source token of each message sent, in send order
     send_slot: torch.Tensor  # [M] its top-k slot
     send_counts: List[int]  # messages sent to each rank
-    recv_counts: Optional[List[int]] = None  # messages received from each rank (known at the receive)
+    # Messages received from each rank: in shrink mode filled in place by the receive, which learns them.
+    recv_counts: List[int]
     arrival_expert: Optional[torch.Tensor] = None  # [M'] local expert of each received message
     arrival_row: Optional[torch.Tensor] = None  # [M'] its row in recv_x[expert]
 
@@ -394,8 +395,10 @@ class PortableBackend(Backend):
         specs = row_specs(token_parts) + [(torch.int32, 2)]
         payload = torch.cat([pack_rows(token_parts)[token], pack_rows([meta])], dim=1)
         if meeting is None:
-            pending = self._exchange_counted_rows(payload, send_counts, self._all_to_all_ints(send_counts))
+            recv_counts = self._all_to_all_ints(send_counts)
+            pending = self._exchange_counted_rows(payload, send_counts, recv_counts)
         else:
+            recv_counts = [0] * self.num_ranks
             pending = self.survivors.send_rows(meeting, "dispatch", payload, send_counts)
 
         rows = num_max_tokens * self.num_ranks
@@ -405,12 +408,12 @@ class PortableBackend(Backend):
             scale_cols = token_parts[1].shape[1]
             recv_scales = torch.zeros(local, rows, scale_cols, dtype=token_parts[1].dtype, device=x.device)
         recv_count = torch.zeros(local, dtype=torch.int32, device=x.device)
-        state = _LowLatencyState(token, slot, send_counts)
+        state = _LowLatencyState(token, slot, send_counts, recv_counts)
         handle.backend_state = state
 
         def receive():
             received, recv_counts = pending()
-            state.recv_counts = recv_counts
+            state.recv_counts[:] = recv_counts
             parts = unpack_rows(received, specs)
             arrival_expert = parts[-1][:, 0].long()
             # Arrivals come grouped by source rank, each group in source token order; a stable sort
