@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import warnings
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -28,14 +29,15 @@ from .config import NUM_MAX_NVL_PEERS, NUM_MAX_TOPK, Config, combine_config, dis
 from .events import EventOverlap, capture_current_stream, finish_event, wait_previous
 from .handles import DispatchHandle, LowLatencyHandle
 from .profiling import Profile, profiling_requested
+from .shrink import RankMask, SurvivorExchange
 from .slow_ranks import SlowRanks, slow_rank_ms
 from .sync import ArrivalGate, check_timeout, construction_gate, next_buffer_serial, timeout_seconds
 
 topk_idx_t = torch.int64
 _CONSTRUCTION = "Buffer construction (host names)"
 INT32_MAX = 2**31 - 1
-_NO_SHRINK = ("{call}: moe_ep has no shrink mode (enable_shrink=True is not supported), so there is no mask "
-              "buffer of ranks to update, query or clean; every rank of the group takes part in every call")
+_NO_SHRINK = ("{call} needs a Buffer created with enable_shrink=True (without it there is no mask of ranks: every "
+              "rank of the group takes part in every call)")
 HIDDEN_DTYPES = (torch.bfloat16, torch.float32)
 XLike = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
@@ -45,7 +47,8 @@ class Buffer:
 
     Arguments are deep_ep's. `allow_nvlink_for_low_latency_mode`, `allow_mnnvl`, `use_fabric` and
     `num_qps_per_rank` tune transports moe_ep chooses by itself; they are accepted and checked for type
-    only. `enable_shrink=True` (masking ranks out of low-latency calls) raises NotImplementedError.
+    only. `enable_shrink=True`: low-latency calls mask a rank that does not arrive within the timeout instead
+    of raising, and go on without it (docs/RELIABILITY.md); they then run on the portable backend.
     `comm` (an mpi4py communicator in deep_ep) is ignored beside a `group`, and without one raises
     NotImplementedError: moe_ep bootstraps through a torch.distributed group. deep_ep's `runtime`
     (its C++ object) has no counterpart.
@@ -124,12 +127,14 @@ class Buffer:
         self.timeout_s = timeout_s
         self.debug_checks = debug_checks_enabled()
         self._gate = ArrivalGate(group, f"buffer{index}", self.timeout_s, slow_ranks=SlowRanks(self.rank, slow_ms))
-        self._portable = PortableBackend(group, self._gate, self.ranks_per_node)
+        self._mask = RankMask(self.group_size) if enable_shrink else None
+        survivors = SurvivorExchange(self._gate, self._mask) if enable_shrink else None
+        self._portable = PortableBackend(group, self._gate, self.ranks_per_node, survivors)
         self._intranode: Optional[IntranodeBackend] = None  # made at the first dispatch of CUDA tensors
         self._internode: Optional[InternodeBackend] = None  # ... where the group spans several nodes
         self._kernels = self._kernels_serve(low_latency=False) if not low_latency_mode or num_nvl_bytes else False
         self._low_latency: Optional[LowLatencyBackend] = None  # made at the first low-latency CUDA dispatch
-        self._ll_kernels = self._kernels_serve(low_latency=True) if low_latency_mode else False
+        self._ll_kernels = self._low_latency_kernels_serve() if low_latency_mode else False
         self._comm_stream: Optional[torch.cuda.Stream] = None  # made when first needed: CPU-only ranks
         # on a GPU machine must not start a CUDA context
         # Host time per call (the 2-rank dispatch is bound by it): the default Configs, made once per SM
@@ -160,11 +165,6 @@ class Buffer:
         for name, flag in flags.items():
             if not isinstance(flag, bool):
                 raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
-        if flags["enable_shrink"]:
-            raise NotImplementedError(
-                "enable_shrink: moe_ep has no shrink mode (no mask buffer to take ranks out of low-latency "
-                "calls); pass enable_shrink=False, every rank of the group then takes part in every call"
-            )
         if ranks_per_node is None and os.environ.get("MOE_EP_RANKS_PER_NODE"):
             raw = os.environ["MOE_EP_RANKS_PER_NODE"]
             if not raw.isdigit():
@@ -182,6 +182,7 @@ class Buffer:
         alike where they disagree."""
         shared = dict(num_nvl_bytes=self.num_nvl_bytes, num_rdma_bytes=self.num_rdma_bytes,
                       num_arena_bytes=self.num_arena_bytes, low_latency_mode=self.low_latency_mode,
+                      enable_shrink=self.enable_shrink,
                       # Calls without config= use these, and every rank's kernels must run alike: a config
                       # cache (moe-ep-bench tune) present on some hosts only would split them.
                       default_configs=[repr(Buffer.get_dispatch_config(self.group_size)),
@@ -242,6 +243,19 @@ class Buffer:
             raise RuntimeError(f"MOE_EP_BACKEND=kernels: the kernels cannot serve this Buffer's "
                                f"{'low-latency' if low_latency else 'normal'} calls: {reason}")
         return reason is None
+
+    def _low_latency_kernels_serve(self) -> bool:
+        """Whether CUDA tensors of low-latency calls run on the kernels: not in shrink mode, whose masking
+        only the portable backend does (a warning says so where the kernels would have served)."""
+        serve = self._kernels_serve(low_latency=True)
+        if not (serve and self.enable_shrink):
+            return serve
+        if self._backend == "kernels":
+            raise RuntimeError("MOE_EP_BACKEND=kernels: the low-latency kernels have no shrink mode; pass "
+                               "enable_shrink=False, or let low-latency calls run on the portable backend")
+        warnings.warn("moe_ep: enable_shrink=True: low-latency calls of CUDA tensors run on the portable backend "
+                      "(the low-latency kernels have no shrink mode), which is slower", RuntimeWarning, stacklevel=3)
+        return False
 
     def _normal_backend(self, x: torch.Tensor) -> Backend:
         """The backend that moves x in normal calls; the first time the kernels do, maps the peers'
@@ -1036,16 +1050,34 @@ class Buffer:
                 backend.clean_low_latency_buffer(shape)
 
 
-    # deep_ep's shrink mode (a mask buffer that takes ranks out of low-latency calls) is not built:
-    # Buffer(enable_shrink=True) is refused, so these calls have no mask buffer to work on.
+    # Shrink mode's mask of ranks (docs/API.md): every rank must update and clean it alike, as in deep_ep.
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        raise NotImplementedError(_NO_SHRINK.format(call="low_latency_update_mask_buffer"))
+        """Masks (mask=True) or unmasks a rank: its peers' low-latency calls skip it; its own run alone."""
+        self._check_alive()
+        rank_mask = self._shrink_mask("low_latency_update_mask_buffer")
+        check_int("rank_to_mask", rank_to_mask, minimum=0)
+        if rank_to_mask >= self.group_size:
+            raise ValueError(f"rank_to_mask: expected a rank < {self.group_size}, got {rank_to_mask}")
+        if not isinstance(mask, bool):
+            raise TypeError(f"mask: expected a bool, got {type(mask).__name__}")
+        rank_mask.update(rank_to_mask, mask)
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        raise NotImplementedError(_NO_SHRINK.format(call="low_latency_query_mask_buffer"))
+        """Writes the mask into mask_status (int32 [R]): 1 where a rank is masked."""
+        self._check_alive()
+        rank_mask = self._shrink_mask("low_latency_query_mask_buffer")
+        check_tensor("mask_status", mask_status, dtype=torch.int32, shape=(self.group_size,))
+        mask_status.copy_(rank_mask.as_tensor())
 
     def low_latency_clean_mask_buffer(self) -> None:
-        raise NotImplementedError(_NO_SHRINK.format(call="low_latency_clean_mask_buffer"))
+        """Unmasks every rank."""
+        self._check_alive()
+        self._shrink_mask("low_latency_clean_mask_buffer").clean()
+
+    def _shrink_mask(self, call: str) -> RankMask:
+        if self._mask is None:
+            raise RuntimeError(_NO_SHRINK.format(call=call))
+        return self._mask
 
 
 # The device state of a handle whose dispatch ran on the kernels (on one node, across nodes).

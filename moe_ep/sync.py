@@ -15,6 +15,11 @@ made with), compared on every rank against every other's in the same exchange: r
 call in different forms all raise the same ValueError, naming the fields and the ranks, before any data
 moves, and stay in step.
 
+In shrink mode (enter_survivors) a meeting waits for the unmasked ranks only, and a rank that does not
+come in time is masked rather than named in a TimeoutError: the meeting's one verdict names the ranks it
+masks, so every rank that came masks the same ones; post and collect then move bytes between those ranks
+through the store, bounded by the same timeout.
+
 A rank that waited at a meeting longer than its SlowRanks threshold (a Buffer's gate has one) records
 the peer that arrived last, found by the wall-clock stamp every arrival carries: across hosts, clocks
 that differ by more than the gap between the last two arrivals can name the other of those two.
@@ -27,7 +32,7 @@ import itertools
 import os
 import struct
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch.distributed as dist
 
@@ -83,6 +88,8 @@ class ArrivalGate:
         # (exception type, message) of the meeting that put this rank out of step with its peers.
         self.broken: Optional[Tuple[type, str]] = None
         self.slow_ranks = slow_ranks
+        # Meetings whose verdict masked ranks (enter_survivors): their verdicts are kept for those ranks.
+        self._masking_calls: Set[int] = set()
 
     def check_usable(self) -> None:
         """Raises again what put the ranks out of step, on every call after it."""
@@ -116,16 +123,11 @@ class ArrivalGate:
         call = self.calls
         self.calls += 1
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        keys = [f"{call}/{r}" for r in range(self.num_ranks)]
         verdict_key = f"{call}/verdict"
         arrived = time.perf_counter()
-        self._store.set(keys[self.rank], _ARRIVED + _stamp() + phase.encode() + b"\0" + payload)
-        try:
-            self._store.wait(keys, datetime.timedelta(seconds=timeout_s))
-            waited_ms = (time.perf_counter() - arrived) * 1e3
-            waited_out = []
-        except RuntimeError:  # DistStoreError on timeout
-            waited_out = [r for r, key in enumerate(keys) if not self._store.check([key])]
+        self._store.set(f"{call}/{self.rank}", _ARRIVED + _stamp() + phase.encode() + b"\0" + payload)
+        waited_out = self._wait_for(call, list(range(self.num_ranks)), timeout_s)
+        waited_ms = (time.perf_counter() - arrived) * 1e3
         # One verdict per meeting, the first rank's to decide: a rank arriving after a peer gave up must
         # not go on into a collective the peer will never join.
         verdict = bytes(self._store.compare_set(verdict_key, "", f"timeout {self.rank}" if waited_out else "ok"))
@@ -142,12 +144,89 @@ class ArrivalGate:
                         + (" this Buffer was not made." if self.stays_usable else
                            " after this error the Buffer's ranks are out of step: create a new Buffer."))
             self._fail(TimeoutError, message)
+        return self._read_arrivals(call, phase, list(range(self.num_ranks)), waited_ms)
+
+    def enter_survivors(self, phase: str, form: Form, masked: Set[int]) -> List[int]:
+        """enter() among the ranks not in `masked` (shrink mode): a rank that has not arrived by the
+        deadline is added to `masked` instead of failing the meeting. Returns the ranks that took part,
+        ascending: the meeting's one verdict decides which ranks it masks, so every one of them gets the same
+        list. A rank that comes after its peers masked it adds them (itself among them) and raises
+        MaskedByPeers (the meeting still counts: its later meetings keep their numbers)."""
+        call = self.calls
+        self.calls += 1
+        expected = [r for r in range(self.num_ranks) if r not in masked]
+        arrived = time.perf_counter()
+        self._store.set(f"{call}/{self.rank}", _ARRIVED + _stamp() + phase.encode() + b"\0" + _encode_form(form))
+        missing = self._wait_for(call, expected, self.timeout_s)
+        waited_ms = (time.perf_counter() - arrived) * 1e3
+        proposal = f"mask {_fmt_ranks(missing)}" if missing else "ok"
+        verdict = bytes(self._store.compare_set(f"{call}/verdict", "", proposal)).decode()
+        newly_masked = [] if verdict == "ok" else [int(r) for r in verdict[len("mask "):].split(", ")]
+        if newly_masked:
+            self._masking_calls.add(call)
+            masked.update(newly_masked)
+        if self.rank in newly_masked:
+            raise MaskedByPeers(
+                f"moe_ep: rank {self.rank} arrived at {phase} (call #{call} of this Buffer) after its peers had "
+                f"stopped waiting (timeout {self.timeout_s:g} s) and masked rank(s) {_fmt_ranks(newly_masked)}; "
+                "this rank is masked now: its low-latency calls run alone (receiving nothing, their tokens "
+                "reaching no expert) until every rank unmasks it (low_latency_clean_mask_buffer).")
+        present = [r for r in expected if r not in newly_masked]
+        payloads = self._read_arrivals(call, phase, present, waited_ms)
+        if any(p != payloads[0] for p in payloads):
+            raise ValueError(_form_mismatch(phase, [_decode_form(p) for p in payloads], present))
+        return present
+
+    def pass_alone(self) -> int:
+        """A masked rank's part in a meeting it does not attend: it keeps count, so that its meetings stay
+        numbered like its peers' for when it is unmasked."""
+        call = self.calls
+        self.calls += 1
+        return call
+
+    def _wait_for(self, call: int, ranks: List[int], timeout_s: float) -> List[int]:
+        """Waits for `ranks` to arrive at meeting `call`; -> those that had not by the deadline."""
+        return self._wait_for_keys([f"{call}/{r}" for r in ranks], ranks, timeout_s)
+
+    def post(self, call: int, tag: str, to_rank: int, payload: bytes) -> None:
+        """Leaves `payload` for `to_rank` at meeting `call` (collect takes it)."""
+        self._store.set(f"{call}/{tag}/{self.rank}>{to_rank}", _MAIL + payload)
+
+    def collect(self, call: int, tag: str, from_ranks: List[int]) -> List[bytes]:
+        """What each of `from_ranks` posted to this rank at meeting `call` under `tag`, in their order,
+        waiting at most the gate's timeout; a peer that posted nothing by then puts the ranks out of step."""
+        keys = [f"{call}/{tag}/{r}>{self.rank}" for r in from_ranks]
+        if not keys:
+            return []
+        missing = self._wait_for_keys(keys, from_ranks, self.timeout_s)
+        if missing:
+            self._fail(TimeoutError,
+                f"moe_ep: rank(s) {_fmt_ranks(missing)} passed call #{call} of this Buffer but sent rank "
+                f"{self.rank} no {tag} rows within {self.timeout_s:g} s; after this error the Buffer's ranks are "
+                "out of step: create a new Buffer.")
+        payloads = [bytes(v)[len(_MAIL):] for v in self._store.multi_get(keys)]
+        for key in keys:
+            self._store.delete_key(key)
+        return payloads
+
+    def _wait_for_keys(self, keys: List[str], ranks: List[int], timeout_s: float) -> List[int]:
+        """Waits for `keys` (one per rank of `ranks`); -> the ranks whose key had not come by the deadline."""
+        try:
+            self._store.wait(keys, datetime.timedelta(seconds=timeout_s))
+            return []
+        except RuntimeError:  # DistStoreError on timeout
+            return [r for r, key in zip(ranks, keys) if not self._store.check([key])]
+
+    def _read_arrivals(self, call: int, phase: str, ranks: List[int], waited_ms: float) -> List[bytes]:
+        """The payloads `ranks` left at meeting `call` (every one of them has arrived), after checking that
+        they all made the same call and refused nothing."""
+        keys = [f"{call}/{r}" for r in ranks]
         entries = [bytes(v) for v in self._store.multi_get(keys)]
         if self.slow_ranks is not None and waited_ms > self.slow_ranks.threshold_ms:
-            self._record_last_arrival(entries, waited_ms, phase)
+            self._record_last_arrival(dict(zip(ranks, entries)), waited_ms, phase)
         parsed = [(v[:1], *v[1 + _STAMP.size:].split(b"\0", 1)) for v in entries]
-        others = {r: p.decode() for r, (_, p, _) in enumerate(parsed) if p.decode() != phase}
-        refused = {r: (p.decode(), reason.decode()) for r, (kind, p, reason) in enumerate(parsed) if kind == _REFUSED}
+        others = {r: p.decode() for r, (_, p, _) in zip(ranks, parsed) if p.decode() != phase}
+        refused = {r: (p.decode(), reason.decode()) for r, (kind, p, reason) in zip(ranks, parsed) if kind == _REFUSED}
         if others:
             self._fail(RuntimeError,
                 f"moe_ep: ranks disagree on the call: rank {self.rank} is in {phase}, but "
@@ -155,12 +234,7 @@ class ArrivalGate:
                             for r, p in others.items())
                 + ". Every rank of the group must make the same sequence of Buffer calls."
             )
-        if call >= 2:
-            # Every rank set its key for this call only after passing call - 1, so nobody reads
-            # call - 2 any more.
-            self._store.delete_key(f"{call - 2}/{self.rank}")
-            if self.rank == 0:
-                self._store.delete_key(f"{call - 2}/verdict")
+        self._forget(call - 2, tidies_verdicts=self.rank == ranks[0])
         if refused:
             # The ranks are still in step: every one of them has passed this meeting.
             raise RuntimeError(
@@ -170,11 +244,20 @@ class ArrivalGate:
             )
         return [v for _, _, v in parsed]
 
-    def _record_last_arrival(self, entries: List[bytes], waited_ms: float, phase: str) -> None:
+    def _forget(self, call: int, tidies_verdicts: bool) -> None:
+        """Every rank set its key for a meeting only after passing the one before, so nobody reads the one
+        before that any more; a verdict that masked ranks stays, for those ranks to read when they come."""
+        if call < 0:
+            return
+        self._store.delete_key(f"{call}/{self.rank}")
+        if tidies_verdicts and call not in self._masking_calls:
+            self._store.delete_key(f"{call}/verdict")
+
+    def _record_last_arrival(self, entries: Dict[int, bytes], waited_ms: float, phase: str) -> None:
         """The peer whose arrival stamp is latest kept this rank waiting, unless this rank came last (its
         wait was the store's)."""
-        stamps = [_STAMP.unpack_from(entry, 1)[0] for entry in entries]
-        last = max((r for r in range(self.num_ranks) if r != self.rank), key=stamps.__getitem__, default=None)
+        stamps = {r: _STAMP.unpack_from(entry, 1)[0] for r, entry in entries.items()}
+        last = max((r for r in stamps if r != self.rank), key=stamps.__getitem__, default=None)
         if last is not None and stamps[last] > stamps[self.rank]:
             self.slow_ranks.record(last, waited_ms, phase)
 
@@ -187,7 +270,8 @@ class ArrivalGate:
         return "group's Buffer constructions" if self.stays_usable else "Buffer"
 
 
-_ARRIVED, _REFUSED = b"A", b"R"
+# A mail payload gets a first byte too, so that an empty one is not an empty store value.
+_ARRIVED, _REFUSED, _MAIL = b"A", b"R", b"M"
 _STAMP = struct.Struct("<d")  # an arrival's wall-clock time, after its kind
 
 
@@ -195,6 +279,10 @@ def _stamp() -> bytes:
     return _STAMP.pack(time.time())
 
 _construction_gates: Dict[str, ArrivalGate] = {}
+
+
+class MaskedByPeers(TimeoutError):
+    """Raised on a rank that reached a shrink-mode meeting after its peers had masked it."""
 
 
 def construction_gate(group: dist.ProcessGroup) -> ArrivalGate:
@@ -223,10 +311,10 @@ def _decode_form(payload: bytes) -> Dict[str, str]:
     return dict(entry.split(_FIELD_END, 1) for entry in entries)
 
 
-def _form_mismatch(phase: str, forms: List[Dict[str, str]]) -> str:
+def _form_mismatch(phase: str, forms: List[Dict[str, str]], ranks: Optional[List[int]] = None) -> str:
     """The message every rank raises where the ranks' forms of `phase` differ; built from every
     rank's form alike, so it reads the same on every rank."""
-    clauses = [f"{field}: {_ranks_by_phrase(phase, phrases)}" for field, phrases in _differing_fields(forms)]
+    clauses = [f"{field}: {_ranks_by_phrase(phase, phrases, ranks)}" for field, phrases in _differing_fields(forms)]
     return (f"moe_ep: the ranks called {phase} in different forms, so it ran on no rank: " + "; ".join(clauses)
             + ". Every rank must make each call with the same dtypes, sizes, flags and handle; this Buffer is "
             "still usable.")
@@ -245,10 +333,10 @@ def _differing_fields(forms: List[Dict[str, str]]) -> List[Tuple[str, List[str]]
     return []
 
 
-def _ranks_by_phrase(phase: str, phrases: List[str]) -> str:
+def _ranks_by_phrase(phase: str, phrases: List[str], phrase_ranks: Optional[List[int]] = None) -> str:
     """e.g. "rank 1 called dispatch with fp8 x, ranks 0, 2, 3 with bf16 x": the smallest group first."""
     groups: Dict[str, List[int]] = {}
-    for rank, phrase in enumerate(phrases):
+    for rank, phrase in zip(range(len(phrases)) if phrase_ranks is None else phrase_ranks, phrases):
         groups.setdefault(phrase, []).append(rank)
     ordered = sorted(groups.items(), key=lambda item: (len(item[1]), item[1][0]))
     return ", ".join(f"{_ranks_word(ranks)}{f' called {phase}' if i == 0 else ''} with {phrase}"

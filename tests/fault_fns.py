@@ -100,7 +100,7 @@ BAD_CONSTRUCTIONS = {
     "num_arena_bytes negative": (dict(num_arena_bytes=-1), {}, ValueError, "num_arena_bytes: expected an int >= 0"),
     "timeout_s 0": (dict(timeout_s=0), {}, ValueError, "timeout_s: expected a positive, finite number"),
     "low_latency_mode an int": (dict(low_latency_mode=1), {}, TypeError, "low_latency_mode: expected a bool"),
-    "enable_shrink": (dict(enable_shrink=True), {}, NotImplementedError, "enable_shrink: moe_ep has no shrink mode"),
+    "enable_shrink an int": (dict(enable_shrink=1), {}, TypeError, "enable_shrink: expected a bool"),
     "ranks_per_node not dividing": (dict(ranks_per_node=3), {}, ValueError, "ranks_per_node: must divide the group"),
     "ranks_per_node 0": (dict(ranks_per_node=0), {}, ValueError, "ranks_per_node: expected an int >= 1"),
     "MOE_EP_TIMEOUT_S": (dict(timeout_s=None), {"MOE_EP_TIMEOUT_S": "soon"}, ValueError,

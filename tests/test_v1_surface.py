@@ -199,10 +199,7 @@ def refusals_then_round(p: Problem):
     round's dispatch and its combine (with the same handle)."""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     inp = my_inputs(p)
-    size = Buffer.get_low_latency_rdma_size_hint(p.max_tokens, p.hidden, p.num_ranks, p.num_experts)
     outcomes = []
-    _attempt(outcomes, "enable_shrink",
-             lambda: Buffer(dist.group.WORLD, 0, size, True, enable_shrink=True))
     _attempt(outcomes, "comm", lambda: Buffer(None, comm=object()))  # any object stands for an mpi4py comm
     buffer = low_latency_buffer(p)
     _attempt(outcomes, "low_latency_update_mask_buffer", lambda: buffer.low_latency_update_mask_buffer(0, True))
@@ -282,15 +279,14 @@ def test_transport_arguments_are_type_checked_and_change_nothing(pools, seed):
 
 # (call, exception, what the message starts with, what it says to do instead)
 REFUSALS = [
-    ("enable_shrink", "NotImplementedError", "enable_shrink: moe_ep has no shrink mode", "pass enable_shrink=False"),
     ("comm", "NotImplementedError", "comm: moe_ep bootstraps through a torch.distributed ProcessGroup",
      "pass group="),
-    ("low_latency_update_mask_buffer", "NotImplementedError", "low_latency_update_mask_buffer: moe_ep has no shrink",
-     "every rank of the group takes part"),
-    ("low_latency_query_mask_buffer", "NotImplementedError", "low_latency_query_mask_buffer: moe_ep has no shrink",
-     "every rank of the group takes part"),
-    ("low_latency_clean_mask_buffer", "NotImplementedError", "low_latency_clean_mask_buffer: moe_ep has no shrink",
-     "every rank of the group takes part"),
+    ("low_latency_update_mask_buffer", "RuntimeError", "low_latency_update_mask_buffer needs a Buffer created with "
+     "enable_shrink=True", "every rank of the group takes part"),
+    ("low_latency_query_mask_buffer", "RuntimeError", "low_latency_query_mask_buffer needs a Buffer created with "
+     "enable_shrink=True", "every rank of the group takes part"),
+    ("low_latency_clean_mask_buffer", "RuntimeError", "low_latency_clean_mask_buffer needs a Buffer created with "
+     "enable_shrink=True", "every rank of the group takes part"),
     ("dispatch_wait_recv_cost_stats", "NotImplementedError", "dispatch_wait_recv_cost_stats: moe_ep does not measure",
      "pass dispatch_wait_recv_cost_stats=None"),
     ("use_logfmt", "NotImplementedError", "use_logfmt: moe_ep sends combine rows as bf16", "pass use_logfmt=False"),

@@ -31,6 +31,7 @@ from ..checks import FP8_DTYPE
 from ..events import finish_event, wait_previous
 from ..handles import DispatchHandle, LowLatencyHandle
 from ..profiling import Profile
+from ..shrink import SurvivorExchange
 from ..sync import ArrivalGate, Form
 from .base import Backend, CombineCall, DispatchCall, LowLatencyCombineCall, LowLatencyDispatchCall
 from .forms import combine_form, dispatch_form, low_latency_combine_form, low_latency_dispatch_form
@@ -89,7 +90,8 @@ class _LowLatencyState:
     send_token: torch.Tensor  # [M] source token of each message sent, in send order
     send_slot: torch.Tensor  # [M] its top-k slot
     send_counts: List[int]  # messages sent to each rank
-    recv_counts: List[int]  # messages received from each rank
+    # Messages received from each rank: in shrink mode filled in place by the receive, which learns them.
+    recv_counts: List[int]
     arrival_expert: Optional[torch.Tensor] = None  # [M'] local expert of each received message
     arrival_row: Optional[torch.Tensor] = None  # [M'] its row in recv_x[expert]
 
@@ -97,13 +99,16 @@ class _LowLatencyState:
 class PortableBackend(Backend):
     """Every call completes before it returns (its event is empty unless async_finish asks for one)."""
 
-    def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, ranks_per_node: Optional[int] = None):
+    def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, ranks_per_node: Optional[int] = None,
+                 survivors: Optional[SurvivorExchange] = None):
+        """survivors: where low-latency calls meet and move rows in shrink mode (None: every rank takes part)."""
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
         # Nodes of the group: several make the combine sum per node first (the module's docstring).
         self.ranks_per_node = self.num_ranks if ranks_per_node is None else ranks_per_node
         self.gate = gate
+        self.survivors = survivors
         # gloo moves host memory only; NCCL moves device memory.
         self.comm_on_host = dist.get_backend(group) == "gloo"
         # The two [L, R * max, H] row sets low_latency_combine(zero_copy=True) alternates between.
@@ -178,6 +183,22 @@ class PortableBackend(Backend):
             return recv.view(-1, row_bytes).to(device)
 
         return result if async_op else result()
+
+    def _exchange_counted_rows(self, rows: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]):
+        """_exchange_rows started now -> a function that waits for it: (received rows, recv_counts)."""
+        exchange = self._exchange_rows(rows, send_counts, recv_counts, async_op=True)
+        return lambda: (exchange(), list(recv_counts))
+
+    @staticmethod
+    def _rank_of_each(counts: Sequence[int], device: torch.device) -> torch.Tensor:
+        """The rank of each row, for rows grouped by rank with counts[r] rows of rank r."""
+        return torch.repeat_interleave(torch.arange(len(counts), device=device),
+                                       torch.tensor(list(counts), dtype=torch.int64, device=device))
+
+    @staticmethod
+    def _on_ranks(ranks: torch.Tensor, present: List[int]) -> torch.Tensor:
+        """Where `ranks` holds one of `present`."""
+        return torch.isin(ranks, torch.tensor(present, dtype=ranks.dtype, device=ranks.device))
 
     def _all_gather_ints(self, values: torch.Tensor) -> torch.Tensor:
         """[n] int64 from every rank -> [R, n]."""
@@ -350,10 +371,18 @@ class PortableBackend(Backend):
         handle: LowLatencyHandle,
         form: Form,
     ):
-        handle.gate_call = self.gate.enter("low_latency_dispatch", form)
+        meeting = None
+        if self.survivors is None:
+            handle.gate_call = self.gate.enter("low_latency_dispatch", form)
+        else:
+            meeting = self.survivors.meet("low_latency_dispatch", form)
+            handle.gate_call = meeting.call
         local = num_experts // self.num_ranks
         hidden = x.shape[1]
-        token, slot = (topk_idx >= 0).nonzero(as_tuple=True)  # ordered by token, then slot
+        routed = topk_idx >= 0
+        if meeting is not None:  # rows for the experts of ranks that took no part are dropped
+            routed &= self._on_ranks(topk_idx // local, meeting.present)
+        token, slot = routed.nonzero(as_tuple=True)  # ordered by token, then slot
         expert = topk_idx[token, slot]
         order = torch.sort(expert // local, stable=True).indices
         token, slot, expert = token[order], slot[order], expert[order]
@@ -365,8 +394,12 @@ class PortableBackend(Backend):
         meta = torch.stack([expert % local, token], dim=1).to(torch.int32)
         specs = row_specs(token_parts) + [(torch.int32, 2)]
         payload = torch.cat([pack_rows(token_parts)[token], pack_rows([meta])], dim=1)
-        recv_counts = self._all_to_all_ints(send_counts)
-        pending = self._exchange_rows(payload, send_counts, recv_counts, async_op=True)
+        if meeting is None:
+            recv_counts = self._all_to_all_ints(send_counts)
+            pending = self._exchange_counted_rows(payload, send_counts, recv_counts)
+        else:
+            recv_counts = [0] * self.num_ranks
+            pending = self.survivors.send_rows(meeting, "dispatch", payload, send_counts)
 
         rows = num_max_tokens * self.num_ranks
         recv_x = torch.zeros(local, rows, hidden, dtype=FP8_DTYPE if use_fp8 else x.dtype, device=x.device)
@@ -379,7 +412,9 @@ class PortableBackend(Backend):
         handle.backend_state = state
 
         def receive():
-            parts = unpack_rows(pending(), specs)
+            received, recv_counts = pending()
+            state.recv_counts[:] = recv_counts
+            parts = unpack_rows(received, specs)
             arrival_expert = parts[-1][:, 0].long()
             # Arrivals come grouped by source rank, each group in source token order; a stable sort
             # by expert keeps that order within every expert.
@@ -426,21 +461,36 @@ class PortableBackend(Backend):
             message = "handle: its low_latency_dispatch has not received yet: call the dispatch's hook() first"
             self.gate.refuse("low_latency_combine", f"RuntimeError: {message}")
             raise RuntimeError(message)
-        self.gate.enter("low_latency_combine", form)
         rows = x[state.arrival_expert, state.arrival_row]
-        pending = self._exchange_rows(pack_rows([rows]), state.recv_counts, state.send_counts, async_op=True)
+        if self.survivors is None:
+            self.gate.enter("low_latency_combine", form)
+            pending = self._exchange_counted_rows(pack_rows([rows]), state.recv_counts, state.send_counts)
+        else:
+            meeting = self.survivors.meet("low_latency_combine", form)
+            returning = [c if r in meeting.present else 0 for r, c in enumerate(state.recv_counts)]
+            kept = self._on_ranks(self._rank_of_each(state.recv_counts, rows.device), meeting.present)
+            pending = self.survivors.send_rows(meeting, "combine", pack_rows([rows[kept]]), returning)
         num_tokens, num_topk = topk_idx.shape
         combined = (
             out if out is not None else torch.empty(num_tokens, x.shape[2], dtype=torch.bfloat16, device=x.device)
         )
 
         def receive():
-            (returned,) = unpack_rows(pending(), [(x.dtype, x.shape[2])])
+            received, returned_counts = pending()
+            (returned,) = unpack_rows(received, [(x.dtype, x.shape[2])])
+            token, slot = state.send_token, state.send_slot
+            # A rank that returned nothing was masked: its experts' rows leave the sum, as if never routed.
+            masked = [r for r, (sent, came) in enumerate(zip(state.send_counts, returned_counts)) if sent and not came]
+            if masked:
+                back = ~self._on_ranks(self._rank_of_each(state.send_counts, x.device), masked)
+                token, slot = token[back], slot[back]
             per_slot = torch.zeros(num_tokens, num_topk, x.shape[2], dtype=torch.float32, device=x.device)
-            per_slot[state.send_token, state.send_slot] = returned.float()
+            per_slot[token, slot] = returned.float()
+            reached = torch.zeros(num_tokens, num_topk, dtype=torch.bool, device=x.device)
+            reached[token, slot] = True
             acc = torch.zeros(num_tokens, x.shape[2], dtype=torch.float32, device=x.device)
             for k in range(num_topk):
-                take = (topk_idx[:, k] >= 0).unsqueeze(1)
+                take = reached[:, k : k + 1]
                 acc = torch.where(take, acc + topk_weights[:, k : k + 1] * per_slot[:, k], acc)
             combined.copy_(acc.to(combined.dtype))
 
