@@ -136,6 +136,20 @@ def arena_kwargs(p: Problem, arena, num_worst_tokens: int = 0, num_live: int = 4
     return arena_area(p, num_worst_tokens, num_live) if arena else dict(TWO_PASS)
 
 
+# What the kernel paths' tests compare of normal_round's results with the portable backend's.
+ROUND_FIELDS = ("recv_x", "recv_idx", "recv_w", "counts", "cached", "cached_rest", "combined", "combined_w",
+                "num_recv_rows")
+# normal_round's variants every kernel path runs, by test id.
+ROUND_VARIANTS = {
+    "bf16": dict(use_fp8=False, num_biases=0),
+    "fp8_biases": dict(use_fp8=True, num_biases=2),
+    "alignment": dict(use_fp8=False, num_biases=1, expert_alignment=16),
+    "worst_tokens": dict(use_fp8=True, num_worst_tokens=768),  # 8 ranks x 96 tokens: any load fits
+    "no_topk": dict(use_fp8=False, with_topk=False),
+    "stream_args": dict(use_fp8=False, stream_args=True, num_biases=2),
+}
+
+
 def normal_round(p: Problem, use_fp8: bool = False, expert_alignment: int = 1, num_worst_tokens: int = 0,
                  num_biases: int = 0, with_topk: bool = True, config: Config = None, buffer: Buffer = None,
                  stream_args: bool = False, dtype: torch.dtype = torch.bfloat16, arena: bool = None,
@@ -714,6 +728,15 @@ def oversized_sm_budget(p: Problem, num_sms: int):
         outcome = str(exc)
     recv_x = buffer.dispatch(inp["x"], **layout)[0]
     return outcome, recv_x.shape[0]
+
+
+def construction_error() -> str:
+    """What a Buffer's construction raises as ValueError here ("" where it does not)."""
+    try:
+        Buffer(dist.group.WORLD, 1 << 20)
+    except ValueError as exc:
+        return str(exc)
+    return ""
 
 
 def with_env(env: dict, fn, *args, **kwargs):

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from moe_ep import Buffer
 
+from .fault_fns import _outcome
 from .problems import Problem, expert_output, make_inputs
 
 
@@ -38,14 +39,6 @@ def timed_round(p: Problem, buffer: Buffer) -> dict:
         combined, _, _ = buffer.low_latency_combine(y, inp["topk_idx"], inp["topk_weights"], handle)
     return dict(recv_x=recv_x, recv_count=recv_count, y=y, combined=combined,
                 seconds=time.perf_counter() - start, warnings=[str(w.message) for w in caught])
-
-
-def _outcome(fn):
-    try:
-        fn()
-        return "returned", ""
-    except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
-        return type(exc).__name__, str(exc)
 
 
 def rank_stops_calling(p: Problem, dead_rank: int, timeout_s: float):

@@ -21,8 +21,9 @@ pytestmark = [
                        reason=str(_native.internode_unavailable_reason())),
 ]
 
-FIELDS = ("recv_x", "recv_idx", "recv_w", "counts", "cached", "cached_rest", "combined", "combined_w",
-          "num_recv_rows")
+FIELDS = rank_fns.ROUND_FIELDS
+# The kernel paths' variants, and float32 rows (the internode combine sums them in float32 vectors too).
+VARIANTS = {**rank_fns.ROUND_VARIANTS, "float32": dict(dtype=torch.float32, num_biases=1)}
 NODES = pytest.mark.parametrize("num_ranks,ranks_per_node", [(4, 2), (8, 4), (8, 2)], ids=["2x2", "2x4", "4x2"])
 
 
@@ -39,15 +40,7 @@ def _compare(seed, on_gpu, on_cpu, ranks_per_node):
 
 
 @NODES
-@pytest.mark.parametrize("variant", [
-    dict(use_fp8=False, num_biases=0),
-    dict(use_fp8=True, num_biases=2),
-    dict(use_fp8=False, num_biases=1, expert_alignment=16),
-    dict(use_fp8=True, num_worst_tokens=768),  # 8 ranks x 96 tokens: any load fits
-    dict(use_fp8=False, with_topk=False),
-    dict(use_fp8=False, stream_args=True, num_biases=2),
-    dict(dtype=torch.float32, num_biases=1),
-], ids=["bf16", "fp8_biases", "alignment", "worst_tokens", "no_topk", "stream_args", "float32"])
+@pytest.mark.parametrize("variant", list(VARIANTS.values()), ids=list(VARIANTS))
 def test_internode_equals_portable(pools, gpu_pools, seed, num_ranks, ranks_per_node, variant):
     p = Problem(seed, num_ranks, num_ranks * 8, 512, 6, max_tokens=96)
     on_gpu = gpu_pools(num_ranks).run(rank_fns.internode_round, p, ranks_per_node, **variant)

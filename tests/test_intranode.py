@@ -23,8 +23,7 @@ pytestmark = [
 
 # Peers that never come are named after this long.
 SHORT_TIMEOUT = {"MOE_EP_TIMEOUT_S": "2.0"}
-FIELDS = ("recv_x", "recv_idx", "recv_w", "counts", "cached", "cached_rest", "combined", "combined_w",
-          "num_recv_rows")
+FIELDS = rank_fns.ROUND_FIELDS
 
 
 def _compare(seed, on_gpu, on_cpu, against="the portable backend"):
@@ -42,14 +41,7 @@ ARENAS = pytest.mark.parametrize("arena", [None, False], ids=["default_arena", "
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])
-@pytest.mark.parametrize("variant", [
-    dict(use_fp8=False, num_biases=0),
-    dict(use_fp8=True, num_biases=2),
-    dict(use_fp8=False, num_biases=1, expert_alignment=16),
-    dict(use_fp8=True, num_worst_tokens=768),  # 8 ranks x 96 tokens: any load fits
-    dict(use_fp8=False, with_topk=False),
-    dict(use_fp8=False, stream_args=True, num_biases=2),
-])
+@pytest.mark.parametrize("variant", list(rank_fns.ROUND_VARIANTS.values()), ids=list(rank_fns.ROUND_VARIANTS))
 @ARENAS
 def test_intranode_equals_portable(pools, gpu_pools, seed, num_ranks, variant, arena):
     p = Problem(seed, num_ranks, num_ranks * 8, 512, 6, max_tokens=96)

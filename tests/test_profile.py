@@ -13,7 +13,7 @@ from moe_ep.buffer import default_config_size_hints
 from moe_ep.profiling import PHASES, format_table
 
 from .problems import Problem, expert_output
-from .rank_fns import cpu, my_inputs, with_env
+from .rank_fns import construction_error, cpu, my_inputs, with_env
 
 # The round's calls per phase: a layout, a dispatch and its count exchange, two cached dispatches, a
 # combine, a low-latency dispatch and combine, each given a hook.
@@ -145,16 +145,8 @@ def test_a_profiled_buffer_is_freed_when_dropped(pools, seed):
 
 
 def test_profile_env_refuses_other_values(pools):
-    message = pools(2).run(with_env, {"MOE_EP_PROFILE": "yes"}, _construction_error)
+    message = pools(2).run(with_env, {"MOE_EP_PROFILE": "yes"}, construction_error)
     assert all("MOE_EP_PROFILE" in m for m in message)
-
-
-def _construction_error() -> str:
-    try:
-        Buffer(dist.group.WORLD, 1 << 20)
-    except ValueError as exc:
-        return str(exc)
-    return ""
 
 
 @pytest.mark.parametrize("num_ranks", [2, 3])

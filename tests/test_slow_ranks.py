@@ -6,11 +6,10 @@ import time
 import pytest
 import torch.distributed as dist
 
-from moe_ep import Buffer
 from moe_ep.slow_ranks import DEFAULT_SLOW_RANK_MS, LOG_EVERY, SlowRanks, slow_rank_ms
 
 from .problems import Problem
-from .rank_fns import dispatch_args, my_inputs, normal_buffer, with_env
+from .rank_fns import construction_error, dispatch_args, my_inputs, normal_buffer, with_env
 
 SLEEP_S = 0.05
 
@@ -101,14 +100,6 @@ def test_slow_rank_threshold_from_the_environment(monkeypatch):
             slow_rank_ms()
 
 
-def _construction_error() -> str:
-    try:
-        Buffer(dist.group.WORLD, 1 << 20)
-    except ValueError as exc:
-        return str(exc)
-    return ""
-
-
 def test_a_bad_threshold_is_refused_at_construction(pools):
-    messages = pools(2).run(with_env, {"MOE_EP_SLOW_RANK_MS": "soon"}, _construction_error)
+    messages = pools(2).run(with_env, {"MOE_EP_SLOW_RANK_MS": "soon"}, construction_error)
     assert all("MOE_EP_SLOW_RANK_MS" in m for m in messages), messages

@@ -77,14 +77,9 @@ class Report:
         """A line plot of `series` as DIR/filename; returns its path, or "" without --plot, matplotlib or data."""
         if not self.plot_dir or self.no_plots or not any(series.values()):
             return ""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
         import matplotlib.ticker
 
-        os.makedirs(self.plot_dir, exist_ok=True)
-        fig, ax = plt.subplots(figsize=(8, 5))
+        fig, ax = self._figure((8, 5))
         for label, points in sorted(series.items()):
             if points:
                 xs, ys = zip(*sorted(points))
@@ -97,30 +92,35 @@ class Report:
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
-        fig.tight_layout()
-        path = os.path.join(self.plot_dir, filename)
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        self.plots_written.append(path)
-        return path
+        return self._save(fig, filename)
 
     def bar_chart(self, filename: str, title: str, ylabel: str, bars: Dict[str, float]) -> str:
         """A bar per label of `bars` as DIR/filename; returns its path, or "" without --plot, matplotlib or data."""
         if not self.plot_dir or self.no_plots or not bars:
             return ""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        os.makedirs(self.plot_dir, exist_ok=True)
-        fig, ax = plt.subplots(figsize=(9, 5))
+        fig, ax = self._figure((9, 5))
         labels, values = list(bars), list(bars.values())
         drawn = ax.bar(labels, values)
         ax.bar_label(drawn, fmt="%.3g")
         ax.set_title(title, fontsize="medium")
         ax.set_ylabel(ylabel)
         ax.grid(True, axis="y", alpha=0.3)
+        return self._save(fig, filename)
+
+    def _figure(self, size):
+        """A figure and its axes, drawn off screen (benchmark machines have no display)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        os.makedirs(self.plot_dir, exist_ok=True)
+        return plt.subplots(figsize=size)
+
+    def _save(self, fig, filename: str) -> str:
+        """fig as DIR/filename, closed; -> its path."""
+        import matplotlib.pyplot as plt
+
         fig.tight_layout()
         path = os.path.join(self.plot_dir, filename)
         fig.savefig(path, dpi=120)
