@@ -4,6 +4,7 @@ they were built, and says why when they were not."""
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from typing import Optional
 
@@ -11,19 +12,31 @@ import torch
 
 
 @functools.lru_cache(maxsize=None)
-def _load():
+def _load_module(name: str, what: str):
+    """(moe_ep.<name>, None), or (None, why not) where setup.py did not build it."""
     try:
-        from . import _C  # noqa: F401  (built by setup.py where CUDA is present)
+        return importlib.import_module(f"{__package__}.{name}"), None
     except ImportError as exc:
-        return None, f"the CUDA extension moe_ep._C is not built ({exc})"
-    return _C, None
+        return None, f"the {what} moe_ep.{name} is not built ({exc})"
 
 
-def ops():
-    module, reason = _load()
+def _load():
+    return _load_module("_C", "CUDA extension")  # built by setup.py where CUDA is present
+
+
+def _load_internode():
+    return _load_module("_internode", "internode extension")  # built by setup.py where NVSHMEM is found
+
+
+def _required(loaded):
+    module, reason = loaded
     if module is None:
         raise RuntimeError(reason)
     return module
+
+
+def ops():
+    return _required(_load())
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,20 +47,8 @@ def has_kernels() -> bool:
     return module is not None and torch.cuda.is_available()
 
 
-@functools.lru_cache(maxsize=None)
-def _load_internode():
-    try:
-        from . import _internode  # noqa: F401  (built by setup.py where NVSHMEM is found)
-    except ImportError as exc:
-        return None, f"the internode extension moe_ep._internode is not built ({exc})"
-    return _internode, None
-
-
 def internode_ops():
-    module, reason = _load_internode()
-    if module is None:
-        raise RuntimeError(reason)
-    return module
+    return _required(_load_internode())
 
 
 def internode_unavailable_reason() -> Optional[str]:

@@ -40,6 +40,34 @@ def _align16(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
+def _laid_out(start: int, sizes) -> dict:
+    """Byte offsets of the named (name, size) regions one after the other from `start`, 16-byte aligned,
+    and their "end"."""
+    regions, offset = {}, start
+    for name, size in sizes:
+        regions[name] = offset
+        offset = _align16(offset + size)
+    regions["end"] = offset
+    return regions
+
+
+def dispatch_regions(start: int, sent: int, forwarded: int, received: int, msg: int, row_bytes: int,
+                     scale_bytes: int, num_topk: int) -> dict:
+    """A dispatch's regions: the messages this rank sends and forwards (the most any rank does, `msg` bytes
+    each) and its received rows, field by field."""
+    return _laid_out(start, (
+        ("send_region", sent * msg), ("recv_region", forwarded * msg), ("stage_x", received * row_bytes),
+        ("stage_scales", received * scale_bytes), ("stage_idx", received * 8 * num_topk),
+        ("stage_weights", received * 4 * num_topk), ("stage_source", received * 4), ("stage_forward", received * 8)))
+
+
+def combine_regions(start: int, sent: int, forwarded: int, ranks_per_node: int, combine_row: int) -> dict:
+    """A combine's regions: the node sums that come back, those this rank puts back, and the rows each
+    rank of its node pushes to it."""
+    return _laid_out(start, (("return_region", sent * combine_row), ("sum_region", forwarded * combine_row),
+                             ("area_region", ranks_per_node * forwarded * combine_row)))
+
+
 @dataclass
 class InternodeDispatchState:
     """What a fresh dispatch leaves for its combine and its cached dispatches."""
@@ -192,21 +220,21 @@ class InternodeBackend(Backend):
             row_bytes = x.shape[1] * x.element_size()
             scale_bytes = 0 if scales is None else scales.shape[1] * scales.element_size()
             nonce = self._next_nonce()
-            if call.handle is None:
+            handle = call.handle
+            if handle is None:
                 state, per_expert = self._plan(call, num_tokens, row_bytes, scale_bytes, nonce)
-                handle = call.handle
             else:
-                handle = call.handle
                 state = handle.backend_state
-                needed = self._dispatch_regions(state, row_bytes, scale_bytes, 0)["end"]
-                if needed > self.num_bytes:  # rows wider than its dispatch's (the same on every rank)
-                    self._grow(needed)
                 self._arrive(nonce)
-            num_topk = 0 if call.handle is not None or call.topk_idx is None else call.topk_idx.shape[1]
-            regions = self._dispatch_regions(state, row_bytes, scale_bytes, num_topk)
+            num_topk = 0 if handle is not None or call.topk_idx is None else call.topk_idx.shape[1]
+            msg = self.ops.message(row_bytes, scale_bytes, num_topk, self.per_node)["bytes"]
+            regions = dispatch_regions(self.control_bytes, state.sent, state.forwarded, state.received, msg,
+                                       row_bytes, scale_bytes, num_topk)
+            if regions["end"] > self.num_bytes:  # the same on every rank: the counts and the form are everyone's
+                self._grow(regions["end"])
             node = self.rank // self.per_node
             messages = int(state.node_count[self.rank].sum() - state.node_count[self.rank, node])
-            self.network_bytes += messages * self.ops.message(row_bytes, scale_bytes, num_topk, self.per_node)["bytes"]
+            self.network_bytes += messages * msg
             topk_idx = call.topk_idx.contiguous() if num_topk else None
             topk_weights = call.topk_weights.contiguous() if num_topk else None
             num_experts = call.num_tokens_per_expert.shape[0] if call.handle is None else 0
@@ -287,10 +315,6 @@ class InternodeBackend(Backend):
             sent=int(node_count.sum(1).max()), forwarded=max(forwarded_by), received=int(rank_count.sum(0).max()),
             num_recv=int(rank_count[:, me].sum()), num_chunks=num_chunks, rank_count=rank_count,
             node_count=node_count)
-        regions = self._dispatch_regions(state, row_bytes, scale_bytes, num_topk)
-        needed = regions.pop("end")
-        if needed > self.num_bytes:  # the same on every rank: all counts are everyone's
-            self._grow(needed)
         return state, per_expert
 
     @staticmethod
@@ -319,21 +343,6 @@ class InternodeBackend(Backend):
         for i, name in enumerate(names):
             pointers[name] = base + step * (R + i * N)
         return pointers
-
-    def _dispatch_regions(self, state: InternodeDispatchState, row_bytes: int, scale_bytes: int, num_topk: int) -> dict:
-        """Byte offsets of a dispatch's regions for messages of this shape, and their "end"."""
-        msg = self.ops.message(row_bytes, scale_bytes, num_topk, self.per_node)["bytes"]
-        offset = self.control_bytes
-        regions = {}
-        for name, size in (("send_region", state.sent * msg), ("recv_region", state.forwarded * msg),
-                           ("stage_x", state.received * row_bytes), ("stage_scales", state.received * scale_bytes),
-                           ("stage_idx", state.received * 8 * num_topk),
-                           ("stage_weights", state.received * 4 * num_topk),
-                           ("stage_source", state.received * 4), ("stage_forward", state.received * 8)):
-            regions[name] = offset
-            offset = _align16(offset + size)
-        regions["end"] = offset
-        return regions
 
     def _receive(self, state, regions, row_bytes, scale_bytes, num_topk, x, scales, num_worst_tokens, compute,
                  allocate_on_comm_stream: bool, fresh: bool) -> List[torch.Tensor]:
@@ -396,13 +405,10 @@ class InternodeBackend(Backend):
                              f"a multiple of 16, got {row_bytes}")
         num_weights = 0 if call.topk_weights is None else call.topk_weights.shape[1]
         combine_row = _align16(row_bytes + 4 * num_weights)
-        regions, offset = {}, self.control_bytes
-        for name, size in (("return_region", state.sent * combine_row), ("sum_region", state.forwarded * combine_row),
-                           ("area_region", self.per_node * state.forwarded * combine_row)):
-            regions[name] = offset
-            offset = _align16(offset + size)
-        if offset > self.num_bytes:  # the same on every rank: the handle's sizes are every rank's
-            self._grow(offset)
+        regions = combine_regions(self.control_bytes, state.sent, state.forwarded, self.per_node, combine_row)
+        needed = regions.pop("end")
+        if needed > self.num_bytes:  # the same on every rank: the handle's sizes are every rank's
+            self._grow(needed)
         node, local = self.rank // self.per_node, self.rank % self.per_node
         forwarded = state.node_count[local :: self.per_node, node]
         self.network_bytes += int(forwarded.sum() - forwarded[node]) * combine_row
@@ -439,11 +445,11 @@ def rdma_size_hint(num_max_tokens: int, hidden: int, num_ranks: int, ranks_per_n
     rows of `hidden` columns (bf16 or fp8 dispatch, bf16 or float32 combine) and num_topk: the control
     area, and the regions of the largest call (every token to every node and rank)."""
     ops = _native.internode_ops()
-    nodes = num_ranks // ranks_per_node
+    control, nodes = ops.layout()["control_bytes"], num_ranks // ranks_per_node
     scale_bytes = (hidden + 127) // 128 * 4
     msg = ops.message(2 * hidden, scale_bytes, num_topk, ranks_per_node)["bytes"]
-    stage_row = 2 * hidden + scale_bytes + 12 * num_topk + 12
-    dispatch = 2 * nodes * num_max_tokens * msg + num_ranks * num_max_tokens * stage_row
-    combine_row = _align16(4 * hidden + 4 * num_topk)
-    combine = (2 + ranks_per_node) * nodes * num_max_tokens * combine_row
-    return ops.layout()["control_bytes"] + max(dispatch, combine) + 16 * 16
+    sent = forwarded = nodes * num_max_tokens
+    dispatch = dispatch_regions(control, sent, forwarded, num_ranks * num_max_tokens, msg, 2 * hidden, scale_bytes,
+                                num_topk)
+    combine = combine_regions(control, sent, forwarded, ranks_per_node, _align16(4 * hidden + 4 * num_topk))
+    return max(dispatch["end"], combine["end"])
