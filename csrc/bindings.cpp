@@ -89,6 +89,21 @@ py::tuple fp8_cast(const torch::Tensor& x, bool round_scale, bool use_ue8m0) {
     return py::make_tuple(q, scales);
 }
 
+py::tuple fp8_blockwise_cast(const torch::Tensor& x, bool pow2_scales, double amax_epsilon, double inf_factor) {
+    TORCH_CHECK(x.is_cuda() && x.dim() == 2, "x: expected a 2-D CUDA tensor");
+    TORCH_CHECK(x.size(1) % fp8::kBlock == 0, "x: hidden must be a multiple of ", fp8::kBlock, ", got ", x.size(1));
+    const c10::cuda::CUDAGuard guard(x.device());
+    auto src = aligned_contiguous(x);
+    const int64_t n = src.size(0), hidden = src.size(1);
+    auto q = torch::empty({n, hidden}, src.options().dtype(torch::kFloat8_e4m3fn));
+    auto scale_inv = torch::empty({n, hidden / fp8::kBlock}, src.options().dtype(torch::kFloat32));
+    fp8::blockwise_cast(src.data_ptr(), dtype_of(src, "x"), static_cast<int>(n), static_cast<int>(hidden), pow2_scales,
+                        static_cast<float>(amax_epsilon), static_cast<float>(inf_factor),
+                        static_cast<uint8_t*>(q.data_ptr()), scale_inv.data_ptr<float>(), num_sms_of_current_device(),
+                        current_stream());
+    return py::make_tuple(q, scale_inv);
+}
+
 torch::Tensor fp8_cast_back(const torch::Tensor& q, const torch::Tensor& scales, torch::ScalarType out_dtype) {
     TORCH_CHECK(q.is_cuda() && q.dim() == 2 && q.scalar_type() == torch::kFloat8_e4m3fn,
                 "x_fp8: expected a 2-D float8_e4m3fn CUDA tensor");
@@ -719,6 +734,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "moe_ep CUDA kernels";
     m.def("get_dispatch_layout", &moe_ep::get_dispatch_layout, "dispatch layout from topk_idx");
     m.def("fp8_cast", &moe_ep::fp8_cast, "1x128 per-token e4m3 cast");
+    m.def("fp8_blockwise_cast", &moe_ep::fp8_blockwise_cast, "1x128 e4m3 cast under transformer-engine's rule");
     m.def("fp8_cast_back", &moe_ep::fp8_cast_back, "1x128 per-token e4m3 cast back");
     m.def("ipc_alloc", &moe_ep::ipc_alloc, "zeroed device buffer and its CUDA IPC handle");
     m.def("ipc_open", &moe_ep::ipc_open, "map a peer's buffer");

@@ -45,6 +45,25 @@ def test_the_cast_equals_te_source_bit_for_bit(dtype, pow2, eps):
         assert bool((mantissa == 0.5).all()), "power-of-two scales"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("eps", [0.0, 1e-4])
+def test_the_cast_kernel_equals_te_source_bit_for_bit(dtype, pow2, eps):
+    """On a GPU the cast is one kernel; same bytes and scales as TE's source, on the edge cases and on
+    rows enough to spread over every SM."""
+    from moe_ep import _native
+    if not _native.has_kernels():
+        pytest.skip("the CUDA extension moe_ep._C is not built")
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    many = torch.randn(3000, 384, generator=g) * torch.logspace(-4, 4, 3000).unsqueeze(1)
+    x = torch.cat([_inputs(dtype).float(), many]).to(dtype)
+    data, scale_inv = blockwise_cast_to_fp8(x.cuda(), pow2_scales=pow2, amax_epsilon=eps)
+    ref_data, ref_scale_inv = ref.quantize_rowwise(x, pow2, eps)
+    assert torch.equal(data.cpu().view(torch.uint8), ref_data)
+    assert torch.equal(scale_inv.cpu().view(torch.int32), ref_scale_inv.view(torch.int32))
+
+
 def test_moe_eps_own_cast_is_not_te_s_at_the_edges():
     """Why the dispatcher does not send per_token_cast_to_fp8's scales: amax floored at 1e-4 and scales
     rounded from amax/448 differ from TE's on zero blocks and next to powers of two."""

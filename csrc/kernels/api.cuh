@@ -37,6 +37,13 @@ constexpr float kAmaxFloor = 1e-4f;
 void per_token_cast(const void* x, DType x_dtype, int num_tokens, int hidden, bool round_scale, bool use_ue8m0,
                     uint8_t* x_fp8, void* scales, int num_sms, cudaStream_t stream);
 
+// The same cast under transformer-engine's 1D-block rule (Float8BlockQuantizer): per 128 columns the
+// factor 448 / amax (amax floored at amax_epsilon when it is positive), rounded down to a power of two
+// with pow2_scales, inf_factor where it is infinite, 1 for a zero block; x_fp8 = e4m3(x * factor) and
+// scale_inv [num_tokens, hidden / 128] = 1 / factor. hidden % 128 == 0.
+void blockwise_cast(const void* x, DType x_dtype, int num_tokens, int hidden, bool pow2_scales, float amax_epsilon,
+                    float inf_factor, uint8_t* x_fp8, float* scale_inv, int num_sms, cudaStream_t stream);
+
 // out [num_tokens, hidden] (bf16 or float32) = e4m3 value * its block's scale.
 void per_token_cast_back(const uint8_t* x_fp8, const void* scales, bool scales_ue8m0, int num_tokens, int hidden,
                          void* out, DType out_dtype, int num_sms, cudaStream_t stream);

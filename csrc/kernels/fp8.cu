@@ -1,5 +1,6 @@
-// 1x128 per-token FP8 (e4m3) cast and cast-back, bitwise equal to moe_ep/fp8.py (the block arithmetic
-// is in fp8_block.cuh).
+// 1x128 per-token FP8 (e4m3) cast and cast-back, bitwise equal to moe_ep/fp8.py, and the cast under
+// transformer-engine's rule, bitwise equal to moe_ep/fp8_blockwise.py (the block arithmetic is in
+// fp8_block.cuh).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -17,9 +18,10 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kGroupsPerCta = kThreads / kLanesPerBlock;
 
-template <typename T>
+// Rule: bool (moe_ep's rule: round_scale) or TeScaling (transformer-engine's; scales are float32 scale_inv).
+template <typename T, typename Rule>
 __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x, int64_t num_groups, int hidden,
-                                                        bool round_scale, bool use_ue8m0, uint8_t* __restrict__ q,
+                                                        Rule rule, bool use_ue8m0, uint8_t* __restrict__ q,
                                                         void* __restrict__ scales) {
     const int blocks_per_row = hidden / kBlock;
     const int lane = threadIdx.x % kLanesPerBlock;
@@ -37,7 +39,7 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
         float v[kElemsPerLane] = {};
         if (in_range) load_lane(x + offset, v);
         alignas(16) uint8_t out[kElemsPerLane];
-        const float scale = cast_lane(v, round_scale, out);
+        const float scale = cast_lane(v, rule, out);
         if (!in_range) continue;
         *reinterpret_cast<uint4*>(q + offset) = *reinterpret_cast<const uint4*>(out);
         if (lane == 0) {
@@ -106,28 +108,40 @@ int grid_for(int64_t work_items, int per_cta, int num_sms) {
     return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(needed, static_cast<int64_t>(num_sms) * 8)));
 }
 
-}  // namespace
-
-void per_token_cast(const void* x, DType x_dtype, int num_tokens, int hidden, bool round_scale, bool use_ue8m0,
-                    uint8_t* x_fp8, void* scales, int num_sms, cudaStream_t stream) {
+template <typename Rule>
+void launch_cast(const void* x, DType x_dtype, int num_tokens, int hidden, Rule rule, bool use_ue8m0, uint8_t* x_fp8,
+                 void* scales, int num_sms, cudaStream_t stream) {
     const int64_t groups = static_cast<int64_t>(num_tokens) * (hidden / kBlock);
     if (groups == 0) return;
     const int grid = grid_for(groups, kGroupsPerCta, num_sms);
     switch (x_dtype) {
         case DType::kBFloat16:
-            cast_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), groups, hidden,
-                                                       round_scale, use_ue8m0, x_fp8, scales);
+            cast_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), groups, hidden, rule,
+                                                       use_ue8m0, x_fp8, scales);
             break;
         case DType::kFloat16:
-            cast_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const __half*>(x), groups, hidden, round_scale,
-                                                       use_ue8m0, x_fp8, scales);
+            cast_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const __half*>(x), groups, hidden, rule, use_ue8m0,
+                                                       x_fp8, scales);
             break;
         case DType::kFloat32:
-            cast_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const float*>(x), groups, hidden, round_scale,
-                                                       use_ue8m0, x_fp8, scales);
+            cast_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const float*>(x), groups, hidden, rule, use_ue8m0,
+                                                       x_fp8, scales);
             break;
     }
     MOE_EP_LAUNCH_CHECK("fp8 cast_kernel");
+}
+
+}  // namespace
+
+void per_token_cast(const void* x, DType x_dtype, int num_tokens, int hidden, bool round_scale, bool use_ue8m0,
+                    uint8_t* x_fp8, void* scales, int num_sms, cudaStream_t stream) {
+    launch_cast(x, x_dtype, num_tokens, hidden, round_scale, use_ue8m0, x_fp8, scales, num_sms, stream);
+}
+
+void blockwise_cast(const void* x, DType x_dtype, int num_tokens, int hidden, bool pow2_scales, float amax_epsilon,
+                    float inf_factor, uint8_t* x_fp8, float* scale_inv, int num_sms, cudaStream_t stream) {
+    launch_cast(x, x_dtype, num_tokens, hidden, TeScaling{pow2_scales, amax_epsilon, inf_factor}, false, x_fp8,
+                scale_inv, num_sms, stream);
 }
 
 void per_token_cast_back(const uint8_t* x_fp8, const void* scales, bool scales_ue8m0, int num_tokens, int hidden,

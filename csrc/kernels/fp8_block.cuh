@@ -2,7 +2,8 @@
 // dispatch (low_latency.cu), so that both are bitwise equal to moe_ep/fp8.py: float32 amax (floored);
 // scale = amax / 448 and inverse = 448 / amax, or the scale rounded up to a power of two and
 // inverse = 1 / scale; each element times the inverse, round-to-nearest-even e4m3 with saturation.
-// Explicit _rn intrinsics keep the compiler from fusing or approximating.
+// transformer-engine's rule (te_block_factor) is the other one the cast kernel offers, bitwise equal
+// to moe_ep/fp8_blockwise.py. Explicit _rn intrinsics keep the compiler from fusing or approximating.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -31,6 +32,23 @@ __device__ __forceinline__ void block_scale(float amax, bool round_scale, float&
         scale = round_up_to_power_of_two(scale);
         inverse = __fdiv_rn(1.f, scale);
     }
+}
+
+// transformer-engine's 1D-block quantizer: factor = 448 / max(amax, amax_epsilon), its mantissa cleared
+// when scales are powers of two, an infinite factor replaced by inf_factor (which depends on the input
+// dtype, so the host passes it), a zero block scaled by 1.
+struct TeScaling {
+    bool pow2;
+    float amax_epsilon;
+    float inf_factor;
+};
+
+__device__ __forceinline__ float te_block_factor(float amax, const TeScaling& rule) {
+    if (rule.amax_epsilon > 0.f) amax = fmaxf(amax, rule.amax_epsilon);
+    float factor = __fdiv_rn(kE4M3Max, amax);
+    if (rule.pow2 && isfinite(factor) && factor != 0.f) factor = __uint_as_float(__float_as_uint(factor) & 0xFF800000u);
+    if (isinf(factor)) factor = rule.inf_factor;
+    return amax == 0.f ? 1.f : factor;
 }
 
 __device__ __forceinline__ uint8_t to_e4m3(float value, float inverse) {
@@ -73,20 +91,33 @@ __device__ __forceinline__ void load_lane(const T* src, float (&v)[kElemsPerLane
     }
 }
 
-// One lane's part of a block: the block's amax over its eight lanes (all 32 lanes of the warp call
-// this), the block's scale, and the lane's 16 e4m3 values.
-__device__ __forceinline__ float cast_lane(const float (&v)[kElemsPerLane], bool round_scale,
-                                           uint8_t (&out)[kElemsPerLane]) {
+// The block's amax over its eight lanes (all 32 lanes of the warp call this).
+__device__ __forceinline__ float block_amax(const float (&v)[kElemsPerLane]) {
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < kElemsPerLane; ++i) amax = fmaxf(amax, fabsf(v[i]));
 #pragma unroll
     for (int mask = kLanesPerBlock / 2; mask > 0; mask >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, mask));
+    return amax;
+}
+
+// One lane's part of a block: the block's scale, and the lane's 16 e4m3 values.
+__device__ __forceinline__ float cast_lane(const float (&v)[kElemsPerLane], bool round_scale,
+                                           uint8_t (&out)[kElemsPerLane]) {
     float scale, inverse;
-    block_scale(amax, round_scale, scale, inverse);
+    block_scale(block_amax(v), round_scale, scale, inverse);
 #pragma unroll
     for (int i = 0; i < kElemsPerLane; ++i) out[i] = to_e4m3(v[i], inverse);
     return scale;
+}
+
+// The same under transformer-engine's rule: returns the block's scale_inv = 1 / factor.
+__device__ __forceinline__ float cast_lane(const float (&v)[kElemsPerLane], const TeScaling& rule,
+                                           uint8_t (&out)[kElemsPerLane]) {
+    const float factor = te_block_factor(block_amax(v), rule);
+#pragma unroll
+    for (int i = 0; i < kElemsPerLane; ++i) out[i] = to_e4m3(v[i], factor);
+    return __fdiv_rn(1.f, factor);
 }
 
 }  // namespace fp8
