@@ -3,7 +3,7 @@
 # benchmarks, write logs and a summary. Writes into ${OUT:-out}/.
 #   usage: bash scripts/gpu_check.sh [pytest -k expression]
 #   MOE_EP_SKIP_BENCH=1: build and tests only; MOE_EP_SKIP_TESTS=1: build and benchmarks only.
-#   GPU_TESTS: the test files (default: the six below; the whole set takes over 8 min on one H200, so a
+#   GPU_TESTS: the test files (default: the seven below; the whole set takes over 8 min on one H200, so a
 #   600-s call takes it in two parts, e.g. "tests/test_intranode.py tests/test_gpu_kernels.py" and
 #   "tests/test_low_latency_kernels.py tests/test_benchmark_scripts.py tests/test_shared_gpu.py", on a
 #   machine kept warm). GPU_TESTS_TIMEOUT_S: a limit on the tests that still lets pytest report.
@@ -28,7 +28,7 @@ summary "build: ok in $(( $(date +%s) - t0 )) s; $($PY -c 'import moe_ep, json; 
 status=0
 if [[ ${MOE_EP_SKIP_TESTS:-0} != 1 ]]; then  # benchmarks alone: a second call on the still-warm machine
 t0=$(date +%s)
-GPU_TESTS=${GPU_TESTS:-tests/test_gpu_kernels.py tests/test_intranode.py tests/test_internode.py tests/test_low_latency_kernels.py tests/test_benchmark_scripts.py tests/test_shared_gpu.py}
+GPU_TESTS=${GPU_TESTS:-tests/test_gpu_kernels.py tests/test_fp8_blockwise.py tests/test_intranode.py tests/test_internode.py tests/test_low_latency_kernels.py tests/test_benchmark_scripts.py tests/test_shared_gpu.py}
 # shellcheck disable=SC2086  # GPU_TESTS: a list of files
 # GPU_TESTS_TIMEOUT_S: stop the tests that long after they start with SIGINT, so that pytest still
 # writes its failures and summary (a limit that kills the call loses them; 0: no limit).
