@@ -83,8 +83,8 @@ TWO_NODE_STEPS = ["--config", TINY, "--dispatcher", "deepep", "--steps", "3"]
 
 def test_two_torchrun_agents_train_like_one_agent_cut_into_the_same_nodes(tmp_path):
     """Two agents of 2 ranks are two nodes to moe_ep (an agent's ranks, LOCAL_WORLD_SIZE, where several
-    agents run): their per-step losses equal bit for bit those of one agent of 4 ranks cut into nodes of
-    2 by --ranks-per-node, since the same nodes give the portable backend's combine the same per-node sums."""
+    agents run, as the log says): their per-step losses equal bit for bit those of one agent of 4 ranks
+    cut into nodes of 2 by --ranks-per-node: the same ranks, nodes and calls, whichever agent started them."""
     one, one_text = _train_under_agents(tmp_path, "one", 1, 4, [*TWO_NODE_STEPS, "--ranks-per-node", "2"], ENV)
     two, two_text = _train_under_agents(tmp_path, "two", 2, 2, TWO_NODE_STEPS, ENV)
     assert len(one) == 3 and two == one, (one, two)
