@@ -2,11 +2,16 @@
 
 Every rank is one expert-parallel rank (EP = world size, TP = PP = 1) and one data-parallel replica of the
 dense layers. Launch with torchrun, on CPU (gloo) or GPUs (NCCL, one GPU per rank; gloo when ranks
-share a GPU, under MPS via `python -m moe_ep.launch`):
+share a GPU, under MPS via `python -m moe_ep.launch`), one agent per node:
 
     torchrun --nproc-per-node 4 examples/train_moe.py --config configs/tiny_cpu.yaml
-    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-backend c10d \\
-        --rdzv-endpoint host0:29500 examples/train_moe.py --config configs/mixtral_8x7b_like.yaml
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr host0 --master-port 29500 \\
+        examples/train_moe.py --config configs/mixtral_8x7b_like.yaml      # node-rank 1 on the other node
+
+A rank uses GPU LOCAL_RANK (modulo the GPUs it sees). The ranks moe_ep treats as one node: --ranks-per-node,
+else MOE_EP_RANKS_PER_NODE, else, where torchrun runs several agents, an agent's ranks (LOCAL_WORLD_SIZE; so
+two agents on one host rehearse two nodes), else the ranks sharing a host name. Rank 0 prints, before the
+first step, the layout and what moe_ep was built with, and after it which backend served the calls.
 
 Writes one JSON line per step (loss, step time, tokens/s) to --json-log; --profile FILE writes where rank
 0's time went in three steps after the first three (torch.profiler's operator table, moe_ep's dispatcher
@@ -21,6 +26,7 @@ import os
 import sys
 import threading
 import time
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,13 +35,21 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # moe_ep, when not installed
 
 
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML file with model/data/train sections")
     parser.add_argument("--dispatcher", choices=["deepep", "alltoall", "allgather"],
                         help="overrides model.moe_token_dispatcher_type")
     parser.add_argument("--steps", type=int, help="overrides train.steps")
-    parser.add_argument("--ranks-per-node", type=int, help="moe_ep: ranks sharing a node (default: by host name)")
+    parser.add_argument("--ranks-per-node", type=positive_int,
+                        help="moe_ep: ranks sharing a node (default: MOE_EP_RANKS_PER_NODE, else a torchrun agent's "
+                             "ranks where several agents run, else the ranks sharing a host name)")
     parser.add_argument("--no-arena", action="store_true",
                         help="moe_ep: the two-pass intranode calls and no arena (default: the dispatcher's arena, "
                              "one pass over memory per call)")
@@ -112,14 +126,69 @@ class StepProfiler:
         self.profiler = None
 
 
-def init_distributed(use_cuda: bool) -> None:
-    backend = "gloo"
+def init_distributed(use_cuda: bool) -> torch.device:
+    """The default process group, and this rank's device: GPU LOCAL_RANK modulo the GPUs visible (the
+    ranks of an agent share them round robin where they outnumber them). NCCL where each of the agent's
+    ranks has a GPU of its own, else gloo, since NCCL refuses two ranks on one GPU (agents sharing a host
+    must see different GPUs, through CUDA_VISIBLE_DEVICES, or all ranks share them under gloo)."""
+    backend, device = "gloo", torch.device("cpu")
     if use_cuda:
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
         if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) <= torch.cuda.device_count():
             backend = "nccl"
     dist.init_process_group(backend)
+    return device
+
+
+def choose_ranks_per_node(requested: Optional[int]) -> Tuple[Optional[int], str]:
+    """The ranks moe_ep treats as one node (None: moe_ep finds them by host name) and where that comes
+    from. Where torchrun runs several agents, an agent's ranks: one agent a node is how torchrun spans
+    nodes, and agents sharing a host (a rehearsal on one machine) then act as nodes, which host names
+    would merge into one."""
+    if requested is not None:
+        return requested, "--ranks-per-node"
+    if os.environ.get("MOE_EP_RANKS_PER_NODE"):
+        return None, "MOE_EP_RANKS_PER_NODE"  # moe_ep reads and checks it itself
+    local, world = int(os.environ.get("LOCAL_WORLD_SIZE", 0)), int(os.environ.get("WORLD_SIZE", 0))
+    if 0 < local < world:
+        return local, "LOCAL_WORLD_SIZE, a torchrun agent's ranks"
+    return None, "host names"
+
+
+def launch_line(device: torch.device, ranks_per_node_source: str) -> str:
+    """Rank 0's first line: the ranks, their nodes, this rank's device, and what moe_ep was built with."""
+    import moe_ep
+    info = moe_ep.backend_info()
+    if info["cuda_kernels"]:
+        build = f"kernels, internode kernels {'built' if info['internode_kernels'] else 'absent'}"
+    else:
+        build = f"no kernels, {info['reason']}"
+    return (f"train_moe: {dist.get_world_size()} ranks, {os.environ.get('LOCAL_WORLD_SIZE', '?')} per torchrun "
+            f"agent, ranks per node from {ranks_per_node_source}; rank 0 on {device} "
+            f"(LOCAL_RANK {os.environ.get('LOCAL_RANK', 0)}), {dist.get_backend()}; moe_ep build: {build}")
+
+
+def backend_line(use_cuda: bool) -> str:
+    """Which backend served the dispatcher's normal and low-latency calls, from its Buffer's topology()."""
+    from moe_ep.megatron import shared_buffers
+    buffers = shared_buffers()
+    if not buffers:
+        return "train_moe: moe_ep served no calls (the dispatcher is not deepep)"
+    topo = buffers[0].topology()
+    nodes = f"{topo['num_ranks'] // topo['ranks_per_node']} node(s) of {topo['ranks_per_node']} ranks"
+
+    def served(backend: Optional[str], kind: str) -> str:
+        if backend is None:
+            return "none made (the Buffer has no low_latency_mode)"
+        if not use_cuda:
+            return "portable backend (CPU tensors)"
+        if backend == "portable":
+            return f"portable backend ({topo['portable_reasons'][kind]})"
+        return f"{backend.replace('_', '-')} kernels"
+
+    return (f"train_moe: moe_ep over {nodes}: normal calls: {served(topo['normal_backend'], 'normal')}; "
+            f"low-latency calls: {served(topo['low_latency_backend'], 'low_latency')}")
 
 
 def build_model(model_cfg: dict, data_cfg: dict, use_cuda: bool, seed: int, moe_ep_arena: bool = True,
@@ -186,20 +255,22 @@ def train(args) -> list:
     steps = args.steps or train_cfg["steps"]
     use_cuda = torch.cuda.is_available()
     torch.backends.cuda.matmul.allow_tf32 = True
-    init_distributed(use_cuda)
+    device = init_distributed(use_cuda)
     import moe_ep.megatron  # noqa: F401  (registers moe_token_dispatcher_type="deepep")
     from moe_ep.megatron.cpu_support import enable_cpu_execution
     enable_cpu_execution()
-    if args.ranks_per_node:
-        os.environ["MOE_EP_RANKS_PER_NODE"] = str(args.ranks_per_node)
+    ranks_per_node, ranks_per_node_source = choose_ranks_per_node(args.ranks_per_node)
+    if ranks_per_node is not None:
+        os.environ["MOE_EP_RANKS_PER_NODE"] = str(ranks_per_node)
     if args.profile:
         label_alltoall_phases()
     rank = dist.get_rank()
+    if rank == 0:
+        print(launch_line(device, ranks_per_node_source), flush=True)
     torch.manual_seed(train_cfg["seed"])
     model = build_model(model_cfg, data_cfg, use_cuda, train_cfg["seed"], moe_ep_arena=not args.no_arena,
                         fp8_dispatch=args.fp8_dispatch)
     optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg["lr"])
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     tokens_per_step = data_cfg["micro_batch_size"] * data_cfg["seq_length"] * dist.get_world_size()
     progress = None
     if rank == 0:
@@ -243,6 +314,9 @@ def train(args) -> list:
             faulthandler.cancel_dump_traceback_later()
             stall_probe.cancel()
         profiler.after_step(step, last=step == steps - 1)
+        if rank == 0 and step == 0:  # the dispatcher made its Buffer in the first step
+            (progress.write if progress is not None else print)(backend_line(use_cuda))
+            sys.stdout.flush()
         if progress is not None:
             progress.set_postfix(loss=f"{record['loss']:.4f}")
             progress.update()

@@ -185,7 +185,9 @@ def group_limited_network_bytes(seed: int, num_experts: int, topk: int, hidden: 
 
 
 def layers_share_a_buffer(seed: int, num_experts: int, topk: int, hidden: int, num_tokens: int) -> bool:
-    """Two MoE layers' dispatchers over one group dispatch and combine in turn: whether they used one Buffer."""
+    """Two MoE layers' dispatchers over one group dispatch and combine in turn: whether they used one Buffer,
+    and whether moe_ep.megatron.shared_buffers() lists it."""
+    from moe_ep.megatron import shared_buffers
     config, pg = _setup(num_experts, topk, hidden, "deepep")
     layers = [_dispatcher(config, pg, num_experts) for _ in range(2)]
     g = torch.Generator().manual_seed(seed * 31 + dist.get_rank())
@@ -199,7 +201,7 @@ def layers_share_a_buffer(seed: int, num_experts: int, topk: int, hidden: int, n
         h, _, p = dispatcher.dispatch_postprocess(h, p)
         dispatcher.combine_postprocess(dispatcher.token_combine(dispatcher.combine_preprocess(h * p.unsqueeze(1))))
         buffers.append(dispatcher._state.buffer)
-    return buffers[0] is buffers[1]
+    return buffers[0] is buffers[1] and any(buffer is buffers[0] for buffer in shared_buffers())
 
 
 def shared_expert_layer(num_experts: int, topk: int, hidden: int, dispatcher_type: str, overlap: bool,

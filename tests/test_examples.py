@@ -1,5 +1,5 @@
 """The training examples end to end: moe_ep's dispatcher against megatron's alltoall, and a two-node
-torchrun launch (two agents on this host) against a single-node run of the same ranks."""
+torchrun launch (two agents on this host) against one agent whose ranks are cut into the same nodes."""
 import json
 import os
 import subprocess
@@ -7,9 +7,11 @@ import sys
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
+from moe_ep import _native  # noqa: E402
 from moe_ep.launch import free_port  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,24 +52,64 @@ def test_compare_dispatchers_trains_to_the_same_losses(tmp_path):
     assert (tmp_path / "plot.png").stat().st_size > 0
 
 
-def test_two_node_torchrun_matches_one_node(tmp_path):
-    steps = ["--steps", "4", "--config", TINY, "--dispatcher", "deepep"]
-    single = tmp_path / "single.jsonl"
-    # The one-node run takes the two-pass calls, the two-node one the dispatcher's default arena.
-    subprocess.run([sys.executable, "-m", "moe_ep.launch", "--nproc", "4", TRAIN, *steps, "--no-arena",
-                    "--json-log", str(single)], check=True, env=ENV, cwd=ROOT, timeout=600)
-    endpoint = f"127.0.0.1:{free_port()}"
-    multi = tmp_path / "multi.jsonl"
-    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-                                "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-                                "--rdzv-id", "moe-ep-test", TRAIN, *steps, "--ranks-per-node", "2",
-                                "--json-log", str(multi)], env=ENV, cwd=ROOT)
-              for node in (0, 1)]
+def _train_under_agents(tmp_path, name: str, num_agents: int, ranks_per_agent: int, args, env):
+    """train_moe.py under num_agents torchrun agents on this host, started as on separate nodes (--node-rank,
+    --master-addr, --master-port) -> (per-step losses from --json-log, the agents' output)."""
+    port, log = free_port(), tmp_path / f"{name}.jsonl"
+    outputs = [tmp_path / f"{name}_agent{node}.txt" for node in range(num_agents)]
+    agents = []
+    for node, output in enumerate(outputs):
+        with open(output, "w") as out:
+            agents.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(num_agents), "--node-rank", str(node),
+                 "--nproc-per-node", str(ranks_per_agent), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                 TRAIN, *args, "--json-log", str(log)], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT))
     codes = _wait_all(agents, timeout_s=600)
-    assert codes == [0, 0], codes
-    a, b = _losses(single), _losses(multi)
-    assert len(a) == len(b) == 4
-    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
+    text = "".join(output.read_text() for output in outputs)
+    assert codes == [0] * num_agents, (codes, text[-4000:])
+    return _losses(log), text
+
+
+def _assert_rank0_lines(text: str, ranks_per_node_source: str, normal_calls: str) -> None:
+    """Rank 0 alone says where the node layout came from and which backend served the calls."""
+    assert text.count("train_moe: 4 ranks") == 1, text[-4000:]
+    assert f"ranks per node from {ranks_per_node_source}" in text, text[-4000:]
+    assert text.count("train_moe: moe_ep over 2 node(s) of 2 ranks: normal calls: ") == 1, text[-4000:]
+    assert f"normal calls: {normal_calls}; low-latency calls: none made" in text, text[-4000:]
+
+
+TWO_NODE_STEPS = ["--config", TINY, "--dispatcher", "deepep", "--steps", "3"]
+
+
+def test_two_torchrun_agents_train_like_one_agent_cut_into_the_same_nodes(tmp_path):
+    """Two agents of 2 ranks are two nodes to moe_ep (an agent's ranks, LOCAL_WORLD_SIZE, where several
+    agents run, as the log says): their per-step losses equal bit for bit those of one agent of 4 ranks
+    cut into nodes of 2 by --ranks-per-node: the same ranks, nodes and calls, whichever agent started them."""
+    one, one_text = _train_under_agents(tmp_path, "one", 1, 4, [*TWO_NODE_STEPS, "--ranks-per-node", "2"], ENV)
+    two, two_text = _train_under_agents(tmp_path, "two", 2, 2, TWO_NODE_STEPS, ENV)
+    assert len(one) == 3 and two == one, (one, two)
+    _assert_rank0_lines(one_text, "--ranks-per-node", "portable backend (CPU tensors)")
+    _assert_rank0_lines(two_text, "LOCAL_WORLD_SIZE", "portable backend (CPU tensors)")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.skipif(_native.internode_unavailable_reason() is not None,
+                    reason=str(_native.internode_unavailable_reason()))
+def test_two_torchrun_agents_on_one_gpu_run_the_internode_kernels(tmp_path):
+    """The same on CUDA ranks sharing one GPU (under MPS, each with its SM share, as moe_ep.launch runs
+    them): the internode kernels serve the normal calls of both runs. Megatron's layers on the GPU do
+    not promise the same bits run to run, hence a tolerance."""
+    from moe_ep.mps import client_sm_share, private_mps_daemon
+    first_gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    with private_mps_daemon(dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=first_gpu,
+                                 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=str(client_sm_share(4)))) as env:
+        one, one_text = _train_under_agents(tmp_path, "one", 1, 4, [*TWO_NODE_STEPS, "--ranks-per-node", "2"], env)
+        two, two_text = _train_under_agents(tmp_path, "two", 2, 2, TWO_NODE_STEPS, env)
+    assert len(one) == 3
+    assert max(abs(a - b) for a, b in zip(one, two)) <= 1e-5, (one, two)
+    _assert_rank0_lines(one_text, "--ranks-per-node", "internode kernels")
+    _assert_rank0_lines(two_text, "LOCAL_WORLD_SIZE", "internode kernels")
 
 
 def test_profiled_runs_name_both_dispatchers_phases(tmp_path):

@@ -31,7 +31,8 @@ def test_deepep_dispatcher_matches_dense_layer_and_alltoall(pools, seed, num_ran
 
 def test_layers_share_one_buffer(pools, seed):
     """Every MoE layer's dispatcher over a group uses one Buffer (one communication stream for all their
-    calls, peers' memory mapped once), as DeepEP's megatron integration does."""
+    calls, peers' memory mapped once), as DeepEP's megatron integration does; moe_ep.megatron.shared_buffers()
+    lists it (its topology() says what served the calls)."""
     assert all(pools(2).run(megatron_fns.layers_share_a_buffer, seed % 10000, 4, 2, 32, 24))
 
 

@@ -3,7 +3,7 @@
 Importing this package registers the dispatcher type (see register.py)."""
 
 from .compat import install_as_deep_ep
-from .dispatcher import MoEEPTokenDispatcher, progress_reports
+from .dispatcher import MoEEPTokenDispatcher, progress_reports, shared_buffers
 from .options import DispatcherOptions
 from .register import DISPATCHER_TYPE, add_arguments, apply_arguments, register
 
@@ -12,6 +12,7 @@ register()
 __all__ = [
     "MoEEPTokenDispatcher",
     "progress_reports",
+    "shared_buffers",
     "register",
     "add_arguments",
     "apply_arguments",

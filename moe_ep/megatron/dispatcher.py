@@ -129,6 +129,12 @@ def _warn_once_bf16(hidden: int) -> None:
                   "the tokens are sent in their own dtype", RuntimeWarning, stacklevel=3)
 
 
+def shared_buffers() -> List[Buffer]:
+    """The Buffers the dispatchers share, one per process group, each made at its group's first dispatch:
+    their topology() says which backend serves the calls, their stats() what the calls moved."""
+    return list(_buffers.values())
+
+
 def progress_reports() -> List[str]:
     """Every shared Buffer's progress_report(): where this rank's calls stand, for a stalled step's dump."""
     return [report for report in (buffer.progress_report() for buffer in list(_buffers.values())) if report]
