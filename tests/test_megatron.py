@@ -212,3 +212,21 @@ def test_no_metrics_are_recorded_when_off(pools, seed):
     for logged, _, records in pools(2).run(megatron_fns.logged_expert_load, seed % 10000, 4, 2, 32, 1, {}):
         assert records == [False, False]
         assert logged == {}
+
+
+def test_logged_communication_time_on_cuda_ranks(gpu_pools, seed):
+    """On the kernels the forward's calls run on the communication stream: the logged expert load is
+    still the routing, and the exposed time is the part of the communication time the layer waited for."""
+    from moe_ep import _native
+    if not _native.has_kernels():
+        pytest.skip(str(_native.unavailable_reason()))
+    for logged, routed, _ in gpu_pools(4).run(megatron_fns.logged_expert_load, seed % 10000, 8, 2, 64, 2,
+                                              dict(moe_ep_log_metrics=True), cuda=True):
+        for expert in range(8):
+            for layer in range(2):
+                assert logged[f"moe/moe_ep/expert_{expert}_tokens_layer_{layer}"] == routed[layer, expert]
+        for layer in range(2):
+            comm = logged[f"moe/moe_ep/comm_ms_layer_{layer}"]
+            exposed = logged[f"moe/moe_ep/exposed_comm_ms_layer_{layer}"]
+            assert comm > 0 and 0 <= exposed <= comm
+            assert logged[f"moe/moe_ep/hidden_comm_ms_layer_{layer}"] == pytest.approx(comm - exposed, abs=1e-3)

@@ -40,7 +40,7 @@ from ..events import EventOverlap
 from ..fp8_blockwise import blockwise_cast_to_fp8, blockwise_dequantize
 from ..mps import missing_sm_share
 from ..te import recipe_scaling, to_float8_blockwise
-from .metrics import LayerMetrics
+from .metrics import LayerMetrics, check_megatron_publishes
 from .options import fp8_dispatch_wanted, options_for
 
 
@@ -289,6 +289,7 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
             Buffer.set_num_sms(self.options.moe_ep_num_sms)
         self.metrics: Optional[LayerMetrics] = None
         if self.options.moe_ep_log_metrics:
+            check_megatron_publishes()
             num_layers = config.num_layers + (getattr(config, "mtp_num_layers", None) or 0)
             self.metrics = LayerMetrics(local_expert_indices, config.num_moe_experts, num_layers, self.ep_group)
         self._state = _CommState()

@@ -173,3 +173,13 @@ def publish(pg_collection=None) -> None:
 
 def is_metric(name: str) -> bool:
     return name.startswith(PREFIX)
+
+
+def check_megatron_publishes() -> None:
+    """moe_ep_log_metrics needs megatron-core's layer-wise tracker and its reduction, which registration wraps."""
+    from megatron.core.transformer.moe import moe_utils
+
+    reduce = getattr(moe_utils, "reduce_aux_losses_tracker_across_ranks", None)
+    if not getattr(reduce, "_moe_ep_wrapped", False):
+        raise RuntimeError("moe_ep_log_metrics: this megatron-core has no reduce_aux_losses_tracker_across_ranks "
+                           "(its MoE logging tracker) to publish the metrics through; set it to False")

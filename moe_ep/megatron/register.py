@@ -83,9 +83,9 @@ def _publish_metrics_when_megatron_logs() -> None:
 
     from . import metrics
 
-    original = moe_utils.reduce_aux_losses_tracker_across_ranks
-    if getattr(original, "_moe_ep_wrapped", False):
-        return
+    original = getattr(moe_utils, "reduce_aux_losses_tracker_across_ranks", None)
+    if original is None or getattr(original, "_moe_ep_wrapped", False):
+        return  # a megatron-core without it: metrics.check_megatron_publishes refuses the option
 
     @functools.wraps(original)
     def reduce_aux_losses_tracker_across_ranks(track_names=None, pg_collection=None):
