@@ -15,7 +15,8 @@ first step, the layout and what moe_ep was built with, and after it which backen
 
 Writes one JSON line per step (loss, step time, tokens/s) to --json-log; --profile FILE writes where rank
 0's time went in three steps after the first three (torch.profiler's operator table, moe_ep's dispatcher
-phases among them as `moe_ep.*` ranges).
+phases among them as `moe_ep.*` ranges); --expert-load-plot PNG draws each expert's tokens per step as
+moe_ep's dispatcher logs them through megatron-core's MoE metrics (moe_ep_log_metrics).
 """
 from __future__ import annotations
 
@@ -65,7 +66,65 @@ def parse_args(argv=None):
                              "reads the stacks without the GIL, which is safe only while the step is stuck: keep "
                              "S well above a step's time)")
     parser.add_argument("--stall-dir", default=".", help="where --stall-dump writes")
+    parser.add_argument("--expert-load-plot", metavar="PNG",
+                        help="moe_ep: a heatmap of each expert's tokens per step (the mean over the MoE layers, as "
+                             "the dispatcher logs them with moe_ep_log_metrics), written here with its numbers "
+                             "beside it as JSON (the same name, .json) and in --json-log; needs matplotlib and the "
+                             "deepep dispatcher")
     return parser.parse_args(argv)
+
+
+def check_expert_load_plot(args, dispatcher_type: str) -> None:
+    """--expert-load-plot's needs, checked before any rank starts: the deepep dispatcher and matplotlib."""
+    if not args.expert_load_plot:
+        return
+    if dispatcher_type != "deepep":
+        raise SystemExit(f"--expert-load-plot: the expert load is logged by moe_ep's dispatcher; expected "
+                         f"--dispatcher deepep, got {dispatcher_type!r}")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("--expert-load-plot: matplotlib is not installed (pip install matplotlib)") from None
+
+
+class ScalarLog:
+    """add_scalar as a tensorboard SummaryWriter has it, kept in a dict: what megatron logs in a step."""
+
+    def __init__(self):
+        self.scalars = {}
+
+    def add_scalar(self, name, value, iteration):
+        self.scalars[name] = float(value)
+
+
+def logged_expert_load(step: int, num_layers: int, num_experts: int) -> list:
+    """Each expert's tokens in this step, the mean over the MoE layers, as megatron's track_moe_metrics
+    logs moe_ep's entries (collective: every rank calls it, as Megatron-LM's training loop does)."""
+    from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+    from moe_ep.megatron.metrics import expert_tokens_name
+    writer = ScalarLog()
+    track_moe_metrics(loss_scale=1.0, iteration=step, writer=writer, track_names=[], num_layers=num_layers)
+    return [writer.scalars[expert_tokens_name(expert)] for expert in range(num_experts)]
+
+
+def plot_expert_load(loads: list, path: str) -> None:
+    """loads[step][expert] as an experts x steps heatmap at `path`, and the same numbers beside it as JSON."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    grid = torch.tensor(loads).T  # [experts, steps]
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.3 * grid.shape[1] + 2), max(3.0, 0.3 * grid.shape[0] + 1.5)))
+    image = ax.imshow(grid.numpy(), aspect="auto", interpolation="nearest", cmap="viridis")
+    ax.set_xlabel("step")
+    ax.set_ylabel("expert")
+    ax.set_title("tokens per expert (mean over MoE layers)")
+    fig.colorbar(image, ax=ax, label="tokens")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    with open(os.path.splitext(path)[0] + ".json", "w") as f:
+        json.dump(dict(steps=list(range(len(loads))), expert_tokens=loads), f)
 
 
 PROFILED_STEPS = 3
@@ -192,7 +251,7 @@ def backend_line(use_cuda: bool) -> str:
 
 
 def build_model(model_cfg: dict, data_cfg: dict, use_cuda: bool, seed: int, moe_ep_arena: bool = True,
-                fp8_dispatch: str = "auto"):
+                fp8_dispatch: str = "auto", log_metrics: bool = False):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -205,6 +264,7 @@ def build_model(model_cfg: dict, data_cfg: dict, use_cuda: bool, seed: int, moe_
     # moe_ep's dispatcher reads its options from the config it is built with (moe_ep.megatron.options).
     config.moe_ep_arena = moe_ep_arena
     config.moe_ep_fp8_dispatch = fp8_dispatch
+    config.moe_ep_log_metrics = log_metrics
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     model = GPTModel(config, spec, vocab_size=data_cfg["vocab_size"], max_sequence_length=data_cfg["seq_length"])
     # float32 parameters everywhere (TF32 matrix products on the GPU): the comparison is about the
@@ -253,6 +313,7 @@ def train(args) -> list:
     if args.dispatcher:
         model_cfg["moe_token_dispatcher_type"] = args.dispatcher
     steps = args.steps or train_cfg["steps"]
+    check_expert_load_plot(args, model_cfg["moe_token_dispatcher_type"])
     use_cuda = torch.cuda.is_available()
     torch.backends.cuda.matmul.allow_tf32 = True
     device = init_distributed(use_cuda)
@@ -269,7 +330,7 @@ def train(args) -> list:
         print(launch_line(device, ranks_per_node_source), flush=True)
     torch.manual_seed(train_cfg["seed"])
     model = build_model(model_cfg, data_cfg, use_cuda, train_cfg["seed"], moe_ep_arena=not args.no_arena,
-                        fp8_dispatch=args.fp8_dispatch)
+                        fp8_dispatch=args.fp8_dispatch, log_metrics=bool(args.expert_load_plot))
     optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg["lr"])
     tokens_per_step = data_cfg["micro_batch_size"] * data_cfg["seq_length"] * dist.get_world_size()
     progress = None
@@ -309,6 +370,8 @@ def train(args) -> list:
         dist.all_reduce(mean_loss)
         record = dict(step=step, loss=mean_loss.item() / dist.get_world_size(), step_time_s=elapsed,
                       tokens_per_s=tokens_per_step / elapsed)
+        if args.expert_load_plot:
+            record["expert_tokens"] = logged_expert_load(step, model_cfg["num_layers"], model_cfg["num_moe_experts"])
         log.append(record)
         if stall_file is not None:
             faulthandler.cancel_dump_traceback_later()
@@ -328,6 +391,8 @@ def train(args) -> list:
         with open(args.json_log, "w") as f:
             for record in log:
                 f.write(json.dumps(record) + "\n")
+    if rank == 0 and args.expert_load_plot:
+        plot_expert_load([record["expert_tokens"] for record in log], args.expert_load_plot)
     # Tear down together: a rank that destroys its groups while a peer still uses them can abort.
     from megatron.core import parallel_state
     dist.barrier()

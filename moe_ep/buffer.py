@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _native, diagnostics
+from . import _native, diagnostics, ib_traffic
 from .backends.base import Backend, CombineCall, DispatchCall, LowLatencyCombineCall, LowLatencyDispatchCall
 from .backends.choices import kernel_choices
 from .backends.internode import InternodeBackend, InternodeDispatchState
@@ -65,6 +65,10 @@ class Buffer:
     rank).
     (ext) `timeout_s`: seconds to wait for a peer before TimeoutError; default: env MOE_EP_TIMEOUT_S,
     else 100.
+    (ext) `ib_service_level` (0-15), `ib_traffic_class` (0-255): the InfiniBand service level and RoCE
+    traffic class of NVSHMEM's traffic between nodes (NVSHMEM_IB_SL, NVSHMEM_IB_TRAFFIC_CLASS, set at
+    construction for NVSHMEM to read when it starts); default: env MOE_EP_IB_SL / MOE_EP_IB_TRAFFIC_CLASS,
+    else NVSHMEM's own. A conflicting NVSHMEM_* variable raises ValueError (moe_ep.ib_traffic).
     """
 
     num_sms = 20
@@ -86,6 +90,8 @@ class Buffer:
         ranks_per_node: Optional[int] = None,
         num_arena_bytes: Optional[int] = None,
         timeout_s: Optional[float] = None,
+        ib_service_level: Optional[int] = None,
+        ib_traffic_class: Optional[int] = None,
     ):
         if group is None and comm is not None:
             raise NotImplementedError(
@@ -111,6 +117,10 @@ class Buffer:
                 dict(low_latency_mode=low_latency_mode, explicitly_destroy=explicitly_destroy,
                      allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode, allow_mnnvl=allow_mnnvl,
                      use_fabric=use_fabric, enable_shrink=enable_shrink))
+            # NVSHMEM's network variables, checked before any rank communicates.
+            self.ib_traffic = ib_traffic.resolve(dict(ib_service_level=ib_service_level,
+                                                      ib_traffic_class=ib_traffic_class),
+                                                 os.environ, ib_traffic.nvshmem_started())
         except Exception as exc:
             # The peers raise naming this rank at once, and the group's Buffers stay in step.
             meeting.refuse(_CONSTRUCTION, f"{type(exc).__name__}: {exc}")
@@ -123,6 +133,7 @@ class Buffer:
         self.enable_shrink = enable_shrink
         index = meeting.calls  # this Buffer's place among the group's Buffers, the same on every rank
         self.ranks_per_node = self._agree_on_construction(meeting, timeout_s, requested_ranks_per_node)
+        ib_traffic.apply(self.ib_traffic, os.environ)  # the ranks agree on them: NVSHMEM reads them when it starts
         self.serial = next_buffer_serial()
         self.timeout_s = timeout_s
         self.debug_checks = debug_checks_enabled()
@@ -183,6 +194,8 @@ class Buffer:
         shared = dict(num_nvl_bytes=self.num_nvl_bytes, num_rdma_bytes=self.num_rdma_bytes,
                       num_arena_bytes=self.num_arena_bytes, low_latency_mode=self.low_latency_mode,
                       enable_shrink=self.enable_shrink,
+                      **{setting.argument: self.ib_traffic.get(setting.nvshmem_variable)
+                         for setting in ib_traffic.SETTINGS},
                       # Calls without config= use these, and every rank's kernels must run alike: a config
                       # cache (moe-ep-bench tune) present on some hosts only would split them.
                       default_configs=[repr(Buffer.get_dispatch_config(self.group_size)),

@@ -120,12 +120,13 @@ class Profile:
         self._pending = kept
 
     # ------------------------------------------------------------ reading
-    def summary(self) -> Dict[str, Dict[str, float]]:
-        """{phase: {"calls", "total_ms", "mean_ms", "max_ms"}} of this rank, for the phases (PHASES) that
-        ran at least once. Waits for the device to pass the CUDA events recorded so far."""
+    def summary(self, phases: Tuple[str, ...] = PHASES) -> Dict[str, Dict[str, float]]:
+        """{phase: {"calls", "total_ms", "mean_ms", "max_ms"}} of this rank, for those of `phases` (a
+        Buffer's: PHASES; a caller that stops phases of its own names them) that ran at least once. Waits
+        for the device to pass the CUDA events recorded so far."""
         self._fold(wait=True)
         return {phase: dict(calls=int(calls), total_ms=total, mean_ms=total / calls, max_ms=most)
-                for phase in PHASES if phase in self._totals
+                for phase in phases if phase in self._totals
                 for calls, total, most in [self._totals[phase]]}
 
     def gather(self) -> Optional[Dict[int, Dict[str, Dict[str, float]]]]:

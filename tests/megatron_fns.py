@@ -270,3 +270,52 @@ def _buffer_calls(group):
     from moe_ep.megatron import dispatcher
     buffer = dispatcher._buffers.get(group)
     return buffer, {} if buffer is None else dict(buffer.stats()["calls"])
+
+
+class _RecordingWriter:
+    """A tensorboard SummaryWriter's add_scalar, kept in a dict: what megatron's track_moe_metrics writes."""
+
+    def __init__(self):
+        self.scalars = {}
+
+    def add_scalar(self, name, value, iteration):
+        self.scalars[name] = float(value)
+
+
+def logged_expert_load(seed: int, num_experts: int, topk: int, hidden: int, micro_batches: int,
+                       moe_ep_options: dict, cuda: bool = False):
+    """Two MoE layers on "deepep" (layer numbers 1 and 2) run `micro_batches` forward and backward passes,
+    then megatron's track_moe_metrics logs (per layer, loss_scale 1): what it wrote of moe_ep's entries,
+    what its router routed (every rank's routing_map summed, per layer), and whether each layer's dispatcher
+    records metrics. cuda: the layers and tokens live on this rank's GPU."""
+    import gc
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker, track_moe_metrics
+    from moe_ep.megatron.metrics import is_metric
+    gc.collect()  # layers of earlier calls in this process must not log here
+    tracker = get_moe_layer_wise_logging_tracker()
+    for name in [name for name in tracker if is_metric(name)]:
+        del tracker[name]
+    config, _ = _setup(num_experts, topk, hidden, "deepep", cuda=cuda, ffn_hidden_size=2 * hidden)
+    config.num_layers = 2
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    for name, value in moe_ep_options.items():
+        setattr(config, name, value)
+    layers = [_moe_layer(config, num_experts).to(device) for _ in range(2)]
+    for number, layer in enumerate(layers, start=1):
+        layer.set_layer_number(number)
+    g = torch.Generator().manual_seed(seed * 31 + dist.get_rank())
+    routed = torch.zeros(2, num_experts, dtype=torch.long)
+    for _ in range(micro_batches):
+        h = torch.randn(5, 2, hidden, generator=g).to(device).requires_grad_(True)
+        for index, layer in enumerate(layers):
+            with torch.no_grad():
+                routing_map = layer.router(h.detach().view(-1, hidden))[1]
+            routed[index] += routing_map.sum(0).cpu()
+            h, _ = layer(h)
+        (h * torch.randn(h.shape, generator=g).to(device)).sum().backward()
+    dist.all_reduce(routed)
+    writer = _RecordingWriter()
+    track_moe_metrics(loss_scale=1.0, iteration=1, writer=writer, total_loss_dict={}, per_layer_logging=True,
+                      track_names=[], num_layers=2)
+    logged = {name: value for name, value in writer.scalars.items() if "moe_ep/" in name}
+    return logged, routed, [layer.token_dispatcher.metrics is not None for layer in layers]

@@ -1,10 +1,12 @@
 """The training examples end to end: moe_ep's dispatcher against megatron's alltoall, and a two-node
 torchrun launch (two agents on this host) against one agent whose ranks are cut into the same nodes."""
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -127,3 +129,37 @@ def test_profiled_runs_name_both_dispatchers_phases(tmp_path):
         assert "steps 1-3, rank 0: the dispatcher's phases" in text and "sorted by host time" in text
         for phase in phases + extra:
             assert f"{prefix}.{phase} " in text, (dispatcher, phase)
+
+
+def test_expert_load_plot_draws_the_logged_load(tmp_path):
+    """train_moe.py --expert-load-plot: a PNG of each expert's tokens per step, whose numbers (the JSON
+    beside it) are the loads logged in --json-log; every token reaches its top-k experts, so a step's loads
+    sum to tokens x top-k."""
+    png, log = tmp_path / "load" / "experts.png", tmp_path / "log.jsonl"
+    subprocess.run([sys.executable, "-m", "moe_ep.launch", "--nproc", "2", TRAIN, "--config", TINY, "--steps", "3",
+                    "--expert-load-plot", str(png), "--json-log", str(log)], check=True, env=ENV, cwd=ROOT, timeout=600)
+    data = png.read_bytes()
+    assert len(data) > 0 and data.startswith(b"\x89PNG\r\n\x1a\n")
+    plotted = json.loads((tmp_path / "load" / "experts.json").read_text())
+    logged = [json.loads(line)["expert_tokens"] for line in log.read_text().splitlines()]
+    assert plotted["expert_tokens"] == logged and len(logged) == 3
+    batch, seq, topk = 4, 32, 2  # configs/tiny_cpu.yaml
+    for loads in logged:
+        assert len(loads) == 8 and sum(loads) == batch * seq * 2 * topk
+
+
+def test_expert_load_plot_refuses_what_it_cannot_draw(tmp_path):
+    """The flag needs moe_ep's dispatcher: another one is refused, naming the flag, before any rank starts."""
+    run = subprocess.run([sys.executable, TRAIN, "--config", TINY, "--dispatcher", "alltoall", "--expert-load-plot",
+                          str(tmp_path / "x.png")], env=ENV, cwd=ROOT, timeout=300, capture_output=True, text=True)
+    assert run.returncode != 0 and "--expert-load-plot" in run.stderr and "deepep" in run.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_expert_load_plot_without_matplotlib_says_so(monkeypatch):
+    spec = importlib.util.spec_from_file_location("train_moe", TRAIN)
+    train_moe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_moe)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    with pytest.raises(SystemExit, match="--expert-load-plot: matplotlib is not installed"):
+        train_moe.check_expert_load_plot(types.SimpleNamespace(expert_load_plot="load.png"), "deepep")

@@ -159,6 +159,8 @@ def test_apply_arguments_sets_the_defaults_it_was_given(option_defaults):
     apply_arguments(parser.parse_args(["--moe-ep-arena", "--moe-ep-num-sms", "16"]))
     assert option_defaults.options_for(bare) == DispatcherOptions(moe_ep_arena=True, moe_ep_num_sms=16,
                                                                   moe_ep_timeout_s=7.5)
+    apply_arguments(parser.parse_args(["--moe-ep-log-metrics"]))
+    assert option_defaults.options_for(bare).moe_ep_log_metrics is True
     with pytest.raises(SystemExit):
         parser.parse_args(["--moe-ep-arena", "sometimes"])
 
@@ -179,6 +181,53 @@ def test_a_config_attribute_wins_over_the_defaults(option_defaults):
 def test_a_bad_option_is_refused(option_defaults):
     with pytest.raises(TypeError, match="moe_ep_arena: expected a bool, got str"):
         option_defaults.options_for(types.SimpleNamespace(moe_ep_arena="no"))
+    with pytest.raises(TypeError, match="moe_ep_log_metrics: expected a bool, got int"):
+        option_defaults.options_for(types.SimpleNamespace(moe_ep_log_metrics=1))
     with pytest.raises(TypeError, match="moe_ep_zero_copy"):
         option_defaults.set_defaults(moe_ep_zero_copy="both")
     assert option_defaults.options_for(types.SimpleNamespace()) == option_defaults.DispatcherOptions()
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_logged_expert_load_equals_the_routing(pools, seed, chunks):
+    """moe_ep_log_metrics: after two micro-batches through two layers, megatron's track_moe_metrics writes
+    per layer each expert's tokens (what the routers routed, summed over every rank) and the mean over the
+    layers; on CPU ranks every call is exposed communication (the calls end before they return)."""
+    num_experts = 4
+    options = dict(moe_ep_log_metrics=True, moe_ep_overlap_chunks=chunks)
+    for rank, (logged, routed, records) in enumerate(
+            pools(2).run(megatron_fns.logged_expert_load, seed % 10000, num_experts, 2, 32, 2, options)):
+        assert records == [True, True]
+        for expert in range(num_experts):
+            for layer in range(2):
+                assert logged[f"moe/moe_ep/expert_{expert}_tokens_layer_{layer}"] == routed[layer, expert], (rank, expert)
+            assert logged[f"moe_ep/expert_{expert}_tokens"] == routed[:, expert].sum().item() / 2
+        for layer in range(2):
+            comm = logged[f"moe/moe_ep/comm_ms_layer_{layer}"]
+            assert comm > 0
+            assert logged[f"moe/moe_ep/exposed_comm_ms_layer_{layer}"] == pytest.approx(comm, rel=1e-6)
+            assert logged[f"moe/moe_ep/hidden_comm_ms_layer_{layer}"] == pytest.approx(0, abs=1e-6)
+
+
+def test_no_metrics_are_recorded_when_off(pools, seed):
+    for logged, _, records in pools(2).run(megatron_fns.logged_expert_load, seed % 10000, 4, 2, 32, 1, {}):
+        assert records == [False, False]
+        assert logged == {}
+
+
+def test_logged_communication_time_on_cuda_ranks(gpu_pools, seed):
+    """On the kernels the forward's calls run on the communication stream: the logged expert load is
+    still the routing, and the exposed time is the part of the communication time the layer waited for."""
+    from moe_ep import _native
+    if not _native.has_kernels():
+        pytest.skip(str(_native.unavailable_reason()))
+    for logged, routed, _ in gpu_pools(4).run(megatron_fns.logged_expert_load, seed % 10000, 8, 2, 64, 2,
+                                              dict(moe_ep_log_metrics=True), cuda=True):
+        for expert in range(8):
+            for layer in range(2):
+                assert logged[f"moe/moe_ep/expert_{expert}_tokens_layer_{layer}"] == routed[layer, expert]
+        for layer in range(2):
+            comm = logged[f"moe/moe_ep/comm_ms_layer_{layer}"]
+            exposed = logged[f"moe/moe_ep/exposed_comm_ms_layer_{layer}"]
+            assert comm > 0 and 0 <= exposed <= comm
+            assert logged[f"moe/moe_ep/hidden_comm_ms_layer_{layer}"] == pytest.approx(comm - exposed, abs=1e-3)

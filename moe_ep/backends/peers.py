@@ -337,6 +337,11 @@ class PeerBuffers(MappedBuffers):
 _nvshmem_world: Optional[List[int]] = None
 
 
+def nvshmem_world() -> Optional[List[int]]:
+    """The group ranks NVSHMEM was started for in this process, or None before it starts."""
+    return _nvshmem_world
+
+
 def bootstrap_nvshmem(group: dist.ProcessGroup, gate: ArrivalGate, symmetric_bytes: int, call: str) -> None:
     """Starts NVSHMEM once per process with one PE per rank of `group`: rank 0's unique id reaches the
     others through the process group's store (bounded wait). The symmetric heap is sized for the

@@ -17,10 +17,13 @@ grouped experts a Float8BlockwiseQTensor or dequantises for other experts. Gradi
 Chunks (options.moe_ep_overlap_chunks > 1): token_dispatch splits the tokens and starts the first chunk's
 dispatch, MoELayer hands its experts to experts_in_chunks (register.py), which runs each chunk's experts
 between that chunk's dispatch and combine, and combine_postprocess waits for every chunk's combine.
+Metrics (options.moe_ep_log_metrics): each dispatcher counts its tokens per expert and times its calls and
+waits into a LayerMetrics (metrics.py), which megatron's MoE logging publishes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from dataclasses import dataclass
@@ -37,6 +40,7 @@ from ..events import EventOverlap
 from ..fp8_blockwise import blockwise_cast_to_fp8, blockwise_dequantize
 from ..mps import missing_sm_share
 from ..te import recipe_scaling, to_float8_blockwise
+from .metrics import LayerMetrics, check_megatron_publishes
 from .options import fp8_dispatch_wanted, options_for
 
 
@@ -53,6 +57,9 @@ class _CommState:
     recv_fp8: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
     # The exchange started by token_dispatch / token_combine, waited for by the next phase.
     pending: Optional[EventOverlap] = None
+    # moe_ep_log_metrics: where the counts and times go, and the device of a pending call whose wait is timed.
+    metrics: Optional[LayerMetrics] = None
+    timed_wait: Optional[torch.device] = None
     # dispatch_postprocess's permutation of the received rows, which combine_preprocess undoes.
     reversed_mapping: Optional[torch.Tensor] = None
     local_routing_map: Optional[torch.Tensor] = None
@@ -60,8 +67,18 @@ class _CommState:
 
     def wait(self) -> None:
         if self.pending is not None:
-            self.pending.current_stream_wait()
+            if self.timed_wait is not None:
+                self.metrics.wait(self.pending, self.buffer, self.timed_wait)
+            else:
+                self.pending.current_stream_wait()
             self.pending = None
+
+
+def _timed(metrics: Optional[LayerMetrics], buffer: Buffer, device: torch.device, asynchronous: bool):
+    """A Buffer call timed for moe_ep_log_metrics (yields whether its wait is to be timed); off: nothing."""
+    if metrics is None:
+        return contextlib.nullcontext(False)
+    return metrics.call(buffer, device, asynchronous)
 
 
 def phase_range(name: str, prefix: str = "moe_ep"):
@@ -146,16 +163,18 @@ class _Dispatch(torch.autograd.Function):
         buffer = state.buffer
         per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
         payload = x if state.fp8_scaling is None else blockwise_cast_to_fp8(x, *state.fp8_scaling)
-        recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(
-            payload,
-            num_tokens_per_rank=per_rank,
-            num_tokens_per_rdma_rank=per_rdma,
-            is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert,
-            topk_idx=topk_idx,
-            topk_weights=topk_weights,
-            **_async(),
-        )
+        with _timed(state.metrics, buffer, x.device, asynchronous=True) as time_the_wait:
+            recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(
+                payload,
+                num_tokens_per_rank=per_rank,
+                num_tokens_per_rdma_rank=per_rdma,
+                is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert,
+                topk_idx=topk_idx,
+                topk_weights=topk_weights,
+                **_async(),
+            )
+        state.timed_wait = x.device if time_the_wait else None
         state.handle, state.recv_topk_idx, state.tokens_per_expert = handle, recv_idx, counts
         _warn_once_if_sharing_without_sm_share(buffer.ranks_on_this_gpu)
         state.pending = event  # dispatch_postprocess waits for it before reading recv_x
@@ -173,7 +192,8 @@ class _Dispatch(torch.autograd.Function):
         state = ctx.state
         # Entries of other ranks' experts were constants (0) in the forward: no gradient flows there.
         grad_recv_w = torch.where(state.recv_topk_idx >= 0, grad_recv_w, 0).float()
-        grad_x, grad_w, _ = state.buffer.combine(grad_recv_x.contiguous(), ctx.handle, topk_weights=grad_recv_w)
+        with _timed(state.metrics, state.buffer, grad_recv_x.device, asynchronous=False):
+            grad_x, grad_w, _ = state.buffer.combine(grad_recv_x.contiguous(), ctx.handle, topk_weights=grad_recv_w)
         return grad_x, grad_w, None, None, None
 
 
@@ -229,15 +249,18 @@ class _UnpermuteInto(torch.autograd.Function):
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, state: _CommState):
-        combined, _, event = state.buffer.combine(x.contiguous(), state.handle, **_async())
+        with _timed(state.metrics, state.buffer, x.device, asynchronous=True) as time_the_wait:
+            combined, _, event = state.buffer.combine(x.contiguous(), state.handle, **_async())
         state.pending = event  # combine_postprocess waits for it before the result is read
-        ctx.buffer, ctx.handle = state.buffer, state.handle
+        state.timed_wait = x.device if time_the_wait else None
+        ctx.buffer, ctx.handle, ctx.metrics = state.buffer, state.handle, state.metrics
         return combined
 
     @staticmethod
     @phase_range("combine_backward")
     def backward(ctx, grad):
-        recv_grad = ctx.buffer.dispatch(grad.contiguous(), handle=ctx.handle)[0]
+        with _timed(ctx.metrics, ctx.buffer, grad.device, asynchronous=False):
+            recv_grad = ctx.buffer.dispatch(grad.contiguous(), handle=ctx.handle)[0]
         return recv_grad, None
 
 
@@ -270,6 +293,11 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         self.experts_take_te_tensors = False
         if self.options.moe_ep_num_sms:
             Buffer.set_num_sms(self.options.moe_ep_num_sms)
+        self.metrics: Optional[LayerMetrics] = None
+        if self.options.moe_ep_log_metrics:
+            check_megatron_publishes()
+            num_layers = config.num_layers + (getattr(config, "mtp_num_layers", None) or 0)
+            self.metrics = LayerMetrics(local_expert_indices, config.num_moe_experts, num_layers, self.ep_group)
         self._state = _CommState()
         self._chunks: Optional[_Chunks] = None
 
@@ -331,6 +359,7 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         hidden_bytes = hidden_states.shape[1] * max(hidden_states.element_size(), 2)
         state.buffer = _buffer_for(self.group, hidden_bytes, self.options.moe_ep_arena, self.options.moe_ep_timeout_s)
         state.fp8_scaling = recipe_scaling() if self._fp8_dispatch(hidden_states.shape[1]) else None
+        state.metrics = self.metrics
 
     def _split_into_chunks(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> _Chunks:
         """Contiguous token ranges as even as possible; a rank with fewer tokens than chunks has empty
@@ -374,6 +403,8 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         routing_map, expert_probs = self._local_multihot(state.recv_topk_idx, probs)
         # Host counts, as megatron's alltoall dispatcher returns them (its experts read them on the host).
         tokens_per_expert = torch.tensor(state.tokens_per_expert, dtype=torch.long, device="cpu")
+        if state.metrics is not None:
+            state.metrics.count_tokens(state.tokens_per_expert)
         if self.config.moe_router_padding_for_quantization:
             routing_map, tokens_per_expert = self._pad_for_quantization(routing_map, tokens_per_expert)
         state.received_shape = hidden_states.shape

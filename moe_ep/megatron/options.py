@@ -30,6 +30,9 @@ class DispatcherOptions:
     # Splits a layer's tokens into this many chunks and pipelines them: chunk i's experts compute while
     # chunk i+1's dispatch and chunk i-1's combine are under way. 1: one dispatch and one combine a layer.
     moe_ep_overlap_chunks: int = 1
+    # Per layer, the tokens each expert received and the communication time exposed and hidden, written
+    # into megatron-core's MoE logging tracker (moe_ep.megatron.metrics); off: no event, no extra work.
+    moe_ep_log_metrics: bool = False
 
 
 FP8_DISPATCH_CHOICES = ("auto", "on", "off")
@@ -52,8 +55,9 @@ def options_for(config) -> DispatcherOptions:
         values[f.name] = getattr(config, f.name, getattr(_defaults, f.name))
     if values["moe_ep_num_sms"] is None:
         values["moe_ep_num_sms"] = getattr(config, _MEGATRON_NUM_SMS, None)
-    if not isinstance(values["moe_ep_arena"], bool):
-        raise TypeError(f"moe_ep_arena: expected a bool, got {type(values['moe_ep_arena']).__name__}")
+    for name in ("moe_ep_arena", "moe_ep_log_metrics"):
+        if not isinstance(values[name], bool):
+            raise TypeError(f"{name}: expected a bool, got {type(values[name]).__name__}")
     if values["moe_ep_fp8_dispatch"] not in FP8_DISPATCH_CHOICES:
         raise ValueError(
             f"moe_ep_fp8_dispatch: expected one of {FP8_DISPATCH_CHOICES}, got {values['moe_ep_fp8_dispatch']!r}"

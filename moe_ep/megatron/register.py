@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import weakref
 
 from .options import DispatcherOptions, set_defaults
 
@@ -43,11 +44,14 @@ def register() -> None:
         self.token_dispatcher.experts_take_te_tensors = experts_take_te_tensors(self.experts)
         if self.shared_expert_overlap:
             self.token_dispatcher.set_shared_experts(self.shared_experts)
+        if self.token_dispatcher.metrics is not None:  # its entries go to this layer's number
+            self.token_dispatcher.metrics.layer = weakref.ref(self)
 
     __init__._moe_ep_wrapped = True
     moe_layer.MoELayer.__init__ = __init__
     _run_experts_in_chunks(moe_layer.MoELayer)
     _accept_shared_expert_overlap()
+    _publish_metrics_when_megatron_logs()
 
 
 def _run_experts_in_chunks(layer_class) -> None:
@@ -69,6 +73,29 @@ def _run_experts_in_chunks(layer_class) -> None:
 
     routed_experts_compute._moe_ep_wrapped = True
     layer_class.routed_experts_compute = routed_experts_compute
+
+
+def _publish_metrics_when_megatron_logs() -> None:
+    """moe_ep_log_metrics: megatron's track_moe_metrics reduces its tracker across ranks before it writes
+    every entry; the wrapped reduction first publishes the dispatchers' metrics into the tracker (metrics.py)
+    and leaves them out of megatron's own reduction, which would sum them over the pipeline ranks again."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from . import metrics
+
+    original = getattr(moe_utils, "reduce_aux_losses_tracker_across_ranks", None)
+    if original is None or getattr(original, "_moe_ep_wrapped", False):
+        return  # a megatron-core without it: metrics.check_megatron_publishes refuses the option
+
+    @functools.wraps(original)
+    def reduce_aux_losses_tracker_across_ranks(track_names=None, pg_collection=None):
+        if track_names is None:
+            track_names = [name for name in moe_utils.get_moe_layer_wise_logging_tracker() if not metrics.is_metric(name)]
+        metrics.publish(pg_collection)
+        return original(track_names, pg_collection=pg_collection)
+
+    reduce_aux_losses_tracker_across_ranks._moe_ep_wrapped = True
+    moe_utils.reduce_aux_losses_tracker_across_ranks = reduce_aux_losses_tracker_across_ranks
 
 
 def _accept_shared_expert_overlap() -> None:
@@ -141,6 +168,14 @@ def add_arguments(parser):
         default=None,
         help="split each MoE layer's tokens into this many chunks, one chunk's experts computing while the "
         "next chunk's dispatch and the previous chunk's combine are under way (default: 1, no chunks)",
+    )
+    group.add_argument(
+        "--moe-ep-log-metrics",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="log per MoE layer the tokens each expert received and the communication time exposed and "
+        "hidden, with megatron's MoE metrics (moe_ep/* entries; per layer with --moe-per-layer-logging); "
+        "default: off",
     )
     return parser
 
