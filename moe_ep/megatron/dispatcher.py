@@ -4,8 +4,8 @@ The six phases follow megatron's MoETokenDispatcher contract, so its overlap sch
 one micro-batch's communication with another's compute: token_dispatch and token_combine start the
 exchange on the Buffer's communication stream and return, and the post-processing phase that reads
 the result first waits for it (on the portable backend, calls complete before they return and the
-waits are free). Communication state lives in one small object (`CommState`) per dispatcher; the
-Buffer is one per process group, shared by every layer's dispatcher (`_buffer_for`).
+waits are free). Communication state lives in one small object (`CommState`, exchange.py) per
+dispatcher; the Buffer is one per process group, shared by every layer's dispatcher (`_buffer_for`).
 Autograd: the backward of dispatch is a combine over the same handle, the backward of combine is a
 cached dispatch. By default (options.moe_ep_arena) the Buffer keeps its arena: dispatches store their
 rows once into regions recv_x owns, and the local unpermute writes into Buffer.empty_combine_input, a
@@ -16,7 +16,8 @@ rows, and dispatch_postprocess permutes the fp8 rows with their scales (_Permute
 grouped experts a Float8BlockwiseQTensor or dequantises for other experts. Gradients travel in bf16.
 Chunks (options.moe_ep_overlap_chunks > 1): token_dispatch splits the tokens and starts the first chunk's
 dispatch, MoELayer hands its experts to experts_in_chunks (register.py), which runs each chunk's experts
-between that chunk's dispatch and combine, and combine_postprocess waits for every chunk's combine.
+between that chunk's dispatch and combine, and combine_postprocess waits for every chunk's combine. The
+backward is pipelined the same way (chunks.py).
 """
 
 from __future__ import annotations
@@ -430,8 +431,9 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
     def experts_in_chunks(self, experts) -> List[torch.Tensor]:
         """moe_ep_overlap_chunks: the experts run once a chunk, between that chunk's dispatch and combine.
         Chunk i+1's dispatch is started before chunk i's experts and chunk i's combine after them, so on a
-        GPU chunk i's GEMMs overlap the next chunk's dispatch and the previous chunk's combine. Returns the
-        chunks' combined rows, which combine_postprocess waits for."""
+        GPU chunk i's GEMMs overlap the next chunk's dispatch and the previous chunk's combine (in the
+        backward too: chunks.ChunkedBackward). Returns the chunks' combined rows, which
+        combine_postprocess waits for."""
         chunks = self._chunks
         for index, state in enumerate(chunks.states):
             if index + 1 < len(chunks.states):
