@@ -77,7 +77,8 @@ def _assert_like_unchunked(unchunked, chunked, ranks, chunks: int, bitwise_rows:
         for key in ("out", "grad_x"):
             if bitwise_rows:
                 assert torch.equal(ref[key], res[key]), f"rank {rank} {key}"
-            torch.testing.assert_close(res[key], ref[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {key}: {m}")
+            torch.testing.assert_close(res[key], ref[key], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} {key}: {m}")
         assert ref["grads"].keys() == res["grads"].keys() and any(name.startswith("experts.") for name in ref["grads"])
         for name, grad in ref["grads"].items():
             if bitwise_rows and not name.startswith("experts."):  # the routed experts' sum by chunk

@@ -125,7 +125,7 @@ def _start_dispatch(state: CommState, x, topk_weights, topk_idx, num_experts: in
     state.handle, state.recv_topk_idx, state.tokens_per_expert = handle, recv_idx, counts
     state.received = (recv_x, recv_w)
     _warn_once_if_sharing_without_sm_share(buffer.ranks_on_this_gpu)
-    state.pending = event
+    state.pending = event  # dispatch_postprocess waits for it before reading the received rows
 
 
 class _Dispatch(torch.autograd.Function):
