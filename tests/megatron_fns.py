@@ -1,6 +1,9 @@
-"""Rank functions for the megatron-core integration tests (CPU ranks with gloo; moe_forward_backward
-also on CUDA ranks, where moe_ep's kernels move the tokens)."""
+"""Rank functions for the megatron-core integration tests (CPU ranks with gloo; moe_forward_backward and
+chunked_moe_layer also on CUDA ranks, where moe_ep's kernels move the tokens)."""
 from __future__ import annotations
+
+import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -231,38 +234,58 @@ class _ElementwiseExperts(torch.nn.Module):
         self.scale = torch.nn.Parameter(torch.randn(num_local_experts, hidden, generator=g))
 
     def forward(self, rows, tokens_per_expert, probs):
-        scale = self.scale.repeat_interleave(tokens_per_expert, dim=0, output_size=rows.shape[0])
+        scale = self.scale.repeat_interleave(tokens_per_expert.to(rows.device), dim=0, output_size=rows.shape[0])
         return torch.tanh(rows * scale) * probs.unsqueeze(1), None
 
 
 def chunked_moe_layer(num_experts: int, topk: int, hidden: int, chunks: int, tokens_per_rank, seed: int,
                       capacity_factor=None, elementwise_experts: bool = False, moe_ep_options: dict = None,
-                      **config_kw):
+                      late_delivery: bool = False, cuda: bool = False, **config_kw):
     """An MoELayer on "deepep" with moe_ep_overlap_chunks=chunks (same seeds, same parameters for every
     chunk count): its output, the input's gradient and every parameter's gradient on tokens_per_rank[rank]
-    random tokens. capacity_factor: megatron drops routes past each expert's capacity (-1 slots).
-    elementwise_experts: _ElementwiseExperts instead of megatron's expert MLPs. moe_ep_options: more of
-    moe_ep's options, set on the config. config_kw: more TransformerConfig fields."""
+    random tokens, the Buffer calls it made, and with late_delivery the forward's and the backward's
+    logs of asynchronous calls (late_delivery.LateDelivery). capacity_factor: megatron drops routes past
+    each expert's capacity (-1 slots). elementwise_experts: _ElementwiseExperts instead of megatron's
+    expert MLPs. moe_ep_options: more of moe_ep's options, set on the config. cuda: the layer and the
+    tokens live on this rank's GPU. config_kw: more TransformerConfig fields."""
+    from .late_delivery import LateDelivery
     capacity = {} if capacity_factor is None else dict(moe_expert_capacity_factor=capacity_factor,
                                                        moe_token_drop_policy="probs")
-    config, _ = _setup(num_experts, topk, hidden, "deepep", ffn_hidden_size=2 * hidden, **capacity, **config_kw)
+    config, _ = _setup(num_experts, topk, hidden, "deepep", ffn_hidden_size=2 * hidden, cuda=cuda, **capacity,
+                       **config_kw)
     for name, value in dict(moe_ep_options or {}, moe_ep_overlap_chunks=chunks).items():
         setattr(config, name, value)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     layer = _moe_layer(config, num_experts)
     if elementwise_experts:
         layer.experts = _ElementwiseExperts(layer.num_local_experts, hidden)
+    layer = layer.to(device)
+    if tokens_per_rank[dist.get_rank()] == 0:
+        layer.router.gating = functools.partial(_gating_without_tokens, layer.router)
     assert layer.token_dispatcher.runs_in_chunks == (chunks > 1)
     g = torch.Generator().manual_seed(seed * 31 + dist.get_rank())
-    x = torch.randn(tokens_per_rank[dist.get_rank()], 1, hidden, generator=g, requires_grad=True)
+    x = torch.randn(tokens_per_rank[dist.get_rank()], 1, hidden, generator=g).to(device).requires_grad_(True)
+    upstream = torch.randn(x.shape, generator=g).to(device)
     buffer_before, before = _buffer_calls(layer.token_dispatcher.group)
-    out, _ = layer(x)
-    (out * torch.randn(out.shape, generator=g)).sum().backward()
+    late = LateDelivery() if late_delivery else contextlib.nullcontext()
+    with late:
+        out, _ = layer(x)
+        forward_log = list(late.log) if late_delivery else None
+        (out * upstream).sum().backward()
     buffer_after, after = _buffer_calls(layer.token_dispatcher.group)
     if buffer_after is not buffer_before:  # replaced by a larger one before this step's first call
         before = {}
     calls = {kind: n - before.get(kind, 0) for kind, n in after.items() if n != before.get(kind, 0)}
-    grads = {name: p.grad.clone() for name, p in layer.named_parameters() if p.grad is not None}
-    return out.detach(), x.grad, grads, calls
+    grads = {name: p.grad.cpu() for name, p in layer.named_parameters() if p.grad is not None}
+    return dict(out=out.detach().cpu(), grad_x=x.grad.cpu(), grads=grads, calls=calls, forward_log=forward_log,
+                backward_log=late.log[len(forward_log):] if late_delivery else None)
+
+
+def _gating_without_tokens(router, input):
+    """megatron-core's router gating (fp32, no bias) on a rank without tokens, which its own refuses (it
+    reshapes 0 logits to [..., -1])."""
+    logits = torch.mm(input.reshape(-1, input.shape[-1]).float(), router.weight.float().t())
+    return logits.view(*input.shape[:-1], router.weight.shape[0])
 
 
 def _buffer_calls(group):

@@ -4,8 +4,8 @@ The six phases follow megatron's MoETokenDispatcher contract, so its overlap sch
 one micro-batch's communication with another's compute: token_dispatch and token_combine start the
 exchange on the Buffer's communication stream and return, and the post-processing phase that reads
 the result first waits for it (on the portable backend, calls complete before they return and the
-waits are free). Communication state lives in one small object (`_CommState`) per dispatcher; the
-Buffer is one per process group, shared by every layer's dispatcher (`_buffer_for`).
+waits are free). Communication state lives in one small object (`CommState`, exchange.py) per
+dispatcher; the Buffer is one per process group, shared by every layer's dispatcher (`_buffer_for`).
 Autograd: the backward of dispatch is a combine over the same handle, the backward of combine is a
 cached dispatch. By default (options.moe_ep_arena) the Buffer keeps its arena: dispatches store their
 rows once into regions recv_x owns, and the local unpermute writes into Buffer.empty_combine_input, a
@@ -16,17 +16,16 @@ rows, and dispatch_postprocess permutes the fp8 rows with their scales (_Permute
 grouped experts a Float8BlockwiseQTensor or dequantises for other experts. Gradients travel in bf16.
 Chunks (options.moe_ep_overlap_chunks > 1): token_dispatch splits the tokens and starts the first chunk's
 dispatch, MoELayer hands its experts to experts_in_chunks (register.py), which runs each chunk's experts
-between that chunk's dispatch and combine, and combine_postprocess waits for every chunk's combine.
+between that chunk's dispatch and combine, and combine_postprocess waits for every chunk's combine. The
+backward is pipelined the same way (chunks.py).
 Metrics (options.moe_ep_log_metrics): each dispatcher counts its tokens per expert and times its calls and
 waits into a LayerMetrics (metrics.py), which megatron's MoE logging publishes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -36,49 +35,13 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from ..buffer import Buffer, default_config_size_hints
 from ..checks import FP8_BLOCK
-from ..events import EventOverlap
 from ..fp8_blockwise import blockwise_cast_to_fp8, blockwise_dequantize
 from ..mps import missing_sm_share
 from ..te import recipe_scaling, to_float8_blockwise
+from .chunks import ChunkedBackward, Chunks, JoinChunks, split_into_chunks
+from .exchange import CommState, async_args, timed_call
 from .metrics import LayerMetrics, check_megatron_publishes
 from .options import fp8_dispatch_wanted, options_for
-
-
-@dataclass
-class _CommState:
-    """What one dispatch leaves for its combine and for the post-processing between them."""
-
-    buffer: Optional[Buffer] = None
-    handle: object = None
-    recv_topk_idx: Optional[torch.Tensor] = None
-    tokens_per_expert: Optional[List[int]] = None
-    # FP8 dispatch: the recipe's (power-of-two scales, amax_epsilon), and the received (e4m3, scales).
-    fp8_scaling: Optional[Tuple[bool, float]] = None
-    recv_fp8: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-    # The exchange started by token_dispatch / token_combine, waited for by the next phase.
-    pending: Optional[EventOverlap] = None
-    # moe_ep_log_metrics: where the counts and times go, and the device of a pending call whose wait is timed.
-    metrics: Optional[LayerMetrics] = None
-    timed_wait: Optional[torch.device] = None
-    # dispatch_postprocess's permutation of the received rows, which combine_preprocess undoes.
-    reversed_mapping: Optional[torch.Tensor] = None
-    local_routing_map: Optional[torch.Tensor] = None
-    received_shape: Optional[torch.Size] = None
-
-    def wait(self) -> None:
-        if self.pending is not None:
-            if self.timed_wait is not None:
-                self.metrics.wait(self.pending, self.buffer, self.timed_wait)
-            else:
-                self.pending.current_stream_wait()
-            self.pending = None
-
-
-def _timed(metrics: Optional[LayerMetrics], buffer: Buffer, device: torch.device, asynchronous: bool):
-    """A Buffer call timed for moe_ep_log_metrics (yields whether its wait is to be timed); off: nothing."""
-    if metrics is None:
-        return contextlib.nullcontext(False)
-    return metrics.call(buffer, device, asynchronous)
 
 
 def phase_range(name: str, prefix: str = "moe_ep"):
@@ -99,12 +62,6 @@ def phase_range(name: str, prefix: str = "moe_ep"):
         return traced
 
     return wrap
-
-
-def _async() -> dict:
-    """Arguments that run a Buffer call on its communication stream after the work queued so far, and
-    return at once with an event for its end."""
-    return dict(previous_event=Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
 
 
 # One Buffer per process group, shared by every MoE layer's dispatcher (DeepEP's megatron integration
@@ -157,13 +114,14 @@ def progress_reports() -> List[str]:
     return [report for report in (buffer.progress_report() for buffer in list(_buffers.values())) if report]
 
 
-class _Dispatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topk_weights, topk_idx, num_experts, state: _CommState):
-        buffer = state.buffer
+def _start_dispatch(state: CommState, x, topk_weights, topk_idx, num_experts: int) -> None:
+    """Starts the dispatch of x's rows on the Buffer's communication stream, leaving the received rows in
+    `state` for _Dispatch; dispatch_postprocess waits for state.pending before reading them."""
+    buffer = state.buffer
+    with torch.no_grad():  # autograd's node for the exchange is _Dispatch's
         per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
         payload = x if state.fp8_scaling is None else blockwise_cast_to_fp8(x, *state.fp8_scaling)
-        with _timed(state.metrics, buffer, x.device, asynchronous=True) as time_the_wait:
+        with timed_call(state.metrics, buffer, x.device, asynchronous=True) as time_the_wait:
             recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(
                 payload,
                 num_tokens_per_rank=per_rank,
@@ -172,18 +130,30 @@ class _Dispatch(torch.autograd.Function):
                 num_tokens_per_expert=per_expert,
                 topk_idx=topk_idx,
                 topk_weights=topk_weights,
-                **_async(),
+                **async_args(),
             )
-        state.timed_wait = x.device if time_the_wait else None
-        state.handle, state.recv_topk_idx, state.tokens_per_expert = handle, recv_idx, counts
-        _warn_once_if_sharing_without_sm_share(buffer.ranks_on_this_gpu)
-        state.pending = event  # dispatch_postprocess waits for it before reading recv_x
+    state.timed_wait = x.device if time_the_wait else None
+    state.handle, state.recv_topk_idx, state.tokens_per_expert = handle, recv_idx, counts
+    state.received = (recv_x, recv_w)
+    _warn_once_if_sharing_without_sm_share(buffer.ranks_on_this_gpu)
+    state.pending = event  # dispatch_postprocess waits for it before reading the received rows
+
+
+class _Dispatch(torch.autograd.Function):
+    """The rows a dispatch started by _start_dispatch receives, as a function of the rows and weights
+    sent. Applied where the rows are read, so that autograd runs its backward right after the backward
+    of the experts that read them. Backward: the gradient's combine over the same handle, synchronous,
+    or in chunks started for ChunkedBackward to wait for."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, state: CommState, chunked: Optional[ChunkedBackward]):
+        recv_x, recv_w = state.received
+        state.received = None
         if state.fp8_scaling is not None:
             state.recv_fp8 = recv_x
             # Autograd's stand-in for the received rows (no memory): their gradient comes back through it.
             recv_x = x.new_zeros(()).expand(recv_x[0].shape)
-        ctx.state = state
-        ctx.handle = handle
+        ctx.state, ctx.handle, ctx.chunked = state, state.handle, chunked
         return recv_x, recv_w
 
     @staticmethod
@@ -192,9 +162,16 @@ class _Dispatch(torch.autograd.Function):
         state = ctx.state
         # Entries of other ranks' experts were constants (0) in the forward: no gradient flows there.
         grad_recv_w = torch.where(state.recv_topk_idx >= 0, grad_recv_w, 0).float()
-        with _timed(state.metrics, state.buffer, grad_recv_x.device, asynchronous=False):
-            grad_x, grad_w, _ = state.buffer.combine(grad_recv_x.contiguous(), ctx.handle, topk_weights=grad_recv_w)
-        return grad_x, grad_w, None, None, None
+        device = grad_recv_x.device
+        if ctx.chunked is None:
+            with timed_call(state.metrics, state.buffer, device, asynchronous=False):
+                grad_x, grad_w, _ = state.buffer.combine(grad_recv_x.contiguous(), ctx.handle, topk_weights=grad_recv_w)
+        else:
+            with timed_call(state.metrics, state.buffer, device, asynchronous=True) as time_the_wait:
+                grad_x, grad_w, event = state.buffer.combine(grad_recv_x.contiguous(), ctx.handle,
+                                                             topk_weights=grad_recv_w, **async_args())
+            ctx.chunked.combine_started(event, state, device if time_the_wait else None)
+        return grad_x, grad_w, None, None
 
 
 class _PermuteFp8(torch.autograd.Function):
@@ -203,7 +180,7 @@ class _PermuteFp8(torch.autograd.Function):
     rows summed back into the received rows (megatron's unpermute), in the gradient's dtype."""
 
     @staticmethod
-    def forward(ctx, stand_in, state: _CommState, sorted_indices, to_te: bool, columnwise: bool):
+    def forward(ctx, stand_in, state: CommState, sorted_indices, to_te: bool, columnwise: bool):
         data, scales = state.recv_fp8
         state.recv_fp8 = None
         data = data.view(torch.uint8).index_select(0, sorted_indices).view(data.dtype)
@@ -247,34 +224,27 @@ class _UnpermuteInto(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
+    """Backward: the gradient's cached dispatch, synchronous, or in chunks (chunk = (ChunkedBackward, its
+    index)) started ahead by ChunkedBackward."""
+
     @staticmethod
-    def forward(ctx, x, state: _CommState):
-        with _timed(state.metrics, state.buffer, x.device, asynchronous=True) as time_the_wait:
-            combined, _, event = state.buffer.combine(x.contiguous(), state.handle, **_async())
+    def forward(ctx, x, state: CommState, chunk: Optional[Tuple[ChunkedBackward, int]] = None):
+        with timed_call(state.metrics, state.buffer, x.device, asynchronous=True) as time_the_wait:
+            combined, _, event = state.buffer.combine(x.contiguous(), state.handle, **async_args())
         state.pending = event  # combine_postprocess waits for it before the result is read
         state.timed_wait = x.device if time_the_wait else None
-        ctx.buffer, ctx.handle, ctx.metrics = state.buffer, state.handle, state.metrics
+        ctx.buffer, ctx.handle, ctx.chunk, ctx.metrics = state.buffer, state.handle, chunk, state.metrics
         return combined
 
     @staticmethod
     @phase_range("combine_backward")
     def backward(ctx, grad):
-        with _timed(ctx.metrics, ctx.buffer, grad.device, asynchronous=False):
+        if ctx.chunk is not None:
+            chunked, index = ctx.chunk
+            return chunked.received_gradient(index), None, None
+        with timed_call(ctx.metrics, ctx.buffer, grad.device, asynchronous=False):
             recv_grad = ctx.buffer.dispatch(grad.contiguous(), handle=ctx.handle)[0]
-        return recv_grad, None
-
-
-@dataclass
-class _Chunks:
-    """One layer's forward in chunks (moe_ep_overlap_chunks): each chunk's rows of the tokens, and its
-    own exchange state, received rows and combined rows."""
-
-    hidden_states: Tuple[torch.Tensor, ...]
-    probs: Tuple[torch.Tensor, ...]
-    topk_idx: Tuple[torch.Tensor, ...]
-    states: List[_CommState]
-    received: List[Optional[Tuple[torch.Tensor, torch.Tensor]]]
-    combined: List[torch.Tensor]
+        return recv_grad, None, None
 
 
 class MoEEPTokenDispatcher(MoETokenDispatcher):
@@ -298,8 +268,8 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
             check_megatron_publishes()
             num_layers = config.num_layers + (getattr(config, "mtp_num_layers", None) or 0)
             self.metrics = LayerMetrics(local_expert_indices, config.num_moe_experts, num_layers, self.ep_group)
-        self._state = _CommState()
-        self._chunks: Optional[_Chunks] = None
+        self._state = CommState()
+        self._chunks: Optional[Chunks] = None
 
     @property
     def runs_in_chunks(self) -> bool:
@@ -352,29 +322,26 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
             self._dispatch_chunk(0)
             return hidden_states, probs
         self._prepare(self._state, hidden_states)
-        return _Dispatch.apply(hidden_states, probs, self._topk_idx, self.num_experts, self._state)
+        _start_dispatch(self._state, hidden_states, probs, self._topk_idx, self.num_experts)
+        return _Dispatch.apply(hidden_states, probs, self._state, None)
 
-    def _prepare(self, state: _CommState, hidden_states: torch.Tensor) -> None:
+    def _prepare(self, state: CommState, hidden_states: torch.Tensor) -> None:
         """The group's Buffer, sized for these rows, and the fp8 recipe's scaling if they travel as fp8."""
         hidden_bytes = hidden_states.shape[1] * max(hidden_states.element_size(), 2)
         state.buffer = _buffer_for(self.group, hidden_bytes, self.options.moe_ep_arena, self.options.moe_ep_timeout_s)
         state.fp8_scaling = recipe_scaling() if self._fp8_dispatch(hidden_states.shape[1]) else None
         state.metrics = self.metrics
 
-    def _split_into_chunks(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> _Chunks:
-        """Contiguous token ranges as even as possible; a rank with fewer tokens than chunks has empty
-        ones, which still make their Buffer calls (every rank makes the same calls in the same order)."""
-        count = self.options.moe_ep_overlap_chunks
-        states = [_CommState() for _ in range(count)]
+    def _split_into_chunks(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> Chunks:
+        states = [CommState() for _ in range(self.options.moe_ep_overlap_chunks)]
         for state in states:
             self._prepare(state, hidden_states)
-        return _Chunks(hidden_states.tensor_split(count), probs.tensor_split(count), self._topk_idx.tensor_split(count),
-                       states, [None] * count, [])
+        return split_into_chunks(hidden_states, probs, self._topk_idx, states)
 
     def _dispatch_chunk(self, index: int) -> None:
         chunks = self._chunks
-        chunks.received[index] = _Dispatch.apply(chunks.hidden_states[index], chunks.probs[index],
-                                                 chunks.topk_idx[index], self.num_experts, chunks.states[index])
+        _start_dispatch(chunks.states[index], chunks.hidden_states[index], chunks.probs[index], chunks.topk_idx[index],
+                        self.num_experts)
 
     def _fp8_dispatch(self, hidden: int) -> bool:
         if not fp8_dispatch_wanted(self.options, self.config):
@@ -397,7 +364,7 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
             self.shared_experts.linear_fc1_forward_and_act(hidden_states)
         return self._permute(self._state, hidden_states, probs)
 
-    def _permute(self, state: _CommState, hidden_states: torch.Tensor, probs: torch.Tensor):
+    def _permute(self, state: CommState, hidden_states: torch.Tensor, probs: torch.Tensor):
         """The received rows (once the dispatch is done), grouped by local expert as megatron's experts take them."""
         state.wait()
         routing_map, expert_probs = self._local_multihot(state.recv_topk_idx, probs)
@@ -465,7 +432,7 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
     def combine_preprocess(self, hidden_states: torch.Tensor):
         return self._unpermute(self._state, hidden_states)
 
-    def _unpermute(self, state: _CommState, hidden_states: torch.Tensor) -> torch.Tensor:
+    def _unpermute(self, state: CommState, hidden_states: torch.Tensor) -> torch.Tensor:
         """The experts' rows summed back into the received rows' order: the combine's input."""
         if hidden_states.dtype in (torch.bfloat16, torch.float32) and state.buffer.num_arena_bytes != 0:
             # The combine's x, in the arena: read where it lies.
@@ -489,8 +456,9 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
     def experts_in_chunks(self, experts) -> List[torch.Tensor]:
         """moe_ep_overlap_chunks: the experts run once a chunk, between that chunk's dispatch and combine.
         Chunk i+1's dispatch is started before chunk i's experts and chunk i's combine after them, so on a
-        GPU chunk i's GEMMs overlap the next chunk's dispatch and the previous chunk's combine. Returns the
-        chunks' combined rows, which combine_postprocess waits for."""
+        GPU chunk i's GEMMs overlap the next chunk's dispatch and the previous chunk's combine (in the
+        backward too: chunks.ChunkedBackward). Returns the chunks' combined rows, which
+        combine_postprocess waits for."""
         chunks = self._chunks
         for index, state in enumerate(chunks.states):
             if index + 1 < len(chunks.states):
@@ -498,13 +466,13 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
             if index == 0 and self.shared_experts is not None:
                 # Queued before the first wait: the shared expert's fc1 runs while the dispatches are under way.
                 self.shared_experts.linear_fc1_forward_and_act()
-            received, received_probs = chunks.received[index]
-            chunks.received[index] = None
+            received, received_probs = _Dispatch.apply(chunks.hidden_states[index], chunks.probs[index], state,
+                                                       chunks.backward)
             permuted, tokens_per_expert, permuted_probs = self._permute(state, received, received_probs)
             output, bias = experts(permuted, tokens_per_expert, permuted_probs)
             if bias is not None:
                 raise ValueError("moe_ep_overlap_chunks: the experts' bias is not supported (add_bias_linear)")
-            chunks.combined.append(_Combine.apply(self._unpermute(state, output), state))
+            chunks.combined.append(_Combine.apply(self._unpermute(state, output), state, (chunks.backward, index)))
         return chunks.combined
 
     @phase_range("combine_postprocess")
@@ -525,8 +493,7 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         if not self.runs_in_chunks:
             self._state.wait()
             return combined
-        states = self._chunks.states
-        self._chunks = None
-        for state in states:
+        chunks, self._chunks = self._chunks, None
+        for state in chunks.states:
             state.wait()
-        return torch.cat(combined)
+        return JoinChunks.apply(chunks.backward, *combined)

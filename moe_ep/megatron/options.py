@@ -27,8 +27,8 @@ class DispatcherOptions:
     # and sent with their scales, half the bytes of bf16; the gradients travel in bf16. "auto": on where the
     # config trains with transformer-engine's blockwise recipe (fp8 set, fp8_recipe="blockwise").
     moe_ep_fp8_dispatch: str = "auto"
-    # Splits a layer's tokens into this many chunks and pipelines them: chunk i's experts compute while
-    # chunk i+1's dispatch and chunk i-1's combine are under way. 1: one dispatch and one combine a layer.
+    # Splits a layer's tokens into this many chunks and pipelines them, forward and backward: chunk i's
+    # experts compute while its neighbours' dispatch and combine are under way. 1: one exchange a layer.
     moe_ep_overlap_chunks: int = 1
     # Per layer, the tokens each expert received and the communication time exposed and hidden, written
     # into megatron-core's MoE logging tracker (moe_ep.megatron.metrics); off: no event, no extra work.

@@ -167,7 +167,8 @@ def add_arguments(parser):
         type=int,
         default=None,
         help="split each MoE layer's tokens into this many chunks, one chunk's experts computing while the "
-        "next chunk's dispatch and the previous chunk's combine are under way (default: 1, no chunks)",
+        "next chunk's dispatch and the previous chunk's combine are under way, in the forward and the "
+        "backward (default: 1, no chunks)",
     )
     group.add_argument(
         "--moe-ep-log-metrics",
