@@ -182,7 +182,7 @@ def print_table(entries: dict) -> None:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_ranks_argument(parser, RANKS, "rank counts to tune, each on its own; required")
+    add_ranks_argument(parser, RANKS, "rank counts to tune, each on its own; required outside torchrun")
     parser.add_argument("--sms", type=int, nargs="+", default=[16, 24, 32], help="SM budgets to try")
     parser.add_argument("--recv-chunks", type=int, nargs="+", default=[64, 256, 1024],
                         help="num_max_nvl_chunked_recv_tokens values to try")
