@@ -98,18 +98,27 @@ def _rank_main(rank: int, num_ranks: int, rendezvous: str, backend: str, use_cud
 
 # torch.save rather than multiprocessing's pickler, which would pass tensors through shared-memory
 # handles that live only as long as the sending rank keeps them (and plain pickle fails on fp8).
-def _send(conn, obj) -> None:
+def to_bytes(obj) -> bytes:
+    """obj as bytes that from_bytes turns back into it in another process (tensors of any dtype included)."""
     import torch
 
     data = io.BytesIO()
     torch.save(obj, data)
-    conn.send_bytes(data.getvalue())
+    return data.getvalue()
+
+
+def from_bytes(data: bytes):
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _send(conn, obj) -> None:
+    conn.send_bytes(to_bytes(obj))
 
 
 def _recv(conn):
-    import torch
-
-    return torch.load(io.BytesIO(conn.recv_bytes()), weights_only=False)
+    return from_bytes(conn.recv_bytes())
 
 
 class RankPool:

@@ -1,4 +1,5 @@
-"""moe_ep's benchmarks: `moe-ep-bench NAME [options]` or `python -m moe_ep.bench.NAME [options]`.
+"""moe_ep's benchmarks: `moe-ep-bench NAME [options]` or `python -m moe_ep.bench.NAME [options]`; on
+torchrun's ranks, `torchrun ... -m moe_ep.bench NAME [options]` (moe_ep/bench/torchrun.py).
 
 The figures in docs/BENCHMARKS.md and docs/DESIGN.md come from these, each with the command that made
 it. `--help` on any of them lists its options; `moe-ep-bench` alone lists them all.

@@ -1,9 +1,13 @@
-"""`moe-ep-bench NAME [options]` (or `python -m moe_ep.bench NAME [options]`): runs benchmark NAME."""
+"""`moe-ep-bench NAME [options]` (or `python -m moe_ep.bench NAME [options]`): runs benchmark NAME, on ranks
+it starts itself, or under torchrun on torchrun's (`torchrun ... -m moe_ep.bench NAME [options]`)."""
 
 from __future__ import annotations
 
+import importlib
 import runpy
 import sys
+
+from . import torchrun
 
 # Name -> what it measures (the module moe_ep.bench.NAME).
 BENCHMARKS = {
@@ -39,7 +43,18 @@ def main(argv=None) -> None:
         return
     name = argv[0]
     sys.argv = [f"moe-ep-bench {name}", *argv[1:]]
-    runpy.run_module(f"moe_ep.bench.{name}", run_name="__main__", alter_sys=True)
+    world = torchrun.launched_world()
+    if world is None:
+        runpy.run_module(f"moe_ep.bench.{name}", run_name="__main__", alter_sys=True)
+        return
+    if name in torchrun.NOT_UNDER_TORCHRUN:
+        if world.rank == 0:  # every rank stops alike; one says why
+            print(f"moe-ep-bench {name}: not under torchrun: {torchrun.NOT_UNDER_TORCHRUN[name]}; run it without "
+                  "torchrun", file=sys.stderr)
+        sys.exit(2)
+    # Imported, not run as __main__: the functions rank 0 hands out must be found by their module's name.
+    module = importlib.import_module(f"moe_ep.bench.{name}")
+    torchrun.run_benchmark(world, module.main)
 
 
 if __name__ == "__main__":

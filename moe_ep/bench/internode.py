@@ -12,6 +12,9 @@ node) and against one row per top-k pick on another node (no deduplication at al
 
     python -m moe_ep.bench.internode --nodes 2x4 4x2
     python -m moe_ep.bench.internode --nodes 2x4 --group-topk 2     # each token's experts on at most 2 nodes
+
+Under torchrun the nodes are its agents (--nnodes of --nproc-per-node ranks); the intranode rows need every
+rank on one host (or CPU tensors) and are left out otherwise.
 """
 from __future__ import annotations
 
@@ -24,10 +27,10 @@ import torch.distributed as dist
 
 from moe_ep import Buffer, fp8
 from moe_ep.buffer import default_config_size_hints
-from moe_ep.launch import RankPool
 
 from .intranode import add_shape_arguments
 from .timing import wall_seconds_per_call
+from .torchrun import host_name, joined, start_ranks
 
 MODES = ("dispatch_fp8", "dispatch_bf16", "combine")
 
@@ -55,7 +58,9 @@ def routing(args, num_ranks: int, ranks_per_node: int, device):
     return scores.topk(args.topk, dim=1).indices
 
 
-def rank_bench(args, ranks_per_node: int):
+def rank_bench(args, ranks_per_node: int, with_intranode: bool = True):
+    """Every mode's rows on an internode Buffer of ranks_per_node ranks a node and, with_intranode, on an
+    intranode Buffer of all ranks; and this rank's traffic counts."""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1000 + rank)
     device = "cpu" if args.cpu else "cuda"
@@ -67,7 +72,8 @@ def rank_bench(args, ranks_per_node: int):
     rdma = 0 if args.cpu else Buffer.get_internode_rdma_size_hint(args.tokens, args.hidden, num_ranks, ranks_per_node,
                                                                    args.topk)
     results = []
-    for label, per_node in (("internode", ranks_per_node), ("intranode", num_ranks)):
+    buffers = [("internode", ranks_per_node)] + ([("intranode", num_ranks)] if with_intranode else [])
+    for label, per_node in buffers:
         buffer = Buffer(dist.group.WORLD, nvl, rdma if per_node < num_ranks else 0, ranks_per_node=per_node,
                         explicitly_destroy=True)
         per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
@@ -104,33 +110,59 @@ def rank_bench(args, ranks_per_node: int):
     return results
 
 
+def node_shapes(parser, given):
+    """The (nodes, ranks a node) shapes to run: --nodes, else 2x4 and 4x2; under torchrun its own, and a
+    --nodes that is not it is refused."""
+    world = joined()
+    if world is None:
+        return given or [(2, 4), (4, 2)]
+    started = (world.nodes, world.local_world_size)
+    if world.nodes < 2:
+        parser.error(f"internode times calls across nodes, and torchrun started one node of {world.world_size} ranks: "
+                     "start two agents or more (--nnodes 2, on one host or several)")
+    if given and given != [started]:
+        parser.error(f"--nodes {' '.join(f'{n}x{p}' for n, p in given)}: under torchrun the nodes are the "
+                     f"{started[0]}x{started[1]} it started (--nnodes x --nproc-per-node); leave --nodes out")
+    return [started]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nodes", type=node_shape, nargs="+", default=[(2, 4), (4, 2)],
-                        help="NODESxRANKS_PER_NODE shapes (default 2x4 4x2)")
+    parser.add_argument("--nodes", type=node_shape, nargs="+",
+                        help="NODESxRANKS_PER_NODE shapes (default 2x4 4x2; under torchrun its --nnodes x "
+                             "--nproc-per-node)")
     add_shape_arguments(parser)
     parser.add_argument("--group-topk", type=int, default=0,
                         help="each token's experts on at most this many nodes (0: any)")
     parser.add_argument("--json", help="append one JSON line per (shape, buffer, mode) here")
     parser.add_argument("--cpu", action="store_true", help="CPU tensors (portable backend): checks the script anywhere")
     args = parser.parse_args()
+    args.nodes = node_shapes(parser, args.nodes)
     if not args.cpu and not torch.cuda.is_available():
         parser.exit(2, f"{parser.prog}: error: no GPU here: pass --cpu (CPU tensors on the portable backend)\n")
     print(f"{'shape':>5} {'buffer':>9} {'mode':>13} {'us/call':>9} {'GB/s per rank (min/mean)':>25} "
           f"{'network GB/s':>13} {'of intranode':>13}")
     for nodes, per_node in args.nodes:
         num_ranks = nodes * per_node
-        with RankPool(num_ranks, use_cuda=not args.cpu) as pool:
-            flat = [r for rows in pool.run(rank_bench, args, per_node) for r in rows]
+        with start_ranks(num_ranks, use_cuda=not args.cpu) as pool:
+            # The intranode kernels reach ranks of one host only; spawned ranks are all on this one.
+            hosts = set(pool.run(host_name)) if joined() is not None else {"this host"}
+            with_intranode = args.cpu or len(hosts) == 1
+            flat = [r for rows in pool.run(rank_bench, args, per_node, with_intranode) for r in rows]
         shape = f"{nodes}x{per_node}"
+        if not with_intranode:
+            print(f"{shape:>5} intranode rows left out: the ranks are on {len(hosts)} hosts")
         means = {}
         for label in ("intranode", "internode"):
             for mode in MODES:
                 rows = [r for r in flat if r["buffer"] == label and r["mode"] == mode]
+                if not rows:
+                    continue
                 mean = sum(r["gbps"] for r in rows) / len(rows)
                 means[(label, mode)] = mean
                 network = sum(r["network_gbps"] for r in rows) / len(rows)
-                ratio = f"{mean / means[('intranode', mode)]:.0%}" if label == "internode" else ""
+                intranode = means.get(("intranode", mode)) if label == "internode" else None
+                ratio = f"{mean / intranode:.0%}" if intranode else ""
                 print(f"{shape:>5} {label:>9} {mode:>13} {max(r['us'] for r in rows):>9.0f} "
                       f"{min(r['gbps'] for r in rows):>12.0f} / {mean:<10.0f} {network:>13.1f} {ratio:>13}")
                 if args.json:

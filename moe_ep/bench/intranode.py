@@ -49,7 +49,6 @@ import torch.distributed as dist
 from moe_ep import Buffer, Config
 from moe_ep.config import arena_bytes
 from moe_ep.diagnostics import kernel_backend
-from moe_ep.launch import RankPool
 from moe_ep.backends.choices import PEER_MEMORY_KINDS, overridden
 from moe_ep.backends.peers import Enumerators
 
@@ -59,6 +58,10 @@ from .peers import (COPY, DEEP_EP, MOE_EP, NCCL, PEERS, PORTABLE, add_peer_argum
                     run_in_own_ranks, shown_ratio, skip_reasons)
 from .report import Report, add_output_arguments, progress, say
 from .timing import wall_seconds_per_call
+from .torchrun import add_ranks_argument, gpus_of_the_ranks, one_node_only, rank_counts, start_ranks
+
+# What --ranks left out runs (under torchrun: the ranks it started instead).
+RANKS = [2, 4, 8]
 
 MODES = ("dispatch_fp8", "dispatch_bf16", "dispatch_fp8_arena", "dispatch_bf16_arena", "combine",
          "combine_arena_input")
@@ -306,7 +309,7 @@ def add_shape_arguments(parser: argparse.ArgumentParser, token_sweep: bool = Fal
 def make_parser() -> argparse.ArgumentParser:
     """The command line (`moe-ep-bench tune` builds its candidates' arguments with it too)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    add_ranks_argument(parser, RANKS)
     add_shape_arguments(parser, token_sweep=True)
     parser.add_argument("--sms", type=int, nargs="+", default=[24])
     parser.add_argument("--modes", nargs="+", choices=ALL_MODES, default=list(MODES),
@@ -350,7 +353,7 @@ def measure(args, num_ranks: int, reasons: dict, bar) -> list:
     ranks, then DeepEP's and the portable backend's, each on ranks of its own; a peer that fails there
     gets its reason in `reasons` instead of rows."""
     own = [p for p in (NCCL, COPY) if not reasons[p]]
-    with RankPool(num_ranks, use_cuda=not args.cpu) as pool:
+    with start_ranks(num_ranks, use_cuda=not args.cpu) as pool:
         rows = [r for rank_rows in pool.run(rank_bench, argparse.Namespace(**{**vars(args), "peers": own}))
                 for r in rank_rows]
     if not reasons[DEEP_EP]:
@@ -517,10 +520,12 @@ def plot_token_sweeps(report: Report, args) -> None:
 def main():
     parser = make_parser()
     args = parser.parse_args()
+    args.ranks = rank_counts(parser, args.ranks, RANKS)
+    one_node_only(parser, "intranode times the calls")
     if not args.cpu and not torch.cuda.is_available():
         # The message alone: the usage that parser.error prints first would bury it.
         parser.exit(2, f"{parser.prog}: error: no GPU here: pass --cpu (CPU tensors on the portable backend)\n")
-    num_gpus = 0 if args.cpu else torch.cuda.device_count()
+    num_gpus = 0 if args.cpu else gpus_of_the_ranks()
     if args.nccl and (args.cpu or any(n > num_gpus for n in args.ranks)):
         parser.error("--nccl needs one rank per GPU (NCCL refuses two ranks on one GPU)")
     if args.nccl and NCCL not in args.peers:

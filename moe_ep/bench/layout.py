@@ -13,9 +13,12 @@ import torch
 import torch.distributed as dist
 
 from moe_ep import Buffer, _native
-from moe_ep.launch import RankPool
 
 from .timing import cuda_kernel_us, host_call_us
+from .torchrun import add_ranks_argument, gpus_of_the_ranks, rank_counts, start_ranks
+
+# What --ranks left out runs (under torchrun: the ranks it started instead).
+RANKS = [2, 4, 8]
 
 
 def torch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
@@ -52,12 +55,13 @@ def rank_bench(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    add_ranks_argument(parser, RANKS)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--json", help="append one JSON line per rank count here")
     args = parser.parse_args()
+    args.ranks = rank_counts(parser, args.ranks, RANKS)
     # The kernel alone, in this process with no other rank on the GPU: the figure to hold to the goal.
     g = torch.Generator().manual_seed(0)
     scores = torch.rand(args.tokens, args.experts, generator=g, dtype=torch.float32, device="cpu")
@@ -72,12 +76,12 @@ def main():
     print(f"{'ranks':>5} {'kernel us':>10} {'call us':>9} {'torch kernels us':>17} {'torch call us':>14} "
           f"{'speedup (call)':>15} same")
     for num_ranks in args.ranks:
-        with RankPool(num_ranks, use_cuda=True) as pool:
+        with start_ranks(num_ranks, use_cuda=True) as pool:
             rows = pool.run(rank_bench, args)
         worst = {k: max(r[k] for r in rows) for k in ("kernel_us", "call_us", "torch_kernel_us", "torch_call_us")}
         med = {k: sorted(r[k] for r in rows)[len(rows) // 2] for k in worst}
         same = all(r["same_as_torch"] for r in rows)
-        if not all(r["mps"] for r in rows) and num_ranks > torch.cuda.device_count():
+        if not all(r["mps"] for r in rows) and num_ranks > gpus_of_the_ranks():
             print("warning: ranks share a GPU without MPS; their kernels are time-sliced")
         print(f"{num_ranks:>5} {med['kernel_us']:>10.1f} {med['call_us']:>9.1f} {med['torch_kernel_us']:>17.1f} "
               f"{med['torch_call_us']:>14.1f} {med['torch_call_us'] / med['call_us']:>14.1f}x {same}")

@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from moe_ep._native import ops
 from moe_ep.backends.peers import KernelEnums
-from moe_ep.launch import RankPool
 
-from .low_latency import add_problem_arguments, make_problem
+from .low_latency import RANKS, add_problem_arguments, make_problem
+from .torchrun import start_ranks
 from .timing import device_sync
 
 
@@ -103,10 +103,11 @@ def main():
     parser.add_argument("--combine", action="store_true", help="a round is a dispatch and a combine")
     parser.add_argument("--json", help="append one JSON line per run here")
     args = parser.parse_args()
+    args.ranks = args.ranks or RANKS
     if args.calls * (2 if args.combine else 1) > 60:
         parser.error("--calls: the timeline keeps the last 64 calls")
     for num_ranks in args.ranks:
-        with RankPool(num_ranks, use_cuda=True) as pool:
+        with start_ranks(num_ranks, use_cuda=True) as pool:
             tables = pool.run(rank_timeline, args, args.experts)
         result = phases(tables, args.skip, KernelEnums(ops()))
         print(f"== {num_ranks} ranks, {args.tokens} tokens, hidden {args.hidden}, top-{args.topk} of {args.experts}"

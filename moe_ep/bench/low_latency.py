@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from moe_ep import Buffer
 from moe_ep.backends.choices import LOW_LATENCY_MEMORY_KINDS, overridden
-from moe_ep.launch import RankError, RankPool
+from moe_ep.launch import RankError
 
 from . import copy_peer, deepep_peer, nccl_peer
 from .inputs import LOW_LATENCY_SEED, low_latency_inputs, low_latency_selection_bytes, selections_per_rank
@@ -40,11 +40,15 @@ from .peers import (COPY, DEEP_EP, MOE_EP, NCCL, PORTABLE, add_peer_arguments, n
                     shown_ratio, skip_reasons)
 from .report import Report, add_output_arguments, progress, say
 from .timing import cuda_kernel_us, device_sync, wall_seconds_per_call
+from .torchrun import add_ranks_argument, gpus_of_the_ranks, rank_counts, start_ranks
+
+# What --ranks left out runs (under torchrun: the ranks it started instead).
+RANKS = [8]
 
 
 def add_problem_arguments(parser: argparse.ArgumentParser, experts_help: Optional[str] = None) -> None:
     """The shape of the low-latency problem (the timeline benchmark, ll_timeline, takes the same)."""
-    parser.add_argument("--ranks", type=int, nargs="+", default=[8])
+    add_ranks_argument(parser, RANKS)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--topk", type=int, default=8)
@@ -266,10 +270,11 @@ def plot_rank_sweep(report: Report, args) -> None:
 def main():
     parser = make_parser()
     args = parser.parse_args()
+    args.ranks = rank_counts(parser, args.ranks, RANKS)
     if not args.cpu and not torch.cuda.is_available():
         # The message alone: the usage that parser.error prints first would bury it.
         parser.exit(2, f"{parser.prog}: error: no GPU here: pass --cpu (CPU tensors on the portable backend)\n")
-    num_gpus = 0 if args.cpu else torch.cuda.device_count()
+    num_gpus = 0 if args.cpu else gpus_of_the_ranks()
     report = Report("low_latency", args.jsonl, args.plot)
     problems = [(n, e) for n in args.ranks for e in sorted({args.experts, 288 if n == 8 else args.experts})]
     bar = progress(len(problems), "low_latency", unit="problem")
@@ -283,7 +288,7 @@ def main():
             reasons = skip_reasons(args, num_ranks, num_gpus, args.tokens * args.hidden * 2, given_up=given_up)
             own = argparse.Namespace(**{**vars(args), "peers": [p for p in (NCCL, COPY) if not reasons[p]]})
             try:
-                with RankPool(num_ranks, use_cuda=not args.cpu) as pool:
+                with start_ranks(num_ranks, use_cuda=not args.cpu) as pool:
                     rows = pool.run(rank_bench, own, num_experts)
             except RankError as error:  # the next shape still runs
                 say(bar, f"{num_ranks:>5} {num_experts:>7} FAILED: {error}")

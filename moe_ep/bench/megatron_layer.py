@@ -25,10 +25,14 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from moe_ep.launch import RankPool, ranks_share_a_gpu, sm_share_env
+from moe_ep.launch import sm_share_env
 
 from .report import Report, add_output_arguments
+from .torchrun import add_ranks_argument, gpus_of_the_ranks, rank_counts, start_ranks
 from .timing import wall_seconds_per_call
+
+# What --ranks left out runs (under torchrun: the ranks it started instead).
+RANKS = 4
 
 DISPATCHERS = ("deepep", "alltoall")
 INPUT_SEED = 3000
@@ -95,7 +99,7 @@ def rank_layer_times(args) -> dict:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=4, help="expert-parallel ranks (default 4)")
+    add_ranks_argument(parser, RANKS, "expert-parallel ranks")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens a rank (default 4096)")
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
     parser.add_argument("--ffn-hidden", type=int, default=4096, help="each expert's FFN hidden size (default 4096)")
@@ -111,6 +115,7 @@ def parse_args(argv=None):
     parser.add_argument("--cpu", action="store_true", help="CPU ranks over gloo: checks the script anywhere")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
+    args.ranks = rank_counts(parser, args.ranks, RANKS)
     if args.experts % args.ranks:
         parser.error(f"--experts {args.experts} is not a multiple of --ranks {args.ranks}")
     if len(set(args.dispatchers)) != len(args.dispatchers):
@@ -160,11 +165,11 @@ def report_results(args, rows: list, transport: dict, report: Report) -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    shares_gpu = not args.cpu and ranks_share_a_gpu(args.ranks)
+    shares_gpu = not args.cpu and args.ranks > gpus_of_the_ranks()
     env = sm_share_env(args.sm_share, args.ranks) if shares_gpu else {}
     transport = transports(args.cpu, shares_gpu)
     report = Report("megatron_layer", args.jsonl, args.plot)
-    with RankPool(args.ranks, use_cuda=not args.cpu, env=env) as pool:
+    with start_ranks(args.ranks, use_cuda=not args.cpu, env=env) as pool:
         rows = pool.run(rank_layer_times, args)
     matched = report_results(args, rows, transport, report)
     report.say_plots()

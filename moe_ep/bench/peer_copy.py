@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 from moe_ep.backends.choices import PEER_MEMORY_KINDS
 from moe_ep.backends.peers import device_view, map_peer_buffers
-from moe_ep.launch import RankPool
 from moe_ep.sync import ArrivalGate
 
 from .timing import wall_seconds_per_call
+from .torchrun import start_ranks
 
 MODES = ("own -> own", "own -> peer (push)", "peer -> own (pull)", "own -> every peer")
 
@@ -97,7 +97,7 @@ def main():
         parser.error("measures ranks sharing one GPU: make one visible (CUDA_VISIBLE_DEVICES=0)")
     print(f"{'ranks':>5} {'mode':>20} {'us/copy (max)':>14} {'GB/s per rank (min)':>20} {'aggregate GB/s':>15}")
     for num_ranks in args.ranks:
-        with RankPool(num_ranks, use_cuda=True) as pool:
+        with start_ranks(num_ranks, use_cuda=True) as pool:
             per_rank = pool.run(rank_copy, args)
         for mode in MODES:
             seconds = [r[mode][0] for r in per_rank]

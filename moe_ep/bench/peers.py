@@ -33,7 +33,8 @@ def add_peer_arguments(parser) -> None:
                         help=f"time the portable peer above {PORTABLE_CHEAP_BYTES >> 20} MiB of bf16 rows a rank too")
     parser.add_argument("--peer-timeout", type=float, default=120.0,
                         help="seconds a peer's ranks may take before the peer is reported as failed (and, having "
-                             "hung, is not tried again in the run)")
+                             "hung, is not tried again in the run); under torchrun the peers run on its ranks, "
+                             "bounded by the process group's timeout instead")
 
 
 def deep_ep_missing() -> str:
@@ -94,12 +95,15 @@ def skip_reasons(args, num_ranks: int, num_gpus: int, input_bytes: int,
 
 def run_in_own_ranks(fn, args_for_ranks: tuple, num_ranks: int, use_cuda: bool, timeout_s: float,
                      env: Optional[Dict[str, str]] = None) -> Tuple[List, str]:
-    """fn(*args_for_ranks) on num_ranks fresh ranks of their own -> (per-rank results, "") or ([], why it
-    failed): a peer that fails or hangs is reported, and moe_ep's figures of the run stand."""
-    from moe_ep.launch import RankError, RankPool
+    """fn(*args_for_ranks) on num_ranks fresh ranks of their own (under torchrun: on its ranks, with no
+    timeout) -> (per-rank results, "") or ([], why it failed): a peer that fails or hangs is reported, and
+    moe_ep's figures of the run stand."""
+    from moe_ep.launch import RankError
+
+    from .torchrun import start_ranks
 
     try:
-        with RankPool(num_ranks, use_cuda=use_cuda, env=env, call_timeout_s=timeout_s) as pool:
+        with start_ranks(num_ranks, use_cuda=use_cuda, env=env, call_timeout_s=timeout_s) as pool:
             return pool.run(fn, *args_for_ranks), ""
     except (RankError, RuntimeError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

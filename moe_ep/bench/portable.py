@@ -13,7 +13,11 @@ import torch.distributed as dist
 
 from moe_ep import Buffer
 from moe_ep.buffer import default_config_size_hints
-from moe_ep.launch import RankPool
+
+from .torchrun import add_ranks_argument, rank_counts, start_ranks
+
+# What --ranks left out runs (under torchrun: the ranks it started instead).
+RANKS = 4
 
 
 def timed(fn, iters: int, warmup: int = 2) -> float:
@@ -56,14 +60,15 @@ def rank_bench(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=4)
+    add_ranks_argument(parser, RANKS, "ranks")
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--topk", type=int, default=4)
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
-    with RankPool(args.ranks) as pool:
+    args.ranks = rank_counts(parser, args.ranks, RANKS)
+    with start_ranks(args.ranks) as pool:
         rows = pool.run(rank_bench, args)
     print(f"portable backend, {args.ranks} CPU ranks (gloo), {args.tokens} tokens x {args.hidden} bf16, "
           f"top-{args.topk} of {args.experts} experts; median ms per call, slowest rank")

@@ -13,8 +13,12 @@ import torch.distributed as dist
 
 from moe_ep import Buffer
 from moe_ep.buffer import default_config_size_hints
-from moe_ep.launch import RankPool
 from moe_ep.profiling import format_table
+
+from .torchrun import add_ranks_argument, rank_counts, start_ranks
+
+# What --ranks left out runs (under torchrun: the ranks it started instead).
+RANKS = 4
 
 
 def rank_rounds(args, use_cuda: bool):
@@ -45,7 +49,7 @@ def rank_rounds(args, use_cuda: bool):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=4)
+    add_ranks_argument(parser, RANKS, "ranks")
     parser.add_argument("--cpu", action="store_true", help="CPU ranks over gloo (the default without a GPU)")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=512)
@@ -53,10 +57,11 @@ def main():
     parser.add_argument("--topk", type=int, default=4)
     parser.add_argument("--experts", type=int, default=16)
     args = parser.parse_args()
+    args.ranks = rank_counts(parser, args.ranks, RANKS)
     if args.experts % args.ranks:
         parser.error(f"--experts {args.experts} must be a multiple of --ranks {args.ranks}")
     use_cuda = not args.cpu and torch.cuda.is_available()
-    with RankPool(args.ranks, use_cuda=use_cuda) as pool:
+    with start_ranks(args.ranks, use_cuda=use_cuda) as pool:
         gathered = pool.run(rank_rounds, args, use_cuda)[0]
     print(f"Buffer.profile(): {args.rounds} rounds of layout, dispatch, cached dispatch and combine on "
           f"{args.ranks} {'CUDA' if use_cuda else 'CPU'} ranks, {args.tokens} tokens x {args.hidden} bf16, "

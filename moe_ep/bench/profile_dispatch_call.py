@@ -36,9 +36,13 @@ from moe_ep.config import INTRANODE_SLOT_ALIGN, Config, arena_bytes, arena_dispa
 from moe_ep.diagnostics import kernel_backend
 from moe_ep.events import EventOverlap
 from moe_ep.handles import DispatchHandle
-from moe_ep.launch import RankPool, free_port
+from moe_ep.launch import free_port
 
 from .timing import host_call_us, own_time_per_call, print_own_times
+from .torchrun import add_ranks_argument, joined, one_node_only, rank_counts, start_ranks
+
+# What --ranks left out runs (under torchrun: the ranks it started instead).
+RANKS = [2]
 
 LAUNCHES = ("intranode_notify", "intranode_dispatch", "intranode_zero_copy_dispatch",
              "intranode_zero_copy_dispatch_early", "intranode_dispatch_fresh")
@@ -327,7 +331,7 @@ def stubbed_python_layer(args) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2])
+    add_ranks_argument(parser, RANKS)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--topk", type=int, default=8)
@@ -342,13 +346,17 @@ def main():
     parser.add_argument("--stub-kernels", action="store_true",
                         help="the Python layer alone, launches stubbed (CPU, one process; --ranks: whose counts)")
     args = parser.parse_args()
+    if args.stub_kernels and joined() is not None:
+        parser.error("--stub-kernels runs in one process: run it without torchrun")
+    args.ranks = rank_counts(parser, args.ranks, RANKS)
+    one_node_only(parser, "profile_dispatch_call times intranode dispatches")
     if args.stub_kernels:
         stubbed_python_layer(args)
         return
     if not torch.cuda.is_available():
         parser.error("needs a GPU: it times the kernels' launches")
     for num_ranks in args.ranks:
-        with RankPool(num_ranks, use_cuda=True) as pool:
+        with start_ranks(num_ranks, use_cuda=True) as pool:
             results = pool.run(rank_profile, args)
         per_rank = [timings for timings, _ in results]
         kind = ("fp8" if args.fp8 else "bf16") + (" arena" if args.arena else "")

@@ -27,9 +27,12 @@ from torch.profiler import ProfilerActivity, profile
 from moe_ep import Buffer, fp8
 from moe_ep.buffer import default_config_size_hints
 from moe_ep.config import arena_bytes
-from moe_ep.launch import RankPool
 
 from .timing import device_sync
+from .torchrun import add_ranks_argument, rank_counts, start_ranks
+
+# What --ranks left out runs (under torchrun: the ranks it started instead).
+RANKS = [8]
 
 
 def _low_latency_round(args, device):
@@ -128,7 +131,7 @@ def report(results, top: int) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[8])
+    add_ranks_argument(parser, RANKS)
     parser.add_argument("--mode", choices=("low_latency", "normal"), default="low_latency")
     parser.add_argument("--tokens", type=int, help="default: 128 (low_latency) or 4096 (normal)")
     parser.add_argument("--hidden", type=int, default=7168)
@@ -146,6 +149,7 @@ def main():
                              "others (the barrier's own skew between ranks stays)")
     parser.add_argument("--cpu", action="store_true", help="CPU tensors (portable backend): checks the script anywhere")
     args = parser.parse_args()
+    args.ranks = rank_counts(parser, args.ranks, RANKS)
     if not args.cpu and not torch.cuda.is_available():
         # The message alone: the usage that parser.error prints first would bury it.
         parser.exit(2, f"{parser.prog}: error: no GPU here: pass --cpu (CPU tensors on the portable backend)\n")
@@ -154,7 +158,7 @@ def main():
     for num_ranks in args.ranks:
         print(f"== {args.mode}, {num_ranks} ranks, {args.tokens} tokens, hidden {args.hidden}, "
               f"top-{args.topk} of {args.experts}")
-        with RankPool(num_ranks, use_cuda=not args.cpu) as pool:
+        with start_ranks(num_ranks, use_cuda=not args.cpu) as pool:
             report(pool.run(rank_trace, args), args.top)
 
 

@@ -37,11 +37,14 @@ import torch
 
 from moe_ep import tuning
 from moe_ep.config import DEFAULT_NUM_SMS, Config, default_combine_config, default_dispatch_config
-from moe_ep.launch import RankPool
 
 from . import intranode
 from .peers import MOE_EP
 from .report import Report, add_output_arguments, progress
+from .torchrun import add_ranks_argument, one_node_only, rank_counts, start_ranks
+
+# --ranks left out: none (the option is required), except under torchrun: the ranks it started.
+RANKS = []
 
 DISPATCH_MODES = tuple(m for m in intranode.MODES if m.startswith("dispatch"))
 COMBINE_MODE = "combine"  # the plain combine: the one whose sending round the send chunk sets
@@ -125,7 +128,7 @@ def tune_ranks(args, num_ranks: int, json_lines: list, report: Report) -> dict:
     bar = progress(len(runs), f"tune {num_ranks} ranks", unit="candidate")
     try:
         # The tuned ranks read no cache: each run starts from the built-in configs.
-        with RankPool(num_ranks, use_cuda=not args.cpu, env={tuning.CACHE_ENV: ""}) as pool:
+        with start_ranks(num_ranks, use_cuda=not args.cpu, env={tuning.CACHE_ENV: ""}) as pool:
             for sms, recv, send in runs:
                 found, skipped = mean_rates(pool.run(intranode.rank_bench, bench_args(args, num_ranks, sms, recv, send)))
                 for num_sms, reason in skipped.items():
@@ -179,7 +182,7 @@ def print_table(entries: dict) -> None:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, nargs="+", required=True, help="rank counts to tune, each on its own")
+    add_ranks_argument(parser, RANKS, "rank counts to tune, each on its own; required outside torchrun")
     parser.add_argument("--sms", type=int, nargs="+", default=[16, 24, 32], help="SM budgets to try")
     parser.add_argument("--recv-chunks", type=int, nargs="+", default=[64, 256, 1024],
                         help="num_max_nvl_chunked_recv_tokens values to try")
@@ -203,6 +206,10 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     parser = make_parser()
     args = parser.parse_args(argv)
+    args.ranks = rank_counts(parser, args.ranks, RANKS)
+    if not args.ranks:
+        parser.error("the following arguments are required: --ranks")
+    one_node_only(parser, "tune times the intranode calls")
     if not args.cpu and not torch.cuda.is_available():
         parser.exit(2, f"{parser.prog}: error: no GPU here: pass --cpu (CPU tensors on the portable backend)\n")
     path = args.cache or tuning.cache_path()
