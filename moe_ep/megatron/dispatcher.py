@@ -321,6 +321,9 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
             self._chunks = self._split_into_chunks(hidden_states, probs)
             self._dispatch_chunk(0)
             return hidden_states, probs
+        # A new state for every dispatch: autograd keeps this one for the backward, which megatron's
+        # micro-batch overlap (and any pipeline schedule) runs after the next micro-batch's forward.
+        self._state = CommState()
         self._prepare(self._state, hidden_states)
         _start_dispatch(self._state, hidden_states, probs, self._topk_idx, self.num_experts)
         return _Dispatch.apply(hidden_states, probs, self._state, None)

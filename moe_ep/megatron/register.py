@@ -8,11 +8,14 @@ import dataclasses
 import functools
 import weakref
 
+from .microbatch_overlap import keep_the_inputs_deepep_needs
 from .options import DispatcherOptions, set_defaults
 
 DISPATCHER_TYPE = "deepep"
 # The cheapest built-in dispatcher to construct (no streams, no buffers); replaced right after.
 _PLACEHOLDER_TYPE = "allgather"
+# The dispatcher type whose config checks a "deepep" config passes under overlap_moe_expert_parallel_comm.
+_OVERLAP_CHECKED_AS = "alltoall"
 
 
 def register() -> None:
@@ -50,7 +53,8 @@ def register() -> None:
     __init__._moe_ep_wrapped = True
     moe_layer.MoELayer.__init__ = __init__
     _run_experts_in_chunks(moe_layer.MoELayer)
-    _accept_shared_expert_overlap()
+    _accept_deepep_in_config_checks()
+    keep_the_inputs_deepep_needs()
     _publish_metrics_when_megatron_logs()
 
 
@@ -98,11 +102,14 @@ def _publish_metrics_when_megatron_logs() -> None:
     moe_utils.reduce_aux_losses_tracker_across_ranks = reduce_aux_losses_tracker_across_ranks
 
 
-def _accept_shared_expert_overlap() -> None:
-    """TransformerConfig refuses moe_shared_expert_overlap for every dispatcher type but alltoall; ours
-    runs the shared experts' stages too. Its check is wrapped, not forked: a "deepep" config is checked
-    with the flag off (every dispatcher-type check still sees "deepep"), then the flag is put back and
-    the one other refusal that reads it (recomputing the shared experts) is applied."""
+def _accept_deepep_in_config_checks() -> None:
+    """TransformerConfig refuses two of megatron's overlaps for our dispatcher type; its check is wrapped,
+    not forked. overlap_moe_expert_parallel_comm (alltoall and flex only): a "deepep" config is checked
+    as an alltoall one, whose dispatcher megatron's combined 1F1B schedule drives through the same six
+    phases (refusing what it refuses with the overlap, moe_shared_expert_overlap included).
+    moe_shared_expert_overlap (alltoall only; ours runs the shared experts' stages too): a "deepep"
+    config is checked with the flag off (every dispatcher-type check still sees "deepep"), then the flag
+    is put back and the one other refusal that reads it (recomputing the shared experts) is applied."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     original = TransformerConfig.__post_init__
@@ -111,8 +118,16 @@ def _accept_shared_expert_overlap() -> None:
 
     @functools.wraps(original)
     def __post_init__(self):
+        if self.moe_token_dispatcher_type != DISPATCHER_TYPE:
+            return original(self)
+        if getattr(self, "overlap_moe_expert_parallel_comm", False):
+            self.moe_token_dispatcher_type = _OVERLAP_CHECKED_AS
+            try:
+                return original(self)
+            finally:
+                self.moe_token_dispatcher_type = DISPATCHER_TYPE
         overlap = getattr(self, "moe_shared_expert_overlap", False)
-        if not overlap or self.moe_token_dispatcher_type != DISPATCHER_TYPE:
+        if not overlap:
             return original(self)
         self.moe_shared_expert_overlap = False
         try:
