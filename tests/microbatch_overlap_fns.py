@@ -43,7 +43,7 @@ def _forward_step(data_iterator, model, return_schedule_plan: bool = False):
 
 
 def _build_model(dispatcher_type: str, overlap: bool, delay_wgrad: bool, num_layers: int, num_experts: int,
-                 topk: int, hidden: int, use_te: bool, device):
+                 topk: int, hidden: int, use_te: bool, moe_ep_options: dict, device):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
@@ -63,6 +63,8 @@ def _build_model(dispatcher_type: str, overlap: bool, delay_wgrad: bool, num_lay
         add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, hidden_dropout=0.0,
         attention_dropout=0.0, overlap_moe_expert_parallel_comm=overlap, delay_wgrad_compute=delay_wgrad,
         **extra)
+    for name, value in moe_ep_options.items():  # moe_ep's options are config attributes (moe_ep.megatron.options)
+        setattr(config, name, value)
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
     if use_te:
@@ -106,9 +108,10 @@ def _average_dense_gradients(model) -> None:
 
 def train_gpt(seed: int, dispatcher_type: str, overlap: bool, delay_wgrad: bool = False, steps: int = 2,
               num_microbatches: int = 3, num_layers: int = 1, num_experts: int = 4, topk: int = 2,
-              hidden: int = 32, use_te: bool = False, cuda: bool = False):
+              hidden: int = 32, use_te: bool = False, moe_ep_options: dict = None, cuda: bool = False):
     """`steps` SGD steps of `num_microbatches` micro-batches each; per step the micro-batches' losses
-    and every parameter's gradient (bf16 parameters, as the overlap requires), returned on the CPU."""
+    and every parameter's gradient (bf16 parameters, as the overlap requires), returned on the CPU.
+    use_te: transformer-engine's layers (delay_wgrad_compute needs their split weight gradients)."""
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if not cuda:
         enable_cpu_execution(force=True)
@@ -116,7 +119,7 @@ def train_gpt(seed: int, dispatcher_type: str, overlap: bool, delay_wgrad: bool 
         from moe_ep.megatron import install_as_deep_ep
         install_as_deep_ep()
     model, config = _build_model(dispatcher_type, overlap, delay_wgrad, num_layers, num_experts, topk, hidden,
-                                 use_te, device)
+                                 use_te, moe_ep_options or {}, device)
     run = functools.partial(_microbatches_combined, config=config) if overlap else _microbatches_one_by_one
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     history = []
