@@ -32,14 +32,15 @@ def keep_the_inputs_deepep_needs() -> None:
     from .register import DISPATCHER_TYPE
 
     @functools.wraps(original)
-    def should_free_input(name, is_moe, config):
-        if config.moe_token_dispatcher_type != DISPATCHER_TYPE:
-            return original(name, is_moe, config)
+    def should_free_input(name, is_moe, config, *args, **kwargs):
+        # Later megatron-cores pass more arguments (the local experts' count) after the config.
+        if getattr(config, "moe_token_dispatcher_type", None) != DISPATCHER_TYPE:
+            return original(name, is_moe, config, *args, **kwargs)
         if name == "moe_dispatch":
             return False
         if name in _NODES_OF_BUFFER_ROWS and options_for(config).moe_ep_arena:
             return False
-        return original(name, is_moe, config)
+        return original(name, is_moe, config, *args, **kwargs)
 
     should_free_input._moe_ep_wrapped = True
     fine_grained_callables.should_free_input = should_free_input
