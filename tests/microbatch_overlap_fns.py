@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 from moe_ep.megatron.cpu_support import enable_cpu_execution
 
+from .late_delivery import LateDelivery
+
 VOCAB, SEQ, MICRO_BATCH = 64, 16, 2
 
 
@@ -108,10 +110,12 @@ def _average_dense_gradients(model) -> None:
 
 def train_gpt(seed: int, dispatcher_type: str, overlap: bool, delay_wgrad: bool = False, steps: int = 2,
               num_microbatches: int = 3, num_layers: int = 1, num_experts: int = 4, topk: int = 2,
-              hidden: int = 32, use_te: bool = False, moe_ep_options: dict = None, cuda: bool = False):
+              hidden: int = 32, use_te: bool = False, moe_ep_options: dict = None, late_delivery: bool = False,
+              cuda: bool = False):
     """`steps` SGD steps of `num_microbatches` micro-batches each; per step the micro-batches' losses
     and every parameter's gradient (bf16 parameters, as the overlap requires), returned on the CPU.
-    use_te: transformer-engine's layers (delay_wgrad_compute needs their split weight gradients)."""
+    use_te: transformer-engine's layers (delay_wgrad_compute needs their split weight gradients).
+    late_delivery: asynchronous Buffer calls deliver their rows only when waited for (late_delivery.py)."""
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if not cuda:
         enable_cpu_execution(force=True)
@@ -126,7 +130,8 @@ def train_gpt(seed: int, dispatcher_type: str, overlap: bool, delay_wgrad: bool 
     for step in range(steps):
         batches = [_batch(seed, step, i, device) for i in range(num_microbatches)]
         optimizer.zero_grad(set_to_none=True)
-        losses = run(model, batches=batches, num_microbatches=num_microbatches)
+        with LateDelivery() if late_delivery else contextlib.nullcontext():
+            losses = run(model, batches=batches, num_microbatches=num_microbatches)
         _average_dense_gradients(model)
         grads = {name: p.grad.detach().float().cpu() for name, p in model.named_parameters() if p.grad is not None}
         history.append(dict(losses=[loss.float().cpu() for loss in losses], grads=grads))

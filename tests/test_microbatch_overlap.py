@@ -6,7 +6,8 @@ one micro-batch at a time; the config checks accept what works and refuse what d
 On CPU ranks the combined schedule runs with cpu_support's stand-ins for its streams and events: the
 same nodes in the same order, each micro-batch's forward interleaved layer by layer with the previous
 one's backward, so the results must be equal bit for bit. With one layer the forward and the backward
-interleave on the same dispatcher."""
+interleave on the same dispatcher. The overlapped runs go through late_delivery.LateDelivery: an
+asynchronous call's rows are NaN until its event is waited for, so a node that read them early would show."""
 import types
 
 import pytest
@@ -37,12 +38,12 @@ def test_deepep_trains_alike_with_and_without_microbatch_overlap(pools, seed, nu
     """Three micro-batches a step, two steps; moe_ep_arena=False also lets megatron free the received
     rows and the combine's input right after their nodes' forward."""
     kw = dict(num_layers=num_layers, moe_ep_options=dict(moe_ep_arena=arena))
-    overlapped = _train(pools(2), seed, "deepep", True, **kw)
+    overlapped = _train(pools(2), seed, "deepep", True, late_delivery=True, **kw)
     _assert_same_training(overlapped, _train(pools(2), seed, "deepep", False, **kw))
 
 
 def test_flex_on_moe_ep_trains_alike_with_and_without_microbatch_overlap(pools, seed):
-    overlapped = _train(pools(2), seed, "flex", True)
+    overlapped = _train(pools(2), seed, "flex", True, late_delivery=True)
     _assert_same_training(overlapped, _train(pools(2), seed, "flex", False))
 
 
