@@ -53,6 +53,27 @@ def install_cpu_stand_ins() -> None:
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda device=None: None
+    # megatron's combined 1F1B schedule labels its phases with NVTX ranges, which a CPU build lacks.
+    torch.cuda.nvtx.range_push = lambda msg: 0
+    torch.cuda.nvtx.range_pop = lambda: 0
+    torch.cuda.nvtx.range = lambda msg, *args, **kwargs: contextlib.nullcontext()
+    _ignore_stand_in_streams_in_record_stream()
+
+
+def _ignore_stand_in_streams_in_record_stream() -> None:
+    """The schedule records tensors on its streams before freeing them; a stand-in stream has no work
+    pending, so there is nothing to record (torch refuses an object that is not a torch.Stream)."""
+    original = torch.Tensor.record_stream
+    if getattr(original, "_moe_ep_wrapped", False):
+        return
+
+    def record_stream(self, stream):
+        if isinstance(stream, _NoOpStream):
+            return None
+        return original(self, stream)
+
+    record_stream._moe_ep_wrapped = True
+    torch.Tensor.record_stream = record_stream
 
 
 def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):

@@ -5,7 +5,8 @@ one micro-batch's communication with another's compute: token_dispatch and token
 exchange on the Buffer's communication stream and return, and the post-processing phase that reads
 the result first waits for it (on the portable backend, calls complete before they return and the
 waits are free). Communication state lives in one small object (`CommState`, exchange.py) per
-dispatcher; the Buffer is one per process group, shared by every layer's dispatcher (`_buffer_for`).
+dispatch, which its backward keeps (megatron's micro-batch overlap runs it after the next micro-batch's
+forward); the Buffer is one per process group, shared by every layer's dispatcher (`_buffer_for`).
 Autograd: the backward of dispatch is a combine over the same handle, the backward of combine is a
 cached dispatch. By default (options.moe_ep_arena) the Buffer keeps its arena: dispatches store their
 rows once into regions recv_x owns, and the local unpermute writes into Buffer.empty_combine_input, a
@@ -321,6 +322,9 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
             self._chunks = self._split_into_chunks(hidden_states, probs)
             self._dispatch_chunk(0)
             return hidden_states, probs
+        # A new state for every dispatch: autograd keeps this one for the backward, which megatron's
+        # micro-batch overlap (and any pipeline schedule) runs after the next micro-batch's forward.
+        self._state = CommState()
         self._prepare(self._state, hidden_states)
         _start_dispatch(self._state, hidden_states, probs, self._topk_idx, self.num_experts)
         return _Dispatch.apply(hidden_states, probs, self._state, None)

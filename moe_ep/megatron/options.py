@@ -63,6 +63,11 @@ def options_for(config) -> DispatcherOptions:
             f"moe_ep_fp8_dispatch: expected one of {FP8_DISPATCH_CHOICES}, got {values['moe_ep_fp8_dispatch']!r}"
         )
     _check_overlap_chunks(values["moe_ep_overlap_chunks"])
+    if values["moe_ep_overlap_chunks"] > 1 and getattr(config, "overlap_moe_expert_parallel_comm", False):
+        # Both hide the exchanges behind compute, each by running the phases in its own order.
+        raise ValueError(f"moe_ep_overlap_chunks: expected 1 with overlap_moe_expert_parallel_comm (megatron's "
+                         f"micro-batch overlap hides the dispatch and combine already), got "
+                         f"{values['moe_ep_overlap_chunks']}")
     return DispatcherOptions(**values)
 
 

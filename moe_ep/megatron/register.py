@@ -4,15 +4,22 @@ megatron: MoELayer picks its dispatcher with a fixed if/elif, so its constructor
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import functools
 import weakref
 
+from .microbatch_overlap import keep_the_inputs_deepep_needs
 from .options import DispatcherOptions, set_defaults
 
 DISPATCHER_TYPE = "deepep"
 # The cheapest built-in dispatcher to construct (no streams, no buffers); replaced right after.
 _PLACEHOLDER_TYPE = "allgather"
+# The dispatcher type whose checks a "deepep" config passes under overlap_moe_expert_parallel_comm, and the
+# options megatron accepts only with that overlap on.
+_OVERLAP_CHECKED_AS = "alltoall"
+_MICROBATCH_OVERLAP_OPTIONS = ["overlap_moe_expert_parallel_comm", "delay_wgrad_compute",
+                               "ep_overlap_early_attn_memory_release"]
 
 
 def register() -> None:
@@ -50,7 +57,8 @@ def register() -> None:
     __init__._moe_ep_wrapped = True
     moe_layer.MoELayer.__init__ = __init__
     _run_experts_in_chunks(moe_layer.MoELayer)
-    _accept_shared_expert_overlap()
+    _accept_deepep_in_config_checks()
+    keep_the_inputs_deepep_needs()
     _publish_metrics_when_megatron_logs()
 
 
@@ -98,11 +106,16 @@ def _publish_metrics_when_megatron_logs() -> None:
     moe_utils.reduce_aux_losses_tracker_across_ranks = reduce_aux_losses_tracker_across_ranks
 
 
-def _accept_shared_expert_overlap() -> None:
-    """TransformerConfig refuses moe_shared_expert_overlap for every dispatcher type but alltoall; ours
-    runs the shared experts' stages too. Its check is wrapped, not forked: a "deepep" config is checked
-    with the flag off (every dispatcher-type check still sees "deepep"), then the flag is put back and
-    the one other refusal that reads it (recomputing the shared experts) is applied."""
+def _accept_deepep_in_config_checks() -> None:
+    """TransformerConfig refuses two of megatron's overlaps for our dispatcher type; its check is wrapped,
+    not forked, and every other check still sees "deepep".
+    overlap_moe_expert_parallel_comm (alltoall and flex only): megatron's combined 1F1B schedule drives
+    ours through the same six phases as alltoall, so a copy of the config is checked as an alltoall one
+    (megatron's refusals under the overlap, moe_shared_expert_overlap included), then the config itself
+    with the overlap and the options that require it off, which are then put back.
+    moe_shared_expert_overlap (alltoall only; ours runs the shared experts' stages too): checked with the
+    flag off, then the flag is put back and the one other refusal that reads it (recomputing the shared
+    experts) is applied."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     original = TransformerConfig.__post_init__
@@ -111,17 +124,26 @@ def _accept_shared_expert_overlap() -> None:
 
     @functools.wraps(original)
     def __post_init__(self):
-        overlap = getattr(self, "moe_shared_expert_overlap", False)
-        if not overlap or self.moe_token_dispatcher_type != DISPATCHER_TYPE:
+        if self.moe_token_dispatcher_type != DISPATCHER_TYPE:
             return original(self)
-        self.moe_shared_expert_overlap = False
+        off = ["moe_shared_expert_overlap"]
+        if getattr(self, "overlap_moe_expert_parallel_comm", False):
+            as_alltoall = copy.copy(self)
+            as_alltoall.moe_token_dispatcher_type = _OVERLAP_CHECKED_AS
+            original(as_alltoall)
+            off += _MICROBATCH_OVERLAP_OPTIONS
+        saved = {name: getattr(self, name) for name in off if getattr(self, name, False)}
+        for name in saved:
+            setattr(self, name, False)
         try:
             original(self)
         finally:
-            self.moe_shared_expert_overlap = overlap
+            for name, value in saved.items():
+                setattr(self, name, value)
         selective = getattr(self, "recompute_granularity", None) == "selective"
         recompute = getattr(self, "recompute_modules", None) or ()
-        if selective and self.moe_shared_expert_intermediate_size is not None and "shared_experts" in recompute:
+        shared = self.moe_shared_expert_intermediate_size is not None
+        if saved.get("moe_shared_expert_overlap") and selective and shared and "shared_experts" in recompute:
             raise ValueError("shared_experts recompute cannot work with --moe-shared-expert-overlap.")
 
     __post_init__._moe_ep_wrapped = True
