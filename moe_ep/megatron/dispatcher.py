@@ -404,6 +404,7 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         routing_map, expert_probs = self._local_multihot(state.recv_topk_idx, probs)
         if state.fixed is not None:
             tokens_per_expert = self._fixed_blocks(state, routing_map)
+            counts = [state.fixed.per_expert] * self.num_local_experts
         else:
             # Host counts, as megatron's alltoall dispatcher returns them (its experts read them on the host).
             tokens_per_expert = torch.tensor(state.tokens_per_expert, dtype=torch.long, device="cpu")
@@ -411,9 +412,10 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
                 state.metrics.count_tokens(state.tokens_per_expert)
             if self.config.moe_router_padding_for_quantization:
                 routing_map, tokens_per_expert = self._pad_for_quantization(routing_map, tokens_per_expert)
+            counts = tokens_per_expert.tolist()
         state.received_shape = hidden_states.shape
         state.local_routing_map = routing_map
-        num_out = int(tokens_per_expert.sum())
+        num_out = sum(counts)
         # Fixed blocks: megatron's drop-and-pad permute (each expert's rows, then padding rows; no sync).
         fixed = dict(drop_and_pad=True) if state.fixed is not None else {}
         if state.recv_fp8 is not None:
@@ -422,7 +424,7 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
             _, permuted_probs, state.reversed_mapping = permute(no_rows, routing_map, probs=expert_probs,
                                                                 num_out_tokens=num_out, **fixed)[:3]
             self._mark_routed_rows(state)
-            to_te = self._hand_off_te_tensor(tokens_per_expert)
+            to_te = self._hand_off_te_tensor(counts)
             # The columnwise copy only where a weight gradient will read it.
             columnwise = torch.is_grad_enabled() and hidden_states.requires_grad
             permuted = _PermuteFp8.apply(hidden_states, state, state.reversed_mapping, to_te, columnwise)
@@ -463,14 +465,14 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         state.routed_rows = state.local_routing_map.t().gather(1, blocks).reshape(-1)
         return True
 
-    def _hand_off_te_tensor(self, tokens_per_expert: torch.Tensor) -> bool:
+    def _hand_off_te_tensor(self, tokens_per_expert: List[int]) -> bool:
         """TE's grouped experts read a TE tensor as it is only where their own padding has nothing to do
         (every expert's rows already aligned, moe_router_padding_for_quantization) and no probability
         multiplies their input; otherwise they get bf16 rows (and TE quantises them itself)."""
         if not self.experts_take_te_tensors or getattr(self.config, "moe_apply_probs_on_input", False):
             return False
         multiple = get_align_size_for_quantization(self.config)
-        return bool((tokens_per_expert % multiple == 0).all())
+        return all(count % multiple == 0 for count in tokens_per_expert)
 
     def _pad_for_quantization(self, routing_map: torch.Tensor, tokens_per_expert: torch.Tensor):
         """Rounds every expert's rows up to the fp8/fp4 GEMM alignment by routing extra received tokens
