@@ -100,6 +100,29 @@ def _fresh_dispatches_recorded(calls: list):
         Buffer.dispatch = original
 
 
+@contextlib.contextmanager
+def _padding_rows_unwritten():
+    """Buffer.dispatch leaves a num_worst_tokens dispatch's padding rows NaN (the kernels promise nothing of
+    their values; the portable backend zeroes them), fresh and cached dispatches alike."""
+    from moe_ep import Buffer
+    original = Buffer.dispatch
+
+    @functools.wraps(original)
+    def dispatch(self, x, handle=None, *args, **kwargs):
+        result = original(self, x, handle, *args, **kwargs)
+        made_by = result[4] if handle is None else handle
+        if made_by.num_worst_tokens:
+            padding = made_by[3] < 0  # recv_src_idx: -1 on padding
+            result[0][padding] = float("nan")
+        return result
+
+    Buffer.dispatch = dispatch
+    try:
+        yield
+    finally:
+        Buffer.dispatch = original
+
+
 def _experts(forward, handed: list, *args, **kwargs):
     rows, tokens_per_expert = args[0], args[1]
     handed.append((str(tokens_per_expert.device), tokens_per_expert.tolist(), rows.shape[0]))
@@ -115,12 +138,13 @@ def _starved_gating(router, starved, input):
 
 def capacity_layer(dispatcher_type: str, num_experts: int, topk: int, hidden: int, num_tokens: int, seed: int,
                    capacity_factor: float, chunks: int = 1, starved_rank=None, watch_host_waits: bool = False,
-                   pad: bool = True, cuda: bool = False, **config_kw):
+                   pad: bool = True, unwritten_padding: bool = False, cuda: bool = False, **config_kw):
     """An MoELayer (megatron's expert MLPs, same parameters for every dispatcher) with megatron's capacity
     padding: its output, the input's gradient, every parameter's gradient, and per experts' call the device,
     values and row count of tokens_per_expert. starved_rank: no token routes to that rank's experts (they
     get only padding). watch_host_waits ("deepep"): the forward and backward run under _NoHostWaits and the
-    fresh dispatches' num_worst_tokens are returned. pad=False: the capacity drops routes but pads nothing.
+    fresh dispatches' num_worst_tokens are returned. unwritten_padding: the dispatches' padding rows are NaN
+    (_padding_rows_unwritten). pad=False: the capacity drops routes but pads nothing.
     cuda: the layer and the tokens live on this rank's GPU."""
     config, _ = _setup(num_experts, topk, hidden, dispatcher_type, ffn_hidden_size=2 * hidden, cuda=cuda,
                        moe_expert_capacity_factor=capacity_factor, moe_pad_expert_input_to_capacity=pad,
@@ -140,8 +164,74 @@ def capacity_layer(dispatcher_type: str, num_experts: int, topk: int, hidden: in
     upstream = torch.randn(x.shape, generator=g).to(device)
     dispatches, watch = [], _NoHostWaits() if watch_host_waits else contextlib.nullcontext()
     recording = _fresh_dispatches_recorded(dispatches) if watch_host_waits else contextlib.nullcontext()
-    with recording, watch:
+    unwritten = _padding_rows_unwritten() if unwritten_padding else contextlib.nullcontext()
+    with recording, watch, unwritten:
         out, _ = layer(x)
         (out * upstream).sum().backward()
     grads = {name: p.grad.cpu() for name, p in layer.named_parameters() if p.grad is not None}
     return dict(out=out.detach().cpu(), grad_x=x.grad.cpu(), grads=grads, handed=handed, dispatches=dispatches)
+
+
+def capacity_step_on_cuda(num_experts: int, topk: int, hidden: int, num_tokens: int, seed: int,
+                          capacity_factor: float, chunks: int):
+    """An MoELayer on "deepep" with megatron's capacity padding on this rank's GPU (the kernels move the
+    tokens; no router loss, whose reduction is a collective of its own): a forward and backward step under
+    torch.cuda.set_sync_debug_mode("error"), then the step captured in one CUDA graph on other tokens and
+    replayed on new ones, beside the same step run eagerly on them. Returns (eager, replayed) pairs of
+    output, input gradient and parameter gradients."""
+    config, _ = _setup(num_experts, topk, hidden, "deepep", ffn_hidden_size=2 * hidden, cuda=True,
+                       moe_expert_capacity_factor=capacity_factor, moe_pad_expert_input_to_capacity=True,
+                       moe_token_drop_policy="probs", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+    config.moe_ep_overlap_chunks = chunks
+    device = torch.device("cuda", torch.cuda.current_device())
+    layer = _moe_layer(config, num_experts).to(device)
+    g = torch.Generator().manual_seed(seed * 31 + dist.get_rank())
+
+    def tokens():
+        return (torch.randn(num_tokens, 1, hidden, generator=g).to(device),
+                torch.randn(num_tokens, 1, hidden, generator=g).to(device))
+
+    def step(x, upstream):
+        out, _ = layer(x)
+        (out * upstream).sum().backward()
+        return out
+
+    def run_eagerly(x, upstream):
+        layer.zero_grad(set_to_none=True)
+        x = x.clone().requires_grad_(True)
+        out = step(x, upstream)
+        torch.cuda.synchronize()
+        return [out.detach().cpu(), x.grad.cpu()] + [p.grad.cpu() for p in layer.parameters()]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: the Buffer made and sized, lazy initialisation done
+        for _ in range(2):
+            run_eagerly(*tokens())
+    torch.cuda.current_stream().wait_stream(side)
+    x, upstream = tokens()
+    layer.zero_grad(set_to_none=True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(x.clone().requires_grad_(True), upstream)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+    static_x, static_upstream = (t.clone() for t in tokens())
+    static_x.requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step(static_x, static_upstream)
+    pairs = []
+    for _ in range(2):  # replays with new tokens
+        x, upstream = tokens()
+        with torch.no_grad():
+            static_x.copy_(x)
+            static_upstream.copy_(upstream)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = [static_out.detach().cpu(), static_x.grad.cpu()] + [p.grad.cpu() for p in layer.parameters()]
+        pairs.append((run_eagerly(x, upstream), replayed))
+    return pairs

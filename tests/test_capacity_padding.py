@@ -78,3 +78,29 @@ def test_the_watcher_sees_the_host_wait_without_padding(pools, seed):
     with pytest.raises(Exception, match="host wait in the dispatcher's step|read a dispatch's host counts"):
         pools(2).run(capacity_fns.capacity_layer, "deepep", 4, 2, 32, 12, seed % 10000, 0.75, watch_host_waits=True,
                      pad=False)
+
+
+def test_padding_rows_the_dispatch_left_unwritten_change_nothing(pools, seed):
+    """On the kernels a num_worst_tokens dispatch leaves its padding rows unwritten: with them NaN here
+    (fresh and cached dispatches), the experts' padding rows are still zeros and the results alltoall's."""
+    args = (8, 2, 32, 10, seed % 10000, 0.5)
+    ours = pools(4).run(capacity_fns.capacity_layer, "deepep", *args, unwritten_padding=True)
+    theirs = pools(4).run(capacity_fns.capacity_layer, "alltoall", *args)
+    _assert_like_alltoall(ours, theirs, 10, 2, 8, 0.5, 4, 1)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_capacity_step_on_cuda_ranks_never_waits_and_replays_in_a_cuda_graph(gpu_pools, seed, chunks):
+    """CUDA ranks sharing the GPU (the kernels move the tokens): a forward and backward step runs under
+    torch.cuda.set_sync_debug_mode("error"), and the step captured in a CUDA graph, replayed on new tokens,
+    gives the output and every gradient of the same step run eagerly."""
+    from moe_ep import _native
+    if not _native.has_kernels():
+        pytest.skip(str(_native.unavailable_reason()))
+    for rank, pairs in enumerate(gpu_pools(4).run(capacity_fns.capacity_step_on_cuda, 8, 2, 64, 24, seed % 10000,
+                                                  1.0, chunks)):
+        for replay, (eager, replayed) in enumerate(pairs):
+            assert len(eager) == len(replayed)
+            for index, (want, got) in enumerate(zip(eager, replayed)):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
+                                           msg=lambda m: f"rank {rank} replay {replay} tensor {index}: {m}")
