@@ -315,8 +315,11 @@ class IntranodeBackend(Backend):
                              call.async_finish, call.allocate_on_comm_stream)
 
     def combine_input(self, handle: DispatchHandle, hidden: int, dtype: torch.dtype) -> torch.Tensor:
-        """With an arena, a region of it (the combine then reads the rows where they lie)."""
-        tensor = None if self.arena is None else self._arena_tensor_or_none(handle.num_recv_rows, hidden, dtype)
+        """With an arena, a region of it (the combine then reads the rows where they lie); not in a CUDA graph,
+        whose replays would write a region given back long before (as the dispatch)."""
+        in_graph = torch.cuda.is_current_stream_capturing()
+        tensor = None if self.arena is None or in_graph else \
+            self._arena_tensor_or_none(handle.num_recv_rows, hidden, dtype)
         # Without room, an ordinary tensor: the combine then copies it into the arena or takes two passes.
         return super().combine_input(handle, hidden, dtype) if tensor is None else tensor
 

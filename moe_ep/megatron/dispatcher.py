@@ -19,6 +19,11 @@ Chunks (options.moe_ep_overlap_chunks > 1): token_dispatch splits the tokens and
 dispatch, MoELayer hands its experts to experts_in_chunks (register.py), which runs each chunk's experts
 between that chunk's dispatch and combine, and combine_postprocess waits for every chunk's combine. The
 backward is pipelined the same way (chunks.py).
+Capacity (megatron's moe_expert_capacity_factor with moe_pad_expert_input_to_capacity): every size is
+known on the host beforehand (capacity.py), so the dispatch runs with num_worst_tokens and each local
+expert gets a fixed block of rows: the forward and backward never wait for the device on the host.
+Otherwise the dispatch's per-expert counts reach the host (the one synchronisation a dispatch makes),
+as megatron's experts read them there.
 Metrics (options.moe_ep_log_metrics): each dispatcher counts its tokens per expert and times its calls and
 waits into a LayerMetrics (metrics.py), which megatron's MoE logging publishes.
 """
@@ -35,10 +40,11 @@ from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantizat
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from ..buffer import Buffer, default_config_size_hints
-from ..checks import FP8_BLOCK
+from ..checks import FP8_BLOCK, debug_checks_enabled
 from ..fp8_blockwise import blockwise_cast_to_fp8, blockwise_dequantize
 from ..mps import missing_sm_share
 from ..te import recipe_scaling, to_float8_blockwise
+from .capacity import FixedRows, capacity_padded, fixed_rows, layer_capacity
 from .chunks import ChunkedBackward, Chunks, JoinChunks, split_into_chunks
 from .exchange import CommState, async_args, timed_call
 from .metrics import LayerMetrics, check_megatron_publishes
@@ -119,6 +125,8 @@ def _start_dispatch(state: CommState, x, topk_weights, topk_idx, num_experts: in
     """Starts the dispatch of x's rows on the Buffer's communication stream, leaving the received rows in
     `state` for _Dispatch; dispatch_postprocess waits for state.pending before reading them."""
     buffer = state.buffer
+    # Under a capacity the received rows are sized beforehand: no host synchronisation.
+    num_worst_tokens = state.fixed.received if state.fixed is not None else 0
     with torch.no_grad():  # autograd's node for the exchange is _Dispatch's
         per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
         payload = x if state.fp8_scaling is None else blockwise_cast_to_fp8(x, *state.fp8_scaling)
@@ -131,6 +139,7 @@ def _start_dispatch(state: CommState, x, topk_weights, topk_idx, num_experts: in
                 num_tokens_per_expert=per_expert,
                 topk_idx=topk_idx,
                 topk_weights=topk_weights,
+                num_worst_tokens=num_worst_tokens,
                 **async_args(),
             )
     state.timed_wait = x.device if time_the_wait else None
@@ -184,8 +193,14 @@ class _PermuteFp8(torch.autograd.Function):
     def forward(ctx, stand_in, state: CommState, sorted_indices, to_te: bool, columnwise: bool):
         data, scales = state.recv_fp8
         state.recv_fp8 = None
-        data = data.view(torch.uint8).index_select(0, sorted_indices).view(data.dtype)
+        fp8_dtype = data.dtype
+        data = data.view(torch.uint8).index_select(0, sorted_indices)
         scales = scales.index_select(0, sorted_indices)
+        ctx.routed_rows = state.routed_rows
+        if state.routed_rows is not None:  # padding rows may be taken from unwritten rows: zero, not garbage
+            data = data.masked_fill(~state.routed_rows.unsqueeze(1), 0)
+            scales = scales.masked_fill(~state.routed_rows.unsqueeze(1), 0)
+        data = data.view(fp8_dtype)
         ctx.save_for_backward(sorted_indices)
         ctx.num_rows = stand_in.shape[0]
         if to_te:
@@ -195,6 +210,8 @@ class _PermuteFp8(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (sorted_indices,) = ctx.saved_tensors
+        if ctx.routed_rows is not None:  # padding rows are constants (zeros): no gradient flows from them
+            grad = grad.masked_fill(~ctx.routed_rows.unsqueeze(1), 0)
         rows = grad.new_zeros(ctx.num_rows, grad.shape[-1])
         return rows.index_add_(0, sorted_indices, grad), None, None, None, None
 
@@ -260,6 +277,8 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         self.num_experts = self.tp_size * config.num_moe_experts
         self.router_topk = self.tp_size * config.moe_router_topk
         self.options = options_for(config)
+        # megatron's drop-and-pad mode: the experts' inputs have fixed sizes, so nothing waits for counts.
+        self.capacity_padded = capacity_padded(config)
         # Set by the MoE layer (register.py) when its experts are TE's grouped MLP.
         self.experts_take_te_tensors = False
         if self.options.moe_ep_num_sms:
@@ -326,6 +345,7 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         # micro-batch overlap (and any pipeline schedule) runs after the next micro-batch's forward.
         self._state = CommState()
         self._prepare(self._state, hidden_states)
+        self._state.fixed = self._fixed_rows(hidden_states.shape[0], hidden_states.shape[0])
         _start_dispatch(self._state, hidden_states, probs, self._topk_idx, self.num_experts)
         return _Dispatch.apply(hidden_states, probs, self._state, None)
 
@@ -340,7 +360,21 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         states = [CommState() for _ in range(self.options.moe_ep_overlap_chunks)]
         for state in states:
             self._prepare(state, hidden_states)
-        return split_into_chunks(hidden_states, probs, self._topk_idx, states)
+        chunks = split_into_chunks(hidden_states, probs, self._topk_idx, states)
+        for state, part in zip(states, chunks.hidden_states):
+            state.fixed = self._fixed_rows(hidden_states.shape[0], part.shape[0])
+        return chunks
+
+    def _fixed_rows(self, num_tokens: int, chunk_tokens: int) -> Optional[FixedRows]:
+        """Under a capacity, the sizes of a dispatch of chunk_tokens of the layer's num_tokens tokens (the
+        capacity is the layer's: megatron's router applied it to all of them); else None."""
+        if not self.capacity_padded:
+            return None
+        alignment = 1
+        if self.config.moe_router_padding_for_quantization:
+            alignment = get_align_size_for_quantization(self.config)
+        return fixed_rows(layer_capacity(self.config, num_tokens), chunk_tokens, self.num_local_experts,
+                          self.group.size(), alignment)
 
     def _dispatch_chunk(self, index: int) -> None:
         chunks = self._chunks
@@ -372,41 +406,77 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         """The received rows (once the dispatch is done), grouped by local expert as megatron's experts take them."""
         state.wait()
         routing_map, expert_probs = self._local_multihot(state.recv_topk_idx, probs)
-        # Host counts, as megatron's alltoall dispatcher returns them (its experts read them on the host).
-        tokens_per_expert = torch.tensor(state.tokens_per_expert, dtype=torch.long, device="cpu")
-        if state.metrics is not None:
-            state.metrics.count_tokens(state.tokens_per_expert)
-        if self.config.moe_router_padding_for_quantization:
-            routing_map, tokens_per_expert = self._pad_for_quantization(routing_map, tokens_per_expert)
+        if state.fixed is not None:
+            tokens_per_expert = self._fixed_blocks(state, routing_map)
+            counts = [state.fixed.per_expert] * self.num_local_experts
+        else:
+            # Host counts, as megatron's alltoall dispatcher returns them (its experts read them on the host).
+            tokens_per_expert = torch.tensor(state.tokens_per_expert, dtype=torch.long, device="cpu")
+            if state.metrics is not None:
+                state.metrics.count_tokens(state.tokens_per_expert)
+            if self.config.moe_router_padding_for_quantization:
+                routing_map, tokens_per_expert = self._pad_for_quantization(routing_map, tokens_per_expert)
+            counts = tokens_per_expert.tolist()
         state.received_shape = hidden_states.shape
         state.local_routing_map = routing_map
-        num_out = int(tokens_per_expert.sum())
+        num_out = sum(counts)
+        # Fixed blocks: megatron's drop-and-pad permute (each expert's rows, then padding rows; no sync).
+        fixed = dict(drop_and_pad=True) if state.fixed is not None else {}
         if state.recv_fp8 is not None:
             # megatron's permute on rows of no width gives the order and the probabilities; the fp8 rows follow.
             no_rows = torch.empty(hidden_states.shape[0], 0, device=hidden_states.device)
             _, permuted_probs, state.reversed_mapping = permute(no_rows, routing_map, probs=expert_probs,
-                                                                num_out_tokens=num_out)[:3]
-            to_te = self._hand_off_te_tensor(tokens_per_expert)
+                                                                num_out_tokens=num_out, **fixed)[:3]
+            self._mark_routed_rows(state)
+            to_te = self._hand_off_te_tensor(counts)
             # The columnwise copy only where a weight gradient will read it.
             columnwise = torch.is_grad_enabled() and hidden_states.requires_grad
             permuted = _PermuteFp8.apply(hidden_states, state, state.reversed_mapping, to_te, columnwise)
         else:
             # megatron-core 0.16 returns three values, 0.19 five (with padding info we do not use).
             permuted, permuted_probs, state.reversed_mapping = permute(
-                hidden_states, routing_map, probs=expert_probs, num_out_tokens=num_out
+                hidden_states, routing_map, probs=expert_probs, num_out_tokens=num_out, **fixed
             )[:3]
+            if self._mark_routed_rows(state):
+                # Padding rows may come from rows no rank wrote (past the received ones): zeros instead.
+                permuted = torch.where(state.routed_rows.unsqueeze(1), permuted, 0)
         if self.config.moe_router_dtype == "fp64":
             permuted_probs = permuted_probs.to(torch.float64)
         return permuted, tokens_per_expert, permuted_probs
 
-    def _hand_off_te_tensor(self, tokens_per_expert: torch.Tensor) -> bool:
+    def _fixed_blocks(self, state: CommState, routing_map: torch.Tensor) -> torch.Tensor:
+        """tokens_per_expert under a capacity: every local expert's block of rows, on the host as megatron's
+        experts read it, known without the counts."""
+        rows = state.fixed.per_expert
+        if state.metrics is not None or debug_checks_enabled():
+            received = routing_map.sum(0)  # on the device; metrics read it when megatron logs
+            if state.metrics is not None:
+                state.metrics.count_tokens(received)
+            if debug_checks_enabled() and bool((received > rows).any()):
+                raise ValueError(
+                    f"moe_expert_capacity_factor: a local expert received {received.tolist()} rows, more than its "
+                    f"{rows} (every rank's router must apply the capacity, and every rank pass the same "
+                    "number of tokens)")
+        return torch.full((self.num_local_experts,), rows, dtype=torch.long, device="cpu")
+
+    def _mark_routed_rows(self, state: CommState) -> bool:
+        """Under a capacity, which rows of the fixed blocks hold their expert's received rows (state.routed_rows);
+        whether there are blocks."""
+        if state.fixed is None:
+            state.routed_rows = None
+            return False
+        blocks = state.reversed_mapping.view(self.num_local_experts, state.fixed.per_expert)
+        state.routed_rows = state.local_routing_map.t().gather(1, blocks).reshape(-1)
+        return True
+
+    def _hand_off_te_tensor(self, tokens_per_expert: List[int]) -> bool:
         """TE's grouped experts read a TE tensor as it is only where their own padding has nothing to do
         (every expert's rows already aligned, moe_router_padding_for_quantization) and no probability
         multiplies their input; otherwise they get bf16 rows (and TE quantises them itself)."""
         if not self.experts_take_te_tensors or getattr(self.config, "moe_apply_probs_on_input", False):
             return False
         multiple = get_align_size_for_quantization(self.config)
-        return bool((tokens_per_expert % multiple == 0).all())
+        return all(count % multiple == 0 for count in tokens_per_expert)
 
     def _pad_for_quantization(self, routing_map: torch.Tensor, tokens_per_expert: torch.Tensor):
         """Rounds every expert's rows up to the fp8/fp4 GEMM alignment by routing extra received tokens
@@ -438,6 +508,8 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
 
     def _unpermute(self, state: CommState, hidden_states: torch.Tensor) -> torch.Tensor:
         """The experts' rows summed back into the received rows' order: the combine's input."""
+        if state.routed_rows is not None:  # padding rows add nothing (experts with biases make them nonzero)
+            hidden_states = torch.where(state.routed_rows.unsqueeze(1), hidden_states, 0)
         if hidden_states.dtype in (torch.bfloat16, torch.float32) and state.buffer.num_arena_bytes != 0:
             # The combine's x, in the arena: read where it lies.
             rows = state.buffer.empty_combine_input(state.handle, hidden_states.shape[-1], hidden_states.dtype)

@@ -11,6 +11,7 @@ import torch
 
 from ..buffer import Buffer
 from ..events import EventOverlap
+from .capacity import FixedRows
 from .metrics import LayerMetrics
 
 
@@ -22,6 +23,8 @@ class CommState:
     handle: object = None
     recv_topk_idx: Optional[torch.Tensor] = None
     tokens_per_expert: Optional[List[int]] = None
+    # Under a capacity: the dispatch's sizes, known on the host without the counts (capacity.py).
+    fixed: Optional[FixedRows] = None
     # The received (rows, weights) until autograd takes them (dispatcher._Dispatch).
     received: Optional[Tuple[object, torch.Tensor]] = None
     # FP8 dispatch: the recipe's (power-of-two scales, amax_epsilon), and the received (e4m3, scales).
@@ -36,6 +39,8 @@ class CommState:
     reversed_mapping: Optional[torch.Tensor] = None
     local_routing_map: Optional[torch.Tensor] = None
     received_shape: Optional[torch.Size] = None
+    # Under a capacity: which permuted rows are received rows of their expert (the others are padding).
+    routed_rows: Optional[torch.Tensor] = None
 
     def wait(self) -> None:
         if self.pending is not None:

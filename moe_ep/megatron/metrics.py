@@ -18,7 +18,8 @@ micro-batch):
   before they return), at most comm_ms. `moe_ep/hidden_comm_ms`: comm_ms - exposed_comm_ms.
 
 How they are counted: the token counts are the ones each dispatch already returns on the host (tokens
-received per local expert), added on the host; the times are CUDA events (host clock for CPU tensors) read
+received per local expert), added on the host (under a capacity, where the dispatch leaves them on the
+device, added there and read at logging time); the times are CUDA events (host clock for CPU tensors) read
 only at logging time. When megatron reduces its tracker (`reduce_aux_losses_tracker_across_ranks`, which
 registration wraps) every rank publishes its layers: one all-reduce over the expert-parallel group (each
 rank holds its own experts' counts: the sum is every expert's) and one over the data-parallel group
@@ -65,6 +66,7 @@ class LayerMetrics:
         # The MoELayer whose layer_number the entries go to (set by registration; None: nothing published).
         self.layer: Optional[weakref.ref] = None
         self._tokens = [0] * len(self.local_expert_ids)
+        self._device_tokens: Optional[torch.Tensor] = None  # counts a dispatch left on the device
         self._profiles: List[Tuple[weakref.ref, Profile]] = []
         self._overlapping: Dict[int, bool] = {}  # Buffer serial -> its calls of CUDA tensors run beside the caller
         _LIVE.add(self)
@@ -74,7 +76,12 @@ class LayerMetrics:
         return getattr(layer, "layer_number", None)
 
     # ------------------------------------------------------------ recording (the dispatcher calls these)
-    def count_tokens(self, tokens_per_local_expert: Sequence[int]) -> None:
+    def count_tokens(self, tokens_per_local_expert) -> None:
+        """Host counts (a list), or counts on the device (a tensor), added there and read at logging time."""
+        if isinstance(tokens_per_local_expert, torch.Tensor):
+            counts = tokens_per_local_expert.to(torch.int64)
+            self._device_tokens = counts if self._device_tokens is None else self._device_tokens + counts
+            return
         for index, count in enumerate(tokens_per_local_expert):
             self._tokens[index] += count
 
@@ -113,6 +120,9 @@ class LayerMetrics:
         """(tokens per local expert, communication ms, exposed ms) since the last take; starts afresh.
         Waits for the device to pass the events recorded."""
         tokens, self._tokens = self._tokens, [0] * len(self.local_expert_ids)
+        if self._device_tokens is not None:
+            tokens = [a + b for a, b in zip(tokens, self._device_tokens.tolist())]
+            self._device_tokens = None
         comm = exposed = 0.0
         for _, profile in self._profiles:
             summary = profile.summary(COMMUNICATION_PHASES + (EXPOSED_PHASE,))
