@@ -47,7 +47,7 @@ fi
 if $PY -c "import megatron.core" 2>/dev/null; then
   summary "megatron-core $($PY -c 'import megatron.core as m; print(m.__version__)' 2>/dev/null)"
   if [[ ${MOE_EP_SKIP_TESTS:-0} != 1 ]]; then
-    $PY -m pytest -q tests/test_megatron.py tests/test_overlap_chunks.py tests/test_microbatch_overlap.py > "$OUT/megatron_tests.log" 2>&1
+    $PY -m pytest -q tests/test_megatron.py tests/test_overlap_chunks.py tests/test_microbatch_overlap.py tests/test_capacity_padding.py > "$OUT/megatron_tests.log" 2>&1
     summary "megatron tests (CPU ranks, and CUDA ranks where the kernels are built): $(tail -1 "$OUT/megatron_tests.log")"
   fi
   if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
