@@ -11,11 +11,12 @@ micro-batch):
   rank's dispatch counted them; with several expert-parallel groups, the mean over them.
 - `moe_ep/comm_ms`: the time of the layer's dispatches and combines, forward and backward: from the
   caller's stream reaching a call to the end of its work (on the Buffer's communication stream for the
-  forward's asynchronous calls), as `Buffer.profile()` times it. Mean over the ranks.
+  asynchronous calls: the forward's, and the backward's in chunks), as `Buffer.profile()` times it. Mean
+  over the ranks.
 - `moe_ep/exposed_comm_ms`: the part of it the computation waited for: the time the caller's stream
-  waits for a forward call's event (from reaching the wait to passing it), and all of every call that
-  cannot overlap it (the backward's synchronous calls; CPU tensors; the portable backend, whose calls end
-  before they return), at most comm_ms. `moe_ep/hidden_comm_ms`: comm_ms - exposed_comm_ms.
+  waits for an asynchronous call's event (from reaching the wait to passing it), and all of every call
+  that cannot overlap it (the unchunked backward's synchronous calls; CPU tensors; the portable backend,
+  whose calls end before they return), at most comm_ms. `moe_ep/hidden_comm_ms`: comm_ms - exposed_comm_ms.
 
 How they are counted: the token counts are the ones each dispatch already returns on the host (tokens
 received per local expert), added on the host (under a capacity, where the dispatch leaves them on the
