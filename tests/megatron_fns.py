@@ -332,8 +332,9 @@ def logged_expert_load(seed: int, num_experts: int, topk: int, hidden: int, micr
         h = torch.randn(5, 2, hidden, generator=g).to(device).requires_grad_(True)
         for index, layer in enumerate(layers):
             with torch.no_grad():
-                routing_map = layer.router(h.detach().view(-1, hidden))[1]
-            routed[index] += routing_map.sum(0).cpu()
+                probs, routing_map = layer.router(h.detach().view(-1, hidden))
+            # Routes of a probability: capacity padding adds entries of probability 0 to megatron's map.
+            routed[index] += (routing_map & (probs > 0)).sum(0).cpu()
             h, _ = layer(h)
         (h * torch.randn(h.shape, generator=g).to(device)).sum().backward()
     dist.all_reduce(routed)
