@@ -354,7 +354,7 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         hidden_bytes = hidden_states.shape[1] * max(hidden_states.element_size(), 2)
         state.buffer = _buffer_for(self.group, hidden_bytes, self.options.moe_ep_arena, self.options.moe_ep_timeout_s)
         state.fp8_scaling = recipe_scaling() if self._fp8_dispatch(hidden_states.shape[1]) else None
-        state.metrics = self.metrics
+        state.metrics = self.metrics if self.metrics is not None and self.metrics.records_now() else None
 
     def _split_into_chunks(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> Chunks:
         states = [CommState() for _ in range(self.options.moe_ep_overlap_chunks)]

@@ -3,8 +3,9 @@ logs its MoE metrics: entries of its layer-wise logging tracker (`moe_utils.get_
 which `track_moe_metrics` (Megatron-LM's training loop calls it every step) writes to tensorboard, wandb
 and the log line, per layer with `--moe-per-layer-logging`.
 
-Entries, each a value per layer (megatron's layer numbers), summed over the forward passes since the last
-logging (track_moe_metrics multiplies them by its loss_scale: 1 / micro-batches in Megatron-LM, so per
+Entries, each a value per layer (megatron's layer numbers), summed over the training forward passes (a
+training layer, autograd on: megatron's rule for its router's losses; not evaluation, not a recomputed
+layer's first no-grad pass) and their backwards since the last logging (track_moe_metrics multiplies them by its loss_scale: 1 / micro-batches in Megatron-LM, so per
 micro-batch):
 
 - `moe_ep/expert_<e>_tokens`: the tokens routed to expert e (megatron's expert id) that reached it, as its
@@ -77,6 +78,13 @@ class LayerMetrics:
         return getattr(layer, "layer_number", None)
 
     # ------------------------------------------------------------ recording (the dispatcher calls these)
+    def records_now(self) -> bool:
+        """Whether this forward (and its backward) is recorded: as megatron records its router's losses, a
+        training forward under autograd, so neither an evaluation nor a recomputed layer's first (no-grad)
+        forward adds to the next logging."""
+        layer = self.layer() if self.layer is not None else None
+        return layer is not None and layer.training and torch.is_grad_enabled()
+
     def count_tokens(self, tokens_per_local_expert) -> None:
         """Host counts (a list), or counts on the device (a tensor), added there and read at logging time."""
         if isinstance(tokens_per_local_expert, torch.Tensor):
