@@ -7,7 +7,8 @@ Buffer's first call that needs it). A value comes from the Buffer's argument (`i
 `ib_traffic_class=`), else from MOE_EP_IB_SL / MOE_EP_IB_TRAFFIC_CLASS; the Buffer sets the NVSHMEM
 variable from it at construction. An NVSHMEM variable already in the environment with another value (set
 by hand, or by an earlier Buffer once NVSHMEM has started) is an error, never overridden; alone it is left
-for NVSHMEM to read. Every rank's resulting values must agree (the construction compares them).
+for NVSHMEM to read. A value given once NVSHMEM has started without its variable is an error too (it
+would never be read). Every rank's resulting values must agree (the construction compares them).
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def resolve(arguments: Dict[str, Optional[int]], environ: MutableMapping[str, st
             if present is not None:
                 effective[setting.nvshmem_variable] = present
             continue
+        if present is None and nvshmem_started:  # NVSHMEM read no value when it started: too late to set one
+            raise ValueError(f"{source}: NVSHMEM has started in this process without {setting.nvshmem_variable} "
+                             "and reads it only when it starts; set it before the first Buffer that starts NVSHMEM")
         ours = _set_here.get(setting.nvshmem_variable) == environ.get(setting.nvshmem_variable)
         if present is not None and present != value and (nvshmem_started or not ours):
             why = ("NVSHMEM has started with it in this process" if nvshmem_started and ours

@@ -332,10 +332,18 @@ def logged_expert_load(seed: int, num_experts: int, topk: int, hidden: int, micr
         h = torch.randn(5, 2, hidden, generator=g).to(device).requires_grad_(True)
         for index, layer in enumerate(layers):
             with torch.no_grad():
-                routing_map = layer.router(h.detach().view(-1, hidden))[1]
-            routed[index] += routing_map.sum(0).cpu()
+                probs, routing_map = layer.router(h.detach().view(-1, hidden))
+            # Routes of a probability: capacity padding adds entries of probability 0 to megatron's map.
+            routed[index] += (routing_map & (probs > 0)).sum(0).cpu()
             h, _ = layer(h)
         (h * torch.randn(h.shape, generator=g).to(device)).sum().backward()
+    # An evaluation pass between two loggings adds nothing, as megatron's own MoE metrics.
+    with torch.no_grad():
+        h = torch.randn(5, 2, hidden, generator=g).to(device)
+        for layer in layers:
+            layer.eval()
+            h, _ = layer(h)
+            layer.train()
     dist.all_reduce(routed)
     writer = _RecordingWriter()
     track_moe_metrics(loss_scale=1.0, iteration=1, writer=writer, total_loss_dict={}, per_layer_logging=True,

@@ -64,6 +64,15 @@ def test_a_later_buffer_may_change_a_value_until_nvshmem_starts(fresh, seed):
     assert _nvshmem_sees(dict(ib_service_level=other), environ, started=True)[SL] == str(other)
 
 
+def test_a_value_given_after_nvshmem_started_without_it_is_an_error(fresh, seed):
+    sl, tc = _values(seed)
+    with pytest.raises(ValueError, match=rf"ib_service_level={sl}: NVSHMEM has started in this process without"):
+        _nvshmem_sees(dict(ib_service_level=sl), {}, started=True)
+    with pytest.raises(ValueError, match=rf"MOE_EP_IB_TRAFFIC_CLASS={tc}: NVSHMEM has started"):
+        _nvshmem_sees({}, {"MOE_EP_IB_TRAFFIC_CLASS": str(tc)}, started=True)
+    assert _nvshmem_sees({}, {SL: str(sl)}, started=True) == {SL: str(sl), TC: None}, "nothing asked: no error"
+
+
 @pytest.mark.parametrize("arguments, environ, error, message", [
     (dict(ib_service_level=16), {}, ValueError, "ib_service_level: expected an int from 0 to 15, got 16"),
     (dict(ib_service_level=-1), {}, ValueError, "ib_service_level: expected an int from 0 to 15, got -1"),

@@ -189,12 +189,16 @@ def test_a_bad_option_is_refused(option_defaults):
 
 
 @pytest.mark.parametrize("chunks", [1, 2])
-def test_logged_expert_load_equals_the_routing(pools, seed, chunks):
+@pytest.mark.parametrize("capacity", [False, True])
+def test_logged_expert_load_equals_the_routing(pools, seed, chunks, capacity):
     """moe_ep_log_metrics: after two micro-batches through two layers, megatron's track_moe_metrics writes
     per layer each expert's tokens (what the routers routed, summed over every rank) and the mean over the
-    layers; on CPU ranks every call is exposed communication (the calls end before they return)."""
+    layers; on CPU ranks every call is exposed communication (the calls end before they return). Under
+    capacity padding (the counts stay on the device) the routers' drops are left out alike."""
     num_experts = 4
     options = dict(moe_ep_log_metrics=True, moe_ep_overlap_chunks=chunks)
+    if capacity:
+        options.update(moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True)
     for rank, (logged, routed, records) in enumerate(
             pools(2).run(megatron_fns.logged_expert_load, seed % 10000, num_experts, 2, 32, 2, options)):
         assert records == [True, True]

@@ -354,7 +354,7 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         hidden_bytes = hidden_states.shape[1] * max(hidden_states.element_size(), 2)
         state.buffer = _buffer_for(self.group, hidden_bytes, self.options.moe_ep_arena, self.options.moe_ep_timeout_s)
         state.fp8_scaling = recipe_scaling() if self._fp8_dispatch(hidden_states.shape[1]) else None
-        state.metrics = self.metrics
+        state.metrics = self.metrics if self.metrics is not None and self.metrics.records_now() else None
 
     def _split_into_chunks(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> Chunks:
         states = [CommState() for _ in range(self.options.moe_ep_overlap_chunks)]
@@ -407,7 +407,7 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         state.wait()
         routing_map, expert_probs = self._local_multihot(state.recv_topk_idx, probs)
         if state.fixed is not None:
-            tokens_per_expert = self._fixed_blocks(state, routing_map)
+            tokens_per_expert = self._fixed_blocks(state, routing_map, expert_probs)
             counts = [state.fixed.per_expert] * self.num_local_experts
         else:
             # Host counts, as megatron's alltoall dispatcher returns them (its experts read them on the host).
@@ -444,19 +444,20 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
             permuted_probs = permuted_probs.to(torch.float64)
         return permuted, tokens_per_expert, permuted_probs
 
-    def _fixed_blocks(self, state: CommState, routing_map: torch.Tensor) -> torch.Tensor:
+    def _fixed_blocks(self, state: CommState, routing_map: torch.Tensor, expert_probs: torch.Tensor) -> torch.Tensor:
         """tokens_per_expert under a capacity: every local expert's block of rows, on the host as megatron's
         experts read it, known without the counts."""
         rows = state.fixed.per_expert
-        if state.metrics is not None or debug_checks_enabled():
-            received = routing_map.sum(0)  # on the device; metrics read it when megatron logs
-            if state.metrics is not None:
-                state.metrics.count_tokens(received)
-            if debug_checks_enabled() and bool((received > rows).any()):
-                raise ValueError(
-                    f"moe_expert_capacity_factor: a local expert received {received.tolist()} rows, more than its "
-                    f"{rows} (every rank's router must apply the capacity, and every rank pass the same "
-                    "number of tokens)")
+        if state.metrics is not None:
+            # megatron's padded routing map adds entries of probability 0 (some of which travel): the load
+            # is the routes of a probability, as without padding. On the device; read when megatron logs.
+            state.metrics.count_tokens((routing_map & (expert_probs > 0)).sum(0))
+        received = routing_map.sum(0) if debug_checks_enabled() else None
+        if received is not None and bool((received > rows).any()):
+            raise ValueError(
+                f"moe_expert_capacity_factor: a local expert received {received.tolist()} rows, more than its "
+                f"{rows} (every rank's router must apply the capacity, and every rank pass the same "
+                "number of tokens)")
         return torch.full((self.num_local_experts,), rows, dtype=torch.long, device="cpu")
 
     def _mark_routed_rows(self, state: CommState) -> bool:

@@ -3,19 +3,21 @@ logs its MoE metrics: entries of its layer-wise logging tracker (`moe_utils.get_
 which `track_moe_metrics` (Megatron-LM's training loop calls it every step) writes to tensorboard, wandb
 and the log line, per layer with `--moe-per-layer-logging`.
 
-Entries, each a value per layer (megatron's layer numbers), summed over the forward passes since the last
-logging (track_moe_metrics multiplies them by its loss_scale: 1 / micro-batches in Megatron-LM, so per
+Entries, each a value per layer (megatron's layer numbers), summed over the training forward passes (a
+training layer, autograd on: megatron's rule for its router's losses; not evaluation, not a recomputed
+layer's first no-grad pass) and their backwards since the last logging (track_moe_metrics multiplies them by its loss_scale: 1 / micro-batches in Megatron-LM, so per
 micro-batch):
 
 - `moe_ep/expert_<e>_tokens`: the tokens routed to expert e (megatron's expert id) that reached it, as its
   rank's dispatch counted them; with several expert-parallel groups, the mean over them.
 - `moe_ep/comm_ms`: the time of the layer's dispatches and combines, forward and backward: from the
   caller's stream reaching a call to the end of its work (on the Buffer's communication stream for the
-  forward's asynchronous calls), as `Buffer.profile()` times it. Mean over the ranks.
+  asynchronous calls: the forward's, and the backward's in chunks), as `Buffer.profile()` times it. Mean
+  over the ranks.
 - `moe_ep/exposed_comm_ms`: the part of it the computation waited for: the time the caller's stream
-  waits for a forward call's event (from reaching the wait to passing it), and all of every call that
-  cannot overlap it (the backward's synchronous calls; CPU tensors; the portable backend, whose calls end
-  before they return), at most comm_ms. `moe_ep/hidden_comm_ms`: comm_ms - exposed_comm_ms.
+  waits for an asynchronous call's event (from reaching the wait to passing it), and all of every call
+  that cannot overlap it (the unchunked backward's synchronous calls; CPU tensors; the portable backend,
+  whose calls end before they return), at most comm_ms. `moe_ep/hidden_comm_ms`: comm_ms - exposed_comm_ms.
 
 How they are counted: the token counts are the ones each dispatch already returns on the host (tokens
 received per local expert), added on the host (under a capacity, where the dispatch leaves them on the
@@ -76,6 +78,13 @@ class LayerMetrics:
         return getattr(layer, "layer_number", None)
 
     # ------------------------------------------------------------ recording (the dispatcher calls these)
+    def records_now(self) -> bool:
+        """Whether this forward (and its backward) is recorded: as megatron records its router's losses, a
+        training forward under autograd, so neither an evaluation nor a recomputed layer's first (no-grad)
+        forward adds to the next logging."""
+        layer = self.layer() if self.layer is not None else None
+        return layer is not None and layer.training and torch.is_grad_enabled()
+
     def count_tokens(self, tokens_per_local_expert) -> None:
         """Host counts (a list), or counts on the device (a tensor), added there and read at logging time."""
         if isinstance(tokens_per_local_expert, torch.Tensor):
