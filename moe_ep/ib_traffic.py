@@ -47,7 +47,7 @@ def _from_environment(name: str, environ: MutableMapping[str, str], maximum: int
     raw = environ.get(name, "").strip()
     if not raw:
         return None
-    if not raw.isdigit() or int(raw) > maximum:
+    if not (raw.isascii() and raw.isdigit()) or int(raw) > maximum:  # isdigit alone takes other scripts' digits
         raise ValueError(f"{name}: expected an int from 0 to {maximum}, got {raw!r}")
     return int(raw)
 
@@ -86,7 +86,9 @@ def resolve(arguments: Dict[str, Optional[int]], environ: MutableMapping[str, st
 def apply(effective: Dict[str, int], environ: MutableMapping[str, str]) -> None:
     """Puts resolve()'s values where NVSHMEM reads them (before it starts; equal values change nothing)."""
     for variable, value in effective.items():
-        if environ.get(variable, "").strip() != str(value):
+        present = environ.get(variable, "").strip()
+        # An equal value spelled otherwise ("07") is the user's: left as it is, and never ours to change.
+        if not (present.isascii() and present.isdigit() and int(present) == value):
             environ[variable] = str(value)
             _set_here[variable] = str(value)
 

@@ -64,6 +64,14 @@ def test_a_later_buffer_may_change_a_value_until_nvshmem_starts(fresh, seed):
     assert _nvshmem_sees(dict(ib_service_level=other), environ, started=True)[SL] == str(other)
 
 
+def test_a_value_the_user_spelled_otherwise_stays_theirs(fresh, seed):
+    sl, _ = _values(seed)
+    environ = {SL: f"0{sl}"}
+    assert _nvshmem_sees(dict(ib_service_level=sl), environ)[SL] == f"0{sl}", "equal: left as written"
+    with pytest.raises(ValueError, match="an explicit setting is not overridden"):
+        _nvshmem_sees(dict(ib_service_level=(sl + 1) % 16), environ)
+
+
 def test_a_value_given_after_nvshmem_started_without_it_is_an_error(fresh, seed):
     sl, tc = _values(seed)
     with pytest.raises(ValueError, match=rf"ib_service_level={sl}: NVSHMEM has started in this process without"):
@@ -82,6 +90,7 @@ def test_a_value_given_after_nvshmem_started_without_it_is_an_error(fresh, seed)
     ({}, {"MOE_EP_IB_SL": "high"}, ValueError, "MOE_EP_IB_SL: expected an int from 0 to 15, got 'high'"),
     ({}, {"MOE_EP_IB_TRAFFIC_CLASS": "300"}, ValueError, "MOE_EP_IB_TRAFFIC_CLASS: expected an int from 0 to 255"),
     ({}, {SL: "-2"}, ValueError, "NVSHMEM_IB_SL: expected an int from 0 to 15, got '-2'"),
+    ({}, {"MOE_EP_IB_SL": "\u0663"}, ValueError, "MOE_EP_IB_SL: expected an int from 0 to 15"),  # an Arabic-Indic 3
 ])
 def test_bad_values_are_refused(fresh, arguments, environ, error, message):
     with pytest.raises(error, match=message):
