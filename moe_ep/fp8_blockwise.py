@@ -66,7 +66,7 @@ def blockwise_cast_to_fp8(
         from . import _native
 
         # One kernel: a read of x, a write of the bytes and scales; equal to the torch rendering below for
-        # finite x (its amax skips a NaN, as TE's kernel does, where torch's amax returns NaN).
+        # finite x (the kernel's amax skips a NaN, where torch's amax returns NaN).
         if _native.has_kernels():
             inf_factor = _INF_SCALE_REPLACEMENT[(x.dtype, pow2_scales)]
             return _native.ops().fp8_blockwise_cast(x, pow2_scales, float(amax_epsilon), inf_factor)
