@@ -11,7 +11,7 @@ import torch.distributed as dist
 from moe_ep import Buffer, Config
 from moe_ep.fp8 import per_token_cast_to_fp8
 
-from .rank_fns import with_env
+from .rank_fns import outcome, with_env
 
 HIDDEN = 128
 NUM_TOPK = 2
@@ -79,14 +79,6 @@ def _weighted_sum(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.
     return acc.to(torch.bfloat16)
 
 
-def _outcome(fn):
-    try:
-        fn()
-        return "returned", ""
-    except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
-        return type(exc).__name__, str(exc)
-
-
 def _good_buffer_args() -> dict:
     return dict(num_nvl_bytes=nvl_bytes(), num_rdma_bytes=rdma_bytes(), low_latency_mode=True, timeout_s=TIMEOUT_S)
 
@@ -122,10 +114,10 @@ def bad_construction_on_one_rank(bad_rank: int, explicit_ranks_per_node: bool):
             args["ranks_per_node"] = dist.get_world_size()
         if rank == bad_rank:
             args.update(spoiled)
-            made = _outcome(lambda: with_env(env, Buffer, dist.group.WORLD, **args))
+            made = outcome(lambda: with_env(env, Buffer, dist.group.WORLD, **args))
         else:
-            made = _outcome(lambda: Buffer(dist.group.WORLD, **args))
-        results[name] = (made, _outcome(lambda: valid_round(make_buffer())))
+            made = outcome(lambda: Buffer(dist.group.WORLD, **args))
+        results[name] = (made, outcome(lambda: valid_round(make_buffer())))
     return results
 
 
@@ -153,8 +145,8 @@ def construction_disagreements(odd_rank: int):
                 args[key] = 2 * _good_buffer_args()[key]
             elif value == "world":
                 args[key] = dist.get_world_size()
-        results[name] = (_outcome(lambda: Buffer(dist.group.WORLD, **args)),
-                         _outcome(lambda: valid_round(make_buffer())))
+        results[name] = (outcome(lambda: Buffer(dist.group.WORLD, **args)),
+                         outcome(lambda: valid_round(make_buffer())))
     return results
 
 
@@ -165,10 +157,10 @@ def construction_missed(missing_rank: int, group_type_error: bool = False):
     rank = dist.get_rank()
     if rank == missing_rank:
         time.sleep(TIMEOUT_S + 1.5)
-        made = _outcome(lambda: Buffer("world" if group_type_error else dist.group.WORLD, **_good_buffer_args()))
+        made = outcome(lambda: Buffer("world" if group_type_error else dist.group.WORLD, **_good_buffer_args()))
     else:
-        made = _outcome(lambda: Buffer(dist.group.WORLD, **_good_buffer_args()))
-    return made, _outcome(lambda: valid_round(make_buffer(timeout_s=3 * TIMEOUT_S)))
+        made = outcome(lambda: Buffer(dist.group.WORLD, **_good_buffer_args()))
+    return made, outcome(lambda: valid_round(make_buffer(timeout_s=3 * TIMEOUT_S)))
 
 
 def late_to_a_call(late_rank: int):
@@ -181,10 +173,10 @@ def late_to_a_call(late_rank: int):
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, num_experts())
     if rank == late_rank:
         time.sleep(TIMEOUT_S + 1.5)
-    late = _outcome(lambda: buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+    late = outcome(lambda: buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                             num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w))
-    later = _outcome(lambda: buffer.get_dispatch_layout(idx, num_experts()))
-    return late, later, _outcome(lambda: valid_round(make_buffer(timeout_s=3 * TIMEOUT_S)))
+    later = outcome(lambda: buffer.get_dispatch_layout(idx, num_experts()))
+    return late, later, outcome(lambda: valid_round(make_buffer(timeout_s=3 * TIMEOUT_S)))
 
 
 def different_calls_then_more(odd_rank: int):
@@ -194,12 +186,12 @@ def different_calls_then_more(odd_rank: int):
     x, idx, w = inputs()
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, num_experts())
     if dist.get_rank() == odd_rank:
-        first = _outcome(lambda: buffer.low_latency_dispatch(x, idx, MAX_TOKENS, num_experts(), use_fp8=False))
+        first = outcome(lambda: buffer.low_latency_dispatch(x, idx, MAX_TOKENS, num_experts(), use_fp8=False))
     else:
-        first = _outcome(lambda: buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        first = outcome(lambda: buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                                                  num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w))
-    later = _outcome(lambda: valid_round(buffer))
-    return first, later, _outcome(lambda: valid_round(make_buffer()))
+    later = outcome(lambda: valid_round(buffer))
+    return first, later, outcome(lambda: valid_round(make_buffer()))
 
 
 # ---------------------------------------------------------------- one rank spoils a call's arguments
@@ -334,8 +326,8 @@ def bad_call_on_one_rank(bad_rank: int, names):
     results = {}
     for name in names:
         call = BAD_CALLS[name][2]
-        results[name] = (_outcome(lambda: call(Call(buffer), dist.get_rank() == bad_rank)),
-                         _outcome(lambda: valid_round(buffer)))
+        results[name] = (outcome(lambda: call(Call(buffer), dist.get_rank() == bad_rank)),
+                         outcome(lambda: valid_round(buffer)))
     return results
 
 
@@ -357,10 +349,10 @@ def construction_with_other_configs(odd_rank: int):
     if dist.get_rank() == odd_rank:
         Buffer.set_num_sms(default + 2)
     try:
-        made = _outcome(lambda: Buffer(dist.group.WORLD, **_good_buffer_args()))
+        made = outcome(lambda: Buffer(dist.group.WORLD, **_good_buffer_args()))
     finally:
         Buffer.set_num_sms(default)
-    return made, _outcome(lambda: valid_round(make_buffer()))
+    return made, outcome(lambda: valid_round(make_buffer()))
 
 
 # ---------------------------------------------------------------- one rank makes a call in another form
@@ -503,8 +495,8 @@ def form_disagreements_on_one_rank(odd_rank: int, names):
     for name in names:
         case = FORM_DISAGREEMENTS[name][4]
         buffer = form_buffer()
-        results[name] = (_outcome(lambda: case(FormCall(buffer), dist.get_rank() == odd_rank)),
-                         _outcome(lambda: valid_round(buffer)))
+        results[name] = (outcome(lambda: case(FormCall(buffer), dist.get_rank() == odd_rank)),
+                         outcome(lambda: valid_round(buffer)))
     return results
 
 
@@ -514,4 +506,4 @@ def forms_of_three_values(fp8_rank: int, wide_float_rank: int):
     buffer = form_buffer()
     c = FormCall(buffer)
     x = {fp8_rank: per_token_cast_to_fp8(c.x), wide_float_rank: _wide(c.x).float()}.get(dist.get_rank(), c.x)
-    return _outcome(lambda: c.dispatch(x=x)), _outcome(lambda: valid_round(buffer))
+    return outcome(lambda: c.dispatch(x=x)), outcome(lambda: valid_round(buffer))

@@ -1,6 +1,7 @@
 """Functions the tests run on every rank of a RankPool (module level, so they can be pickled)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -739,18 +740,34 @@ def construction_error() -> str:
     return ""
 
 
+def outcome(fn) -> tuple:
+    """What fn() did: ("returned", "") or (the exception's type name, its message)."""
+    try:
+        fn()
+        return "returned", ""
+    except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
+        return type(exc).__name__, str(exc)
+
+
+@contextlib.contextmanager
+def restored_environment(names):
+    """The environment variables `names` as they were before, whatever the body set or removed."""
+    saved = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def with_env(env: dict, fn, *args, **kwargs):
     """fn(*args, **kwargs) with extra environment variables (read when a Buffer is created)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with restored_environment(env):
+        os.environ.update(env)
         return fn(*args, **kwargs)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def with_choices(choices: dict, fn, *args, **kwargs):

@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 from moe_ep import Buffer, ib_traffic
 
+from .rank_fns import outcome, restored_environment
+
 SL, TC = "NVSHMEM_IB_SL", "NVSHMEM_IB_TRAFFIC_CLASS"
 
 
@@ -102,33 +104,21 @@ def test_bad_values_are_refused(fresh, arguments, environ, error, message):
 def _restoring_environment(fn, *args):
     """fn(*args) on this rank, the NVSHMEM and moe_ep variables and the module's record put back after."""
     names = [name for setting in ib_traffic.SETTINGS for name in (setting.variable, setting.nvshmem_variable)]
-    saved, record = {name: os.environ.get(name) for name in names}, dict(ib_traffic._set_here)
+    record = dict(ib_traffic._set_here)
     try:
-        return fn(*args)
+        with restored_environment(names):
+            return fn(*args)
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
         ib_traffic._set_here.clear()
         ib_traffic._set_here.update(record)
-
-
-def _outcome(make):
-    try:
-        make()
-        return "returned", ""
-    except Exception as exc:  # noqa: BLE001 - the test inspects what was raised
-        return type(exc).__name__, str(exc)
 
 
 def _buffers(per_rank_kwargs: list):
     """Buffer(..., **per_rank_kwargs[rank]) -> (its outcome, what NVSHMEM would read, a plain Buffer's outcome)."""
     def run():
-        made = _outcome(lambda: Buffer(dist.group.WORLD, 1 << 20, **per_rank_kwargs[dist.get_rank()]))
+        made = outcome(lambda: Buffer(dist.group.WORLD, 1 << 20, **per_rank_kwargs[dist.get_rank()]))
         seen = {name: os.environ.get(name) for name in (SL, TC)}
-        return made, seen, _outcome(lambda: Buffer(dist.group.WORLD, 1 << 20))
+        return made, seen, outcome(lambda: Buffer(dist.group.WORLD, 1 << 20))
     return _restoring_environment(run)
 
 
