@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from moe_ep import Buffer
 
-from .fault_fns import _outcome
+from .rank_fns import outcome
 from .problems import Problem, expert_output, make_inputs
 
 
@@ -58,8 +58,8 @@ def rank_stops_calling_without_shrink(p: Problem, dead_rank: int, timeout_s: flo
     buffer = shrink_buffer(p, timeout_s, enable_shrink=False)
     if dist.get_rank() == dead_rank:
         return None
-    first = _outcome(lambda: timed_round(p, buffer))
-    later = _outcome(lambda: timed_round(p, buffer))
+    first = outcome(lambda: timed_round(p, buffer))
+    later = outcome(lambda: timed_round(p, buffer))
     return first, later
 
 
