@@ -235,3 +235,18 @@ def test_logged_communication_time_on_cuda_ranks(gpu_pools, seed):
             exposed = logged[f"moe/moe_ep/exposed_comm_ms_layer_{layer}"]
             assert comm > 0 and 0 <= exposed <= comm
             assert logged[f"moe/moe_ep/hidden_comm_ms_layer_{layer}"] == pytest.approx(comm - exposed, abs=1e-3)
+
+
+def test_the_router_runs_without_transformer_engine_and_without_cpu_patches():
+    """megatron-core 0.16.1's router reads a name bound only where transformer-engine imports; importing
+    moe_ep.megatron binds it, so a router with moe_router_dtype set runs on a machine without TE (a GPU
+    one included) without the CPU stand-ins. Run in a fresh interpreter, where nothing patched megatron."""
+    import subprocess
+    import sys
+
+    code = ("import torch, moe_ep.megatron\n"
+            "from megatron.core.transformer.moe import moe_utils\n"
+            "x, w = torch.randn(6, 8), torch.randn(4, 8)\n"
+            "out = moe_utils.router_gating_linear(x, w, None, torch.float32)\n"
+            "assert torch.allclose(out, x @ w.t(), atol=1e-5), out\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

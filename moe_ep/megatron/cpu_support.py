@@ -101,7 +101,3 @@ def enable_cpu_execution(force: bool = False) -> None:
 
     moe_utils.maybe_move_tensor_to_cpu = _host_copy
     token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
-    # megatron-core 0.16.1's router reads te_general_gemm, which is only bound when transformer-engine
-    # imports (NameError otherwise).
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None

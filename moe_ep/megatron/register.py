@@ -60,6 +60,17 @@ def register() -> None:
     _accept_deepep_in_config_checks()
     keep_the_inputs_deepep_needs()
     _publish_metrics_when_megatron_logs()
+    _bind_the_routers_missing_te_gemm()
+
+
+def _bind_the_routers_missing_te_gemm() -> None:
+    """megatron-core 0.16.1's router reads moe_utils.te_general_gemm, which is bound only where
+    transformer-engine imports: without it every router with moe_router_dtype set raises NameError, on CPU
+    and CUDA alike, whatever the dispatcher. None is what its own check expects for "no TE GEMM"."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _run_experts_in_chunks(layer_class) -> None:
