@@ -224,6 +224,8 @@ def capacity_step_on_cuda(num_experts: int, topk: int, hidden: int, num_tokens: 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = step(static_x, static_upstream)
+    # The gradients the graph writes on every replay; the eager runs between replays set p.grad anew.
+    static_grads = [p.grad for p in layer.parameters()]
     pairs = []
     for _ in range(2):  # replays with new tokens
         x, upstream = tokens()
@@ -232,6 +234,6 @@ def capacity_step_on_cuda(num_experts: int, topk: int, hidden: int, num_tokens: 
             static_upstream.copy_(upstream)
         graph.replay()
         torch.cuda.synchronize()
-        replayed = [static_out.detach().cpu(), static_x.grad.cpu()] + [p.grad.cpu() for p in layer.parameters()]
+        replayed = [static_out.detach().cpu(), static_x.grad.cpu()] + [grad.cpu() for grad in static_grads]
         pairs.append((run_eagerly(x, upstream), replayed))
     return pairs

@@ -52,8 +52,46 @@ def test_both_dispatchers_are_timed_on_two_cpu_ranks_and_their_outputs_match(tmp
     assert "(match: limit" in done.stdout
 
 
+def test_pipelined_and_fp8_runs_report_their_communication(tmp_path):
+    """--overlap-chunks and --fp8-dispatch add deepep runs; each reports its communication from its own
+    metrics: the bytes a round are the same in chunks, fewer with fp8 tokens, and the chunked outputs
+    still match (on CPU ranks the portable backend's calls end before they return: nothing is hidden)."""
+    jsonl = tmp_path / "m.jsonl"
+    done = subprocess.run([sys.executable, "-m", "moe_ep.bench", "megatron_layer", "--cpu", "--ranks", "2",
+                           "--tokens", "32", "--hidden", "128", "--ffn-hidden", "128", "--experts", "4", "--topk", "2",
+                           "--warmup", "1", "--iters", "2", "--dispatchers", "deepep", "--overlap-chunks", "1", "2",
+                           "--fp8-dispatch", "--jsonl", str(jsonl)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    runs = ("deepep", "deepep chunks=2", "deepep fp8", "deepep fp8 chunks=2")
+    sent = {run: _one(lines, backend=run, metric="sent_bytes")["value"] for run in runs}
+    assert sent["deepep"] == sent["deepep chunks=2"] > sent["deepep fp8"] == sent["deepep fp8 chunks=2"] > 0
+    for run in runs:
+        comm, exposed = (_one(lines, backend=run, metric=m)["value"] for m in ("comm_ms", "exposed_ms"))
+        assert comm > 0 and exposed == pytest.approx(comm)
+        assert _one(lines, backend=run, metric="hidden")["value"] == pytest.approx(0.0, abs=1e-9)
+    assert _one(lines, metric="output_max_abs_diff")["matched"] is True
+    assert "fp8 dispatch:" in done.stdout
+
+
+def test_hidden_shares_follow_their_definitions():
+    means = {"deepep": 10.0, "deepep chunks=2": 9.0, "deepep shared-overlap": 9.5}
+    comm = {"deepep": dict(comm_ms=4.0, exposed_ms=3.0), "deepep chunks=2": dict(comm_ms=5.0, exposed_ms=1.0),
+            "deepep shared-overlap": dict(comm_ms=4.0, exposed_ms=2.0)}
+    shares = megatron_layer.hidden_shares(means, comm)
+    assert shares["deepep"] == dict(hidden=0.25, hidden_vs_serial=0.25)
+    # t_compute = 10 - 3 = 7; chunks: 1 - (9 - 7) / 4 = 0.5; shared overlap: 1 - (9.5 - 7) / 4 = 0.375
+    assert shares["deepep chunks=2"] == dict(hidden=0.8, hidden_vs_serial=0.5)
+    assert shares["deepep shared-overlap"] == dict(hidden=0.5, hidden_vs_serial=0.375)
+    assert megatron_layer.hidden_shares({"deepep chunks=2": 9.0}, {"deepep chunks=2": comm["deepep chunks=2"]}) == \
+        {"deepep chunks=2": dict(hidden=0.8)}
+
+
 def _args(**over):
-    fields = dict(ranks=2, warmup=1, iters=2, dispatchers=["deepep", "alltoall"], **SHAPE)
+    fields = dict(ranks=2, warmup=1, iters=2, dispatchers=["deepep", "alltoall"], overlap_chunks=[1],
+                  fp8_dispatch=False, dtype="float32", shared_expert_ffn=None, **SHAPE)
     return SimpleNamespace(**dict(fields, **over))
 
 
