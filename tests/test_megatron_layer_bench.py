@@ -106,6 +106,17 @@ def test_outputs_that_differ_beyond_float_order_fail_the_run(capsys):
     assert megatron_layer.report_results(_args(), rows, megatron_layer.transports(True, False), made) is True
 
 
+def test_a_run_with_nan_or_inf_fails_though_every_difference_reads_zero(capsys):
+    """A NaN makes every max of differences read 0 (Python's max keeps the first of incomparable values),
+    so the ranks report non-finite runs by name and the run fails on them."""
+    rows = [dict(rank=r, ms=dict(deepep=2.0, alltoall=4.0), out_diff=0.0, grad_diff=0.0, out_size=float("nan"),
+                 not_finite=["deepep"] if r == 1 else []) for r in range(2)]
+    made = report.Report("megatron_layer")
+    assert megatron_layer.report_results(_args(), rows, megatron_layer.transports(True, False), made) is False
+    assert "NOT FINITE: deepep's output or input gradient holds NaN or inf on ranks [1]" in capsys.readouterr().out
+    assert made.select(metric="not_finite_ranks")[0]["on_ranks"] == [1]
+
+
 def test_one_dispatcher_alone_is_timed_without_a_ratio_or_a_check(capsys):
     rows = [dict(rank=0, ms=dict(alltoall=4.0), out_diff=0.0, grad_diff=0.0, out_size=1.0)]
     made = report.Report("megatron_layer")

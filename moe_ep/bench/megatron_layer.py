@@ -128,6 +128,7 @@ def rank_layer_times(args) -> dict:
     upstream = torch.randn(args.tokens, 1, args.hidden, generator=g).to(device, dtype)
     times, comm, first = {}, {}, None
     out_diff = grad_diff = out_size = fp8_diff = 0.0
+    not_finite = []  # runs whose output or input gradient holds a NaN or an infinity: every max above hides it
     for name, dispatcher, options in variants(args):
         # Experts without biases, as in the MoE models people train (megatron-core 0.16.1's expert MLP
         # also adds its bias in place on a view where one rank holds every expert, which autograd refuses).
@@ -148,6 +149,8 @@ def rank_layer_times(args) -> dict:
         metrics = getattr(layer.token_dispatcher, "metrics", None)
         layer.token_dispatcher.metrics = None  # the timed rounds record no events
         out = forward_backward().detach()
+        if not (torch.isfinite(out).all() and torch.isfinite(inputs.grad).all()):
+            not_finite.append(name)
         if first is None:
             first, out_size = (out, inputs.grad.clone()), float(out.abs().max())
         elif options.get("moe_ep_fp8_dispatch") == "on":  # quantised tokens: a difference, not a check
@@ -163,7 +166,7 @@ def rank_layer_times(args) -> dict:
     dist.barrier()  # every rank is done with megatron's groups before any rank takes them down
     parallel_state.destroy_model_parallel()
     return dict(rank=rank, ms=times, comm=comm, out_diff=out_diff, grad_diff=grad_diff, out_size=out_size,
-                fp8_diff=fp8_diff)
+                fp8_diff=fp8_diff, not_finite=not_finite)
 
 
 def parse_args(argv=None):
@@ -279,10 +282,17 @@ def report_results(args, rows: list, transport: dict, report: Report) -> bool:
         print(f"deepep / alltoall: {ratio:.2f}x the time (mean over ranks){caveat}")
         report.add("forward_backward", shape, args.ranks, "deepep", "vs_alltoall", ratio, "x",
                    like_for_like=transport["like_for_like"])
+    for name in names:
+        ranks = [r["rank"] for r in rows if name in r.get("not_finite", ())]
+        if ranks:
+            matched = False
+            print(f"NOT FINITE: {name}'s output or input gradient holds NaN or inf on ranks {ranks}")
+            report.add("check", shape, args.ranks, name, "not_finite_ranks", len(ranks), None, on_ranks=ranks,
+                       matched=False)
     if len(means) > 1:
         out_diff, grad_diff = max(r["out_diff"] for r in rows), max(r["grad_diff"] for r in rows)
         limit = MATCH_TOLERANCE[args.dtype] * max(1.0, max(r["out_size"] for r in rows))
-        matched = out_diff <= limit and grad_diff <= limit
+        matched = out_diff <= limit and grad_diff <= limit and not any(r.get("not_finite") for r in rows)
         print(f"outputs: max |run - {names[0]}| {out_diff:.3e}, input gradients {grad_diff:.3e} "
               f"({'match' if matched else 'DIFFER'}: limit {limit:.1e})")
         for metric, value in (("output_max_abs_diff", out_diff), ("input_grad_max_abs_diff", grad_diff)):
