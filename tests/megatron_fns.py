@@ -42,8 +42,9 @@ def _dispatcher(config, pg, num_experts, tp: int = 1):
 def moe_forward_backward(seed: int, num_experts: int, topk: int, hidden: int, dispatcher_type: str,
                          num_tokens: int, tp: int = 1, pad_for_fp8: bool = False, drop: float = 0.0,
                          cuda: bool = False, moe_ep_options: dict = None, blockwise_fp8: bool = False,
-                         **config_kw):
-    """Router -> dispatcher phases -> toy experts -> combine; returns output and gradients (on the CPU).
+                         dtype: torch.dtype = torch.float32, **config_kw):
+    """Router -> dispatcher phases -> toy experts -> combine; returns output and gradients (on the CPU, in
+    float32; the tokens and expert weights in `dtype`, the dense reference in float32 from the same values).
     With tp > 1 each rank of an expert's TP group holds a share of its weight (shares sum to the weight),
     so the combined output is the whole expert's. cuda: the tensors live on this rank's GPU.
     moe_ep_options: moe_ep's options (moe_ep.megatron.options) set on the config as attributes, which
@@ -63,11 +64,11 @@ def moe_forward_backward(seed: int, num_experts: int, topk: int, hidden: int, di
     share = (tp_rank + 1) / (tp * (tp + 1) / 2)
     dispatcher = _dispatcher(config, pg, num_experts, tp)
     g = torch.Generator().manual_seed(seed)
-    weights = (torch.randn(num_experts, hidden, hidden, generator=g) / hidden ** 0.5).to(device)
+    weights = (torch.randn(num_experts, hidden, hidden, generator=g) / hidden ** 0.5).to(device, dtype)
     g.manual_seed(seed * 31 + rank + 1)
-    x = torch.randn(num_tokens, hidden, generator=g).to(device).requires_grad_(True)
+    x = torch.randn(num_tokens, hidden, generator=g).to(device, dtype).requires_grad_(True)
     logits = torch.randn(num_tokens, num_experts, generator=g).to(device).requires_grad_(True)
-    upstream = torch.randn(num_tokens, hidden, generator=g).to(device)
+    upstream = torch.randn(num_tokens, hidden, generator=g).to(device, dtype)
     scores = torch.softmax(logits, dim=-1)
     top_p, top_i = scores.topk(topk, dim=-1)
     routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool, device=device).scatter(1, top_i, True)
@@ -92,15 +93,15 @@ def moe_forward_backward(seed: int, num_experts: int, topk: int, hidden: int, di
     (out * upstream).sum().backward()
 
     # The same layer, dense, on this rank alone.
-    x_ref = x.detach().clone().requires_grad_(True)
+    x_ref = x.detach().float().requires_grad_(True)
     logits_ref = logits.detach().clone().requires_grad_(True)
     p_ref = torch.softmax(logits_ref, dim=-1)
     mask = routing_map.float()
-    dense = torch.einsum("th,ehk,te->tk", x_ref, weights, p_ref * mask)
-    (dense * upstream).sum().backward()
+    dense = torch.einsum("th,ehk,te->tk", x_ref, weights.float(), p_ref * mask)
+    (dense * upstream.float()).sum().backward()
     result = dict(out=out.detach(), grad_x=x.grad, grad_logits=logits.grad, ref_out=dense.detach(),
                   ref_grad_x=x_ref.grad, ref_grad_logits=logits_ref.grad)
-    return dict({k: v.cpu() for k, v in result.items()}, tokens_per_expert=tokens_per_expert.tolist())
+    return dict({k: v.float().cpu() for k, v in result.items()}, tokens_per_expert=tokens_per_expert.tolist())
 
 
 def flex_on_moe_ep(seed: int, num_experts: int, topk: int, hidden: int, num_tokens: int):

@@ -49,19 +49,36 @@ def test_the_arena_in_the_dispatcher_changes_nothing(pools, seed):
             assert torch.equal(a[key], b[key]), f"rank {rank} {key}"
 
 
+# Against the dense float32 layer: float32 rounding, or bfloat16's (tokens and experts in bf16).
+DENSE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+def _assert_like_dense(results, dtype):
+    for rank, res in enumerate(results):
+        for key in ("out", "grad_x", "grad_logits"):
+            assert torch.isfinite(res[key]).all(), f"rank {rank} {key}: not finite"
+            limit = DENSE_TOLERANCE[dtype] * max(1.0, float(res["ref_" + key].abs().max()))
+            torch.testing.assert_close(res[key], res["ref_" + key], rtol=0, atol=limit,
+                                       msg=lambda m: f"rank {rank} {key}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("arena", [True, False])
-def test_deepep_dispatcher_on_cuda_ranks_runs_on_the_kernels(gpu_pools, seed, arena):
+def test_deepep_dispatcher_on_cuda_ranks_runs_on_the_kernels(gpu_pools, seed, arena, dtype):
     """CUDA ranks sharing the GPU (the intranode kernels move the tokens), with the arena (the one-pass
-    calls, the default) and without: the forward and gradients of the dense layer."""
+    calls, the default) and without, tokens in float32 and in bfloat16 (training's dtype, which takes the
+    one-pass bf16 calls): the forward and gradients of the dense layer."""
     from moe_ep import _native
     if not _native.has_kernels():
         pytest.skip(str(_native.unavailable_reason()))
-    results = gpu_pools(4).run(megatron_fns.moe_forward_backward, seed % 10000, 8, 2, 64, "deepep", 24, cuda=True,
-                               moe_ep_options=dict(moe_ep_arena=arena))
-    for rank, res in enumerate(results):
-        for key in ("out", "grad_x", "grad_logits"):
-            torch.testing.assert_close(res[key], res["ref_" + key], rtol=1e-4, atol=1e-4,
-                                       msg=lambda m: f"rank {rank} {key}: {m}")
+    _assert_like_dense(gpu_pools(4).run(megatron_fns.moe_forward_backward, seed % 10000, 8, 2, 64, "deepep", 24,
+                                        cuda=True, moe_ep_options=dict(moe_ep_arena=arena), dtype=dtype), dtype)
+
+
+def test_bf16_tokens_on_cpu_ranks_match_the_dense_layer(pools, seed):
+    """bfloat16 tokens and experts through the portable backend: the dense layer to bf16's rounding."""
+    _assert_like_dense(pools(2).run(megatron_fns.moe_forward_backward, seed % 10000, 4, 2, 64, "deepep", 24,
+                                    dtype=torch.bfloat16), torch.bfloat16)
 
 
 def test_flex_dispatcher_runs_on_moe_ep_through_install_as_deep_ep(pools, seed):
