@@ -96,6 +96,8 @@ if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
         | grep -v -e "Profiler clears events" -e "_warn_once(" | tee -a "$OUT/summary.txt"
     done
   fi
+  # What Buffer.stats() collection and Buffer.profile() cost a round, against neither, in one run.
+  timeout 120 $PY -m moe_ep.bench observe --ranks 4 --jsonl "$OUT/bench.jsonl" 2>&1 | tee -a "$OUT/summary.txt"
   timeout 240 $PY -m moe_ep.bench.low_latency --ranks ${BENCH_LL_RANKS:-2 4 8} --graph --json "$OUT/bench.jsonl" 2>&1 \
     | tee "$OUT/bench_low_latency.txt" | tee -a "$OUT/summary.txt"
 fi

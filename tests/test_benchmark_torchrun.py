@@ -27,6 +27,8 @@ SINGLE_NODE = {
               "--dry-run"], "per GPU", True),
     "profile": (["--cpu", "--tokens", "32", "--hidden", "256", "--experts", "16", "--topk", "4", "--rounds", "2"],
                 "Buffer.profile(): 2 rounds", False),
+    "observe": (["--cpu", "--tokens", "16", "--hidden", "256", "--experts", "16", "--topk", "4", "--warmup", "1",
+                 "--iters", "2", "--repeats", "1"], "observation cost: 2 CPU ranks", True),
     "portable": (["--tokens", "32", "--hidden", "256", "--experts", "16", "--topk", "4", "--iters", "2"],
                  "portable backend, 2 CPU ranks", False),
     "trace_kernels": (["--cpu", "--mode", "normal", "--tokens", "32", "--hidden", "256", "--experts", "16",

@@ -20,6 +20,7 @@ BENCHMARKS = {
     "fp8": "the 1x128 FP8 cast and cast-back kernels",
     "portable": "the portable backend (torch.distributed) on CPU or GPU ranks",
     "profile": "Buffer.profile() phase times of dispatch/combine rounds on every rank (CPU or CUDA ranks)",
+    "observe": "what Buffer.stats() collection and Buffer.profile() cost a round, against neither, in one run",
     "peer_copy": "plain copies into and out of a peer's mapped buffer (ranks on one GPU)",
     "trace_kernels": "device time per kernel inside the calls (torch.profiler)",
     "profile_layout_call": "host time of a layout call, piece by piece",
