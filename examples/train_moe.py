@@ -57,6 +57,9 @@ def parse_args(argv=None):
     parser.add_argument("--fp8-dispatch", choices=["auto", "on", "off"], default="auto",
                         help="moe_ep: send the tokens as 1x128 fp8 with their scales (moe_ep_fp8_dispatch; "
                              "auto: on with fp8_recipe=blockwise); the hidden size must be a multiple of 128")
+    parser.add_argument("--overlap-chunks", type=positive_int, default=1,
+                        help="moe_ep: pipeline each MoE layer's tokens in this many chunks, their exchanges beside "
+                             "the experts' GEMMs (moe_ep_overlap_chunks; default 1, no pipeline)")
     parser.add_argument("--json-log", help="JSON lines, one per step (rank 0)")
     parser.add_argument("--profile", help="rank 0's operator table of three profiled steps, written here")
     parser.add_argument("--stall-dump", type=float, metavar="S",
@@ -251,7 +254,7 @@ def backend_line(use_cuda: bool) -> str:
 
 
 def build_model(model_cfg: dict, data_cfg: dict, use_cuda: bool, seed: int, moe_ep_arena: bool = True,
-                fp8_dispatch: str = "auto", log_metrics: bool = False):
+                fp8_dispatch: str = "auto", log_metrics: bool = False, overlap_chunks: int = 1):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -265,6 +268,7 @@ def build_model(model_cfg: dict, data_cfg: dict, use_cuda: bool, seed: int, moe_
     config.moe_ep_arena = moe_ep_arena
     config.moe_ep_fp8_dispatch = fp8_dispatch
     config.moe_ep_log_metrics = log_metrics
+    config.moe_ep_overlap_chunks = overlap_chunks
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     model = GPTModel(config, spec, vocab_size=data_cfg["vocab_size"], max_sequence_length=data_cfg["seq_length"])
     # float32 parameters everywhere (TF32 matrix products on the GPU): the comparison is about the
@@ -330,7 +334,8 @@ def train(args) -> list:
         print(launch_line(device, ranks_per_node_source), flush=True)
     torch.manual_seed(train_cfg["seed"])
     model = build_model(model_cfg, data_cfg, use_cuda, train_cfg["seed"], moe_ep_arena=not args.no_arena,
-                        fp8_dispatch=args.fp8_dispatch, log_metrics=bool(args.expert_load_plot))
+                        fp8_dispatch=args.fp8_dispatch, log_metrics=bool(args.expert_load_plot),
+                        overlap_chunks=args.overlap_chunks)
     optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg["lr"])
     tokens_per_step = data_cfg["micro_batch_size"] * data_cfg["seq_length"] * dist.get_world_size()
     progress = None

@@ -163,3 +163,17 @@ def test_expert_load_plot_without_matplotlib_says_so(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     with pytest.raises(SystemExit, match="--expert-load-plot: matplotlib is not installed"):
         train_moe.check_expert_load_plot(types.SimpleNamespace(expert_load_plot="load.png"), "deepep")
+
+
+def test_training_in_chunks_follows_the_unchunked_run(tmp_path):
+    """train_moe.py --overlap-chunks 2 on two CPU ranks: the same losses as one chunk, to float32 rounding
+    (the experts' GEMMs see fewer rows at a time), step after step."""
+    losses = {}
+    for chunks in (1, 2):
+        log = tmp_path / f"chunks{chunks}.jsonl"
+        subprocess.run([sys.executable, "-m", "moe_ep.launch", "--nproc", "2", TRAIN, "--config", TINY, "--steps", "5",
+                        "--overlap-chunks", str(chunks), "--json-log", str(log)], check=True, env=ENV, cwd=ROOT,
+                       timeout=600)
+        losses[chunks] = _losses(log)
+    assert len(losses[1]) == 5 and losses[1][-1] < losses[1][0]
+    assert losses[2] == pytest.approx(losses[1], rel=1e-5), losses
