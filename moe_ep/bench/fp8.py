@@ -1,4 +1,6 @@
-"""The 1x128 FP8 cast kernel against a device-to-device copy of the same bytes, in one run.
+"""The 1x128 FP8 cast kernels against a device-to-device copy of the same bytes, in one run: moe_ep's own
+cast (deep_ep's rule) and transformer-engine's blockwise rule (moe_ep.fp8_blockwise, the megatron
+dispatcher's fp8 cast), with power-of-two and with float32 scales.
 
 Bandwidth counts bytes read plus bytes written. Several input sets are rotated so the timing does not
 measure the L2 cache (an H200 has 60 MB of it).
@@ -13,6 +15,7 @@ import json
 import torch
 
 from moe_ep import fp8
+from moe_ep.fp8_blockwise import blockwise_cast_to_fp8
 
 from .timing import cuda_kernel_us
 
@@ -39,6 +42,9 @@ def main():
     for name, fn, nbytes in [
         ("cast", lambda: fp8.per_token_cast_to_fp8(xs[rotate()]), n * h * 2 + n * h + n * h // 128 * 4),
         ("cast round_scale", lambda: fp8.per_token_cast_to_fp8(xs[rotate()], round_scale=True),
+         n * h * 2 + n * h + n * h // 128 * 4),
+        ("blockwise pow2", lambda: blockwise_cast_to_fp8(xs[rotate()]), n * h * 2 + n * h + n * h // 128 * 4),
+        ("blockwise fp32", lambda: blockwise_cast_to_fp8(xs[rotate()], pow2_scales=False),
          n * h * 2 + n * h + n * h // 128 * 4),
         ("cast back", None, n * h + n * h // 128 * 4 + n * h * 2),
         ("copy of the input", lambda: copies[rotate()].copy_(xs[state["i"]]), 2 * n * h * 2),
