@@ -51,6 +51,12 @@ if $PY -c "import megatron.core" 2>/dev/null; then
     summary "megatron tests (CPU ranks, and CUDA ranks where the kernels are built): $(tail -1 "$OUT/megatron_tests.log")"
   fi
   if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
+    # One MoE layer: the chunked pipeline, fp8 dispatch and the shared expert's overlap, bf16, 4 ranks; then
+    # a training step with and without megatron's micro-batch overlap.
+    timeout 150 $PY -m moe_ep.bench megatron_layer --ranks 4 --dtype bfloat16 --ffn-hidden 2816 --overlap-chunks 1 2 \
+      --fp8-dispatch --shared-expert-ffn 2816 --jsonl "$OUT/bench.jsonl" 2>&1 | grep -v -i warn | tail -16 | tee -a "$OUT/summary.txt"
+    timeout 200 $PY -m moe_ep.bench microbatch_overlap --ranks 4 --jsonl "$OUT/bench.jsonl" 2>&1 | grep -v -i warn \
+      | tail -4 | tee -a "$OUT/summary.txt"
     # EP=1 on the two-pass calls, then EP=4 with four ranks sharing this GPU (the launcher's MPS and SM
     # share) through the dispatcher's default arena; COMPARE_EPS="1 4 8" adds eight ranks (another ~110 s
     # on one H200).

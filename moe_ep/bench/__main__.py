@@ -29,6 +29,8 @@ BENCHMARKS = {
     "tune": "searches SM budgets and chunk sizes; writes the fastest configs to the cache get_*_config read",
     "megatron_layer": "one megatron-core MoE layer's forward+backward with moe_ep's dispatcher (deepep) and "
                       "megatron's alltoall, same seeds, shape and ranks; their outputs compared",
+    "microbatch_overlap": "a megatron training step with and without megatron's micro-batch overlap "
+                          "(overlap_moe_expert_parallel_comm), same seeds and ranks",
     "ll_timeline": "where a low-latency call's time goes with ranks sharing a GPU (a MOE_EP_TIMELINE=1 build)",
 }
 

@@ -1,0 +1,210 @@
+"""megatron's micro-batch overlap (`overlap_moe_expert_parallel_comm`: one micro-batch's dispatch and
+combine beside another's attention and experts, megatron's combined 1F1B schedule) timed against the
+same training step without it, in one run: a bf16 GPT-MoE (megatron-core's local layers, no
+transformer-engine), the same seeds, batches and ranks, each step --micro-batches micro-batches of
+forward and backward as megatron's forward_backward_no_pipelining runs them: one after the other, or
+with the overlap its combined 1F1B schedule (called directly: the wrapper also makes CUDA tensors of its
+own, which CPU ranks cannot). Every rank is one expert-parallel rank.
+
+Per dispatcher: ms a step without and with the overlap (the mean over ranks of host wall time of --iters
+steps after --warmup, device synchronised), their ratio, and the largest difference between the two
+runs' first-step losses (bf16 rounding only: the schedule reorders the same operations).
+
+    moe-ep-bench microbatch_overlap --ranks 4
+    moe-ep-bench microbatch_overlap --cpu --ranks 2 --layers 1 --hidden 64 --ffn-hidden 128 --seq 16 --experts 4
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from moe_ep.launch import sm_share_env
+
+from .report import Report, add_output_arguments
+from .timing import wall_seconds_per_call
+from .torchrun import add_ranks_argument, gpus_of_the_ranks, rank_counts, start_ranks
+
+# What --ranks left out runs (under torchrun: the ranks it started instead).
+RANKS = 4
+DISPATCHERS = ("deepep", "alltoall")
+SEED = 1234
+VOCAB = 1024
+# The largest first-step loss difference, relative to the loss, that bf16 rounding in another order explains.
+LOSS_TOLERANCE = 2e-2
+
+
+def _loss(per_token_loss):
+    """Megatron-LM's loss function form: (summed loss, tokens, what it logs)."""
+    loss = per_token_loss.float().sum()
+    num_tokens = torch.tensor(per_token_loss.numel(), dtype=torch.int)
+    return loss, num_tokens, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """A forward_step_func as Megatron-LM's pretrain_gpt.py writes it for either schedule."""
+    batch = next(data_iterator)
+    if return_schedule_plan:
+        return model.build_schedule_plan(**batch), _loss
+    return model(**batch), _loss
+
+
+def _one_by_one(model, batches) -> list:
+    """Each micro-batch's forward then its backward: megatron's schedule without the overlap."""
+    store = []
+    for batch in batches:
+        loss, num_tokens, logged = _loss(model(**batch))
+        (loss / torch.clamp(num_tokens, min=1) / len(batches)).backward()
+        store.append(logged)
+    return store
+
+
+def _combined_schedule(model, batches) -> list:
+    """megatron's combined 1F1B schedule without pipelining (what forward_backward_no_pipelining runs with
+    the overlap): micro-batch i's forward interleaved, layer by layer, with micro-batch i-1's backward."""
+    import contextlib
+
+    from megatron.core.pipeline_parallel.combined_1f1b import combined_1f1b_schedule_for_no_pipelining
+
+    store = []
+    combined_1f1b_schedule_for_no_pipelining(
+        _forward_step, iter(batches), model, len(batches), None, None, store, model.config,
+        collect_non_loss_data=False, first_val_step=None, forward_only=False, no_sync_func=contextlib.nullcontext,
+        total_num_tokens=torch.zeros([], dtype=torch.int), check_first_val_step=lambda first: first)
+    return store
+
+
+def _batches(args, device) -> list:
+    g = torch.Generator().manual_seed(SEED + dist.get_rank())
+    causal = torch.triu(torch.ones(1, 1, args.seq, args.seq, dtype=torch.bool), diagonal=1).to(device)
+    positions = torch.arange(args.seq).unsqueeze(0).expand(args.micro_batch, -1).to(device)
+    batches = []
+    for _ in range(args.micro_batches):
+        tokens = torch.randint(0, VOCAB, (args.micro_batch, args.seq + 1), generator=g).to(device)
+        batches.append(dict(input_ids=tokens[:, :-1], position_ids=positions, attention_mask=causal,
+                            labels=tokens[:, 1:]))
+    return batches
+
+
+def _gpt(args, dispatcher: str, overlap: bool, device):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.ffn_hidden, num_attention_heads=8,
+        num_moe_experts=args.experts, moe_router_topk=args.topk, moe_token_dispatcher_type=dispatcher,
+        expert_model_parallel_size=dist.get_world_size(), use_cpu_initialization=device.type == "cpu",
+        moe_router_dtype="fp32", moe_aux_loss_coeff=0.0, add_bias_linear=False, bf16=True,
+        params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
+        overlap_moe_expert_parallel_comm=overlap)
+    torch.manual_seed(SEED)
+    model_parallel_cuda_manual_seed(SEED, inference_rng_tracker=True)
+    spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False)
+    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=args.seq).to(device)
+    return Float16Module(config, model)
+
+
+def rank_step_times(args) -> dict:
+    """On every rank: each dispatcher's step without and with the overlap (ms), and the first step's losses."""
+    warnings.filterwarnings("ignore", module=r"megatron\.")
+    from megatron.core import parallel_state
+
+    from moe_ep.megatron.cpu_support import enable_cpu_execution
+
+    if args.cpu:
+        enable_cpu_execution(force=True)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=dist.get_world_size())
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
+    batches = _batches(args, device)
+    times, losses = {}, {}
+    for dispatcher in args.dispatchers:
+        for overlap in (False, True):
+            model = _gpt(args, dispatcher, overlap, device)
+
+            def step():
+                model.zero_grad(set_to_none=True)
+                return (_combined_schedule if overlap else _one_by_one)(model, batches)
+
+            key = f"{dispatcher} {'overlap' if overlap else 'no overlap'}"
+            losses[key] = [float(logged["lm loss"]) for logged in step()]
+            times[key] = wall_seconds_per_call(step, args.warmup, args.iters) * 1e3
+            del model
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    return dict(rank=dist.get_rank(), ms=times, losses=losses)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_ranks_argument(parser, RANKS, "expert-parallel ranks")
+    parser.add_argument("--layers", type=int, default=2, help="transformer layers, each with an MoE (default 2)")
+    parser.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
+    parser.add_argument("--ffn-hidden", type=int, default=2816, help="each expert's FFN hidden size (default 2816)")
+    parser.add_argument("--experts", type=int, default=16, help="experts in all, a multiple of --ranks (default 16)")
+    parser.add_argument("--topk", type=int, default=2, help="experts a token is routed to (default 2)")
+    parser.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
+    parser.add_argument("--micro-batch", type=int, default=2, help="sequences a micro-batch (default 2)")
+    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches a step (default 4)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    parser.add_argument("--iters", type=int, default=5, help="timed steps (default 5)")
+    parser.add_argument("--dispatchers", nargs="+", choices=DISPATCHERS, default=["deepep"],
+                        help="megatron token dispatcher types to time (default: deepep)")
+    parser.add_argument("--sm-share", default="auto",
+                        help="where ranks share a GPU: the percentage of its SMs one rank may hold at once, as "
+                             "python -m moe_ep.launch --sm-share (auto: (R + 1) / 2R for R ranks a GPU)")
+    parser.add_argument("--cpu", action="store_true", help="CPU ranks over gloo: checks the script anywhere")
+    add_output_arguments(parser)
+    args = parser.parse_args(argv)
+    args.ranks = rank_counts(parser, args.ranks, RANKS)
+    if args.experts % args.ranks:
+        parser.error(f"--experts {args.experts} is not a multiple of --ranks {args.ranks}")
+    if args.micro_batches < 2:
+        parser.error("--micro-batches: at least 2 (the overlap pairs one micro-batch with another)")
+    if not args.cpu and not torch.cuda.is_available():
+        parser.exit(2, f"{parser.prog}: error: no GPU here: pass --cpu (CPU tensors on the portable backend)\n")
+    return args
+
+
+def report_results(args, rows: list, report: Report) -> bool:
+    """The table and JSON lines; returns whether each dispatcher's two runs had the same first-step losses."""
+    shape = dict(layers=args.layers, hidden=args.hidden, ffn_hidden=args.ffn_hidden, experts=args.experts,
+                 topk=args.topk, seq=args.seq, micro_batch=args.micro_batch, micro_batches=args.micro_batches)
+    print(f"megatron training step, {args.ranks} ranks (EP={args.ranks}), {args.micro_batches} micro-batches of "
+          f"{args.micro_batch} x {args.seq} tokens, {args.layers} layers, hidden {args.hidden}, top-{args.topk} of "
+          f"{args.experts} experts, bf16; {args.iters} steps after {args.warmup}")
+    print(f"{'dispatcher':<10} {'no overlap ms':>14} {'overlap ms':>11} {'overlap / not':>14} {'loss diff':>10}")
+    matched = True
+    for dispatcher in args.dispatchers:
+        off, on = (sum(r["ms"][f"{dispatcher} {kind}"] for r in rows) / len(rows) for kind in ("no overlap", "overlap"))
+        diff = max(abs(a - b) / max(1.0, abs(a)) for r in rows
+                   for a, b in zip(r["losses"][f"{dispatcher} no overlap"], r["losses"][f"{dispatcher} overlap"]))
+        same = diff <= LOSS_TOLERANCE and all(len(r["losses"][f"{dispatcher} overlap"]) == args.micro_batches
+                                              for r in rows)
+        matched &= same
+        print(f"{dispatcher:<10} {off:>14.2f} {on:>11.2f} {on / off:>13.2f}x {diff:>10.1e}"
+              + ("" if same else "  LOSSES DIFFER"))
+        for metric, value, unit in (("ms_no_overlap", off, "ms"), ("ms_overlap", on, "ms"),
+                                    ("overlap_vs_not", on / off, "x"), ("loss_rel_diff", diff, None)):
+            report.add("step", shape, args.ranks, dispatcher, metric, value, unit)
+    return matched
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    shares_gpu = not args.cpu and args.ranks > gpus_of_the_ranks()
+    env = sm_share_env(args.sm_share, args.ranks) if shares_gpu else {}
+    report = Report("microbatch_overlap", args.jsonl, args.plot)
+    with start_ranks(args.ranks, use_cuda=not args.cpu, env=env) as pool:
+        rows = pool.run(rank_step_times, args)
+    return 0 if report_results(args, rows, report) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
