@@ -9,6 +9,7 @@ import functools
 import torch
 import torch.distributed as dist
 
+from moe_ep.bench.microbatch_overlap import combined_schedule, one_by_one
 from moe_ep.megatron.cpu_support import enable_cpu_execution
 
 from .late_delivery import LateDelivery
@@ -27,21 +28,6 @@ def _batch(seed: int, step: int, microbatch: int, device):
     position_ids = torch.arange(SEQ, device=device).unsqueeze(0).expand(MICRO_BATCH, -1)
     causal = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool, device=device), diagonal=1)
     return dict(input_ids=seq[:, :-1], position_ids=position_ids, attention_mask=causal, labels=seq[:, 1:])
-
-
-def _loss(per_token_loss):
-    """Megatron-LM's loss function form: (summed loss, tokens, what it logs)."""
-    loss = per_token_loss.float().sum()
-    num_tokens = torch.tensor(per_token_loss.numel(), dtype=torch.int)
-    return loss, num_tokens, {"lm loss": loss.detach().clone()}
-
-
-def _forward_step(data_iterator, model, return_schedule_plan: bool = False):
-    """A forward_step_func as Megatron-LM's pretrain_gpt.py writes it for the combined schedule."""
-    batch = next(data_iterator)
-    if return_schedule_plan:
-        return model.build_schedule_plan(**batch), _loss
-    return model(**batch), _loss
 
 
 def _build_model(dispatcher_type: str, overlap: bool, delay_wgrad: bool, num_layers: int, num_experts: int,
@@ -74,30 +60,12 @@ def _build_model(dispatcher_type: str, overlap: bool, delay_wgrad: bool, num_lay
     else:
         spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
     model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ).to(device)
-    return Float16Module(config, model), config
+    return Float16Module(config, model)
 
 
-def _microbatches_one_by_one(model, batches, num_microbatches: int):
-    """Each micro-batch's forward then its backward: megatron's schedule without the overlap."""
-    losses = []
-    for batch in batches:
-        loss, num_tokens, logged = _loss(model(**batch))
-        (loss / torch.clamp(num_tokens, min=1) / num_microbatches).backward()
-        losses.append(logged["lm loss"])
-    return losses
-
-
-def _microbatches_combined(model, config, batches, num_microbatches: int):
-    """megatron's combined 1F1B schedule without pipelining: micro-batch i's forward interleaved, layer by
-    layer, with micro-batch i-1's backward (what forward_backward_no_pipelining runs with the overlap)."""
-    from megatron.core.pipeline_parallel.combined_1f1b import combined_1f1b_schedule_for_no_pipelining
-
-    store = []
-    combined_1f1b_schedule_for_no_pipelining(
-        _forward_step, iter(batches), model, num_microbatches, None, None, store, config,
-        collect_non_loss_data=False, first_val_step=None, forward_only=False, no_sync_func=contextlib.nullcontext,
-        total_num_tokens=torch.zeros([], dtype=torch.int), check_first_val_step=lambda first: first)
-    return [logged["lm loss"] for logged in store]
+def _losses(schedule, model, batches) -> list:
+    """The micro-batches' losses of one step through `schedule` (the benchmark's: megatron's two schedules)."""
+    return [logged["lm loss"] for logged in schedule(model, batches)]
 
 
 def _average_dense_gradients(model) -> None:
@@ -122,16 +90,16 @@ def train_gpt(seed: int, dispatcher_type: str, overlap: bool, delay_wgrad: bool 
     if dispatcher_type == "flex":
         from moe_ep.megatron import install_as_deep_ep
         install_as_deep_ep()
-    model, config = _build_model(dispatcher_type, overlap, delay_wgrad, num_layers, num_experts, topk, hidden,
+    model = _build_model(dispatcher_type, overlap, delay_wgrad, num_layers, num_experts, topk, hidden,
                                  use_te, moe_ep_options or {}, device)
-    run = functools.partial(_microbatches_combined, config=config) if overlap else _microbatches_one_by_one
+    run = functools.partial(_losses, combined_schedule if overlap else one_by_one)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     history = []
     for step in range(steps):
         batches = [_batch(seed, step, i, device) for i in range(num_microbatches)]
         optimizer.zero_grad(set_to_none=True)
         with LateDelivery() if late_delivery else contextlib.nullcontext():
-            losses = run(model, batches=batches, num_microbatches=num_microbatches)
+            losses = run(model, batches)
         _average_dense_gradients(model)
         grads = {name: p.grad.detach().float().cpu() for name, p in model.named_parameters() if p.grad is not None}
         history.append(dict(losses=[loss.float().cpu() for loss in losses], grads=grads))

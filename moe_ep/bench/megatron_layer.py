@@ -192,22 +192,36 @@ def parse_args(argv=None):
     parser.add_argument("--shared-expert-ffn", type=int, metavar="N",
                         help="the layer has a shared expert of FFN hidden size N, and deepep runs once more with it "
                              "overlapping the dispatch and combine (moe_shared_expert_overlap)")
+    args = parse_rank_arguments(parser, argv, RANKS)
+    if len(set(args.dispatchers)) != len(args.dispatchers):
+        parser.error("--dispatchers: each dispatcher once")
+    if min(args.overlap_chunks) < 1 or len(set(args.overlap_chunks)) != len(args.overlap_chunks):
+        parser.error("--overlap-chunks: distinct counts >= 1")
+    return args
+
+
+def parse_rank_arguments(parser, argv, default_ranks: int):
+    """The options every megatron benchmark shares (--sm-share, --cpu, the outputs) added, the command line
+    parsed and its ranks resolved, --experts checked against them; no GPU without --cpu refused."""
     parser.add_argument("--sm-share", default="auto",
                         help="where ranks share a GPU: the percentage of its SMs one rank may hold at once, as "
                              "python -m moe_ep.launch --sm-share (auto: (R + 1) / 2R for R ranks a GPU)")
     parser.add_argument("--cpu", action="store_true", help="CPU ranks over gloo: checks the script anywhere")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
-    args.ranks = rank_counts(parser, args.ranks, RANKS)
+    args.ranks = rank_counts(parser, args.ranks, default_ranks)
     if args.experts % args.ranks:
         parser.error(f"--experts {args.experts} is not a multiple of --ranks {args.ranks}")
-    if len(set(args.dispatchers)) != len(args.dispatchers):
-        parser.error("--dispatchers: each dispatcher once")
-    if min(args.overlap_chunks) < 1 or len(set(args.overlap_chunks)) != len(args.overlap_chunks):
-        parser.error("--overlap-chunks: distinct counts >= 1")
     if not args.cpu and not torch.cuda.is_available():
         parser.exit(2, f"{parser.prog}: error: no GPU here: pass --cpu (CPU tensors on the portable backend)\n")
     return args
+
+
+def megatron_ranks(args):
+    """(the ranks to run on, whether they share a GPU): under MPS with --sm-share where they do."""
+    shares_gpu = not args.cpu and args.ranks > gpus_of_the_ranks()
+    env = sm_share_env(args.sm_share, args.ranks) if shares_gpu else {}
+    return start_ranks(args.ranks, use_cuda=not args.cpu, env=env), shares_gpu
 
 
 def hidden_shares(means: dict, comm: dict) -> dict:
@@ -307,11 +321,10 @@ def report_results(args, rows: list, transport: dict, report: Report) -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    shares_gpu = not args.cpu and args.ranks > gpus_of_the_ranks()
-    env = sm_share_env(args.sm_share, args.ranks) if shares_gpu else {}
+    ranks, shares_gpu = megatron_ranks(args)
     transport = transports(args.cpu, shares_gpu)
     report = Report("megatron_layer", args.jsonl, args.plot)
-    with start_ranks(args.ranks, use_cuda=not args.cpu, env=env) as pool:
+    with ranks as pool:
         rows = pool.run(rank_layer_times, args)
     matched = report_results(args, rows, transport, report)
     report.say_plots()

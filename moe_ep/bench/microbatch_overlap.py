@@ -22,11 +22,10 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from moe_ep.launch import sm_share_env
-
-from .report import Report, add_output_arguments
+from .megatron_layer import megatron_ranks, parse_rank_arguments
+from .report import Report
 from .timing import wall_seconds_per_call
-from .torchrun import add_ranks_argument, gpus_of_the_ranks, rank_counts, start_ranks
+from .torchrun import add_ranks_argument
 
 # What --ranks left out runs (under torchrun: the ranks it started instead).
 RANKS = 4
@@ -37,32 +36,32 @@ VOCAB = 1024
 LOSS_TOLERANCE = 2e-2
 
 
-def _loss(per_token_loss):
+def loss_function(per_token_loss):
     """Megatron-LM's loss function form: (summed loss, tokens, what it logs)."""
     loss = per_token_loss.float().sum()
     num_tokens = torch.tensor(per_token_loss.numel(), dtype=torch.int)
     return loss, num_tokens, {"lm loss": loss.detach().clone()}
 
 
-def _forward_step(data_iterator, model, return_schedule_plan: bool = False):
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     """A forward_step_func as Megatron-LM's pretrain_gpt.py writes it for either schedule."""
     batch = next(data_iterator)
     if return_schedule_plan:
-        return model.build_schedule_plan(**batch), _loss
-    return model(**batch), _loss
+        return model.build_schedule_plan(**batch), loss_function
+    return model(**batch), loss_function
 
 
-def _one_by_one(model, batches) -> list:
+def one_by_one(model, batches) -> list:
     """Each micro-batch's forward then its backward: megatron's schedule without the overlap."""
     store = []
     for batch in batches:
-        loss, num_tokens, logged = _loss(model(**batch))
+        loss, num_tokens, logged = loss_function(model(**batch))
         (loss / torch.clamp(num_tokens, min=1) / len(batches)).backward()
         store.append(logged)
     return store
 
 
-def _combined_schedule(model, batches) -> list:
+def combined_schedule(model, batches) -> list:
     """megatron's combined 1F1B schedule without pipelining (what forward_backward_no_pipelining runs with
     the overlap): micro-batch i's forward interleaved, layer by layer, with micro-batch i-1's backward."""
     import contextlib
@@ -71,7 +70,7 @@ def _combined_schedule(model, batches) -> list:
 
     store = []
     combined_1f1b_schedule_for_no_pipelining(
-        _forward_step, iter(batches), model, len(batches), None, None, store, model.config,
+        forward_step, iter(batches), model, len(batches), None, None, store, model.config,
         collect_non_loss_data=False, first_val_step=None, forward_only=False, no_sync_func=contextlib.nullcontext,
         total_num_tokens=torch.zeros([], dtype=torch.int), check_first_val_step=lambda first: first)
     return store
@@ -130,7 +129,7 @@ def rank_step_times(args) -> dict:
 
             def step():
                 model.zero_grad(set_to_none=True)
-                return (_combined_schedule if overlap else _one_by_one)(model, batches)
+                return (combined_schedule if overlap else one_by_one)(model, batches)
 
             key = f"{dispatcher} {'overlap' if overlap else 'no overlap'}"
             losses[key] = [float(logged["lm loss"]) for logged in step()]
@@ -156,19 +155,9 @@ def parse_args(argv=None):
     parser.add_argument("--iters", type=int, default=5, help="timed steps (default 5)")
     parser.add_argument("--dispatchers", nargs="+", choices=DISPATCHERS, default=["deepep"],
                         help="megatron token dispatcher types to time (default: deepep)")
-    parser.add_argument("--sm-share", default="auto",
-                        help="where ranks share a GPU: the percentage of its SMs one rank may hold at once, as "
-                             "python -m moe_ep.launch --sm-share (auto: (R + 1) / 2R for R ranks a GPU)")
-    parser.add_argument("--cpu", action="store_true", help="CPU ranks over gloo: checks the script anywhere")
-    add_output_arguments(parser)
-    args = parser.parse_args(argv)
-    args.ranks = rank_counts(parser, args.ranks, RANKS)
-    if args.experts % args.ranks:
-        parser.error(f"--experts {args.experts} is not a multiple of --ranks {args.ranks}")
+    args = parse_rank_arguments(parser, argv, RANKS)
     if args.micro_batches < 2:
         parser.error("--micro-batches: at least 2 (the overlap pairs one micro-batch with another)")
-    if not args.cpu and not torch.cuda.is_available():
-        parser.exit(2, f"{parser.prog}: error: no GPU here: pass --cpu (CPU tensors on the portable backend)\n")
     return args
 
 
@@ -198,10 +187,9 @@ def report_results(args, rows: list, report: Report) -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    shares_gpu = not args.cpu and args.ranks > gpus_of_the_ranks()
-    env = sm_share_env(args.sm_share, args.ranks) if shares_gpu else {}
+    ranks, _ = megatron_ranks(args)
     report = Report("microbatch_overlap", args.jsonl, args.plot)
-    with start_ranks(args.ranks, use_cuda=not args.cpu, env=env) as pool:
+    with ranks as pool:
         rows = pool.run(rank_step_times, args)
     return 0 if report_results(args, rows, report) else 1
 
