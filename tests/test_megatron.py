@@ -66,8 +66,8 @@ def _assert_like_dense(results, dtype):
 @pytest.mark.parametrize("arena", [True, False])
 def test_deepep_dispatcher_on_cuda_ranks_runs_on_the_kernels(gpu_pools, seed, arena, dtype):
     """CUDA ranks sharing the GPU (the intranode kernels move the tokens), with the arena (the one-pass
-    calls, the default) and without, tokens in float32 and in bfloat16 (training's dtype, which takes the
-    one-pass bf16 calls): the forward and gradients of the dense layer."""
+    calls, the default) and without, tokens in float32 and in bfloat16 (what mixed-precision training
+    sends): the forward and gradients of the dense layer."""
     from moe_ep import _native
     if not _native.has_kernels():
         pytest.skip(str(_native.unavailable_reason()))

@@ -74,7 +74,7 @@ def variants(args) -> list:
                 name = " ".join(["deepep"] + (["fp8"] if fp8 else []) + ([f"chunks={chunks}"] if chunks > 1 else []))
                 chosen.append((name, dispatcher, dict(moe_ep_fp8_dispatch="on" if fp8 else "off",
                                                       moe_ep_overlap_chunks=chunks, moe_ep_log_metrics=True)))
-        if args.shared_expert_ffn:  # the shared expert beside the exchanges, bf16 rows, no chunks
+        if args.shared_expert_ffn:  # the shared expert beside the exchanges: unquantised rows, no chunks
             chosen.append(("deepep shared-overlap", dispatcher, dict(moe_ep_fp8_dispatch="off", moe_ep_overlap_chunks=1,
                                                                      moe_ep_log_metrics=True,
                                                                      moe_shared_expert_overlap=True)))
