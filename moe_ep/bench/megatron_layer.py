@@ -281,7 +281,8 @@ def report_results(args, rows: list, transport: dict, report: Report) -> bool:
             for metric, unit in (("comm_ms", "ms"), ("exposed_ms", "ms"), ("sent_bytes", "bytes")):
                 report.add("communication", shape, args.ranks, name, metric, c[metric], unit)
             for metric, value in share.items():
-                report.add("communication", shape, args.ranks, name, metric, value, "fraction")
+                if value is not None:  # None: no communication to hide
+                    report.add("communication", shape, args.ranks, name, metric, value, "fraction")
     if comm:
         print("comm ms: the dispatches' and combines' time a round, forward and backward (mean over ranks); exposed: "
               "the part the layer waited for; hidden: 1 - exposed / comm; vs serial: 1 - (t - t_compute) / t_comm "
