@@ -20,12 +20,14 @@ GPU: alltoall's all-to-all then goes through the host while moe_ep moves the tok
 which is not like for like, and the output says so. With a GPU a rank, alltoall runs over NCCL.
 
     moe-ep-bench megatron_layer --ranks 4 --tokens 4096 --hidden 1024 --ffn-hidden 4096 --experts 16 --topk 2
-    moe-ep-bench megatron_layer --ranks 4 --dtype bfloat16 --overlap-chunks 1 2 4 --fp8-dispatch --shared-expert-ffn 2816
+    moe-ep-bench megatron_layer --ranks 4 --dtype bfloat16 --overlap-chunks 1 2 4 --fp8-dispatch \
+        --shared-expert-ffn 2816
     moe-ep-bench megatron_layer --cpu --ranks 2 --tokens 64 --hidden 128 --ffn-hidden 256   # on CPU ranks
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import warnings
 
@@ -128,7 +130,7 @@ def rank_layer_times(args) -> dict:
     upstream = torch.randn(args.tokens, 1, args.hidden, generator=g).to(device, dtype)
     times, comm, first = {}, {}, None
     out_diff = grad_diff = out_size = fp8_diff = 0.0
-    not_finite = []  # runs whose output or input gradient holds a NaN or an infinity: every max above hides it
+    not_finite = []  # runs whose output or input gradient holds a NaN or an inf: the maxima below read NaN as 0
     for name, dispatcher, options in variants(args):
         # Experts without biases, as in the MoE models people train (megatron-core 0.16.1's expert MLP
         # also adds its bias in place on a view where one rank holds every expert, which autograd refuses).
@@ -188,7 +190,8 @@ def parse_args(argv=None):
                         help="deepep runs again with fp8 dispatch (moe_ep_fp8_dispatch='on'; the experts get the "
                              "tokens dequantised, as without transformer-engine)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32",
-                        help="parameters and tokens (default float32; bfloat16: as mixed-precision training sends them)")
+                        help="parameters and tokens (default float32; bfloat16: as mixed-precision training "
+                             "sends them)")
     parser.add_argument("--shared-expert-ffn", type=int, metavar="N",
                         help="the layer has a shared expert of FFN hidden size N, and deepep runs once more with it "
                              "overlapping the dispatch and combine (moe_shared_expert_overlap)")
@@ -241,17 +244,13 @@ def hidden_shares(means: dict, comm: dict) -> dict:
     return shares
 
 
-def _mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values)
-
-
 def report_results(args, rows: list, transport: dict, report: Report) -> bool:
     """The table and the JSON lines of the ranks' results; returns whether the layers' outputs matched
     (fp8 dispatch's outputs are reported, not checked: its tokens are quantised)."""
     shape = dict(tokens=args.tokens, hidden=args.hidden, ffn_hidden=args.ffn_hidden, experts=args.experts,
                  topk=args.topk)
-    names = [name for name, _, _ in variants(args)]
+    runs = variants(args)
+    names = [name for name, _, _ in runs]
     print(f"megatron MoE layer forward+backward, {args.ranks} ranks (EP={args.ranks}), {args.tokens} tokens a rank, "
           f"hidden {args.hidden}, ffn hidden {args.ffn_hidden}, top-{args.topk} of {args.experts} experts, "
           f"{args.dtype}"
@@ -261,13 +260,14 @@ def report_results(args, rows: list, transport: dict, report: Report) -> bool:
     means, comm = {}, {}
     for name in names:
         per_rank = [r["ms"][name] for r in rows]
-        means[name] = _mean(per_rank)
+        means[name] = statistics.fmean(per_rank)
         if all(name in r.get("comm", {}) for r in rows):
-            comm[name] = {key: _mean(r["comm"][name][key] for r in rows) for key in ("comm_ms", "exposed_ms", "sent_bytes")}
+            comm[name] = {key: statistics.fmean(r["comm"][name][key] for r in rows)
+                          for key in ("comm_ms", "exposed_ms", "sent_bytes")}
     shares = hidden_shares(means, comm)
     print(f"{'run':<22} {'ms mean':>9} {'ms max rank':>12} {'comm ms':>8} {'exposed':>8} {'hidden':>7} "
           f"{'vs serial':>9} {'MB sent':>8}  transport")
-    for name, dispatcher, _ in variants(args):
+    for name, dispatcher, _ in runs:
         per_rank = [r["ms"][name] for r in rows]
         c, share = comm.get(name), shares.get(name, {})
         pct = lambda v: f"{v:>6.0%}" if v is not None else f"{'-':>6}"  # noqa: E731
@@ -288,8 +288,9 @@ def report_results(args, rows: list, transport: dict, report: Report) -> bool:
               "the part the layer waited for; hidden: 1 - exposed / comm; vs serial: 1 - (t - t_compute) / t_comm "
               "against the same run without chunks or shared-expert overlap; MB sent: payload a rank sends a round")
     if "deepep fp8" in means and "deepep" in means:
-        print(f"fp8 dispatch: {means['deepep fp8'] / means['deepep']:.2f}x the {args.dtype} dispatch's time; outputs differ "
-              f"from the first run's by at most {max(r.get('fp8_diff', 0.0) for r in rows):.3e} (quantised tokens)")
+        fp8_diff = max(r.get("fp8_diff", 0.0) for r in rows)
+        print(f"fp8 dispatch: {means['deepep fp8'] / means['deepep']:.2f}x the {args.dtype} dispatch's time; "
+              f"outputs differ from the first run's by at most {fp8_diff:.3e} (quantised tokens)")
     matched = True
     if "deepep" in means and "alltoall" in means:
         ratio = means["deepep"] / means["alltoall"]
@@ -297,17 +298,18 @@ def report_results(args, rows: list, transport: dict, report: Report) -> bool:
         print(f"deepep / alltoall: {ratio:.2f}x the time (mean over ranks){caveat}")
         report.add("forward_backward", shape, args.ranks, "deepep", "vs_alltoall", ratio, "x",
                    like_for_like=transport["like_for_like"])
+    finite = True
     for name in names:
         ranks = [r["rank"] for r in rows if name in r.get("not_finite", ())]
         if ranks:
-            matched = False
+            finite = matched = False
             print(f"NOT FINITE: {name}'s output or input gradient holds NaN or inf on ranks {ranks}")
             report.add("check", shape, args.ranks, name, "not_finite_ranks", len(ranks), None, on_ranks=ranks,
                        matched=False)
     if len(means) > 1:
         out_diff, grad_diff = max(r["out_diff"] for r in rows), max(r["grad_diff"] for r in rows)
         limit = MATCH_TOLERANCE[args.dtype] * max(1.0, max(r["out_size"] for r in rows))
-        matched = out_diff <= limit and grad_diff <= limit and not any(r.get("not_finite") for r in rows)
+        matched = finite and out_diff <= limit and grad_diff <= limit
         print(f"outputs: max |run - {names[0]}| {out_diff:.3e}, input gradients {grad_diff:.3e} "
               f"({'match' if matched else 'DIFFER'}: limit {limit:.1e})")
         for metric, value in (("output_max_abs_diff", out_diff), ("input_grad_max_abs_diff", grad_diff)):

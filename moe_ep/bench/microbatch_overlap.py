@@ -22,14 +22,13 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .megatron_layer import megatron_ranks, parse_rank_arguments
+from .megatron_layer import DISPATCHERS, megatron_ranks, parse_rank_arguments
 from .report import Report
 from .timing import wall_seconds_per_call
 from .torchrun import add_ranks_argument
 
 # What --ranks left out runs (under torchrun: the ranks it started instead).
 RANKS = 4
-DISPATCHERS = ("deepep", "alltoall")
 SEED = 1234
 VOCAB = 1024
 # The largest first-step loss difference, relative to the loss, that bf16 rounding in another order explains.

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from moe_ep import Buffer
 from moe_ep.buffer import default_config_size_hints
 
+from .profile import normal_round, round_inputs
 from .report import Report, add_output_arguments
 from .timing import wall_seconds_per_call
 from .torchrun import add_ranks_argument, rank_counts, start_ranks
@@ -48,17 +49,6 @@ def observed(buffer: Buffer, setting: str):
         yield
 
 
-def _normal_round(buffer: Buffer, x, topk_idx, topk_weights, num_experts: int):
-    def one_round():
-        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
-        recv_x, _, recv_w, _, handle, _ = buffer.dispatch(
-            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=topk_idx, topk_weights=topk_weights)
-        buffer.dispatch(x, handle=handle)
-        buffer.combine(recv_x, handle, topk_weights=recv_w)
-    return one_round
-
-
 def _low_latency_round(buffer: Buffer, x, topk_idx, topk_weights, num_experts: int):
     # The experts' outputs the combine sends back: [local experts, ranks x tokens, hidden], made once.
     num_ranks = dist.get_world_size()
@@ -72,18 +62,15 @@ def _low_latency_round(buffer: Buffer, x, topk_idx, topk_weights, num_experts: i
 
 def rank_costs(args, use_cuda: bool) -> dict:
     """This rank's us a round per kind and setting, one list entry per repeat."""
-    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    num_ranks = dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.tokens, args.hidden, generator=g).to(device, torch.bfloat16)
-    topk_idx = torch.rand(args.tokens, args.experts, generator=g).topk(args.topk, dim=1).indices.to(device)
-    topk_weights = torch.rand(args.tokens, args.topk, generator=g).to(device)
+    x, topk_idx, topk_weights = round_inputs(args, device)
     times = {}
     for kind in args.kinds:
         if kind == "normal":
             buffer = Buffer(dist.group.WORLD, default_config_size_hints(args.hidden * 2, num_ranks)[0],
                             explicitly_destroy=True)
-            one_round = _normal_round(buffer, x, topk_idx, topk_weights, args.experts)
+            one_round = normal_round(buffer, x, topk_idx, topk_weights, args.experts)
         else:
             size = Buffer.get_low_latency_rdma_size_hint(args.tokens, args.hidden, num_ranks, args.experts)
             buffer = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, explicitly_destroy=True,

@@ -21,25 +21,35 @@ from .torchrun import add_ranks_argument, rank_counts, start_ranks
 RANKS = 4
 
 
-def rank_rounds(args, use_cuda: bool):
-    """args.rounds rounds on this rank under one Profile -> the gathered summaries on rank 0, else None."""
-    rank = dist.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    g = torch.Generator().manual_seed(rank)
+def round_inputs(args, device: torch.device):
+    """This rank's rows (bf16), top-k ids and weights for the rounds, seeded by its rank."""
+    g = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(args.tokens, args.hidden, generator=g, dtype=torch.float32).to(device, torch.bfloat16)
     scores = torch.rand(args.tokens, args.experts, generator=g, dtype=torch.float32)
     topk_idx = scores.topk(args.topk, dim=1).indices.to(device)
     topk_weights = torch.rand(args.tokens, args.topk, generator=g, dtype=torch.float32).to(device)
-    buffer = Buffer(dist.group.WORLD, default_config_size_hints(args.hidden * 2, dist.get_world_size())[0])
+    return x, topk_idx, topk_weights
 
+
+def normal_round(buffer: Buffer, x, topk_idx, topk_weights, num_experts: int):
+    """A round of normal calls, as a function of nothing: a layout, a fresh dispatch, a cached dispatch and
+    a combine."""
     def one_round():
-        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, args.experts)
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
         recv_x, _, recv_w, _, handle, _ = buffer.dispatch(
             x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
             topk_idx=topk_idx, topk_weights=topk_weights)
         buffer.dispatch(x, handle=handle)
         buffer.combine(recv_x, handle, topk_weights=recv_w)
+    return one_round
 
+
+def rank_rounds(args, use_cuda: bool):
+    """args.rounds rounds on this rank under one Profile -> the gathered summaries on rank 0, else None."""
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    x, topk_idx, topk_weights = round_inputs(args, device)
+    buffer = Buffer(dist.group.WORLD, default_config_size_hints(args.hidden * 2, dist.get_world_size())[0])
+    one_round = normal_round(buffer, x, topk_idx, topk_weights, args.experts)
     one_round()  # the first round maps the kernels' buffers: not what later rounds cost
     with buffer.profile() as prof:
         for _ in range(args.rounds):
