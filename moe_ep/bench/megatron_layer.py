@@ -175,10 +175,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_ranks_argument(parser, RANKS, "expert-parallel ranks")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens a rank (default 4096)")
-    parser.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
-    parser.add_argument("--ffn-hidden", type=int, default=4096, help="each expert's FFN hidden size (default 4096)")
-    parser.add_argument("--experts", type=int, default=16, help="experts in all, a multiple of --ranks (default 16)")
-    parser.add_argument("--topk", type=int, default=2, help="experts a token is routed to (default 2)")
+    add_moe_shape_arguments(parser, ffn_hidden=4096)
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
     parser.add_argument("--iters", type=int, default=10, help="timed rounds (default 10)")
     parser.add_argument("--dispatchers", nargs="+", choices=DISPATCHERS, default=list(DISPATCHERS),
@@ -201,6 +198,15 @@ def parse_args(argv=None):
     if min(args.overlap_chunks) < 1 or len(set(args.overlap_chunks)) != len(args.overlap_chunks):
         parser.error("--overlap-chunks: distinct counts >= 1")
     return args
+
+
+def add_moe_shape_arguments(parser, ffn_hidden: int) -> None:
+    """--hidden, --ffn-hidden, --experts and --topk, which every megatron benchmark takes."""
+    parser.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
+    parser.add_argument("--ffn-hidden", type=int, default=ffn_hidden,
+                        help=f"each expert's FFN hidden size (default {ffn_hidden})")
+    parser.add_argument("--experts", type=int, default=16, help="experts in all, a multiple of --ranks (default 16)")
+    parser.add_argument("--topk", type=int, default=2, help="experts a token is routed to (default 2)")
 
 
 def parse_rank_arguments(parser, argv, default_ranks: int):

@@ -22,7 +22,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .megatron_layer import DISPATCHERS, megatron_ranks, parse_rank_arguments
+from .megatron_layer import DISPATCHERS, add_moe_shape_arguments, megatron_ranks, parse_rank_arguments
 from .report import Report
 from .timing import wall_seconds_per_call
 from .torchrun import add_ranks_argument
@@ -143,10 +143,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_ranks_argument(parser, RANKS, "expert-parallel ranks")
     parser.add_argument("--layers", type=int, default=2, help="transformer layers, each with an MoE (default 2)")
-    parser.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
-    parser.add_argument("--ffn-hidden", type=int, default=2816, help="each expert's FFN hidden size (default 2816)")
-    parser.add_argument("--experts", type=int, default=16, help="experts in all, a multiple of --ranks (default 16)")
-    parser.add_argument("--topk", type=int, default=2, help="experts a token is routed to (default 2)")
+    add_moe_shape_arguments(parser, ffn_hidden=2816)
     parser.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences a micro-batch (default 2)")
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches a step (default 4)")
