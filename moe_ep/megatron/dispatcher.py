@@ -532,16 +532,16 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
     @phase_range("experts_in_chunks")
     def experts_in_chunks(self, experts) -> List[torch.Tensor]:
         """moe_ep_overlap_chunks: the experts run once a chunk, between that chunk's dispatch and combine.
-        Chunk i+1's dispatch is started after chunk i's experts are queued and before chunk i's combine,
-        so on a GPU chunk i's GEMMs overlap the next chunk's dispatch and the previous chunk's combine (in
-        the backward too: chunks.ChunkedBackward). Started before them, a fresh dispatch's host wait for
-        its counts (behind the previous combine, which waits for the previous GEMMs) would leave the
-        compute stream empty until it ended. Returns the chunks' combined rows, which
+        Chunk i+1's dispatch is started before chunk i's experts and chunk i's combine after them, so on a
+        GPU chunk i's GEMMs overlap the next chunk's dispatch and the previous chunk's combine (in the
+        backward too: chunks.ChunkedBackward). Returns the chunks' combined rows, which
         combine_postprocess waits for."""
         chunks = self._chunks
         for index, state in enumerate(chunks.states):
+            if index + 1 < len(chunks.states):
+                self._dispatch_chunk(index + 1)
             if index == 0 and self.shared_experts is not None:
-                # Queued before the first wait: the shared expert's fc1 runs while the dispatch is under way.
+                # Queued before the first wait: the shared expert's fc1 runs while the dispatches are under way.
                 self.shared_experts.linear_fc1_forward_and_act()
             received, received_probs = _Dispatch.apply(chunks.hidden_states[index], chunks.probs[index], state,
                                                        chunks.backward)
@@ -549,8 +549,6 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
             output, bias = experts(permuted, tokens_per_expert, permuted_probs)
             if bias is not None:
                 raise ValueError("moe_ep_overlap_chunks: the experts' bias is not supported (add_bias_linear)")
-            if index + 1 < len(chunks.states):
-                self._dispatch_chunk(index + 1)
             chunks.combined.append(_Combine.apply(self._unpermute(state, output), state, (chunks.backward, index)))
         return chunks.combined
 
