@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import _native, diagnostics, ib_traffic
+from .backends import forms
 from .backends.base import Backend, CombineCall, DispatchCall, LowLatencyCombineCall, LowLatencyDispatchCall
 from .backends.choices import kernel_choices
 from .backends.internode import InternodeBackend, InternodeDispatchState
@@ -132,11 +133,11 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
         index = meeting.calls  # this Buffer's place among the group's Buffers, the same on every rank
+        self.debug_checks = debug_checks_enabled()
         self.ranks_per_node = self._agree_on_construction(meeting, timeout_s, requested_ranks_per_node)
         ib_traffic.apply(self.ib_traffic, os.environ)  # the ranks agree on them: NVSHMEM reads them when it starts
         self.serial = next_buffer_serial()
         self.timeout_s = timeout_s
-        self.debug_checks = debug_checks_enabled()
         self._gate = ArrivalGate(group, f"buffer{index}", self.timeout_s, slow_ranks=SlowRanks(self.rank, slow_ms))
         self._mask = RankMask(self.group_size) if enable_shrink else None
         survivors = SurvivorExchange(self._gate, self._mask) if enable_shrink else None
@@ -194,6 +195,8 @@ class Buffer:
         shared = dict(num_nvl_bytes=self.num_nvl_bytes, num_rdma_bytes=self.num_rdma_bytes,
                       num_arena_bytes=self.num_arena_bytes, low_latency_mode=self.low_latency_mode,
                       enable_shrink=self.enable_shrink,
+                      # Under MOE_EP_DEBUG=1 the kernel calls meet at the arrival gate: on every rank or none.
+                      MOE_EP_DEBUG=self.debug_checks,
                       **{setting.argument: self.ib_traffic.get(setting.nvshmem_variable)
                          for setting in ib_traffic.SETTINGS},
                       # Calls without config= use these, and every rank's kernels must run alike: a config
@@ -390,8 +393,9 @@ class Buffer:
         """(ext) stats()' counters back to 0, the arena's high-water mark to the bytes in use now, and
         starts collecting the device-side counters (collect=False: stops): the received tokens and bytes
         that only the device knows (num_worst_tokens dispatches on the kernels, their cached dispatches
-        and combines, low-latency calls on CUDA tensors), at a few small device ops per such call. It
-        waits for the device where device-side counters were collected."""
+        and combines, low-latency calls on CUDA tensors), at a few small device ops per such call (one
+        kernel per low-latency call on the kernels). It waits for the device where device-side counters
+        were collected."""
         diagnostics.reset_stats(self, collect)
 
     def topology(self) -> dict:
@@ -426,10 +430,20 @@ class Buffer:
 
     def _arguments(self, call: str, x, kernels: bool) -> "_Arguments":
         """The argument checks of a call that meets its peers at the arrival gate (the portable backend
-        serves it: x is not a CUDA tensor bound for the kernels): an exception there is this rank's refusal,
-        which the peers raise naming this rank, so every rank leaves the call in step and the Buffer
-        stays usable."""
-        return _Arguments(self._gate, call, x, kernels)
+        serves it: x is not a CUDA tensor bound for the kernels; or MOE_EP_DEBUG=1): an exception there is
+        this rank's refusal, which the peers raise naming this rank, so every rank leaves the call in step
+        and the Buffer stays usable."""
+        return _Arguments(self._gate, call, x, kernels and not self.debug_checks)
+
+    def _meet_on_kernels(self, backend: Backend, phase: str, form, call) -> Optional[int]:
+        """Under MOE_EP_DEBUG=1 a call the kernels serve first meets its peers at the arrival gate, as the
+        portable backend's calls do: the ranks compare the call's form (forms.py) and all raise the same
+        ValueError where one differs, before any data moves (a store round trip a call). -> the meeting's
+        number, which a dispatch's handle keeps for the forms of its cached dispatches and combine; None
+        where no meeting was held."""
+        if not self.debug_checks or backend is self._portable:
+            return None
+        return self._gate.enter(phase, form(call))
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -646,9 +660,12 @@ class Buffer:
         self._calls["dispatch" if handle is None else "cached_dispatch"] += 1
         self._traffic.need(*needed)
         backend = self._normal_backend(x_parts[0])
+        meeting = self._meet_on_kernels(backend, "dispatch", forms.dispatch_form, call)
         profile = call.profile
         mark = profile.start(device) if profile is not None else None
         recv_x, recv_idx, recv_weights, counts, new_handle, event = backend.dispatch(call)
+        if meeting is not None and new_handle is not None:
+            new_handle.gate_call = meeting
         if profile is not None:
             profile.stop("dispatch" if handle is None else "cached dispatch", mark,
                          self._work_stream(backend, async_finish))
@@ -796,6 +813,7 @@ class Buffer:
         self._calls["combine"] += 1
         self._traffic.need(*needed)
         backend = self._normal_backend(x)
+        self._meet_on_kernels(backend, "combine", forms.combine_form, call)
         profile = self._profile
         mark = profile.start(x.device) if profile is not None else None
         combined_x, combined_w, event = backend.combine(call)
@@ -957,8 +975,12 @@ class Buffer:
         self._calls["low_latency_dispatch"] += 1
         self._traffic.need(0, needed)
         profile = self._profile
+        backend = self._low_latency_backend(x)
+        meeting = self._meet_on_kernels(backend, "low_latency_dispatch", forms.low_latency_dispatch_form, call)
+        if meeting is not None:
+            handle.gate_call = meeting
         mark = profile.start(x.device) if profile is not None else None
-        recv_x, recv_count, event, hook = self._low_latency_backend(x).low_latency_dispatch(call)
+        recv_x, recv_count, event, hook = backend.low_latency_dispatch(call)
         if profile is not None:
             profile.stop("low-latency dispatch", mark)
             hook = profile.timed_hook(hook, x.device)
@@ -1022,6 +1044,7 @@ class Buffer:
         call = LowLatencyCombineCall(x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out)
         self._calls["low_latency_combine"] += 1
         self._traffic.need(0, needed)
+        self._meet_on_kernels(backend, "low_latency_combine", forms.low_latency_combine_form, call)
         profile = self._profile
         mark = profile.start(x.device) if profile is not None else None
         result = backend.low_latency_combine(call)

@@ -18,6 +18,7 @@ NUM_TOPK = 2
 NUM_TOKENS = 6
 MAX_TOKENS = 8  # low-latency tokens per rank
 TIMEOUT_S = 4.0  # the peers' deadline in these tests
+_device = torch.device("cpu")  # where inputs() puts this rank's tensors (on_cuda: its GPU, for the kernels)
 
 
 def experts_per_rank() -> int:
@@ -52,7 +53,17 @@ def inputs():
     idx[1, 1] = -1
     x = torch.randn(NUM_TOKENS, HIDDEN, generator=g).to(torch.bfloat16)
     w = torch.rand(NUM_TOKENS, NUM_TOPK, generator=g)
-    return x, idx, w
+    return x.to(_device), idx.to(_device), w.to(_device)
+
+
+def on_cuda(fn, *args):
+    """fn(*args) with this rank's inputs on its GPU, so that the kernels serve the calls."""
+    global _device
+    _device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        return fn(*args)
+    finally:
+        _device = torch.device("cpu")
 
 
 def valid_round(buffer: Buffer) -> str:
@@ -130,6 +141,7 @@ DISAGREEMENTS = {
     "num_rdma_bytes": ({}, dict(num_rdma_bytes="twice")),
     "num_arena_bytes": ({}, dict(num_arena_bytes=0)),
     "low_latency_mode": (dict(low_latency_mode=False, num_rdma_bytes=0), dict(low_latency_mode=True, num_rdma_bytes=0)),
+    "MOE_EP_DEBUG": ({}, dict(_env={"MOE_EP_DEBUG": "1"})),  # read at construction: the kernels' gate meetings
 }
 
 
@@ -145,7 +157,8 @@ def construction_disagreements(odd_rank: int):
                 args[key] = 2 * _good_buffer_args()[key]
             elif value == "world":
                 args[key] = dist.get_world_size()
-        results[name] = (outcome(lambda: Buffer(dist.group.WORLD, **args)),
+        env = args.pop("_env", {})
+        results[name] = (outcome(lambda: with_env(env, Buffer, dist.group.WORLD, **args)),
                          outcome(lambda: valid_round(make_buffer())))
     return results
 

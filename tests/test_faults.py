@@ -7,6 +7,7 @@ import pytest
 from moe_ep import sync
 
 from . import fault_fns
+from .rank_fns import with_env
 from .fault_fns import BAD_CALLS, BAD_CONSTRUCTIONS, DISAGREEMENTS, FORM_DISAGREEMENTS, TIMEOUT_S
 
 NUM_RANKS = 4
@@ -151,6 +152,34 @@ def test_one_rank_making_a_call_in_another_form(pools, num_ranks):
         assert _form_differences(raised[0]) == f"{field}: {_one_odd_rank(call, odd_rank, num_ranks, odd, good)}", \
             (name, raised[0])
         assert f"the ranks called {call} in different forms" in raised[0][1], (name, raised[0])
+        for rank, outcomes in enumerate(results):
+            assert outcomes[name][1] == ("returned", ""), (name, rank, outcomes[name][1])
+
+
+def test_one_rank_making_a_kernel_call_in_another_form_under_debug(gpu_pools):
+    """MOE_EP_DEBUG=1: the kernels' calls meet at the arrival gate too, so a call in another form on one
+    rank raises on every rank before any data moves, as on the portable backend (or, where the odd
+    rank's own checks refuse its arguments, it raises that and the others name it), and the same Buffer
+    then runs a valid round on the kernels."""
+    from moe_ep import _native
+    if not _native.has_kernels():
+        pytest.skip(str(_native.unavailable_reason()))
+    odd_rank, num_ranks = 1, 4
+    experts = fault_fns.experts_per_rank() * num_ranks
+    results = gpu_pools(num_ranks).run(with_env, {"MOE_EP_DEBUG": "1"}, fault_fns.on_cuda,
+                                       fault_fns.form_disagreements_on_one_rank, odd_rank, list(FORM_DISAGREEMENTS),
+                                       timeout_s=FORM_TEST_TIMEOUT_S)
+    for name, (call, field, odd, good, _) in FORM_DISAGREEMENTS.items():
+        odd, good = (phrase.format(experts=experts, double=2 * experts) for phrase in (odd, good))
+        raised = [outcomes[name][0] for outcomes in results]
+        if "in different forms" in raised[odd_rank][1]:
+            assert all(r == raised[0] for r in raised), (name, raised)
+            assert _form_differences(raised[0]) == f"{field}: {_one_odd_rank(call, odd_rank, num_ranks, odd, good)}", \
+                (name, raised[0])
+        else:  # refused by the odd rank's own checks: the others name it
+            assert raised[odd_rank][0] != "returned", (name, raised)
+            for rank in set(range(num_ranks)) - {odd_rank}:
+                _refused_by(odd_rank, "", raised[rank])
         for rank, outcomes in enumerate(results):
             assert outcomes[name][1] == ("returned", ""), (name, rank, outcomes[name][1])
 
