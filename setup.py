@@ -69,7 +69,7 @@ def cuda_extension():
     # The intranode kernels, one file per kernel family: every file there is built.
     intranode = sorted(glob.glob("csrc/kernels/intranode/*.cu", root_dir=ROOT))
     sources = ["csrc/bindings.cpp", "csrc/peer_memory.cpp", "csrc/kernels/layout.cu", "csrc/kernels/fp8.cu",
-               *intranode, "csrc/kernels/low_latency.cu"]
+               *intranode, "csrc/kernels/low_latency.cu", "csrc/kernels/traffic.cu"]
     define_macros, libraries, extra_link = [], [], []
     if "9.0" in os.environ["TORCH_CUDA_ARCH_LIST"]:
         define_macros.append(("MOE_EP_SM90_COMPILED", "1"))

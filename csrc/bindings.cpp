@@ -122,6 +122,32 @@ torch::Tensor fp8_cast_back(const torch::Tensor& q, const torch::Tensor& scales,
     return out;
 }
 
+void count_low_latency_rows(const torch::Tensor& topk_idx, int64_t experts_per_rank, const torch::Tensor& recv_src_info,
+                            const torch::Tensor& recv_count, int64_t num_topk, int64_t max_tokens, bool combine,
+                            int64_t row_bytes, const torch::Tensor& acc, const torch::Tensor& expert_last) {
+    TORCH_CHECK(topk_idx.is_cuda() && topk_idx.scalar_type() == torch::kInt64 && topk_idx.is_contiguous(),
+                "topk_idx: expected a contiguous int64 CUDA tensor");
+    TORCH_CHECK(recv_src_info.dim() == 2 && recv_src_info.scalar_type() == torch::kInt32 && recv_src_info.is_contiguous(),
+                "recv_src_info: expected a contiguous int32 [local experts, slots] tensor");
+    const int64_t num_local = recv_src_info.size(0), slots = recv_src_info.size(1);
+    TORCH_CHECK(recv_count.scalar_type() == torch::kInt32 && recv_count.numel() == num_local,
+                "recv_count: expected int32 [", num_local, "]");
+    TORCH_CHECK(slots % max_tokens == 0, "recv_src_info: slots must be ranks x max_tokens");
+    const int64_t num_ranks = slots / max_tokens;
+    TORCH_CHECK(acc.scalar_type() == torch::kInt64 && acc.is_contiguous() && acc.numel() >= 2 * num_ranks + num_local,
+                "acc: expected a contiguous int64 tensor of at least ", 2 * num_ranks + num_local, " entries");
+    TORCH_CHECK(expert_last.scalar_type() == torch::kInt64 && expert_last.numel() >= num_local,
+                "expert_last: expected int64 [", num_local, "]");
+    for (const auto* t : {&recv_src_info, &recv_count, &acc, &expert_last})
+        TORCH_CHECK(t->device() == topk_idx.device(), "the counters' tensors must be on topk_idx's device");
+    const c10::cuda::CUDAGuard guard(topk_idx.device());
+    traffic::count_low_latency(topk_idx.data_ptr<int64_t>(), topk_idx.numel(), static_cast<int>(experts_per_rank),
+                               recv_src_info.data_ptr<int>(), recv_count.data_ptr<int>(), static_cast<int>(num_local),
+                               slots, static_cast<int>(num_topk), static_cast<int>(max_tokens),
+                               static_cast<int>(num_ranks), combine, row_bytes, acc.data_ptr<int64_t>(),
+                               expert_last.data_ptr<int64_t>(), current_stream());
+}
+
 // ------------------------------------------------------------------ intranode buffers (CUDA IPC)
 // A buffer is one cudaMalloc allocation (IPC handles name whole allocations), zeroed before any peer
 // can see it. Pointers travel to Python as integers; moe_ep/backends/peers.py owns their lifetime.
@@ -736,6 +762,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("fp8_cast", &moe_ep::fp8_cast, "1x128 per-token e4m3 cast");
     m.def("fp8_blockwise_cast", &moe_ep::fp8_blockwise_cast, "1x128 e4m3 cast under transformer-engine's rule");
     m.def("fp8_cast_back", &moe_ep::fp8_cast_back, "1x128 per-token e4m3 cast back");
+    m.def("count_low_latency_rows", &moe_ep::count_low_latency_rows,
+          "adds a low-latency call's bytes per rank and tokens per local expert to Buffer.stats()'s counters");
     m.def("ipc_alloc", &moe_ep::ipc_alloc, "zeroed device buffer and its CUDA IPC handle");
     m.def("ipc_open", &moe_ep::ipc_open, "map a peer's buffer");
     m.def("ipc_close", &moe_ep::ipc_close, "unmap a peer's buffer");

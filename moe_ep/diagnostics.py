@@ -5,9 +5,9 @@ The counters cost a call next to nothing: the host adds one to a dict entry per 
 it already knows (a list reference per call, summed when read), and the one-pass kernels add to a device
 tensor that nobody reads until `stats()` asks (no host synchronisation and no extra kernel in a call).
 Counts that only the device has (num_worst_tokens dispatches on the kernels, the low-latency kernels)
-take a few small device ops per call, only while the Buffer collects them: `reset_stats()` starts
-collecting, `reset_stats(collect=False)` stops. `kernel_backend` hands benchmarks and white-box tests the
-kernel backend itself.
+take a few small device ops per call (one kernel per low-latency call), only while the Buffer collects
+them: `reset_stats()` starts collecting, `reset_stats(collect=False)` stops. `kernel_backend` hands
+benchmarks and white-box tests the kernel backend itself.
 """
 
 from __future__ import annotations
@@ -83,15 +83,17 @@ class Traffic:
 
     Counts the host knows (every count of the portable backend on CPU tensors; a dispatch on the kernels
     that waited for its counts, its cached dispatches and combines) are queued as the lists the call
-    already has. Counts only the device has are added by a few small torch ops per call into an int64
-    tensor per stream ([sent bytes R | received bytes R | expert tokens]), only while `collecting`; a call
-    whose counts were left out counts in `uncounted`. (The device path takes CPU tensors too, as the
-    tests give it.)"""
+    already has. Counts only the device has are added by a few small torch ops per call (a low-latency
+    call on the kernels: one kernel) into an int64 tensor per stream ([sent bytes R | received bytes R |
+    expert tokens]), only while `collecting`; a call whose counts were left out counts in `uncounted`.
+    (The device path takes CPU tensors too, as the tests give it.)"""
 
     def __init__(self, rank: int, num_ranks: int):
         self.rank, self.num_ranks = rank, num_ranks
         self.collecting = False
         self._device: Dict[tuple, torch.Tensor] = {}  # (device, stream id) -> accumulator
+        # (device, stream id) -> the last low-latency dispatch's tokens per local expert, counted by the kernel
+        self._device_last: Dict[tuple, torch.Tensor] = {}
         self.clear()
 
     def clear(self) -> None:
@@ -282,6 +284,9 @@ class Traffic:
         acc = self._accumulator(topk_idx.device, stream, local)
         if acc is None:
             return False
+        state = handle.backend_state
+        if not host_rows and stream is not None and hasattr(state, "recv_src_info") and _native.has_kernels():
+            return self._count_low_latency_kernel(handle, topk_idx, row, acc, stream, local, combine)
         r = self.num_ranks
         if not host_rows:
             picks = torch.where(topk_idx >= 0, torch.div(topk_idx, local, rounding_mode="floor"), r)
@@ -294,6 +299,23 @@ class Traffic:
         if recv_count is not None:
             self._last = recv_count.to(torch.int64)  # a copy: the caller owns recv_count
             acc[2 * r: 2 * r + local] += self._last
+        return True
+
+    def _count_low_latency_kernel(self, handle, topk_idx, row: int, acc, stream, local: int, combine: bool) -> bool:
+        """_count_low_latency's counts for the kernels' handles in one launch (the torch ops above took two
+        dozen small kernels a call); a dispatch's tokens per local expert land in a buffer kept per stream."""
+        key = (topk_idx.device, stream.cuda_stream)
+        last = self._device_last.get(key)
+        if last is None or last.numel() < local:
+            if _capturing(topk_idx.device):
+                return False
+            last = self._device_last[key] = torch.zeros(local, dtype=torch.int64, device=topk_idx.device)
+        state = handle.backend_state
+        _native.ops().count_low_latency_rows(topk_idx.contiguous(), local, state.recv_src_info, state.recv_count,
+                                             topk_idx.shape[1], handle.num_max_dispatch_tokens_per_rank, combine,
+                                             row, acc, last)
+        if not combine:
+            self._last = last[:local]
         return True
 
     # ------------------------------------------------------------ reading

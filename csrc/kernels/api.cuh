@@ -50,6 +50,21 @@ void per_token_cast_back(const uint8_t* x_fp8, const void* scales, bool scales_u
 
 }  // namespace fp8
 
+namespace traffic {
+
+// Adds a low-latency call's bytes per rank and, for a dispatch, its tokens per local expert to
+// acc int64 [2 R + num_local] ([sent to each rank | received from each rank | tokens per local expert]):
+// the dispatch sends a row of row_bytes per pick in topk_idx [num_picks] (-1: none; expert e on rank
+// e / experts_per_rank) and receives the first recv_count[l] of each local expert's `slots` rows of
+// recv_src_info [num_local, slots] ((source rank * max_tokens + token) * num_topk + k); a combine
+// (combine=true) moves the same rows the other way. A dispatch also writes expert_last [num_local].
+void count_low_latency(const int64_t* topk_idx, int64_t num_picks, int experts_per_rank, const int* recv_src_info,
+                       const int* recv_count, int num_local, int64_t slots, int num_topk, int max_tokens,
+                       int num_ranks, bool combine, int64_t row_bytes, int64_t* acc, int64_t* expert_last,
+                       cudaStream_t stream);
+
+}  // namespace traffic
+
 namespace intranode {
 
 // The most ranks the kernels take. Combine keeps one bit per sending rank; dispatch's pull and combine's
