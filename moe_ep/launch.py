@@ -290,8 +290,8 @@ def main(argv=None) -> int:
         "--sm-share", default="auto",
         help="where ranks share a GPU: the percentage of its SMs one rank may hold at once "
              "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; auto: (R + 1) / 2R for R ranks a GPU, which training "
-             "needs, see moe_ep.mps.client_sm_share; 100: no limit). A CUDA_MPS_ACTIVE_THREAD_PERCENTAGE "
-             "already set wins",
+             "needs, see moe_ep.mps.client_sm_share; 100: no limit, which bf16 models need: their cuBLAS "
+             "GEMMs went wrong under a share on an H200). A CUDA_MPS_ACTIVE_THREAD_PERCENTAGE already set wins",
     )
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
@@ -312,6 +312,11 @@ def main(argv=None) -> int:
             env = stack.enter_context(private_mps_daemon(env))
             for key, value in sm_share_env(opts.sm_share, opts.nproc).items():
                 env.setdefault(key, value)  # a share the user set wins
+            if "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in env:
+                from .mps import BF16_UNDER_SHARE
+
+                print(f"moe_ep.launch: each rank may hold {env['CUDA_MPS_ACTIVE_THREAD_PERCENTAGE']}% of its GPU's "
+                      f"SMs; {BF16_UNDER_SHARE}: for bf16 models pass --sm-share 100", file=sys.stderr)
         procs = [
             subprocess.Popen([sys.executable, opts.script, *opts.args], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
             for r in range(opts.nproc)

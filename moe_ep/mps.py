@@ -62,6 +62,22 @@ def process_sm_share(env: Optional[Dict[str, str]] = None) -> int:
     return share if 1 <= share <= 100 else 100
 
 
+# Measured on one H200 (torch 2.11 + CUDA 13.0, 2026-12-02): under CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=75,
+# cuBLAS bf16 GEMMs of 1000-8192 x 1024 x 2816 came back wrong (max error 0.9 of the largest value, or
+# NaN) while float32 ones were exact, and the same bf16 GEMMs without a share were right.
+BF16_UNDER_SHARE = ("bf16 GEMMs (cuBLAS) under an MPS SM share (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) returned "
+                    "wrong values and NaN on an H200, where float32 ones and bf16 ones without a share were right")
+
+
+def bf16_share_warning(bf16: bool, env: Optional[Dict[str, str]] = None) -> Optional[str]:
+    """What to tell a bf16 training program whose process runs under an MPS SM share; None otherwise."""
+    share = process_sm_share(env)
+    if not bf16 or share >= 100:
+        return None
+    return (f"moe_ep: this rank computes in bf16 under an SM share of {share}%: {BF16_UNDER_SHARE}. Check "
+            "your losses, or start the ranks without a share (python -m moe_ep.launch --sm-share 100).")
+
+
 def missing_sm_share(ranks_on_gpu: int, env: Optional[Dict[str, str]] = None) -> Optional[str]:
     """What to tell a training program whose ranks share a GPU with no SM share in their environment
     (None where they do not share one, or a share is set): it can stall as client_sm_share says."""

@@ -84,7 +84,7 @@ def valid_round(buffer: Buffer) -> str:
 
 def _weighted_sum(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """What a low-latency combine of the dispatched rows returns, in the portable backend's order of operations."""
-    acc = torch.zeros(x.shape, dtype=torch.float32)
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for k in range(idx.shape[1]):
         acc = torch.where(idx[:, k : k + 1] >= 0, acc + w[:, k : k + 1] * x.float(), acc)
     return acc.to(torch.bfloat16)

@@ -1,8 +1,10 @@
 """The launcher's SM share for ranks that share a GPU (moe_ep.launch --sm-share, moe_ep.mps)."""
+import argparse
+
 import pytest
 
 from moe_ep.launch import RankPool, sm_share, sm_share_env
-from moe_ep.mps import client_sm_share, missing_sm_share, process_sm_share
+from moe_ep.mps import bf16_share_warning, client_sm_share, missing_sm_share, process_sm_share
 
 
 def test_each_rank_leaves_the_others_kernels_their_sms():
@@ -55,6 +57,27 @@ def test_training_on_a_shared_gpu_without_a_share_is_told_how_to_set_one():
     assert "python -m moe_ep.launch, or set CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=62" in message
     assert missing_sm_share(4, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "62"}) is None
     assert missing_sm_share(1, {}) is None
+
+
+def test_bf16_under_an_sm_share_is_warned_about():
+    """bf16 GEMMs went wrong under a share on an H200: a bf16 rank under one is told, no other rank."""
+    message = bf16_share_warning(True, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "75"})
+    assert "bf16 under an SM share of 75%" in message and "--sm-share 100" in message
+    assert bf16_share_warning(False, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "75"}) is None
+    assert bf16_share_warning(True, {}) is None
+    assert bf16_share_warning(True, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"}) is None
+
+
+def test_the_megatron_benchmarks_run_bf16_without_a_share(monkeypatch):
+    """--sm-share auto gives bf16 runs no share; a share given explicitly stays."""
+    from moe_ep.bench import megatron_layer
+    envs = []
+    monkeypatch.setattr(megatron_layer, "gpus_of_the_ranks", lambda: 1)
+    monkeypatch.setattr(megatron_layer, "start_ranks", lambda ranks, use_cuda, env: envs.append(env))
+    for bf16, share in ((True, "auto"), (False, "auto"), (True, "70")):
+        megatron_layer.megatron_ranks(argparse.Namespace(cpu=False, ranks=4, sm_share=share), bf16)
+    assert envs == [{}, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(sm_share("auto", 4))},
+                    {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "70"}]
 
 
 def test_a_cuda_rank_pool_without_a_gpu_says_so(monkeypatch):

@@ -214,7 +214,8 @@ def parse_rank_arguments(parser, argv, default_ranks: int):
     parsed and its ranks resolved, --experts checked against them; no GPU without --cpu refused."""
     parser.add_argument("--sm-share", default="auto",
                         help="where ranks share a GPU: the percentage of its SMs one rank may hold at once, as "
-                             "python -m moe_ep.launch --sm-share (auto: (R + 1) / 2R for R ranks a GPU)")
+                             "python -m moe_ep.launch --sm-share (auto: (R + 1) / 2R for R ranks a GPU, and no "
+                             "share for bf16, whose GEMMs went wrong under one on an H200)")
     parser.add_argument("--cpu", action="store_true", help="CPU ranks over gloo: checks the script anywhere")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
@@ -226,10 +227,12 @@ def parse_rank_arguments(parser, argv, default_ranks: int):
     return args
 
 
-def megatron_ranks(args):
-    """(the ranks to run on, whether they share a GPU): under MPS with --sm-share where they do."""
+def megatron_ranks(args, bf16: bool):
+    """(the ranks to run on, whether they share a GPU): under MPS with --sm-share where they do; with
+    --sm-share auto and bf16 GEMMs, without a share (moe_ep.mps.BF16_UNDER_SHARE)."""
     shares_gpu = not args.cpu and args.ranks > gpus_of_the_ranks()
-    env = sm_share_env(args.sm_share, args.ranks) if shares_gpu else {}
+    share = "100" if bf16 and args.sm_share == "auto" else args.sm_share
+    env = sm_share_env(share, args.ranks) if shares_gpu else {}
     return start_ranks(args.ranks, use_cuda=not args.cpu, env=env), shares_gpu
 
 
@@ -330,7 +333,7 @@ def report_results(args, rows: list, transport: dict, report: Report) -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    ranks, shares_gpu = megatron_ranks(args)
+    ranks, shares_gpu = megatron_ranks(args, bf16=args.dtype == "bfloat16")
     transport = transports(args.cpu, shares_gpu)
     report = Report("megatron_layer", args.jsonl, args.plot)
     with ranks as pool:

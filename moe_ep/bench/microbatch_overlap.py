@@ -183,7 +183,7 @@ def report_results(args, rows: list, report: Report) -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    ranks, _ = megatron_ranks(args)
+    ranks, _ = megatron_ranks(args, bf16=True)
     report = Report("microbatch_overlap", args.jsonl, args.plot)
     with ranks as pool:
         rows = pool.run(rank_step_times, args)

@@ -42,7 +42,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from ..buffer import Buffer, default_config_size_hints
 from ..checks import FP8_BLOCK, debug_checks_enabled
 from ..fp8_blockwise import blockwise_cast_to_fp8, blockwise_dequantize
-from ..mps import missing_sm_share
+from ..mps import bf16_share_warning, missing_sm_share
 from ..te import recipe_scaling, to_float8_blockwise
 from .capacity import FixedRows, capacity_padded, fixed_rows, layer_capacity
 from .chunks import ChunkedBackward, Chunks, JoinChunks, split_into_chunks
@@ -105,6 +105,14 @@ def _warn_once_if_sharing_without_sm_share(ranks_on_gpu: int) -> None:
 
 
 @functools.lru_cache(maxsize=None)
+def _warn_once_if_bf16_under_sm_share(bf16_on_gpu: bool) -> None:
+    """bf16 GEMMs under an MPS SM share computed wrong values on an H200 (moe_ep.mps.BF16_UNDER_SHARE)."""
+    message = bf16_share_warning(bf16_on_gpu)
+    if message is not None:
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+@functools.lru_cache(maxsize=None)
 def _warn_once_bf16(hidden: int) -> None:
     warnings.warn(f"moe_ep_fp8_dispatch='auto': the hidden size {hidden} is not a multiple of {FP8_BLOCK}; "
                   "the tokens are sent in their own dtype", RuntimeWarning, stacklevel=3)
@@ -146,6 +154,7 @@ def _start_dispatch(state: CommState, x, topk_weights, topk_idx, num_experts: in
     state.handle, state.recv_topk_idx, state.tokens_per_expert = handle, recv_idx, counts
     state.received = (recv_x, recv_w)
     _warn_once_if_sharing_without_sm_share(buffer.ranks_on_this_gpu)
+    _warn_once_if_bf16_under_sm_share(x.is_cuda and x.dtype == torch.bfloat16)
     state.pending = event  # dispatch_postprocess waits for it before reading the received rows
 
 
