@@ -2,6 +2,8 @@
 rank must raise a clear exception within the peer timeout (the faulty rank naming its argument, the
 others naming that rank and the step), and the group's next Buffer (or the same one, where the ranks
 stayed in step) must work."""
+import re
+
 import pytest
 
 from moe_ep import sync
@@ -174,7 +176,10 @@ def test_one_rank_making_a_kernel_call_in_another_form_under_debug(gpu_pools):
         raised = [outcomes[name][0] for outcomes in results]
         if "in different forms" in raised[odd_rank][1]:
             assert all(r == raised[0] for r in raised), (name, raised)
-            assert _form_differences(raised[0]) == f"{field}: {_one_odd_rank(call, odd_rank, num_ranks, odd, good)}", \
+            # Handles are named by their meeting's number, which the kernels' own meetings (mapping the
+            # peers' buffers) move on.
+            expected = f"{field}: {_one_odd_rank(call, odd_rank, num_ranks, odd, good)}"
+            assert re.sub(r"#\d+", "#n", _form_differences(raised[0])) == re.sub(r"#\d+", "#n", expected), \
                 (name, raised[0])
         else:  # refused by the odd rank's own checks: the others name it
             assert raised[odd_rank][0] != "returned", (name, raised)
