@@ -136,7 +136,7 @@ void count_low_latency_rows(const torch::Tensor& topk_idx, int64_t experts_per_r
     const int64_t num_ranks = slots / max_tokens;
     TORCH_CHECK(acc.scalar_type() == torch::kInt64 && acc.is_contiguous() && acc.numel() >= 2 * num_ranks + num_local,
                 "acc: expected a contiguous int64 tensor of at least ", 2 * num_ranks + num_local, " entries");
-    TORCH_CHECK(expert_last.scalar_type() == torch::kInt64 && expert_last.numel() >= num_local,
+    TORCH_CHECK(expert_last.scalar_type() == torch::kInt64 && expert_last.is_contiguous() && expert_last.numel() >= num_local,
                 "expert_last: expected int64 [", num_local, "]");
     for (const auto* t : {&recv_src_info, &recv_count, &acc, &expert_last})
         TORCH_CHECK(t->device() == topk_idx.device(), "the counters' tensors must be on topk_idx's device");

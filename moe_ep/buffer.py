@@ -435,15 +435,16 @@ class Buffer:
         and the Buffer stays usable."""
         return _Arguments(self._gate, call, x, kernels and not self.debug_checks)
 
-    def _meet_on_kernels(self, backend: Backend, phase: str, form, call) -> Optional[int]:
-        """Under MOE_EP_DEBUG=1 a call the kernels serve first meets its peers at the arrival gate, as the
-        portable backend's calls do: the ranks compare the call's form (forms.py) and all raise the same
-        ValueError where one differs, before any data moves (a store round trip a call). -> the meeting's
-        number, which a dispatch's handle keeps for the forms of its cached dispatches and combine; None
-        where no meeting was held."""
-        if not self.debug_checks or backend is self._portable:
+    def _meet_on_kernels(self, kernels: bool, phase: str, form, call) -> Optional[int]:
+        """Under MOE_EP_DEBUG=1 a call the kernels serve (kernels) first meets its peers at the arrival gate,
+        as the portable backend's calls do, before the kernels' first call maps the peers' buffers: the
+        ranks compare the call's form (forms.py, and that the kernels serve it, which a rank on the portable
+        backend does not say) and all raise the same ValueError where one differs, before any data moves
+        (a store round trip a call). -> the meeting's number, which a dispatch's handle keeps for the forms
+        of its cached dispatches and combine; None where no meeting was held."""
+        if not (self.debug_checks and kernels):
             return None
-        return self._gate.enter(phase, form(call))
+        return self._gate.enter(phase, (*form(call), ("backend", "the kernels")))
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -659,8 +660,8 @@ class Buffer:
                             allocate_on_comm_stream, make_handle, self._profile)
         self._calls["dispatch" if handle is None else "cached_dispatch"] += 1
         self._traffic.need(*needed)
+        meeting = self._meet_on_kernels(x_parts[0].is_cuda and self._kernels, "dispatch", forms.dispatch_form, call)
         backend = self._normal_backend(x_parts[0])
-        meeting = self._meet_on_kernels(backend, "dispatch", forms.dispatch_form, call)
         profile = call.profile
         mark = profile.start(device) if profile is not None else None
         recv_x, recv_idx, recv_weights, counts, new_handle, event = backend.dispatch(call)
@@ -812,8 +813,8 @@ class Buffer:
                            allocate_on_comm_stream)
         self._calls["combine"] += 1
         self._traffic.need(*needed)
+        self._meet_on_kernels(x.is_cuda and self._kernels, "combine", forms.combine_form, call)
         backend = self._normal_backend(x)
-        self._meet_on_kernels(backend, "combine", forms.combine_form, call)
         profile = self._profile
         mark = profile.start(x.device) if profile is not None else None
         combined_x, combined_w, event = backend.combine(call)
@@ -975,8 +976,9 @@ class Buffer:
         self._calls["low_latency_dispatch"] += 1
         self._traffic.need(0, needed)
         profile = self._profile
+        meeting = self._meet_on_kernels(x.is_cuda and self._ll_kernels, "low_latency_dispatch",
+                                        forms.low_latency_dispatch_form, call)
         backend = self._low_latency_backend(x)
-        meeting = self._meet_on_kernels(backend, "low_latency_dispatch", forms.low_latency_dispatch_form, call)
         if meeting is not None:
             handle.gate_call = meeting
         mark = profile.start(x.device) if profile is not None else None
@@ -1044,7 +1046,8 @@ class Buffer:
         call = LowLatencyCombineCall(x, topk_idx, topk_weights, handle, zero_copy, async_finish, return_recv_hook, out)
         self._calls["low_latency_combine"] += 1
         self._traffic.need(0, needed)
-        self._meet_on_kernels(backend, "low_latency_combine", forms.low_latency_combine_form, call)
+        self._meet_on_kernels(x.is_cuda and self._ll_kernels, "low_latency_combine", forms.low_latency_combine_form,
+                              call)
         profile = self._profile
         mark = profile.start(x.device) if profile is not None else None
         result = backend.low_latency_combine(call)

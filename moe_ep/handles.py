@@ -72,7 +72,8 @@ class DispatchHandle(_TupleView):
     # tensor where the device counted them while stats were collected, else None.
     recv_expert_counts: Optional[object] = field(default=None, repr=False)
     # The arrival gate's number of the meeting its dispatch passed (the same on every rank), where the
-    # portable backend ran it: the calls that take the handle name their dispatch by it.
+    # portable backend ran it or the kernels under MOE_EP_DEBUG=1: the calls that take the handle name
+    # their dispatch by it.
     gate_call: Optional[int] = field(default=None, repr=False)
 
     @property
@@ -113,7 +114,7 @@ class LowLatencyHandle(_TupleView):
     recv_source: Optional[object] = field(default=None, repr=False)
     # The dispatch's topk_idx, kept where the data checks run, for the combine to compare with.
     dispatch_topk_idx: Optional[torch.Tensor] = field(default=None, repr=False)
-    # As DispatchHandle.gate_call: the meeting its low_latency_dispatch passed on the portable backend.
+    # As DispatchHandle.gate_call: the meeting its low_latency_dispatch passed (portable, or debug kernels).
     gate_call: Optional[int] = field(default=None, repr=False)
 
     def _source(self) -> torch.Tensor:

@@ -312,7 +312,7 @@ def main(argv=None) -> int:
             env = stack.enter_context(private_mps_daemon(env))
             for key, value in sm_share_env(opts.sm_share, opts.nproc).items():
                 env.setdefault(key, value)  # a share the user set wins
-            if "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in env:
+            if env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100") != "100":
                 from .mps import BF16_UNDER_SHARE
 
                 print(f"moe_ep.launch: each rank may hold {env['CUDA_MPS_ACTIVE_THREAD_PERCENTAGE']}% of its GPU's "

@@ -22,9 +22,11 @@ __global__ void __launch_bounds__(kThreads) count_low_latency_kernel(
     __syncthreads();
     const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    const int64_t num_experts = static_cast<int64_t>(experts_per_rank) * num_ranks;
     for (int64_t i = first; i < num_picks; i += stride) {  // a row per (token, expert) pick; -1: none
+        // Ids past the experts (unchecked without MOE_EP_DEBUG) travel nowhere, as in the send kernel.
         const int64_t expert = topk_idx[i];
-        if (expert >= 0) atomicAdd(&rows[expert / experts_per_rank], 1);
+        if (expert >= 0 && expert < num_experts) atomicAdd(&rows[expert / experts_per_rank], 1);
     }
     const int64_t all_slots = static_cast<int64_t>(num_local) * slots;
     for (int64_t i = first; i < all_slots; i += stride) {  // each expert's first recv_count slots hold rows

@@ -1,5 +1,6 @@
-"""The form of each call, which every rank must make alike: what the portable backend's arrival gate
-compares across ranks before any data moves (moe_ep.sync.ArrivalGate.enter).
+"""The form of each call, which every rank must make alike: what the arrival gate compares across ranks
+before any data moves (moe_ep.sync.ArrivalGate.enter), for the portable backend's calls and, under
+MOE_EP_DEBUG=1, for the kernels' (Buffer._meet_on_kernels).
 
 A form lists what sizes the bytes that travel, or what the receiver makes of them: the dtypes, the hidden
 size, the top-k that travels with the tokens, the number of experts, the low-latency flags, and the

@@ -153,8 +153,10 @@ def _start_dispatch(state: CommState, x, topk_weights, topk_idx, num_experts: in
     state.timed_wait = x.device if time_the_wait else None
     state.handle, state.recv_topk_idx, state.tokens_per_expert = handle, recv_idx, counts
     state.received = (recv_x, recv_w)
-    _warn_once_if_sharing_without_sm_share(buffer.ranks_on_this_gpu)
-    _warn_once_if_bf16_under_sm_share(x.is_cuda and x.dtype == torch.bfloat16)
+    bf16 = x.is_cuda and x.dtype == torch.bfloat16
+    if not bf16:  # bf16 runs without a share (moe_ep.mps.BF16_UNDER_SHARE)
+        _warn_once_if_sharing_without_sm_share(buffer.ranks_on_this_gpu)
+    _warn_once_if_bf16_under_sm_share(bf16)
     state.pending = event  # dispatch_postprocess waits for it before reading the received rows
 
 
