@@ -139,23 +139,37 @@ def _one_odd_rank(call: str, odd_rank: int, num_ranks: int, odd: str, good: str)
            f"{', '.join(map(str, others))} with {good}"
 
 
+def _check_forms_of_one_odd_rank(results, odd_rank: int, num_ranks: int, kernels: bool = False) -> None:
+    """Per case of FORM_DISAGREEMENTS: every rank raised the same ValueError naming the field and the
+    ranks, and the same Buffer then ran a valid round on every rank. kernels: handles are compared apart
+    from their meeting's number, which the kernels' own meetings (mapping the peers' buffers) move on;
+    and where the odd rank's own checks refused its arguments, the others name it."""
+    experts = fault_fns.experts_per_rank() * num_ranks
+    numbered = (lambda text: re.sub(r"#\d+", "#n", text)) if kernels else (lambda text: text)
+    for name, (call, field, odd, good, _) in FORM_DISAGREEMENTS.items():
+        odd, good = (phrase.format(experts=experts, double=2 * experts) for phrase in (odd, good))
+        raised = [outcomes[name][0] for outcomes in results]
+        if kernels and "in different forms" not in raised[odd_rank][1]:  # refused by the odd rank's own checks
+            assert raised[odd_rank][0] != "returned", (name, raised)
+            for rank in set(range(num_ranks)) - {odd_rank}:
+                _refused_by(odd_rank, "", raised[rank])
+        else:
+            assert all(r == raised[0] for r in raised), (name, raised)
+            expected = f"{field}: {_one_odd_rank(call, odd_rank, num_ranks, odd, good)}"
+            assert numbered(_form_differences(raised[0])) == numbered(expected), (name, raised[0])
+            assert f"the ranks called {call} in different forms" in raised[0][1], (name, raised[0])
+        for rank, outcomes in enumerate(results):
+            assert outcomes[name][1] == ("returned", ""), (name, rank, outcomes[name][1])
+
+
 @pytest.mark.parametrize("num_ranks", [2, NUM_RANKS])
 def test_one_rank_making_a_call_in_another_form(pools, num_ranks):
     """Every rank raises the same ValueError naming the field and the ranks, before any data moves, and
     the same Buffer then runs a valid round exactly."""
     odd_rank = 1
-    experts = fault_fns.experts_per_rank() * num_ranks
     results = pools(num_ranks).run(fault_fns.form_disagreements_on_one_rank, odd_rank, list(FORM_DISAGREEMENTS),
                                    timeout_s=FORM_TEST_TIMEOUT_S)
-    for name, (call, field, odd, good, _) in FORM_DISAGREEMENTS.items():
-        odd, good = (phrase.format(experts=experts, double=2 * experts) for phrase in (odd, good))
-        raised = [outcomes[name][0] for outcomes in results]
-        assert all(r == raised[0] for r in raised), (name, raised)
-        assert _form_differences(raised[0]) == f"{field}: {_one_odd_rank(call, odd_rank, num_ranks, odd, good)}", \
-            (name, raised[0])
-        assert f"the ranks called {call} in different forms" in raised[0][1], (name, raised[0])
-        for rank, outcomes in enumerate(results):
-            assert outcomes[name][1] == ("returned", ""), (name, rank, outcomes[name][1])
+    _check_forms_of_one_odd_rank(results, odd_rank, num_ranks)
 
 
 def test_one_rank_making_a_kernel_call_in_another_form_under_debug(gpu_pools):
@@ -167,26 +181,10 @@ def test_one_rank_making_a_kernel_call_in_another_form_under_debug(gpu_pools):
     if not _native.has_kernels():
         pytest.skip(str(_native.unavailable_reason()))
     odd_rank, num_ranks = 1, 4
-    experts = fault_fns.experts_per_rank() * num_ranks
     results = gpu_pools(num_ranks).run(with_env, {"MOE_EP_DEBUG": "1"}, fault_fns.on_cuda,
                                        fault_fns.form_disagreements_on_one_rank, odd_rank, list(FORM_DISAGREEMENTS),
                                        timeout_s=FORM_TEST_TIMEOUT_S)
-    for name, (call, field, odd, good, _) in FORM_DISAGREEMENTS.items():
-        odd, good = (phrase.format(experts=experts, double=2 * experts) for phrase in (odd, good))
-        raised = [outcomes[name][0] for outcomes in results]
-        if "in different forms" in raised[odd_rank][1]:
-            assert all(r == raised[0] for r in raised), (name, raised)
-            # Handles are named by their meeting's number, which the kernels' own meetings (mapping the
-            # peers' buffers) move on.
-            expected = f"{field}: {_one_odd_rank(call, odd_rank, num_ranks, odd, good)}"
-            assert re.sub(r"#\d+", "#n", _form_differences(raised[0])) == re.sub(r"#\d+", "#n", expected), \
-                (name, raised[0])
-        else:  # refused by the odd rank's own checks: the others name it
-            assert raised[odd_rank][0] != "returned", (name, raised)
-            for rank in set(range(num_ranks)) - {odd_rank}:
-                _refused_by(odd_rank, "", raised[rank])
-        for rank, outcomes in enumerate(results):
-            assert outcomes[name][1] == ("returned", ""), (name, rank, outcomes[name][1])
+    _check_forms_of_one_odd_rank(results, odd_rank, num_ranks, kernels=True)
 
 
 def test_ranks_in_three_forms_are_grouped_by_value(pools):
