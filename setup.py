@@ -1,5 +1,6 @@
 """moe_ep: pure Python everywhere; the CUDA extension moe_ep._C where torch has CUDA and nvcc exists, and
-moe_ep._internode (the kernels across nodes, on NVSHMEM's device library) where NVSHMEM is found too.
+moe_ep._internode (the kernels across nodes, on NVSHMEM's device library: the internode kernels and the
+low-latency kernels that put to peers on other hosts) where NVSHMEM is found too.
 
 Environment:
   MOE_EP_NO_CUDA=1      install pure Python even where CUDA is present
@@ -7,10 +8,6 @@ Environment:
   TORCH_CUDA_ARCH_LIST  overrides the default targets "8.0;9.0" (Ampere and Hopper; the kernels so far
                         use nothing Hopper-only)
   MAX_JOBS              parallel compile jobs (ninja)
-  MOE_EP_NVSHMEM_DEVICE=1  also NVSHMEM's device library (device-initiated puts, for peers on other hosts):
-                        linked statically, every kernel compiled relocatable (-rdc); off by default: those
-                        kernels measured 6-25% slower in device time on one host (`moe-ep-bench
-                        low_latency --ranks 8 --graph`, built with and without it)
   MOE_EP_TIMELINE=1     a measuring build: the low-latency kernels stamp the GPU clock at the edges of
                         their phases (python -m moe_ep.bench.ll_timeline reads it); off by default
 """
@@ -77,7 +74,6 @@ def cuda_extension():
     if os.environ.get("MOE_EP_TIMELINE") == "1":  # a measuring build: the low-latency kernels stamp their phases
         define_macros.append(("MOE_EP_TIMELINE", "1"))
     nvshmem, nvshmem_reason = find_nvshmem()
-    dlink = {}
     if nvshmem is not None:
         include, lib, host_library = nvshmem
         include_dirs.append(include)
@@ -85,33 +81,24 @@ def cuda_extension():
         extra_link += [host_library, f"-Wl,-rpath,{lib}"]
         sources.append("csrc/runtime_nvshmem.cpp")
         _say(f"NVSHMEM from {lib}")
-        if os.environ.get("MOE_EP_NVSHMEM_DEVICE") == "1":
-            # Device code calling NVSHMEM is relocatable and device-linked against its static library;
-            # the same archive's host part (the init that sets up the device state) goes into the link.
-            define_macros.append(("MOE_EP_WITH_NVSHMEM_DEVICE", "1"))
-            nvcc_flags.append("-rdc=true")
-            # torch compiles extensions without the half/bf16 operators, which NVSHMEM's device
-            # headers use (its reductions instantiate them): defined back for this build only.
-            nvcc_flags += [f"-U{flag[2:]}" for flag in COMMON_NVCC_FLAGS if flag.startswith("-D__CUDA_NO_")]
-            sources.append("csrc/kernels/nvshmem_puts.cu")
-            extra_link.insert(0, os.path.join(lib, "libnvshmem_device.a"))
-            dlink = dict(dlink=True, dlink_libraries=["nvshmem_device"], library_dirs=[lib])
-            _say("with NVSHMEM's device library (relocatable device code)")
     else:
         define_macros.append(("MOE_EP_NVSHMEM_REASON", f'"{nvshmem_reason}"'))
-        _say(f"building without NVSHMEM: {nvshmem_reason}; internode and low-latency kernels are left out")
+        _say(f"building without NVSHMEM: {nvshmem_reason}; the internode kernels and low-latency calls across hosts are left out")
     ext = CUDAExtension(
         "moe_ep._C", sources, include_dirs=include_dirs, define_macros=define_macros, libraries=libraries,
-        extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags}, extra_link_args=extra_link, **dlink)
+        extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags}, extra_link_args=extra_link)
     extensions = [ext]
     if nvshmem is not None:
-        extensions.append(internode_extension(nvshmem, include_dirs[:2], nvcc_flags[:3]))
+        extensions.append(internode_extension(nvshmem, include_dirs[:2], nvcc_flags[:3], define_macros))
     return (extensions, BuildExtension.with_options(use_ninja=True)), None
 
 
-def internode_extension(nvshmem, include_dirs, nvcc_flags):
+def internode_extension(nvshmem, include_dirs, nvcc_flags, define_macros):
     """moe_ep._internode: NVSHMEM's device calls need relocatable device code (-rdc) and a device link
-    against its static library, which would cost the intranode kernels if they shared the module."""
+    against its static library, which would cost the intranode and low-latency kernels of moe_ep._C if they
+    shared the module (relocatable low-latency kernels measured 6-25% slower in device time on one host,
+    `moe-ep-bench low_latency --ranks 8 --graph`). So the low-latency kernels are built twice: in moe_ep._C
+    for peers that loads and stores reach, here with puts for peers on other hosts."""
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, CUDAExtension
 
     include, lib, host_library = nvshmem
@@ -119,8 +106,11 @@ def internode_extension(nvshmem, include_dirs, nvcc_flags):
     nvshmem_flags = [f"-U{flag[2:]}" for flag in COMMON_NVCC_FLAGS if flag.startswith("-D__CUDA_NO_")]
     return CUDAExtension(
         "moe_ep._internode",
-        ["csrc/internode_bindings.cpp", "csrc/internode_runtime.cpp", "csrc/kernels/internode/kernels.cu"],
+        ["csrc/internode_bindings.cpp", "csrc/internode_runtime.cpp", "csrc/kernels/internode/kernels.cu",
+         "csrc/kernels/internode/low_latency_puts.cu", "csrc/kernels/internode/nvshmem_puts.cu"],
         include_dirs=[*include_dirs, include],
+        # The low-latency kernels' build options (a timeline build, the Hopper paths), not NVSHMEM's.
+        define_macros=[m for m in define_macros if "NVSHMEM" not in m[0]],
         extra_compile_args={"cxx": ["-O3"], "nvcc": [*nvcc_flags, "-rdc=true", *nvshmem_flags]},
         extra_link_args=[os.path.join(lib, "libnvshmem_device.a"), host_library, f"-Wl,-rpath,{lib}"],
         dlink=True, dlink_libraries=["nvshmem_device"], library_dirs=[lib])

@@ -16,8 +16,10 @@
 
 #include "kernels/api.cuh"
 #include "kernels/buffer_layout.cuh"
+#include "low_latency_bindings.h"
 #include "peer_memory.h"
 #include "runtime_nvshmem.h"
+#include "torch_args.h"
 
 #ifndef MOE_EP_NVSHMEM_REASON
 #define MOE_EP_NVSHMEM_REASON ""
@@ -40,15 +42,6 @@ DType dtype_of(const torch::Tensor& t, const char* name) {
         default: TORCH_CHECK(false, name, ": expected bfloat16, float16 or float32, got ", t.scalar_type());
     }
 }
-
-int num_sms_of_current_device() {
-    int device = 0, count = 0;
-    C10_CUDA_CHECK(cudaGetDevice(&device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-    return count;
-}
-
-cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
 py::tuple get_dispatch_layout(const torch::Tensor& topk_idx, int64_t num_experts, int64_t num_ranks,
                               int64_t ranks_per_node) {
@@ -274,16 +267,6 @@ intranode::Ctx data_ctx(const IntranodeCtx& c, int64_t num_blocks, bool combine,
                                                   c.sm_share_percent, ctx.start_together);
     }
     return ctx;
-}
-
-template <typename T>
-T* optional_ptr(const std::optional<torch::Tensor>& t) {
-    return t.has_value() ? static_cast<T*>(t->data_ptr()) : nullptr;
-}
-
-void check_rows(const torch::Tensor& t, const char* name) {
-    TORCH_CHECK(t.is_cuda() && t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
-                ": expected a contiguous, 16-byte aligned CUDA tensor");
 }
 
 int64_t row_bytes(const torch::Tensor& t) { return t.dim() < 2 ? 0 : t.size(1) * t.element_size(); }
@@ -607,115 +590,6 @@ int64_t intranode_stream_ring_rows(const IntranodeCtx& c, int64_t num_blocks, in
     return intranode::stream_ring_rows(data_ctx(c, num_blocks, /*combine=*/true), x_bytes, static_cast<int>(num_topk));
 }
 
-// ------------------------------------------------------------------ low-latency kernels
-struct LowLatencyCtx {
-    int64_t buffers;
-    int rank, num_ranks, ranks_on_device;
-    torch::Tensor host_info;
-    double timeout_s;
-    int num_max_tokens, hidden, num_experts;
-};
-
-low_latency::Ctx make_ctx(const LowLatencyCtx& c) {
-    low_latency::Ctx ctx;
-    ctx.buffers = reinterpret_cast<uint8_t* const*>(c.buffers);
-    ctx.rank = c.rank;
-    ctx.num_ranks = c.num_ranks;
-    ctx.ranks_on_device = c.ranks_on_device;
-    ctx.num_max_tokens = c.num_max_tokens;
-    ctx.hidden = c.hidden;
-    ctx.num_experts = c.num_experts;
-    ctx.host_info = c.host_info.data_ptr<int>();
-    ctx.timeout_ns = static_cast<uint64_t>(c.timeout_s * 1e9);
-    ctx.stream = current_stream();
-    return ctx;
-}
-
-// Allocates the receive tensors here (a decode step's host time counts, and each allocation from
-// Python costs microseconds more than from C++) and launches the send kernel.
-// -> (recv_x [L, R * max, H], recv_scales or None, recv_count [L], recv_src_info [L, R * max]); the
-// send kernel zeroes the counts (no fill kernel per call) and the receive kernel writes them.
-py::tuple ll_dispatch_send(const LowLatencyCtx& c, const torch::Tensor& x, const torch::Tensor& topk_idx, bool use_fp8,
-                           bool round_scale, bool use_ue8m0) {
-    const c10::cuda::CUDAGuard guard(x.device());
-    check_rows(x, "x");
-    TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && topk_idx.is_contiguous(), "x: bf16; topk_idx: contiguous");
-    const int64_t local = c.num_experts / c.num_ranks, rows = static_cast<int64_t>(c.num_ranks) * c.num_max_tokens;
-    const auto on_device = torch::TensorOptions().device(x.device());
-    auto recv_x = torch::empty({local, rows, c.hidden}, on_device.dtype(use_fp8 ? torch::kFloat8_e4m3fn : torch::kBFloat16));
-    py::object recv_scales = py::none();
-    if (use_fp8) {
-        const int64_t blocks = c.hidden / fp8::kBlock;
-        recv_scales = py::cast(use_ue8m0 ? torch::empty({local, rows, (blocks + 3) / 4}, on_device.dtype(torch::kInt32))
-                                         : torch::empty({local, rows, blocks}, on_device.dtype(torch::kFloat32)));
-    }
-    auto recv_count = torch::empty({local}, on_device.dtype(torch::kInt32));
-    auto recv_src_info = torch::empty({local, rows}, on_device.dtype(torch::kInt32));
-    low_latency::dispatch_send(make_ctx(c), x.data_ptr(), static_cast<int>(x.size(0)), topk_idx.data_ptr<int64_t>(),
-                               static_cast<int>(topk_idx.size(1)), use_fp8, round_scale, use_ue8m0,
-                               recv_count.data_ptr<int>());
-    return py::make_tuple(recv_x, recv_scales, recv_count, recv_src_info);
-}
-
-void ll_dispatch_recv(const LowLatencyCtx& c, int64_t num_topk, bool use_fp8, bool use_ue8m0, const torch::Tensor& recv_x,
-                      const std::optional<torch::Tensor>& recv_scales, const torch::Tensor& recv_count,
-                      const std::optional<torch::Tensor>& stats, const torch::Tensor& recv_src_info) {
-    const c10::cuda::CUDAGuard guard(recv_x.device());
-    check_rows(recv_x, "recv_x");
-    low_latency::dispatch_recv(make_ctx(c), static_cast<int>(num_topk), use_fp8, use_ue8m0, recv_x.data_ptr(),
-                               optional_ptr<void>(recv_scales), recv_count.data_ptr<int>(), optional_ptr<int>(stats),
-                               recv_src_info.data_ptr<int>(), num_sms_of_current_device());
-}
-
-// Launches the send kernel; returns `out`, or where none is given a new [num_tokens, hidden] bf16
-// tensor for the receive (allocated here for the same reason as ll_dispatch_send's outputs).
-// zero_copy_slot: -1, or the slot of this rank's buffer that x is (zero_copy_rows): then no row moves;
-// with stage_rows, the slot the received rows of x are copied into first (every rank mapped).
-torch::Tensor ll_combine_send(const LowLatencyCtx& c, const torch::Tensor& x, const torch::Tensor& recv_count,
-                              const torch::Tensor& recv_src_info, int64_t num_topk, int64_t num_tokens,
-                              const std::optional<torch::Tensor>& out, int64_t zero_copy_slot, bool stage_rows) {
-    const c10::cuda::CUDAGuard guard(x.device());
-    check_rows(x, "x");
-    auto target = out.has_value() ? *out : torch::empty({num_tokens, c.hidden}, x.options().dtype(torch::kBFloat16));
-    low_latency::combine_send(make_ctx(c), x.data_ptr(), recv_count.data_ptr<int>(), recv_src_info.data_ptr<int>(),
-                              static_cast<int>(num_topk), num_sms_of_current_device(), static_cast<int>(zero_copy_slot),
-                              stage_rows);
-    return target;
-}
-
-// The low-latency kernels' timeline (api.cuh; a build with MOE_EP_TIMELINE=1): int64 [calls, columns]
-// on the host, columns in TimelineColumn's order.
-torch::Tensor ll_timeline() {
-    auto out = torch::empty({low_latency::kTimelineCalls, low_latency::kTimelineColumns}, torch::kInt64);
-    low_latency::timeline_read(out.data_ptr<int64_t>());
-    return out;
-}
-
-void ll_combine_recv(const LowLatencyCtx& c, const torch::Tensor& topk_idx, const torch::Tensor& topk_weights,
-                     const torch::Tensor& out, int64_t zero_copy_slot) {
-    const c10::cuda::CUDAGuard guard(out.device());
-    check_rows(out, "out");
-    TORCH_CHECK(topk_idx.is_contiguous() && topk_weights.is_contiguous(), "topk_idx, topk_weights: contiguous");
-    low_latency::combine_recv(make_ctx(c), topk_idx.data_ptr<int64_t>(), topk_weights.data_ptr<float>(),
-                              static_cast<int>(topk_idx.size(0)), static_cast<int>(topk_idx.size(1)), out.data_ptr(),
-                              num_sms_of_current_device(), static_cast<int>(zero_copy_slot));
-}
-
-py::dict low_latency_layout(int64_t num_max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts) {
-    const auto r = low_latency::regions(num_max_tokens, hidden, num_ranks, num_experts);
-    py::dict d;
-    d["dispatch_message_bytes"] = r.dispatch_message;
-    d["dispatch_messages_offset"] = low_latency::dispatch_messages_offset(num_experts, num_max_tokens);
-    d["combine_message_bytes"] = r.combine_message;
-    d["zero_copy_offset"] = r.zero_copy_offset;
-    d["outbox_offset"] = r.outbox_offset;
-    d["send_bytes"] = r.send;
-    d["recv_bytes"] = r.recv;
-    d["signal_bytes"] = r.signal;
-    d["half_bytes"] = r.half;
-    d["total_bytes"] = r.total;
-    return d;
-}
 
 // The layout numbers the kernels use, for the test that moe_ep/config.py computes the same.
 py::dict intranode_layout(int64_t num_ranks, int64_t num_nvl_bytes, int64_t x_bytes, int64_t scale_bytes, int64_t num_topk) {
@@ -743,16 +617,6 @@ py::dict named_values(const NamedTable& table) {
 }
 
 }  // namespace
-
-#ifdef MOE_EP_WITH_NVSHMEM_DEVICE
-// A put of `num_bytes` from `src` to the symmetric `dst` at PE `pe`, then `signal` there set to `value`,
-// on the current stream (nvshmem_puts.cu).
-void nvshmem_put_with_signal(int64_t dst, int64_t src, int64_t num_bytes, int64_t pe, int64_t signal, int64_t value) {
-    nvshmem_puts::put_with_signal(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
-                                  static_cast<size_t>(num_bytes), static_cast<int>(pe),
-                                  reinterpret_cast<uint64_t*>(signal), static_cast<uint64_t>(value), current_stream());
-}
-#endif
 
 }  // namespace moe_ep
 
@@ -797,20 +661,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("intranode_zero_copy_combine", &moe_ep::intranode_zero_copy_combine,
           "intranode combine of rows that lie in every rank's zero-copy area");
     m.def("intranode_check_blocks", &moe_ep::intranode_check_blocks, "ValueError unless the blocks fit the GPU");
-    py::class_<moe_ep::LowLatencyCtx>(m, "LowLatencyCtx")
-        .def(py::init<int64_t, int, int, int, torch::Tensor, double, int, int, int>());
     m.def("intranode_dispatch_fresh", &moe_ep::intranode_dispatch_fresh,
           "a fresh ordinary dispatch in one call: count exchange, the wait for the counts, outputs, dispatch");
     m.def("intranode_zero_copy_dispatch_early", &moe_ep::intranode_zero_copy_dispatch_early,
           "a fresh zero-copy dispatch in one call: stream order, allocations, count exchange and dispatch launched");
-    m.def("ll_dispatch_send", &moe_ep::ll_dispatch_send, "low-latency dispatch: send");
-    m.def("ll_dispatch_recv", &moe_ep::ll_dispatch_recv, "low-latency dispatch: receive (the hook)");
-    m.def("ll_combine_send", &moe_ep::ll_combine_send, "low-latency combine: send");
-    m.def("ll_combine_recv", &moe_ep::ll_combine_recv, "low-latency combine: receive (the hook)");
-    m.def("ll_timeline_built", &moe_ep::low_latency::timeline_built, "whether the kernels stamp a timeline");
-    m.def("ll_timeline_reset", &moe_ep::low_latency::timeline_reset, "clears the low-latency kernels' timeline");
-    m.def("ll_timeline", &moe_ep::ll_timeline, "the low-latency kernels' timeline, [calls, columns] int64");
-    m.def("low_latency_layout", &moe_ep::low_latency_layout, "buffer layout numbers of the low-latency kernels");
+    moe_ep::bind_low_latency(m);
     m.def("intranode_layout", &moe_ep::intranode_layout, "buffer layout numbers of the intranode kernels");
     // The numbers the kernels report by, as kernels/reports.cuh defines them (moe_ep.backends.peers.KernelEnums):
     // HOST_INFO, KERNEL_IDS, ..., each a {name: value} dict.
@@ -831,13 +686,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
     m.attr("WITH_NVSHMEM") = false;
     m.attr("NVSHMEM_REASON") = MOE_EP_NVSHMEM_REASON;
-#endif
-#ifdef MOE_EP_WITH_NVSHMEM_DEVICE
-    m.attr("WITH_NVSHMEM_DEVICE") = true;
-    m.def("nvshmem_put_with_signal", &moe_ep::nvshmem_put_with_signal,
-          "device-initiated put to a PE, then a signal there ordered after it");
-#else
-    m.attr("WITH_NVSHMEM_DEVICE") = false;
 #endif
 #ifdef MOE_EP_SM90_COMPILED
     m.attr("SM90_COMPILED") = true;

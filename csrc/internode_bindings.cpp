@@ -8,8 +8,11 @@
 
 #include <string>
 
+#include "kernels/api.cuh"
 #include "kernels/internode/api.cuh"
-#include "runtime_nvshmem.h"  // internode_runtime.cpp: the runtime with the device library's initialisation
+#include "low_latency_bindings.h"  // kernels/internode/low_latency_puts.cu: the low-latency kernels that put
+#include "runtime_nvshmem.h"       // internode_runtime.cpp: the runtime with the device library's initialisation
+#include "torch_args.h"
 
 namespace moe_ep {
 namespace {
@@ -18,8 +21,6 @@ namespace in = internode;
 
 template <typename T>
 T* at(int64_t address) { return reinterpret_cast<T*>(address); }
-
-cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
 // A Buffer's fixed part of every call's context.
 struct Group {
@@ -33,7 +34,7 @@ struct Group {
     }
 };
 
-py::dict layout() {
+py::dict limits() {
     py::dict d;
     d["control_bytes"] = in::Control::kBytes;
     d["max_ranks"] = in::kMaxRanks;
@@ -136,6 +137,14 @@ void combine(const Group& g, int64_t nonce, int num_sms, const py::dict& a) {
     in::combine_reduce(ctx, args, current_stream());
 }
 
+// A put of `num_bytes` from `src` to the symmetric `dst` at PE `pe`, then `signal` there set to `value`,
+// on the current stream (nvshmem_puts.cu).
+void put_with_signal(int64_t dst, int64_t src, int64_t num_bytes, int64_t pe, int64_t signal, int64_t value) {
+    nvshmem_puts::put_with_signal(at<void>(dst), at<const void>(src), static_cast<size_t>(num_bytes),
+                                  static_cast<int>(pe), at<uint64_t>(signal), static_cast<uint64_t>(value),
+                                  current_stream());
+}
+
 }  // namespace
 }  // namespace moe_ep
 
@@ -146,7 +155,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                          int ranks_per_node, double timeout_s) {
             return moe_ep::Group{base, node_peers, host_info, rank, num_ranks, ranks_per_node, timeout_s};
         }));
-    m.def("layout", &moe_ep::layout, "the control area's size and the kernels' limits");
+    m.def("layout", &moe_ep::limits, "the control area's size and the kernels' limits");
     m.def("message", &moe_ep::message, "byte offsets of a dispatch message's fields");
     m.def("arrive", &moe_ep::arrive, "every rank's arrival at a call, with its counts where given");
     m.def("dispatch", &moe_ep::dispatch, "send and forward of a dispatch");
@@ -156,4 +165,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("nvshmem_initialized", &moe_ep::nvshmem_initialized, "NVSHMEM is initialised in this process");
     m.def("nvshmem_init_with_unique_id", &moe_ep::nvshmem_init_with_unique_id,
           "initialise NVSHMEM as PE `rank`, with this module's device state");
+    m.def("nvshmem_put_with_signal", &moe_ep::put_with_signal,
+          "device-initiated put to a PE, then a signal there ordered after it");
+    // The low-latency kernels with puts, for groups with peers that loads and stores cannot reach.
+    moe_ep::bind_low_latency(m);
 }

@@ -63,9 +63,9 @@ def has_nvshmem() -> bool:
 
 
 def has_nvshmem_device() -> bool:
-    """Built with NVSHMEM's device library (setup.py, MOE_EP_NVSHMEM_DEVICE=1): device-initiated puts."""
-    module, _ = _load()
-    return module is not None and bool(getattr(module, "WITH_NVSHMEM_DEVICE", False))
+    """Built with NVSHMEM's device library (moe_ep._internode, where setup.py found NVSHMEM): the internode
+    kernels and the low-latency kernels that put to peers on other hosts."""
+    return _load_internode()[0] is not None
 
 
 def is_sm90_compiled() -> bool:

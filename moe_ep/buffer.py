@@ -229,8 +229,9 @@ class Buffer:
 
     def _kernels_unusable(self, low_latency: bool) -> Optional[str]:
         """Why the kernels cannot serve this Buffer's normal (or low-latency) calls of CUDA tensors, or
-        None: they need the extension and a GPU, the whole group on this host (for the normal calls, no more
-        ranks than the kernels take: the extension's INTRANODE_MAX_RANKS) and the buffer the call uses."""
+        None: they need the extension and a GPU, for a group that spans nodes the internode module (NVSHMEM's
+        device library), for the normal calls of one node no more ranks than the kernels take (the
+        extension's INTRANODE_MAX_RANKS), and the buffer the call uses."""
         if self._backend == "portable":
             return "MOE_EP_BACKEND=portable"
         reason = _native.unavailable_reason()
@@ -238,10 +239,11 @@ class Buffer:
             return reason
         if self.ranks_per_node != self.group_size:
             nodes = f"the group spans {self.group_size // self.ranks_per_node} nodes of {self.ranks_per_node} ranks"
-            if low_latency:
-                return f"{nodes}; the low-latency kernels serve the ranks of one node"
             reason = _native.internode_unavailable_reason()
-            return None if reason is None else f"{nodes} and {reason}"
+            if reason is not None:
+                return f"{nodes} and {reason}"
+            if not low_latency:
+                return None
         if low_latency:
             if not self.low_latency_mode or self.num_rdma_bytes == 0:
                 return "low-latency calls need low_latency_mode=True and num_rdma_bytes > 0"
@@ -295,8 +297,10 @@ class Buffer:
         if not (x.is_cuda and self._ll_kernels):
             return self._portable
         if self._low_latency is None:
-            self._low_latency = LowLatencyBackend(self.group, self._gate, self.num_rdma_bytes,
-                                                  kernel_choices.low_latency_memory)
+            memory = kernel_choices.low_latency_memory
+            if memory == "auto" and self.ranks_per_node != self.group_size:
+                memory = "nvshmem"  # the one mapping that spans hosts, and puts to the peers it cannot map
+            self._low_latency = LowLatencyBackend(self.group, self._gate, self.num_rdma_bytes, memory)
         return self._low_latency
 
     # ------------------------------------------------------------------ static helpers

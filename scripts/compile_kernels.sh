@@ -25,7 +25,7 @@ JOBS=${MAX_JOBS:-$(nproc)}
 status=0
 compile() { echo "  $*" | sed 's/ -I[^ ]*//g' | cut -c1-160; "$@" || { echo "FAILED: $*" | cut -c1-200; return 1; }; }
 pids=()
-for src in $(ls csrc/kernels/*.cu csrc/kernels/intranode/*.cu | grep -v nvshmem_puts.cu); do
+for src in csrc/kernels/*.cu csrc/kernels/intranode/*.cu; do
   compile "$NVCC" "${COMMON[@]}" -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 \
     "${TORCH_NVCC[@]}" \
     -c "$src" -o "$OUT/$(echo "${src#csrc/kernels/}" | tr / _).o" &
@@ -43,27 +43,26 @@ mkdir -p "$OUT/shim/c10/cuda/impl"
 echo '#define C10_CUDA_BUILD_SHARED_LIBS' > "$OUT/shim/c10/cuda/impl/cuda_cmake_macros.h"
 compile g++ "${COMMON[@]}" -std=c++20 $TORCH_INCS -idirafter "$OUT/shim" -I "$PY_INC" ${PYBIND_INC:+-I "$PYBIND_INC"} -DTORCH_EXTENSION_NAME=_C \
   -DMOE_EP_WITH_NVSHMEM=1 -fsyntax-only csrc/bindings.cpp || status=1
-compile g++ "${COMMON[@]}" -std=c++20 $TORCH_INCS -idirafter "$OUT/shim" -I "$PY_INC" ${PYBIND_INC:+-I "$PYBIND_INC"} -DTORCH_EXTENSION_NAME=_C \
-  -DMOE_EP_WITH_NVSHMEM=1 -DMOE_EP_WITH_NVSHMEM_DEVICE=1 -fsyntax-only csrc/bindings.cpp || status=1
 compile g++ "${COMMON[@]}" -Wall -Wextra -Werror -fsyntax-only csrc/peer_memory.cpp || status=1
 compile g++ "${COMMON[@]}" -I "$NVSHMEM_INC" -fsyntax-only csrc/runtime_nvshmem.cpp || status=1
-compile g++ "${COMMON[@]}" -I "$NVSHMEM_INC" -DMOE_EP_WITH_NVSHMEM_DEVICE=1 -fsyntax-only csrc/runtime_nvshmem.cpp || status=1
-# The device-initiated puts (setup.py with MOE_EP_NVSHMEM_DEVICE=1): relocatable device code, device-linked
-# against NVSHMEM's static device library, so that a missing or mismatched device symbol fails here.
+# The internode module (setup.py's moe_ep._internode): its kernels (the internode ones, the low-latency ones
+# that put, the put-with-signal test kernel) relocatable and device-linked together against NVSHMEM's static
+# device library, so that a missing, duplicate or mismatched device symbol fails here; its host sources
+# against torch's and NVSHMEM's headers.
 NVSHMEM_LIB=$(dirname "$NVSHMEM_INC")/lib
-compile "$NVCC" "${COMMON[@]}" -I "$NVSHMEM_INC" -rdc=true -gencode=arch=compute_90,code=sm_90 "${TORCH_NVCC[@]}" \
-  "${NVSHMEM_DEVICE_NVCC[@]}" -c csrc/kernels/nvshmem_puts.cu -o "$OUT/nvshmem_puts.o" || status=1
-compile "$NVCC" "${COMMON[@]}" -I "$NVSHMEM_INC" -DMOE_EP_WITH_NVSHMEM_DEVICE=1 -rdc=true -gencode=arch=compute_90,code=sm_90 \
-  "${TORCH_NVCC[@]}" "${NVSHMEM_DEVICE_NVCC[@]}" -c csrc/kernels/low_latency.cu -o "$OUT/low_latency_puts.o" || status=1
-compile "$NVCC" -dlink -gencode=arch=compute_90,code=sm_90 "$OUT/nvshmem_puts.o" "$OUT/low_latency_puts.o" \
-  -L "$NVSHMEM_LIB" -lnvshmem_device -o "$OUT/nvshmem_puts_dlink.o" || status=1
-# The internode module (setup.py's moe_ep._internode): its kernels relocatable and device-linked, its host
-# sources against torch's and NVSHMEM's headers.
-compile "$NVCC" "${COMMON[@]}" -I "$NVSHMEM_INC" -rdc=true -gencode=arch=compute_80,code=sm_80 \
-  -gencode=arch=compute_90,code=sm_90 --expt-relaxed-constexpr "${TORCH_NVCC[@]}" "${NVSHMEM_DEVICE_NVCC[@]}" \
-  -c csrc/kernels/internode/kernels.cu -o "$OUT/internode_kernels.o" || status=1
+INTERNODE_OBJS=()
+pids=()
+for src in csrc/kernels/internode/*.cu; do
+  obj="$OUT/internode_$(basename "$src" .cu).o"
+  INTERNODE_OBJS+=("$obj")
+  compile "$NVCC" "${COMMON[@]}" -I "$NVSHMEM_INC" -rdc=true -gencode=arch=compute_80,code=sm_80 \
+    -gencode=arch=compute_90,code=sm_90 --expt-relaxed-constexpr "${TORCH_NVCC[@]}" "${NVSHMEM_DEVICE_NVCC[@]}" \
+    -c "$src" -o "$obj" &
+  pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid" || status=1; done
 compile "$NVCC" -dlink -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 \
-  "$OUT/internode_kernels.o" -L "$NVSHMEM_LIB" -lnvshmem_device -o "$OUT/internode_dlink.o" || status=1
+  "${INTERNODE_OBJS[@]}" -L "$NVSHMEM_LIB" -lnvshmem_device -o "$OUT/internode_dlink.o" || status=1
 compile g++ "${COMMON[@]}" -std=c++20 $TORCH_INCS -idirafter "$OUT/shim" -I "$PY_INC" ${PYBIND_INC:+-I "$PYBIND_INC"} \
   -DTORCH_EXTENSION_NAME=_internode -fsyntax-only csrc/internode_bindings.cpp || status=1
 compile g++ "${COMMON[@]}" -I "$NVSHMEM_INC" -fsyntax-only csrc/internode_runtime.cpp || status=1

@@ -855,7 +855,8 @@ def nvshmem_put_round(num_bytes: int):
     dist.barrier()
     result = None
     if rank == 0:
-        _native.ops().nvshmem_put_with_signal(own + dst_at, own + src_at, num_bytes, 1, own + signal_at, value)
+        _native.internode_ops().nvshmem_put_with_signal(own + dst_at, own + src_at, num_bytes, 1, own + signal_at,
+                                                        value)
         torch.cuda.synchronize()
     elif rank == 1:
         signal = device_view(own + signal_at, 8, peers.device).view(torch.int64)
@@ -883,6 +884,19 @@ def zero_copy_refused_then_round(p: Problem):
     zeros = torch.zeros(p.local_experts, p.num_ranks * p.max_tokens, p.hidden, dtype=torch.bfloat16, device=device())
     buffer.low_latency_combine(zeros, inp["topk_idx"], inp["topk_weights"], handle)
     return message, low_latency_round(p, use_fp8=True, buffer=buffer)
+
+
+def low_latency_round_and_path(p: Problem, **variant):
+    """low_latency_round on a new Buffer, with how its kernels reached the peers: the kernels' module
+    (moe_ep._C, or moe_ep._internode where a peer is reached through puts), the peers' memory and the ranks
+    reached through puts."""
+    buffer = low_latency_buffer(p)
+    result = low_latency_round(p, buffer=buffer, **variant)
+    kernels = kernel_backend(buffer, "low_latency")
+    assert kernels is not None, "the low-latency kernels are off"
+    result["path"] = dict(module=kernels.ops.__name__, memory=kernels.peers.memory,
+                          unreachable=list(kernels.peers.unreachable), ranks_per_node=buffer.ranks_per_node)
+    return result
 
 
 def low_latency_layout_numbers(cases):

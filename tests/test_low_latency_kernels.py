@@ -157,8 +157,7 @@ def test_low_latency_kernels_on_nvshmem_memory(pools, gpu_pools, seed, num_ranks
     _round_on_memory(pools, gpu_pools, seed, num_ranks, "nvshmem")
 
 
-@pytest.mark.skipif(not _native.has_nvshmem_device(), reason="built without NVSHMEM's device library "
-                                                            "(MOE_EP_NVSHMEM_DEVICE=1 python setup.py build_ext)")
+@pytest.mark.skipif(not _native.has_nvshmem_device(), reason=str(_native.internode_unavailable_reason()))
 @pytest.mark.parametrize("num_bytes", [16, 7168 + 224, 1 << 20])
 def test_device_initiated_put_lands_before_its_signal(gpu_pools, num_bytes):
     """The building block of the puts to peers on other hosts: a put, then a signal ordered after it,
@@ -172,7 +171,7 @@ def test_device_initiated_put_lands_before_its_signal(gpu_pools, num_bytes):
 PUTS = dict(low_latency_memory="nvshmem", low_latency_puts=True)
 
 
-@pytest.mark.skipif(not _native.has_nvshmem_device(), reason="built without NVSHMEM's device library")
+@pytest.mark.skipif(not _native.has_nvshmem_device(), reason=str(_native.internode_unavailable_reason()))
 @pytest.mark.parametrize("num_ranks", [2, 4])
 @pytest.mark.parametrize("variant", [
     dict(use_fp8=True, return_recv_hook=True),
@@ -181,16 +180,44 @@ PUTS = dict(low_latency_memory="nvshmem", low_latency_puts=True)
 ])
 def test_low_latency_through_puts_equals_portable(pools, gpu_pools, seed, num_ranks, variant):
     """Every peer reached through NVSHMEM puts (low_latency_puts=True), as peers on another host would be:
-    rows staged and put, flags as signals after the puts complete. On one GPU NVSHMEM carries them
-    without a network; the results are the stores' bit for bit."""
+    rows staged and put, flags as signals after the puts complete, by the kernels of moe_ep._internode
+    (NVSHMEM's device library, in the default build). On one GPU NVSHMEM carries them without a network;
+    the results are the stores' bit for bit."""
     p = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=32)
     on_gpu = gpu_pools(num_ranks).run(rank_fns.with_env, KERNELS, rank_fns.with_choices, PUTS,
-                                      rank_fns.low_latency_round, p, **variant)
+                                      rank_fns.low_latency_round_and_path, p, **variant)
     on_cpu = pools(num_ranks).run(rank_fns.low_latency_round, p, **variant)
     _compare(seed, on_gpu, on_cpu, variant["use_fp8"])
+    for rank, result in enumerate(on_gpu):
+        others = [r for r in range(num_ranks) if r != rank]
+        assert result["path"] == dict(module="moe_ep._internode", memory="nvshmem", unreachable=others,
+                                      ranks_per_node=num_ranks), result["path"]
 
 
-@pytest.mark.skipif(not _native.has_nvshmem_device(), reason="built without NVSHMEM's device library")
+@pytest.mark.skipif(not _native.has_nvshmem_device(), reason=str(_native.internode_unavailable_reason()))
+@pytest.mark.parametrize("num_ranks, ranks_per_node", [(4, 2), (8, 4), (8, 2)])
+@pytest.mark.parametrize("puts", [False, True])
+def test_low_latency_across_nodes_equals_portable(pools, gpu_pools, seed, num_ranks, ranks_per_node, puts):
+    """A group of several nodes (MOE_EP_RANKS_PER_NODE; on one GPU, nodes in name) runs its low-latency
+    calls on the kernels by default, its buffers on NVSHMEM's symmetric heap: peers that NVSHMEM maps (the
+    same GPU here, NVLink on a real node) by loads and stores on moe_ep._C's kernels; with puts (as every
+    peer on another host is), moe_ep._internode's. Bit for bit the portable backend's, 0-token ranks and
+    -1 ids included."""
+    p = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=32)
+    env = {**KERNELS, "MOE_EP_RANKS_PER_NODE": str(ranks_per_node)}
+    variant = dict(use_fp8=True, return_recv_hook=True, calls_before=2)
+    on_gpu = gpu_pools(num_ranks).run(rank_fns.with_env, env, rank_fns.with_choices, dict(low_latency_puts=puts),
+                                      rank_fns.low_latency_round_and_path, p, **variant)
+    on_cpu = pools(num_ranks).run(rank_fns.low_latency_round, p, **variant)
+    _compare(seed, on_gpu, on_cpu, True)
+    for rank, result in enumerate(on_gpu):
+        others = [r for r in range(num_ranks) if r != rank] if puts else []
+        module = "moe_ep._internode" if puts else "moe_ep._C"
+        assert result["path"] == dict(module=module, memory="nvshmem", unreachable=others,
+                                      ranks_per_node=ranks_per_node), result["path"]
+
+
+@pytest.mark.skipif(not _native.has_nvshmem_device(), reason=str(_native.internode_unavailable_reason()))
 def test_zero_copy_combine_refused_through_puts(pools, gpu_pools, seed):
     p = Problem(seed, 2, 8, 256, 4, max_tokens=16)
     results = gpu_pools(2).run(rank_fns.with_env, KERNELS, rank_fns.with_choices, PUTS,

@@ -274,8 +274,8 @@ void timeline_read(int64_t* out);     // [kTimelineCalls][kTimelineColumns] (syn
 namespace nvshmem_puts {
 
 // One warp puts `bytes` from this PE's `src` to the symmetric `dst` at PE `pe`, then sets the
-// symmetric 64-bit `signal` there to `value`, ordered after the data (nvshmem_puts.cu; built with
-// MOE_EP_NVSHMEM_DEVICE=1 only).
+// symmetric 64-bit `signal` there to `value`, ordered after the data (internode/nvshmem_puts.cu, in
+// moe_ep._internode only).
 void put_with_signal(void* dst, const void* src, size_t bytes, int pe, uint64_t* signal, uint64_t value,
                      cudaStream_t stream);
 

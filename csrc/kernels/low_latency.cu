@@ -13,9 +13,10 @@
 // any number of calls) keep alternating halves on every rank alike.
 //
 // Peers that loads and stores cannot reach (another host; a null entry in the buffer table) get the
-// rows through NVSHMEM puts when the build has NVSHMEM's device library: the row is staged in this
-// rank's send region (registered memory, which an RDMA transport reads from), put into the peer's
-// receive region, and the flag follows as a signal once this rank's puts are complete.
+// rows through NVSHMEM puts in the build with NVSHMEM's device library (moe_ep._internode compiles this
+// file so: internode/low_latency_puts.cu): the row is staged in this rank's send region (registered
+// memory, which an RDMA transport reads from), put into the peer's receive region, and the flag
+// follows as a signal once this rank's puts are complete.
 #include <cuda_bf16.h>
 
 #include <algorithm>

@@ -1,4 +1,5 @@
-"""The low-latency kernels (csrc/kernels/low_latency.cu) over peer buffers mapped with CUDA IPC.
+"""The low-latency kernels (csrc/kernels/low_latency.cu) over peer buffers mapped with CUDA IPC, the
+driver's virtual-memory API or NVSHMEM, and NVSHMEM puts to the peers that no mapping reaches.
 
 Each call launches a send kernel that waits for nothing and returns; the receive kernel runs at once,
 or when the caller runs the hook (`return_recv_hook=True`), so no kernel is resident while data is in
@@ -16,6 +17,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from .. import _native
 from ..config import LowLatencyLayout
 from ..events import finish_event
 from ..handles import LowLatencyHandle
@@ -38,7 +40,9 @@ class LowLatencyBackend(Backend):
         """memory: "vmm" (the driver's virtual-memory API), "ipc" (CUDA IPC handles), "nvshmem"
         (NVSHMEM's symmetric heap, bootstrapped through `group`) or "auto": peers.peer_memory."""
         self.peers = map_peer_buffers(group, gate, num_rdma_bytes, "low_latency_dispatch", memory)
-        self.ops = self.peers.ops
+        # The kernels' module: where a peer is reached through NVSHMEM puts only (another host), the kernels
+        # built with NVSHMEM's device library; else those without it, faster on one host (setup.py says why).
+        self.ops = _native.internode_ops() if self.peers.unreachable else self.peers.ops
         self.rank, self.num_ranks = self.peers.rank, self.peers.num_ranks
         self._gate = gate
         self._pending: Optional[str] = None  # the call whose hook has not run yet
@@ -123,8 +127,8 @@ class LowLatencyBackend(Backend):
         layout = LowLatencyLayout(shape[0], shape[1], self.num_ranks, shape[2])
         for half in range(2):
             start = self.peers.addresses[self.rank] + layout.HEADER_BYTES + half * layout.half_bytes
-            self.ops.device_zero(start, layout.zero_copy_offset)  # the send kernel's scratch
-            self.ops.device_zero(start + layout.send_bytes + layout.recv_bytes, layout.signal_bytes)
+            self.peers.ops.device_zero(start, layout.zero_copy_offset)  # the send kernel's scratch
+            self.peers.ops.device_zero(start + layout.send_bytes + layout.recv_bytes, layout.signal_bytes)
         self._gate.enter(f"{call} (a new low-latency shape: the flags are cleared)")
         self._shape = shape
 

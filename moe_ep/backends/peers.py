@@ -382,7 +382,7 @@ class NvshmemBuffers(MappedBuffers):
     def __init__(self, group: dist.ProcessGroup, gate: ArrivalGate, num_bytes: int, call: str,
                  puts_reach_all: bool = False):
         """puts_reach_all: the caller's kernels put to the peers that loads and stores cannot reach (the
-        internode kernels); otherwise those peers need the low-latency kernels' put build."""
+        internode kernels); otherwise those peers need the low-latency kernels that put (moe_ep._internode)."""
         self._start(group)
         bootstrap_nvshmem(group, gate, num_bytes, call)
         own = self.ops.nvshmem_alloc(num_bytes)
@@ -396,8 +396,8 @@ class NvshmemBuffers(MappedBuffers):
         if self.unreachable and not (puts_reach_all or _native.has_nvshmem_device()):
             raise RuntimeError(
                 f"{call}: ranks {self.unreachable} cannot be reached by loads and stores from rank {self.rank} "
-                "(another host without NVLink), and this build cannot put to them: build with "
-                "MOE_EP_NVSHMEM_DEVICE=1 (NVSHMEM's device library)"
+                f"(another host without NVLink), and this build cannot put to them: "
+                f"{_native.internode_unavailable_reason()}"
             )
         # Every rank zeroed its part before any kernel may write to it; the GPU of each rank comes along.
         payloads = gate.exchange(f"{call} (NVSHMEM buffers ready)", self.device_id)

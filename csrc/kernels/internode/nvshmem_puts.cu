@@ -1,13 +1,12 @@
-// Device-initiated NVSHMEM transfers: what the low-latency kernels need for peers that loads and
-// stores cannot reach (another host: RDMA). Built only with MOE_EP_NVSHMEM_DEVICE=1 (setup.py): the
-// NVSHMEM device library is linked statically and every kernel is compiled relocatable (-rdc), which
-// the build without it avoids. A put works for every PE, reachable or not, so the path can be tested
-// on one GPU; only the transport between hosts needs two of them.
+// A device-initiated NVSHMEM put followed by its signal: the building block of the low-latency kernels'
+// path to peers that loads and stores cannot reach (another host: RDMA), on its own for a test. Built
+// into moe_ep._internode, with NVSHMEM's device library. A put works for every PE, reachable or not, so
+// the path can be tested on one GPU; only the transport between hosts needs two of them.
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
-#include "api.cuh"
-#include "cuda_check.cuh"
+#include "../api.cuh"
+#include "../cuda_check.cuh"
 
 namespace moe_ep {
 namespace nvshmem_puts {
