@@ -189,8 +189,13 @@ class RankPool:
             for rank, (conn, proc) in enumerate(zip(self._conns, self._procs)):
                 if rank in results:
                     continue
-                if conn.poll(0.05):
-                    status, value = _recv(conn)
+                message = None
+                try:
+                    message = _recv(conn) if conn.poll(0.05) else None
+                except (EOFError, OSError):  # the rank's end closed: the process is gone
+                    proc.join(timeout=5)
+                if message is not None:
+                    status, value = message
                     results[rank] = value
                     if status == "err":
                         failures.append(value)

@@ -1144,3 +1144,12 @@ def handle_tuples(p: Problem, num_worst_tokens: int = 0):
     return cpu(dict(normal=normal, normal_len=len(handle), normal_index=[handle[i] for i in range(len(handle))],
                     low_latency=list(ll_handle), low_latency_len=len(ll_handle), before_hook=before_hook,
                     recv_rows=handle.num_recv_rows))
+
+
+def killed_on_rank(dead_rank: int):
+    """dead_rank's process is SIGKILLed; the others return their rank."""
+    import signal
+
+    if dist.get_rank() == dead_rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return dist.get_rank()

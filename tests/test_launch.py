@@ -95,3 +95,17 @@ def test_a_process_reads_its_share_for_the_residency_check():
     assert process_sm_share({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "62.5"}) == 63
     for bad in ("0", "150", "most", ""):
         assert process_sm_share({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": bad}) == 100, bad
+
+
+def test_a_rank_that_dies_is_reported_lost():
+    """A rank process killed in a call: the pool reports that rank lost (its exit code), not a broken pipe
+    of its own."""
+    from moe_ep.launch import RankError
+
+    from . import rank_fns
+
+    with RankPool(3) as pool:
+        with pytest.raises(RankError) as lost:
+            pool.run(rank_fns.killed_on_rank, 1)
+    assert [(f.rank, f.type_name) for f in lost.value.failures] == [(1, "RankLost")], str(lost.value)
+    assert "exited with code -9" in lost.value.failures[0].message
