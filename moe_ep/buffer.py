@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from . import _native, diagnostics, ib_traffic
 from .backends import forms
-from .backends.base import Backend, CombineCall, DispatchCall, LowLatencyCombineCall, LowLatencyDispatchCall
+from .backends.base import (Backend, CombineCall, DispatchCall, LowLatencyCombineCall, LowLatencyDispatchCall,
+                            refuse_capture_without_worst_tokens)
 from .backends.choices import kernel_choices
 from .backends.internode import InternodeBackend, InternodeDispatchState
 from .backends.internode import rdma_size_hint as internode_rdma_size_hint
@@ -628,8 +629,11 @@ class Buffer:
             if not isinstance(config, Config):
                 raise TypeError(f"config: expected a moe_ep.Config, got {type(config).__name__}")
             needed = self._check_nvl_size(hidden * max(x_parts[0].element_size(), 2), config, "dispatch", default)
+            on_kernels = x_parts[0].is_cuda and self._kernels
             if handle is not None:
                 self._check_handle(handle, DispatchHandle, "dispatch")
+                if on_kernels:  # before any check that waits on the device, which a capture refuses
+                    refuse_capture_without_worst_tokens(handle.num_worst_tokens)
                 for name, value in (
                     ("num_tokens_per_rank", num_tokens_per_rank),
                     ("is_token_in_rank", is_token_in_rank),
@@ -645,6 +649,8 @@ class Buffer:
                     raise ValueError(f"x: the handle's layout is for {handle.num_tokens} tokens, got {num_tokens}")
                 self._check_handle_backend(handle, x_parts[0], _KERNEL_STATES, self._kernels, "dispatch")
             else:
+                if on_kernels:
+                    refuse_capture_without_worst_tokens(num_worst_tokens)
                 self._check_layout_args(
                     num_tokens,
                     device,
@@ -969,9 +975,10 @@ class Buffer:
             check_data = self._check_data(x, self._ll_kernels)
             if check_data:
                 check_expert_ids("topk_idx", topk_idx, num_experts)
-        handle = LowLatencyHandle(
-            self.serial, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_tokens, topk_idx.shape[1], x.device
-        )
+            handle = LowLatencyHandle(self.serial, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_tokens,
+                                      topk_idx.shape[1], x.device)
+            if x.is_cuda and self._low_latency is not None:
+                self._low_latency.check_call("low_latency_dispatch", handle)
         if check_data:  # its combine must be given the same top-k
             handle.dispatch_topk_idx = topk_idx.clone()
         call = LowLatencyDispatchCall(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
@@ -1041,9 +1048,12 @@ class Buffer:
                 raise ValueError("async_finish and return_recv_hook: choose one (the hook already defers the receive)")
             if not isinstance(zero_copy, bool):
                 raise TypeError(f"zero_copy: expected a bool, got {type(zero_copy).__name__}")
-            self._check_handle_backend(handle, x, LowLatencyKernelState, self._ll_kernels, "low_latency_dispatch")
+            on_kernels = self._check_handle_backend(handle, x, LowLatencyKernelState, self._ll_kernels,
+                                                    "low_latency_dispatch")
             if handle.dispatch_topk_idx is not None and self._check_data(x, self._ll_kernels):
                 _check_same_topk(topk_idx, handle.dispatch_topk_idx)
+            if on_kernels:
+                self._low_latency.check_call("low_latency_combine", handle, zero_copy, dispatched=True)
         backend = self._low_latency_backend(x)
         if zero_copy:
             x = backend.low_latency_combine_buffer(handle)

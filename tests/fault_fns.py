@@ -513,6 +513,56 @@ def form_disagreements_on_one_rank(odd_rank: int, names):
     return results
 
 
+def _low_latency_call_with_a_hook_pending(c: FormCall, odd: bool, combine: bool):
+    """Every rank dispatches with the hook; the odd rank leaves its hook pending and makes the next call (a
+    dispatch, or with combine the dispatch's combine), which the kernels refuse; it runs the hook after."""
+    dispatched = c.low_latency_dispatch(return_recv_hook=True)
+    hook = dispatched[4]
+    if not odd:
+        hook()
+    try:
+        return c.low_latency_combine(dispatched) if combine else c.low_latency_dispatch()
+    finally:
+        if odd:
+            hook()
+
+
+def _dispatch_captured_without_worst_tokens(c: FormCall, odd: bool):
+    """The odd rank captures its dispatch in a CUDA graph without num_worst_tokens, which the kernels refuse."""
+    if not odd:
+        return c.dispatch()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        return c.dispatch()
+
+
+# What only the kernels refuse, on one rank: name -> (exception, text, the case: f(FormCall, odd: bool)).
+KERNEL_REFUSALS = {
+    "low-latency dispatch with a hook pending": (
+        RuntimeError, "call the hook of the previous low_latency_dispatch first",
+        lambda c, odd: _low_latency_call_with_a_hook_pending(c, odd, combine=False)),
+    "low-latency combine with its dispatch's hook pending": (
+        RuntimeError, "call the hook of the previous low_latency_dispatch first",
+        lambda c, odd: _low_latency_call_with_a_hook_pending(c, odd, combine=True)),
+    "dispatch captured without num_worst_tokens": (
+        RuntimeError, "capturing it in a CUDA graph needs num_worst_tokens > 0", _dispatch_captured_without_worst_tokens),
+}
+
+
+def kernel_refusals_on_one_rank(odd_rank: int, names):
+    """Per case of KERNEL_REFUSALS named, on a new Buffer: (what the call raised on this rank, the valid
+    round on the same Buffer afterwards)."""
+    results = {}
+    for name in names:
+        case = KERNEL_REFUSALS[name][2]
+        buffer = form_buffer()
+        c = FormCall(buffer)
+        c.dispatch()  # the kernels' buffers are mapped (collective) before the case
+        c.low_latency_dispatch()
+        results[name] = (outcome(lambda: case(c, dist.get_rank() == odd_rank)), outcome(lambda: valid_round(buffer)))
+    return results
+
+
 def forms_of_three_values(fp8_rank: int, wide_float_rank: int):
     """fp8_rank dispatches fp8 x, wide_float_rank float32 x of WIDE columns, the others bf16 x: (what the
     dispatch raised on this rank, the valid round on the same Buffer afterwards)."""

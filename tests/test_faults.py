@@ -187,6 +187,29 @@ def test_one_rank_making_a_kernel_call_in_another_form_under_debug(gpu_pools):
     _check_forms_of_one_odd_rank(results, odd_rank, num_ranks, kernels=True)
 
 
+def test_what_only_the_kernels_refuse_on_one_rank_under_debug(gpu_pools):
+    """MOE_EP_DEBUG=1: what the kernels' backends refuse (a hook still pending, a capture that would wait on
+    the host) is checked with the call's arguments, before the meeting, so the refusing rank's peers raise
+    at once naming it instead of waiting in the kernels, and the same Buffer then runs a valid round."""
+    from moe_ep import _native
+    if not _native.has_kernels():
+        pytest.skip(str(_native.unavailable_reason()))
+    odd_rank, num_ranks = 1, 4
+    names = list(fault_fns.KERNEL_REFUSALS)
+    results = gpu_pools(num_ranks).run(with_env, {"MOE_EP_DEBUG": "1"}, fault_fns.on_cuda,
+                                       fault_fns.kernel_refusals_on_one_rank, odd_rank, names,
+                                       timeout_s=FORM_TEST_TIMEOUT_S)
+    for name in names:
+        exc_type, text, _ = fault_fns.KERNEL_REFUSALS[name]
+        for rank, outcomes in enumerate(results):
+            raised, later = outcomes[name]
+            if rank == odd_rank:
+                assert raised[0] == exc_type.__name__ and text in raised[1], (name, raised)
+            else:
+                _refused_by(odd_rank, text, raised)
+            assert later == ("returned", ""), (name, rank, later)
+
+
 def test_ranks_in_three_forms_are_grouped_by_value(pools):
     """Each differing field is named once, with the ranks grouped by value, the smallest groups first."""
     results = pools(NUM_RANKS).run(fault_fns.forms_of_three_values, 2, 3, timeout_s=FORM_TEST_TIMEOUT_S)

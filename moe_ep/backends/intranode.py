@@ -351,11 +351,6 @@ class IntranodeBackend(Backend):
         into_arena = self.arena is not None and not capturing
         cached = handle is not None
         worst = handle.num_worst_tokens if cached else num_worst_tokens
-        if capturing and not worst:
-            raise RuntimeError(
-                "dispatch: capturing it in a CUDA graph needs num_worst_tokens > 0 (a dispatch without it "
-                "waits on the host for the received token counts)"
-            )
         x = aligned(x_parts[0])
         scales = aligned(x_parts[1]) if len(x_parts) == 2 else None
         if not cached and topk_idx is not None:

@@ -80,13 +80,28 @@ class LowLatencyBackend(Backend):
     def close(self) -> None:
         self.peers.close()
 
-    def _begin(self, call: str, handle: LowLatencyHandle):
-        """The call's context."""
+    def check_call(self, call: str, handle: LowLatencyHandle, zero_copy: bool = False, dispatched: bool = False) -> None:
+        """What these kernels refuse of a call, raised before any rank communicates: the Buffer runs it with
+        the call's argument checks, so that under MOE_EP_DEBUG=1 the peers learn of the refusal and every
+        rank leaves the call. handle: the dispatch's (for a dispatch, the one it will return); dispatched:
+        the call is a combine of that dispatch."""
         if self._pending is not None:
             raise RuntimeError(
                 f"{call}: call the hook of the previous {self._pending} first (the kernels alternate between two "
                 "halves of the buffer, so a receive must finish before the next call is issued)"
             )
+        if dispatched and not handle.backend_state.received:
+            raise RuntimeError(
+                "handle: its low_latency_dispatch has not received yet: call the dispatch's hook() first"
+            )
+        if zero_copy:
+            self.check_zero_copy(call)
+        shape = (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+        if self._shape is not None and shape != self._shape:
+            _refuse_capture(call, shape)
+
+    def _begin(self, call: str, handle: LowLatencyHandle):
+        """The call's context (the Buffer ran check_call)."""
         self.check_errors()
         shape = (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         if self._shape is not None and shape != self._shape:
@@ -116,12 +131,7 @@ class LowLatencyBackend(Backend):
         if self._pending is not None:
             raise RuntimeError(f"{call}: call the hook of the previous {self._pending} first (its receive "
                                "waits for the flags that this would clear)")
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"{call}: the first call of a new low-latency shape {shape} (max tokens, hidden, experts) "
-                "clears the buffer's flags on every rank and cannot be captured in a CUDA graph: make one "
-                "call of that shape before capturing"
-            )
+        _refuse_capture(call, shape)
         torch.cuda.synchronize()  # this rank's kernels of the old shape are done
         self._gate.enter(f"{call} (a new low-latency shape: the old calls are done)")
         layout = LowLatencyLayout(shape[0], shape[1], self.num_ranks, shape[2])
@@ -227,12 +237,6 @@ class LowLatencyBackend(Backend):
         by the tokens' ranks (a local copy and a pull: pushing them into the peers' buffers is several
         times slower with ranks sharing a GPU); else they are pushed."""
         state: LowLatencyKernelState = handle.backend_state
-        if not state.received:
-            raise RuntimeError(
-                "handle: its low_latency_dispatch has not received yet: call the dispatch's hook() first"
-            )
-        if zero_copy:
-            self.check_zero_copy("low_latency_combine")
         stage_rows = not zero_copy and not self.peers.unreachable
         zero_copy_slot = slot if zero_copy or stage_rows else -1
         ctx = self._begin("low_latency_combine", handle)
@@ -252,3 +256,13 @@ class LowLatencyBackend(Backend):
 
         hook = self._deferred("low_latency_combine", receive, return_recv_hook)
         return (out if out is not None else target), hook
+
+
+def _refuse_capture(call: str, shape) -> None:
+    """A new shape's flags are cleared between two meetings of the ranks, which no CUDA graph can hold."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{call}: the first call of a new low-latency shape {shape} (max tokens, hidden, experts) "
+            "clears the buffer's flags on every rank and cannot be captured in a CUDA graph: make one "
+            "call of that shape before capturing"
+        )
