@@ -99,8 +99,14 @@ def test_a_bad_call_argument_on_one_rank_leaves_the_buffer_usable(pools, num_ran
     bad_rank = num_ranks - 1
     names = _bad_call_names()
     results = pools(num_ranks).run(fault_fns.bad_call_on_one_rank, bad_rank, names)
+    _check_refusals_of_one_rank(results, bad_rank, BAD_CALLS, names)
+
+
+def _check_refusals_of_one_rank(results, bad_rank: int, cases: dict, names) -> None:
+    """Per case named (cases: name -> (exception, text, the case)): the bad rank raised it, its peers named
+    it at once, and every rank then ran a valid round on the same Buffer."""
     for name in names:
-        exc_type, text, _ = BAD_CALLS[name]
+        exc_type, text, _ = cases[name]
         for rank, outcomes in enumerate(results):
             raised, later = outcomes[name]
             if rank == bad_rank:
@@ -199,15 +205,7 @@ def test_what_only_the_kernels_refuse_on_one_rank_under_debug(gpu_pools):
     results = gpu_pools(num_ranks).run(with_env, {"MOE_EP_DEBUG": "1"}, fault_fns.on_cuda,
                                        fault_fns.kernel_refusals_on_one_rank, odd_rank, names,
                                        timeout_s=FORM_TEST_TIMEOUT_S)
-    for name in names:
-        exc_type, text, _ = fault_fns.KERNEL_REFUSALS[name]
-        for rank, outcomes in enumerate(results):
-            raised, later = outcomes[name]
-            if rank == odd_rank:
-                assert raised[0] == exc_type.__name__ and text in raised[1], (name, raised)
-            else:
-                _refused_by(odd_rank, text, raised)
-            assert later == ("returned", ""), (name, rank, later)
+    _check_refusals_of_one_rank(results, odd_rank, fault_fns.KERNEL_REFUSALS, names)
 
 
 def test_ranks_in_three_forms_are_grouped_by_value(pools):
