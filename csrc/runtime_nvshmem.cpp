@@ -1,10 +1,10 @@
 // NVSHMEM host-side runtime: bootstrap from a unique id (which moe_ep sends through the Buffer's
 // process group), the symmetric heap, and peer pointers for ranks reachable by loads and stores.
-// Without the device library (the default build) initialisation goes through
-// nvshmemx_hostlib_init_attr, which returns a status where nvshmemx_init_attr would exit the process.
-// With it (MOE_EP_NVSHMEM_DEVICE=1) the device-side calls need the device library's state set up for
-// this module's statically linked code: nvshmemi_init_thread does that (it is what the inline
-// nvshmemx_init_attr calls, and it returns its status instead of exiting).
+// Without the device library (moe_ep._C) initialisation goes through nvshmemx_hostlib_init_attr, which
+// returns a status where nvshmemx_init_attr would exit the process. With it (moe_ep._internode, through
+// internode_runtime.cpp) the device-side calls need the device library's state set up for that module's
+// statically linked code: nvshmemi_init_thread does that (it is what the inline nvshmemx_init_attr calls,
+// and it returns its status instead of exiting).
 #include <nvshmem.h>
 #include <nvshmemx.h>
 

@@ -629,10 +629,11 @@ class Buffer:
             if not isinstance(config, Config):
                 raise TypeError(f"config: expected a moe_ep.Config, got {type(config).__name__}")
             needed = self._check_nvl_size(hidden * max(x_parts[0].element_size(), 2), config, "dispatch", default)
-            on_kernels = x_parts[0].is_cuda and self._kernels
+            # (The internode kernels' fresh dispatch waits on the host for its counts even with num_worst_tokens.)
+            intranode = x_parts[0].is_cuda and self._kernels and self.ranks_per_node == self.group_size
             if handle is not None:
                 self._check_handle(handle, DispatchHandle, "dispatch")
-                if on_kernels:  # before any check that waits on the device, which a capture refuses
+                if intranode:  # before any check that waits on the device, which a capture refuses
                     refuse_capture_without_worst_tokens(handle.num_worst_tokens)
                 for name, value in (
                     ("num_tokens_per_rank", num_tokens_per_rank),
@@ -649,7 +650,7 @@ class Buffer:
                     raise ValueError(f"x: the handle's layout is for {handle.num_tokens} tokens, got {num_tokens}")
                 self._check_handle_backend(handle, x_parts[0], _KERNEL_STATES, self._kernels, "dispatch")
             else:
-                if on_kernels:
+                if intranode:
                     refuse_capture_without_worst_tokens(num_worst_tokens)
                 self._check_layout_args(
                     num_tokens,
@@ -1053,7 +1054,7 @@ class Buffer:
             if handle.dispatch_topk_idx is not None and self._check_data(x, self._ll_kernels):
                 _check_same_topk(topk_idx, handle.dispatch_topk_idx)
             if on_kernels:
-                self._low_latency.check_call("low_latency_combine", handle, zero_copy, dispatched=True)
+                self._low_latency.check_call("low_latency_combine", handle, dispatched=True)
         backend = self._low_latency_backend(x)
         if zero_copy:
             x = backend.low_latency_combine_buffer(handle)

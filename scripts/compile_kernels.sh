@@ -63,6 +63,10 @@ done
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done
 compile "$NVCC" -dlink -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 \
   "${INTERNODE_OBJS[@]}" -L "$NVSHMEM_LIB" -lnvshmem_device -o "$OUT/internode_dlink.o" || status=1
+# The measuring build's low-latency kernels that put (setup.py hands MOE_EP_TIMELINE to both modules).
+compile "$NVCC" "${COMMON[@]}" -I "$NVSHMEM_INC" -rdc=true -gencode=arch=compute_90,code=sm_90 --expt-relaxed-constexpr \
+  "${TORCH_NVCC[@]}" "${NVSHMEM_DEVICE_NVCC[@]}" -DMOE_EP_TIMELINE=1 -c csrc/kernels/internode/low_latency_puts.cu \
+  -o "$OUT/low_latency_puts_timeline.o" || status=1
 compile g++ "${COMMON[@]}" -std=c++20 $TORCH_INCS -idirafter "$OUT/shim" -I "$PY_INC" ${PYBIND_INC:+-I "$PYBIND_INC"} \
   -DTORCH_EXTENSION_NAME=_internode -fsyntax-only csrc/internode_bindings.cpp || status=1
 compile g++ "${COMMON[@]}" -I "$NVSHMEM_INC" -fsyntax-only csrc/internode_runtime.cpp || status=1

@@ -870,22 +870,6 @@ def nvshmem_put_round(num_bytes: int):
     return result
 
 
-def zero_copy_refused_then_round(p: Problem):
-    """With every peer reached through puts (low_latency_puts=True): a zero-copy combine buffer is refused
-    with its reason, and an ordinary round on the same Buffer still works. -> (message, round)"""
-    buffer = low_latency_buffer(p)
-    inp = my_inputs(p)
-    _, _, handle, _, _ = buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens, p.num_experts)
-    try:
-        buffer.get_next_low_latency_combine_buffer(handle)
-        message = "no exception"
-    except ValueError as exc:
-        message = str(exc)
-    zeros = torch.zeros(p.local_experts, p.num_ranks * p.max_tokens, p.hidden, dtype=torch.bfloat16, device=device())
-    buffer.low_latency_combine(zeros, inp["topk_idx"], inp["topk_weights"], handle)
-    return message, low_latency_round(p, use_fp8=True, buffer=buffer)
-
-
 def low_latency_round_and_path(p: Problem, **variant):
     """low_latency_round on a new Buffer, with how its kernels reached the peers: the kernels' module
     (moe_ep._C, or moe_ep._internode where a peer is reached through puts), the peers' memory and the ranks

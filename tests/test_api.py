@@ -108,14 +108,16 @@ def test_backend_environment_variable(monkeypatch):
 
 @pytest.mark.parametrize("backend", ["kernels", "portable"])
 def test_buffers_the_kernels_cannot_serve(pools, backend):
-    """MOE_EP_BACKEND=kernels: a Buffer the kernels cannot serve (here a group of two one-rank nodes, or
-    on a machine without the extension any Buffer) raises a RuntimeError that says why, for its normal
-    and its low-latency calls alike; MOE_EP_BACKEND=portable takes it on the portable backend."""
+    """MOE_EP_BACKEND=kernels: a Buffer the kernels cannot serve (here a group of two one-rank nodes where
+    the internode module is not built, or on a machine without the extension any Buffer) raises a
+    RuntimeError that says why, for its normal and its low-latency calls alike; MOE_EP_BACKEND=portable
+    takes it on the portable backend. Where the internode module is built, its kernels serve both."""
     from moe_ep import _native
     outcomes = pools(2).run(rank_fns.with_env, {"MOE_EP_BACKEND": backend}, rank_fns.buffers_the_kernels_cannot_serve)
-    why = _native.unavailable_reason() or "the group spans 2 nodes of 1 ranks"
+    reason = _native.internode_unavailable_reason()
+    why = _native.unavailable_reason() or f"the group spans 2 nodes of 1 ranks and {reason}"
     for (normal, low_latency) in outcomes:
-        if backend == "portable":
+        if backend == "portable" or reason is None:
             assert normal == low_latency == ("returned", ""), (normal, low_latency)
             continue
         for (kind, message), calls in ((normal, "normal"), (low_latency, "low-latency")):

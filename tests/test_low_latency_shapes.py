@@ -36,7 +36,7 @@ def backend(monkeypatch):
     b = LowLatencyBackend.__new__(LowLatencyBackend)
     b.ops, b._gate, b.rank, b.num_ranks = recorder, recorder, 1, RANKS
     b.peers = SimpleNamespace(addresses=[0, BASE, 0, 0], pointers=torch.zeros(1), ranks_on_device=1, host_info=None,
-                              timeout_s=5.0, timeout_error=lambda: None)
+                              timeout_s=5.0, timeout_error=lambda: None, ops=recorder)
     b._pending, b._contexts, b._shape = None, {}, None
     return b, recorder
 
@@ -85,4 +85,30 @@ def test_clearing_refuses_inside_a_cuda_graph_capture(backend, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
         b._begin("low_latency_dispatch", handle(16, 256, 16))
+    assert recorder.events == []
+
+
+def test_what_the_kernels_refuse_is_checked_before_any_call(backend, monkeypatch):
+    """check_call, which the Buffer runs with a call's argument checks (before any rank communicates):
+    a pending hook, a combine before its dispatch received, a new shape inside a capture; a repeated shape
+    inside a capture passes."""
+    from moe_ep.backends.low_latency import LowLatencyKernelState
+
+    b, recorder = backend
+    b._begin("low_latency_dispatch", handle(32, 256, 16))
+    b.check_call("low_latency_dispatch", handle(32, 256, 16))
+    b._pending = "low_latency_dispatch"
+    with pytest.raises(RuntimeError, match="call the hook of the previous low_latency_dispatch first"):
+        b.check_call("low_latency_combine", handle(32, 256, 16))
+    b._pending = None
+    dispatched = handle(32, 256, 16)
+    dispatched.backend_state = LowLatencyKernelState(torch.zeros(4, dtype=torch.int32), torch.zeros(4, 4))
+    with pytest.raises(RuntimeError, match="has not received yet"):
+        b.check_call("low_latency_combine", dispatched, dispatched=True)
+    dispatched.backend_state.received = True
+    b.check_call("low_latency_combine", dispatched, dispatched=True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    b.check_call("low_latency_dispatch", handle(32, 256, 16))
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        b.check_call("low_latency_dispatch", handle(16, 256, 16))
     assert recorder.events == []

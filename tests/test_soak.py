@@ -25,7 +25,9 @@ pytestmark = [
 KERNELS = {"MOE_EP_BACKEND": "kernels"}
 ROUNDS = int(os.environ.get("MOE_EP_SOAK_ROUNDS", "200"))
 REPLAYS = int(os.environ.get("MOE_EP_GRAPH_REPLAYS", "50"))
-CHUNK = 250  # rounds a pool call: well inside its timeout
+# Rounds a pool call: well inside its timeout, and at least four calls, so that the allocator's bytes are
+# compared at three points after the first.
+CHUNK = max(1, min(250, ROUNDS // 4))
 
 
 def _soak(gpu_pools, num_ranks, fn, seed, **kwargs):
@@ -100,7 +102,7 @@ def test_a_rank_killed_mid_call(tmp_path, kind):
     for rank in (0, 1, 3):
         outcome = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert outcome["raised"] is not None and outcome["raised"][0] == "TimeoutError", outcome
-        assert "2" in outcome["raised"][1], outcome
+        assert "rank 2" in outcome["raised"][1] or "rank(s) 2" in outcome["raised"][1], outcome
         assert outcome["after_s"] < TIMEOUT_S + 15, outcome
         assert outcome["later"] is not None and outcome["later"][0] in ("TimeoutError", "RuntimeError"), outcome
         assert outcome["later_after_s"] < TIMEOUT_S + 15, outcome

@@ -118,8 +118,8 @@ class Backend:
 
 
 def refuse_capture_without_worst_tokens(num_worst_tokens: int) -> None:
-    """The kernels' dispatch is capturable in a CUDA graph only with num_worst_tokens: without it the
-    host waits for the received token counts to size recv_x."""
+    """The intranode kernels' dispatch is capturable in a CUDA graph only with num_worst_tokens: without it
+    the host waits for the received token counts to size recv_x."""
     if not num_worst_tokens and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "dispatch: capturing it in a CUDA graph needs num_worst_tokens > 0 (a dispatch without it "

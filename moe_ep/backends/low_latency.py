@@ -40,9 +40,10 @@ class LowLatencyBackend(Backend):
         """memory: "vmm" (the driver's virtual-memory API), "ipc" (CUDA IPC handles), "nvshmem"
         (NVSHMEM's symmetric heap, bootstrapped through `group`) or "auto": peers.peer_memory."""
         self.peers = map_peer_buffers(group, gate, num_rdma_bytes, "low_latency_dispatch", memory)
-        # The kernels' module: where a peer is reached through NVSHMEM puts only (another host), the kernels
-        # built with NVSHMEM's device library; else those without it, faster on one host (setup.py says why).
-        self.ops = _native.internode_ops() if self.peers.unreachable else self.peers.ops
+        # The kernels' module: where a rank of the group reaches a peer through NVSHMEM puts only (another
+        # host), the kernels built with NVSHMEM's device library, on every rank alike (their combines push
+        # rows, where mapped ranks' pull them); else those without it, faster on one host (setup.py says why).
+        self.ops = _native.internode_ops() if self.peers.puts_anywhere else self.peers.ops
         self.rank, self.num_ranks = self.peers.rank, self.peers.num_ranks
         self._gate = gate
         self._pending: Optional[str] = None  # the call whose hook has not run yet
@@ -80,7 +81,7 @@ class LowLatencyBackend(Backend):
     def close(self) -> None:
         self.peers.close()
 
-    def check_call(self, call: str, handle: LowLatencyHandle, zero_copy: bool = False, dispatched: bool = False) -> None:
+    def check_call(self, call: str, handle: LowLatencyHandle, dispatched: bool = False) -> None:
         """What these kernels refuse of a call, raised before any rank communicates: the Buffer runs it with
         the call's argument checks, so that under MOE_EP_DEBUG=1 the peers learn of the refusal and every
         rank leaves the call. handle: the dispatch's (for a dispatch, the one it will return); dispatched:
@@ -94,8 +95,6 @@ class LowLatencyBackend(Backend):
             raise RuntimeError(
                 "handle: its low_latency_dispatch has not received yet: call the dispatch's hook() first"
             )
-        if zero_copy:
-            self.check_zero_copy(call)
         shape = (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
         if self._shape is not None and shape != self._shape:
             _refuse_capture(call, shape)
@@ -199,20 +198,10 @@ class LowLatencyBackend(Backend):
         source = torch.div(state.recv_src_info, num_topk, rounding_mode="floor")
         return torch.where(rows < state.recv_count.unsqueeze(1), source, torch.full_like(source, -1))
 
-    def check_zero_copy(self, call: str) -> None:
-        """A zero-copy combine reads rows where they lie, which a peer reached through puts cannot."""
-        if self.peers.unreachable:
-            raise ValueError(
-                f"zero_copy: {call} reads the experts' rows in their ranks' buffers, and ranks "
-                f"{self.peers.unreachable} are reached through NVSHMEM puts only (no mapping from rank "
-                f"{self.rank}): use zero_copy=False"
-            )
-
     def zero_copy_rows(self, handle: LowLatencyHandle, slot: int) -> torch.Tensor:
         """Slot `slot` (0 or 1) of this rank's zero-copy combine rows: [L, R x max, H] bf16 inside its
-        mapped buffer, where the peers' combine receives read them in place (no row is copied). Valid
-        while the Buffer lives."""
-        self.check_zero_copy("get_next_low_latency_combine_buffer")
+        mapped buffer, where the peers' combine receives read them in place (no row is copied; where the group
+        puts, they are pushed from there). Valid while the Buffer lives."""
         max_tokens, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         layout = LowLatencyLayout(max_tokens, hidden, self.num_ranks, num_experts)
         local, rows = num_experts // self.num_ranks, self.num_ranks * max_tokens
@@ -233,12 +222,17 @@ class LowLatencyBackend(Backend):
         zero_copy: bool = False,
     ):
         """slot: the zero-copy rows (0 or 1) this combine owns; with zero_copy, x is zero_copy_rows(slot).
-        Without it, when every rank is mapped, x's received rows are copied into that slot and read there
-        by the tokens' ranks (a local copy and a pull: pushing them into the peers' buffers is several
-        times slower with ranks sharing a GPU); else they are pushed."""
+        Where every rank is mapped, the tokens' ranks read the rows there: x's received rows are copied into
+        that slot first unless zero_copy (a local copy and a pull: pushing them into the peers' buffers is
+        several times slower with ranks sharing a GPU). Where the group puts, every rank pushes its rows."""
         state: LowLatencyKernelState = handle.backend_state
-        stage_rows = not zero_copy and not self.peers.unreachable
-        zero_copy_slot = slot if zero_copy or stage_rows else -1
+        if self.peers.puts_anywhere:
+            # A peer reached through puts cannot read rows in place: they are pushed, from a copy where
+            # they lie in the slot, whose bytes the push stages its own rows in.
+            x = x.clone() if zero_copy else x
+            stage_rows, zero_copy_slot = False, -1
+        else:
+            stage_rows, zero_copy_slot = not zero_copy, slot
         ctx = self._begin("low_latency_combine", handle)
         x = aligned(x)
         topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()

@@ -228,6 +228,7 @@ class MappedBuffers:
         self.num_ranks = dist.get_world_size(group)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.unreachable: List[int] = []  # ranks reached through puts (no mapping: NVSHMEM only)
+        self.puts_anywhere = False  # some rank of the group reaches some peer through puts
         # Ranks sharing one GPU must fit their blocks on it together: the GPU is part of each payload.
         self.device_id = str(torch.cuda.get_device_properties(self.device).uuid).encode()
 
@@ -399,6 +400,10 @@ class NvshmemBuffers(MappedBuffers):
                 f"(another host without NVLink), and this build cannot put to them: "
                 f"{_native.internode_unavailable_reason()}"
             )
+        # Whether rows are pulled or pushed is the group's choice, not a rank's: every rank learns whether
+        # any rank puts (a rank that reaches all its peers may still be put to by one that does not).
+        said = gate.exchange(f"{call} (peers reached through puts)", b"1" if self.unreachable else b"0")
+        self.puts_anywhere = b"1" in said
         # Every rank zeroed its part before any kernel may write to it; the GPU of each rank comes along.
         payloads = gate.exchange(f"{call} (NVSHMEM buffers ready)", self.device_id)
         self._own = own

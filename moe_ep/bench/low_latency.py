@@ -94,18 +94,15 @@ def _rank_bench(args, num_experts: int):
 
     results["dispatch_us"] = wall_seconds_per_call(dispatch, args.warmup, args.iters) * 1e6
     results["combine_us"] = wall_seconds_per_call(combine, args.warmup, args.iters) * 1e6
-    zero_copy = not getattr(args, "puts", False)  # a peer reached through puts cannot be read in place
-    if zero_copy:
-        for _ in range(2):  # both zero-copy slots hold the expert outputs
-            buffer.get_next_low_latency_combine_buffer(handle).copy_(y)
-            combine_in_place()
-        results["combine_zero_copy_us"] = wall_seconds_per_call(combine_in_place, args.warmup, args.iters) * 1e6
+    for _ in range(2):  # both zero-copy slots hold the expert outputs
+        buffer.get_next_low_latency_combine_buffer(handle).copy_(y)
+        combine_in_place()
+    results["combine_zero_copy_us"] = wall_seconds_per_call(combine_in_place, args.warmup, args.iters) * 1e6
     if args.graph and not args.cpu:  # every rank captures and replays the same calls, so they pair up
         dist.barrier()
         results["dispatch_graph_us"] = cuda_kernel_us(dispatch, calls=args.iters, replays=5)
         results["combine_graph_us"] = cuda_kernel_us(combine, calls=args.iters, replays=5)
-        if zero_copy:
-            results["combine_zero_copy_graph_us"] = cuda_kernel_us(combine_in_place, calls=args.iters, replays=5)
+        results["combine_zero_copy_graph_us"] = cuda_kernel_us(combine_in_place, calls=args.iters, replays=5)
     # With the hook: time the send and the receive parts on their own.
     sends, recvs = [], []
     for i in range(args.warmup + args.iters):
@@ -136,7 +133,9 @@ def _rank_bench(args, num_experts: int):
     results["dispatch_gbps"] = selections * per_selection["dispatch"] / results["dispatch_us"] / 1e3
     results["combine_gbps"] = selections * per_selection["combine"] / results["combine_us"] / 1e3
     topology = buffer.topology()
-    results["backend"] = ("puts" if not zero_copy else "kernels") if topology["mapped"]["low_latency"] else "portable"
+    # "puts" where this rank reaches a peer through NVSHMEM puts (--puts, or a peer on another host).
+    puts = "nvshmem_put" in (topology["peers"]["low_latency"] or [])
+    results["backend"] = ("puts" if puts else "kernels") if topology["mapped"]["low_latency"] else "portable"
     # How the peers' buffers were mapped (the mapping moves these figures: `--peer-memory vmm` / `ipc`).
     results["peer_memory"] = topology["peer_memory"]["low_latency"]
     results["peer_times"] = peers_in_these_ranks(args, selections_per_rank(topk_idx, num_experts, dist.get_world_size()),
@@ -174,8 +173,7 @@ def make_parser() -> argparse.ArgumentParser:
                              "or auto (vmm where the GPU can)")
     parser.add_argument("--puts", action="store_true",
                         help="every peer reached through NVSHMEM puts, as peers on other hosts are (the buffers on "
-                             "NVSHMEM's heap; the kernels of moe_ep._internode); no zero-copy combine, which puts "
-                             "cannot serve")
+                             "NVSHMEM's heap; the kernels of moe_ep._internode)")
     add_output_arguments(parser)
     add_peer_arguments(parser)
     return parser
@@ -222,14 +220,13 @@ def report_problem(args, num_ranks: int, num_experts: int, rows: list, peer_rows
     shape = dict(tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=num_experts)
     worst = slowest(rows)
     mean = {k: sum(r[k] for r in rows) / len(rows) for k in ("dispatch_gbps", "combine_gbps")}
-    shown = lambda key, width: f"{worst[key]:>{width}.1f}" if key in worst else f"{'-':>{width}}"  # noqa: E731
     say(bar, f"{num_ranks:>5} {num_experts:>7} {rows[0]['backend']:>8} {worst['dispatch_us']:>11.1f} "
              f"{mean['dispatch_gbps']:>6.1f} {worst['combine_us']:>10.1f} {mean['combine_gbps']:>6.1f} "
-             f"{shown('combine_zero_copy_us', 12)} "
+             f"{worst['combine_zero_copy_us']:>12.1f} "
              f"{worst['dispatch_send_us']:>9.1f}+{worst['dispatch_recv_us']:<9.1f} / "
              f"{worst['combine_send_us']:>7.1f}+{worst['combine_recv_us']:<7.1f}"
              + (f"  graph: {worst['dispatch_graph_us']:.1f} / {worst['combine_graph_us']:.1f} / "
-                f"{shown('combine_zero_copy_graph_us', 0)} us" if "dispatch_graph_us" in worst else ""))
+                f"{worst['combine_zero_copy_graph_us']:.1f} us" if "dispatch_graph_us" in worst else ""))
     for key, value in worst.items():
         call, metric = call_and_metric(key)
         report.add(call, shape, num_ranks, MOE_EP, metric, value, "us")
