@@ -27,6 +27,13 @@ class Recorder:
     def LowLatencyCtx(self, *args):
         return SimpleNamespace(args=args)
 
+    def ll_combine_send(self, ctx, x, recv_count, recv_src_info, num_topk, num_tokens, out, zero_copy_slot, stage_rows):
+        self.events.append(("combine_send", x, zero_copy_slot, stage_rows))
+        return torch.empty(num_tokens, x.shape[-1])
+
+    def ll_combine_recv(self, ctx, topk_idx, topk_weights, target, zero_copy_slot):
+        self.events.append(("combine_recv", zero_copy_slot))
+
 
 @pytest.fixture
 def backend(monkeypatch):
@@ -112,3 +119,24 @@ def test_what_the_kernels_refuse_is_checked_before_any_call(backend, monkeypatch
     with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
         b.check_call("low_latency_dispatch", handle(16, 256, 16))
     assert recorder.events == []
+
+
+@pytest.mark.parametrize("puts_anywhere", [False, True])
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_the_group_pulls_or_pushes_combine_rows(backend, puts_anywhere, zero_copy):
+    """Where every rank is mapped, a combine's rows are read in its slot (staged there first unless
+    zero-copy); where any rank of the group puts, every rank pushes them, a zero-copy combine from a copy
+    of its slot (the push stages rows in the same bytes), and the receive reads its own region."""
+    from moe_ep.backends.low_latency import LowLatencyKernelState
+
+    b, recorder = backend
+    b.peers.puts_anywhere = puts_anywhere
+    h = handle(32, 256, 16)
+    h.backend_state = LowLatencyKernelState(torch.zeros(4, dtype=torch.int32), torch.zeros(4, 128), received=True)
+    x = torch.zeros(4, 128, 256, dtype=torch.bfloat16)
+    idx, w = torch.zeros(8, 4, dtype=torch.int64), torch.zeros(8, 4)
+    b._combine(x, idx, w, h, return_recv_hook=False, out=None, slot=1, zero_copy=zero_copy)
+    (_, sent, slot, staged), (_, read_slot) = [e for e in recorder.events if e[0].startswith("combine")]
+    assert slot == read_slot == (-1 if puts_anywhere else 1)
+    assert staged == (not puts_anywhere and not zero_copy)
+    assert (sent.data_ptr() == x.data_ptr()) == (not (puts_anywhere and zero_copy)) and torch.equal(sent, x)
