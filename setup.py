@@ -83,7 +83,8 @@ def cuda_extension():
         _say(f"NVSHMEM from {lib}")
     else:
         define_macros.append(("MOE_EP_NVSHMEM_REASON", f'"{nvshmem_reason}"'))
-        _say(f"building without NVSHMEM: {nvshmem_reason}; the internode kernels and low-latency calls across hosts are left out")
+        _say(f"building without NVSHMEM: {nvshmem_reason}; the internode kernels and low-latency calls across "
+             "hosts are left out")
     ext = CUDAExtension(
         "moe_ep._C", sources, include_dirs=include_dirs, define_macros=define_macros, libraries=libraries,
         extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags}, extra_link_args=extra_link)

@@ -1,6 +1,7 @@
 // Bindings of the low-latency kernels (kernels/low_latency.cu), shared by the two modules that build
-// them: moe_ep._C (peers reached by loads and stores) and moe_ep._internode (the same kernels with
-// NVSHMEM's device library, for peers that only puts reach). Internal linkage: each module its own copy.
+// them: moe_ep._C (for groups whose peers are all mapped) and moe_ep._internode (the same kernels with
+// NVSHMEM's device library, for groups where some peer only puts reach). Internal linkage: each module
+// its own copy.
 #pragma once
 
 #include <c10/cuda/CUDAGuard.h>
@@ -15,6 +16,7 @@
 
 namespace moe_ep {
 namespace {
+
 struct LowLatencyCtx {
     int64_t buffers;
     int rank, num_ranks, ranks_on_device;

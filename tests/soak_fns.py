@@ -42,7 +42,7 @@ def _on_cpu():
 
 
 def _problem(seed: int, i: int, num_experts: int) -> Problem:
-    """Round i's problem: its own seed, top-k, share of -1 ids, skew and zero-token rank."""
+    """Case i's problem: its own seed, top-k, share of -1 ids, skew and zero-token rank."""
     rng = random.Random(seed * 1_000_003 + i)
     return Problem(seed * 1_000_003 + i, dist.get_world_size(), num_experts, HIDDEN, rng.choice([1, 2, 4, 8]),
                    max_tokens=rng.randint(1, MAX_TOKENS), drop=rng.choice([0.0, 0.2, 0.6]),
