@@ -57,7 +57,8 @@ class _NoLaunches:
 def stub_kernels(buffer: Buffer) -> None:
     backend = LowLatencyBackend.__new__(LowLatencyBackend)
     backend.peers = types.SimpleNamespace(pointers=torch.zeros(1, dtype=torch.int64, device="cpu"), ranks_on_device=1,
-                                          host_info=None, timeout_s=buffer.timeout_s, timeout_error=lambda: None, unreachable=[])
+                                          host_info=None, timeout_s=buffer.timeout_s, timeout_error=lambda: None, unreachable=[],
+                                          puts_anywhere=False)
     backend.ops, backend.rank, backend.num_ranks, backend._pending, backend._contexts = _NoLaunches(), 0, 1, None, {}
     backend._shape, backend._combine_next, backend._combine_rows = None, 0, [None, None]
     buffer._low_latency = backend
