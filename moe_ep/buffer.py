@@ -19,7 +19,7 @@ import torch.distributed as dist
 from . import _native, diagnostics, ib_traffic
 from .backends import forms
 from .backends.base import (Backend, CombineCall, DispatchCall, LowLatencyCombineCall, LowLatencyDispatchCall,
-                            refuse_capture_without_worst_tokens)
+                            refuse_capture_of_a_host_wait)
 from .backends.choices import kernel_choices
 from .backends.internode import InternodeBackend, InternodeDispatchState
 from .backends.internode import rdma_size_hint as internode_rdma_size_hint
@@ -629,12 +629,14 @@ class Buffer:
             if not isinstance(config, Config):
                 raise TypeError(f"config: expected a moe_ep.Config, got {type(config).__name__}")
             needed = self._check_nvl_size(hidden * max(x_parts[0].element_size(), 2), config, "dispatch", default)
-            # (The internode kernels' fresh dispatch waits on the host for its counts even with num_worst_tokens.)
-            intranode = x_parts[0].is_cuda and self._kernels and self.ranks_per_node == self.group_size
+            on_kernels = x_parts[0].is_cuda and self._kernels
+            across_nodes = self.ranks_per_node != self.group_size
             if handle is not None:
                 self._check_handle(handle, DispatchHandle, "dispatch")
-                if intranode:  # before any check that waits on the device, which a capture refuses
-                    refuse_capture_without_worst_tokens(handle.num_worst_tokens)
+                # Before any check that waits on the device, which a capture refuses. (A cached dispatch
+                # across nodes waits for nothing on the host.)
+                if on_kernels and not across_nodes:
+                    refuse_capture_of_a_host_wait(handle.num_worst_tokens, across_nodes=False)
                 for name, value in (
                     ("num_tokens_per_rank", num_tokens_per_rank),
                     ("is_token_in_rank", is_token_in_rank),
@@ -650,8 +652,8 @@ class Buffer:
                     raise ValueError(f"x: the handle's layout is for {handle.num_tokens} tokens, got {num_tokens}")
                 self._check_handle_backend(handle, x_parts[0], _KERNEL_STATES, self._kernels, "dispatch")
             else:
-                if intranode:
-                    refuse_capture_without_worst_tokens(num_worst_tokens)
+                if on_kernels:
+                    refuse_capture_of_a_host_wait(num_worst_tokens, across_nodes)
                 self._check_layout_args(
                     num_tokens,
                     device,
@@ -1076,8 +1078,9 @@ class Buffer:
         """The [L, R*max, H] bf16 tensor the next low_latency_combine(zero_copy=True) reads: write the
         expert outputs here (on the current stream, after the handle's dispatch has received) and no
         row is copied: with the kernels it lies in this rank's mapped buffer, where the ranks that own
-        the tokens read the rows. Two such tensors alternate between combines; they are valid while
-        the Buffer lives."""
+        the tokens read the rows (where the group reaches a peer through NVSHMEM puts, the rows are put
+        from there instead). Two such tensors alternate between combines; they are valid while the
+        Buffer lives."""
         self._check_alive()
         self._check_handle(handle, LowLatencyHandle, "low_latency_dispatch")
         self._check_low_latency(  # the view must lie inside the buffer

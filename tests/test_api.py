@@ -165,3 +165,20 @@ def test_default_config_size_hints_cover_both_calls_default_configs():
             assert rdma >= config.get_rdma_buffer_size_hint(7168 * 2, num_ranks)
         assert nvl in {c.get_nvl_buffer_size_hint(7168 * 2, num_ranks)
                        for c in (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks))}
+
+
+def test_dispatches_that_wait_on_the_host_are_refused_in_a_capture(monkeypatch):
+    """Inside a CUDA-graph capture the kernels' dispatch is refused where it would wait on the host for its
+    counts: on one node without num_worst_tokens, across nodes whenever it is fresh."""
+    import torch
+
+    from moe_ep.backends.base import refuse_capture_of_a_host_wait
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    refuse_capture_of_a_host_wait(0, across_nodes=True)  # not capturing: nothing to refuse
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    refuse_capture_of_a_host_wait(64, across_nodes=False)
+    with pytest.raises(RuntimeError, match="needs num_worst_tokens > 0"):
+        refuse_capture_of_a_host_wait(0, across_nodes=False)
+    with pytest.raises(RuntimeError, match="across nodes waits on the host"):
+        refuse_capture_of_a_host_wait(64, across_nodes=True)

@@ -221,7 +221,8 @@ def test_low_latency_across_nodes_equals_portable(pools, gpu_pools, seed, num_ra
 @pytest.mark.parametrize("calls_before", [0, 3])
 def test_zero_copy_combine_through_puts_equals_portable(pools, gpu_pools, seed, calls_before):
     """Rows written into get_next_low_latency_combine_buffer's tensor reach peers that puts reach: they are
-    pushed from a copy (the push stages rows in the same bytes), both slots in turn."""
+    pushed from the slot, which the push also stages its rows in (each row onto itself, or into the other
+    slot), both slots in turn."""
     p = Problem(seed, 4, 16, 256, 4, max_tokens=16)
     variant = dict(use_fp8=True, zero_copy=True, calls_before=calls_before)
     on_gpu = gpu_pools(4).run(rank_fns.with_env, KERNELS, rank_fns.with_choices, PUTS,

@@ -125,8 +125,8 @@ def test_what_the_kernels_refuse_is_checked_before_any_call(backend, monkeypatch
 @pytest.mark.parametrize("zero_copy", [False, True])
 def test_the_group_pulls_or_pushes_combine_rows(backend, puts_anywhere, zero_copy):
     """Where every rank is mapped, a combine's rows are read in its slot (staged there first unless
-    zero-copy); where any rank of the group puts, every rank pushes them, a zero-copy combine from a copy
-    of its slot (the push stages rows in the same bytes), and the receive reads its own region."""
+    zero-copy); where any rank of the group puts, every rank pushes them from x (a zero-copy combine's
+    slot included), and the receive reads its own region."""
     from moe_ep.backends.low_latency import LowLatencyKernelState
 
     b, recorder = backend
@@ -139,4 +139,4 @@ def test_the_group_pulls_or_pushes_combine_rows(backend, puts_anywhere, zero_cop
     (_, sent, slot, staged), (_, read_slot) = [e for e in recorder.events if e[0].startswith("combine")]
     assert slot == read_slot == (-1 if puts_anywhere else 1)
     assert staged == (not puts_anywhere and not zero_copy)
-    assert (sent.data_ptr() == x.data_ptr()) == (not (puts_anywhere and zero_copy)) and torch.equal(sent, x)
+    assert sent.data_ptr() == x.data_ptr()

@@ -79,7 +79,8 @@ struct Env {
     __device__ uint8_t* recv(int r) const { return buffers[r] + half_offset + g.send; }
     // Rank r's rows of a zero-copy combine in host slot `slot`: [L, R * max, H] bf16 in the send region
     // of half `slot`, behind the send kernel's scratch (the slot alternates per combine on the host, the half
-    // per call on the device: the two never meet in the same bytes).
+    // per call on the device). A combine that pushes stages row g at row g of the call's half's slot, so
+    // zero-copy rows there are copied onto themselves.
     __device__ const uint8_t* zero_copy_rows(int r, int slot) const {
         return buffers[r] + kHeaderBytes + slot * g.half + g.zero_copy_offset;
     }

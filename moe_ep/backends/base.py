@@ -117,10 +117,17 @@ class Backend:
         """Releases what the backend mapped (collective where the mapping was)."""
 
 
-def refuse_capture_without_worst_tokens(num_worst_tokens: int) -> None:
-    """The intranode kernels' dispatch is capturable in a CUDA graph only with num_worst_tokens: without it
-    the host waits for the received token counts to size recv_x."""
-    if not num_worst_tokens and torch.cuda.is_current_stream_capturing():
+def refuse_capture_of_a_host_wait(num_worst_tokens: int, across_nodes: bool) -> None:
+    """A kernels' dispatch that waits on the host for its received token counts cannot be captured in a
+    CUDA graph: a fresh one without num_worst_tokens, or across nodes any fresh one."""
+    if not torch.cuda.is_current_stream_capturing():
+        return
+    if across_nodes:
+        raise RuntimeError(
+            "dispatch: a fresh dispatch across nodes waits on the host for every rank's counts and cannot be "
+            "captured in a CUDA graph (num_worst_tokens or not): capture cached dispatches (handle=...) there"
+        )
+    if not num_worst_tokens:
         raise RuntimeError(
             "dispatch: capturing it in a CUDA graph needs num_worst_tokens > 0 (a dispatch without it "
             "waits on the host for the received token counts)"

@@ -201,7 +201,7 @@ class LowLatencyBackend(Backend):
     def zero_copy_rows(self, handle: LowLatencyHandle, slot: int) -> torch.Tensor:
         """Slot `slot` (0 or 1) of this rank's zero-copy combine rows: [L, R x max, H] bf16 inside its
         mapped buffer, where the peers' combine receives read them in place (no row is copied; where the group
-        puts, they are pushed from there). Valid while the Buffer lives."""
+        reaches a peer through puts, the rows are pushed from there). Valid while the Buffer lives."""
         max_tokens, hidden, num_experts = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         layout = LowLatencyLayout(max_tokens, hidden, self.num_ranks, num_experts)
         local, rows = num_experts // self.num_ranks, self.num_ranks * max_tokens
@@ -227,9 +227,9 @@ class LowLatencyBackend(Backend):
         several times slower with ranks sharing a GPU). Where the group puts, every rank pushes its rows."""
         state: LowLatencyKernelState = handle.backend_state
         if self.peers.puts_anywhere:
-            # A peer reached through puts cannot read rows in place: they are pushed, from a copy where
-            # they lie in the slot, whose bytes the push stages its own rows in.
-            x = x.clone() if zero_copy else x
+            # A peer reached through puts cannot read rows in place: they are pushed, zero-copy rows from
+            # their slot too. The push stages row g at row g of the call's half's slot, so rows that lie
+            # there are copied onto themselves, and rows in the other slot are read where they lie.
             stage_rows, zero_copy_slot = False, -1
         else:
             stage_rows, zero_copy_slot = not zero_copy, slot
