@@ -51,10 +51,13 @@ def main(argv=None) -> None:
         runpy.run_module(f"moe_ep.bench.{name}", run_name="__main__", alter_sys=True)
         return
     if name in torchrun.NOT_UNDER_TORCHRUN:
-        if world.rank == 0:  # every rank stops alike; one says why
+        # Rank 0 says why and fails the run; the others leave quietly, since a rank that failed first would
+        # have torchrun stop rank 0 before it said anything.
+        if world.rank == 0:
             print(f"moe-ep-bench {name}: not under torchrun: {torchrun.NOT_UNDER_TORCHRUN[name]}; run it without "
                   "torchrun", file=sys.stderr)
-        sys.exit(2)
+            sys.exit(2)
+        sys.exit(0)
     # Imported, not run as __main__: the functions rank 0 hands out must be found by their module's name.
     module = importlib.import_module(f"moe_ep.bench.{name}")
     torchrun.run_benchmark(world, module.main)
