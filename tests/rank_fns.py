@@ -439,6 +439,23 @@ def low_latency_round(p: Problem, use_fp8: bool, round_scale: bool = False, use_
                     zero_copy_in_place=in_place))
 
 
+def low_latency_differences(got: dict, want: dict, use_fp8: bool) -> list:
+    """What differs between two low_latency_round results: recv_count, each expert's received rows (those
+    before its count: the rest are not data), the combined tokens."""
+    if not torch.equal(got["recv_count"], want["recv_count"]):
+        return ["recv_count"]
+    wrong = []
+    parts_got = got["recv_x"] if use_fp8 else (got["recv_x"],)
+    parts_want = want["recv_x"] if use_fp8 else (want["recv_x"],)
+    for part_got, part_want in zip(parts_got, parts_want):
+        for expert, n in enumerate(want["recv_count"].tolist()):
+            if not same_bits(part_got[expert, :n], part_want[expert, :n]):
+                wrong.append(f"expert {expert} rows")
+    if not same_bits(got["combined"], want["combined"]):
+        wrong.append("combined")
+    return wrong
+
+
 def low_latency_shape_changes(problems, use_fp8: bool, zero_copy: bool):
     """low_latency_round for each problem in turn on one Buffer sized for the largest, so that the
     shape (max tokens, hidden, experts) and with it the buffer's layout change between calls."""
@@ -627,6 +644,21 @@ def _digest(value) -> str:
     return h.hexdigest()
 
 
+def captured(step, static: dict, warmups: int):
+    """step(static) captured in a CUDA graph, after `warmups` eager calls on a side stream (the allocator,
+    lazy initialisation). -> (graph, step's outputs as captured)"""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            step(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(static)
+    return graph, outs
+
+
 def graph_round(p: Problem, q: Problem, num_worst_tokens: int, arena: bool = None):
     """Layout, dispatch and combine captured in one CUDA graph on the inputs of p, replayed on the
     inputs of q (same shapes), next to the same calls made eagerly on q. arena (arena_kwargs): where the
@@ -645,15 +677,7 @@ def graph_round(p: Problem, q: Problem, num_worst_tokens: int, arena: bool = Non
         combined, combined_w, _ = buffer.combine(y, handle, topk_weights=recv_w)
         return recv_x, recv_idx, recv_w, combined, combined_w
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # warm-up outside the graph (allocator, lazy init)
-            step(static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step(static)
+    graph, outs = captured(step, static, warmups=2)
     results = []
     for inp in (inp_q, inp_p, inp_q):  # replays with changing data
         for k in static:
@@ -794,14 +818,7 @@ def low_latency_graph_round(p: Problem, q: Problem, use_fp8: bool):
         combined, _, _ = buffer.low_latency_combine(y, inp["topk_idx"], inp["topk_weights"], handle)
         return recv_count, combined
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step(static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step(static)
+    graph, outs = captured(step, static, warmups=1)
     replays = []
     for inp in (inp_q, inp_p):
         for k in static:

@@ -142,20 +142,8 @@ def _low_latency_run(p, buffer, variant):
     return rank_fns.low_latency_round(p, buffer=buffer, **variant)
 
 
-def _low_latency_differences(g: dict, c: dict, variant: dict):
-    if not torch.equal(g["recv_count"], c["recv_count"]):
-        return ["recv_count"]
-    wrong = []
-    use_fp8 = variant["use_fp8"]
-    parts_g = g["recv_x"] if use_fp8 else (g["recv_x"],)
-    parts_c = c["recv_x"] if use_fp8 else (c["recv_x"],)
-    for part_g, part_c in zip(parts_g, parts_c):
-        for expert, n in enumerate(c["recv_count"].tolist()):
-            if not same_bits(part_g[expert, :n], part_c[expert, :n]):
-                wrong.append(f"expert {expert} rows")
-    if not same_bits(g["combined"], c["combined"]):
-        wrong.append("combined")
-    return wrong
+def _low_latency_differences(got: dict, want: dict, variant: dict):
+    return rank_fns.low_latency_differences(got, want, variant["use_fp8"])
 
 
 def low_latency_soak(seed: int, start: int, count: int) -> dict:
@@ -191,15 +179,7 @@ def _graph_replays(seed: int, replays: int, step, inputs_of, warmups: int) -> di
     (CASES of them, in a random order) copied into the captured ones and compared with step on that case
     as CPU tensors (the portable backend), computed once per case."""
     static = {k: v.to(rank_fns.device()) for k, v in inputs_of(0).items()}
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmups):  # outside the graph: the allocator, lazy initialisation
-            step(static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step(static)
+    graph, outs = rank_fns.captured(step, static, warmups)
     cases = [inputs_of(c) for c in range(CASES)]
     wants = [step(inp) for inp in cases]
     mismatches, memory = [], []
@@ -210,7 +190,6 @@ def _graph_replays(seed: int, replays: int, step, inputs_of, warmups: int) -> di
         got = rank_fns.cpu([t.clone() for t in outs])
         mismatches += [f"replay {j} (case {c}): output {n}" for n, (a, b) in enumerate(zip(got, wants[c]))
                        if not same_bits(a, b)]
-        del got
         if j in (0, replays - 1):  # after the first replay (whose copies took a segment) and the last
             memory.append(_memory())
     return dict(mismatches=mismatches, before=memory[0], after=memory[-1])

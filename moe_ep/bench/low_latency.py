@@ -68,9 +68,8 @@ def make_problem(args, num_experts: int, seed: int, device: str = "cuda"):
 
 def rank_bench(args, num_experts: int):
     # The choice is read when the Buffer's kernel backend is made (its first low-latency call of CUDA tensors).
-    puts = bool(getattr(args, "puts", False))
-    memory = "nvshmem" if puts else args.peer_memory
-    with overridden(low_latency_memory=memory, low_latency_puts=puts):
+    memory = "nvshmem" if args.puts else args.peer_memory
+    with overridden(low_latency_memory=memory, low_latency_puts=args.puts):
         return _rank_bench(args, num_experts)
 
 
