@@ -29,13 +29,26 @@ def test_fp8_dispatch_matches_the_dense_layer_within_fp8_tolerance(pools, seed, 
 
 def test_fp8_rows_padded_for_quantization(pools, seed):
     """moe_router_padding_for_quantization with fp8 dispatch: the extra rows (probability 0) are fp8
-    rows like the others and every expert's count is aligned, as TE's grouped GEMM needs."""
-    results = pools(2).run(megatron_fns.moe_forward_backward, seed % 10000, 4, 2, 128, "deepep", 40,
+    rows like the others and every expert's count is aligned, as TE's grouped GEMM needs. 200 tokens a
+    rank: every rank receives enough rows to pad each of its experts to the next multiple of 16."""
+    results = pools(2).run(megatron_fns.moe_forward_backward, seed % 10000, 4, 2, 128, "deepep", 200,
                            pad_for_fp8=True, moe_ep_options=dict(moe_ep_fp8_dispatch="on"))
     for res in results:
         assert all(n % 16 == 0 for n in res["tokens_per_expert"]), res["tokens_per_expert"]
         torch.testing.assert_close(res["out"], res["ref_out"], rtol=0, atol=FP8_RTOL * res["ref_out"].abs().max())
         torch.testing.assert_close(res["grad_x"], res["ref_grad_x"], rtol=1e-5, atol=1e-5)
+
+
+def test_too_few_received_rows_to_pad_leave_the_counts_as_routed(pools, seed):
+    """6 tokens a rank: at most 12 rows arrive, fewer than the 16 an expert's rows would pad to. The counts
+    stay as routed (megatron's expert MLP pads them itself) and the layer is still right."""
+    results = pools(2).run(megatron_fns.moe_forward_backward, seed % 10000, 4, 2, 128, "deepep", 6,
+                           pad_for_fp8=True, moe_ep_options=dict(moe_ep_fp8_dispatch="on"))
+    for res in results:
+        assert all(n <= 12 for n in res["tokens_per_expert"]), res["tokens_per_expert"]
+        torch.testing.assert_close(res["out"], res["ref_out"], rtol=0, atol=FP8_RTOL * res["ref_out"].abs().max())
+        torch.testing.assert_close(res["grad_x"], res["ref_grad_x"], rtol=1e-5, atol=1e-5)
+    assert sum(sum(res["tokens_per_expert"]) for res in results) == 2 * 6 * 2
 
 
 def test_auto_follows_the_blockwise_recipe_and_falls_back_where_hidden_does_not_fit(pools, seed):
