@@ -19,7 +19,7 @@ import torch.distributed as dist
 from . import _native, diagnostics, ib_traffic
 from .backends import forms
 from .backends.base import (Backend, CombineCall, DispatchCall, LowLatencyCombineCall, LowLatencyDispatchCall,
-                            refuse_capture_of_a_host_wait)
+                            refuse_capture_on_the_kernels)
 from .backends.choices import kernel_choices
 from .backends.internode import InternodeBackend, InternodeDispatchState
 from .backends.internode import rdma_size_hint as internode_rdma_size_hint
@@ -633,10 +633,10 @@ class Buffer:
             across_nodes = self.ranks_per_node != self.group_size
             if handle is not None:
                 self._check_handle(handle, DispatchHandle, "dispatch")
-                # Before any check that waits on the device, which a capture refuses. (A cached dispatch
-                # across nodes waits for nothing on the host.)
-                if on_kernels and not across_nodes:
-                    refuse_capture_of_a_host_wait(handle.num_worst_tokens, across_nodes=False)
+                # Before any check that waits on the device, which a capture refuses.
+                if on_kernels:
+                    refuse_capture_on_the_kernels("dispatch", across_nodes,
+                                                  waits_for_counts=not handle.num_worst_tokens)
                 for name, value in (
                     ("num_tokens_per_rank", num_tokens_per_rank),
                     ("is_token_in_rank", is_token_in_rank),
@@ -653,7 +653,7 @@ class Buffer:
                 self._check_handle_backend(handle, x_parts[0], _KERNEL_STATES, self._kernels, "dispatch")
             else:
                 if on_kernels:
-                    refuse_capture_of_a_host_wait(num_worst_tokens, across_nodes)
+                    refuse_capture_on_the_kernels("dispatch", across_nodes, waits_for_counts=not num_worst_tokens)
                 self._check_layout_args(
                     num_tokens,
                     device,
@@ -822,6 +822,8 @@ class Buffer:
                     )
             biases = self._split_bias(bias, handle.num_tokens, x)
             self._check_handle_backend(handle, x, _KERNEL_STATES, self._kernels, "dispatch")
+            if x.is_cuda and self._kernels:
+                refuse_capture_on_the_kernels("combine", self.ranks_per_node != self.group_size)
         call = CombineCall(x, handle, topk_weights, biases, config, previous_event, async_finish,
                            allocate_on_comm_stream)
         self._calls["combine"] += 1

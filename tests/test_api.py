@@ -167,18 +167,20 @@ def test_default_config_size_hints_cover_both_calls_default_configs():
                        for c in (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks))}
 
 
-def test_dispatches_that_wait_on_the_host_are_refused_in_a_capture(monkeypatch):
-    """Inside a CUDA-graph capture the kernels' dispatch is refused where it would wait on the host for its
-    counts: on one node without num_worst_tokens, across nodes whenever it is fresh."""
+def test_kernel_calls_a_graph_cannot_hold_are_refused_in_a_capture(monkeypatch):
+    """Inside a CUDA-graph capture the normal kernels refuse every call across nodes (its flags' values
+    come from the host) and, on one node, a dispatch that would wait on the host for its counts."""
     import torch
 
-    from moe_ep.backends.base import refuse_capture_of_a_host_wait
+    from moe_ep.backends.base import refuse_capture_on_the_kernels
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    refuse_capture_of_a_host_wait(0, across_nodes=True)  # not capturing: nothing to refuse
+    refuse_capture_on_the_kernels("dispatch", across_nodes=True, waits_for_counts=True)  # not capturing
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    refuse_capture_of_a_host_wait(64, across_nodes=False)
-    with pytest.raises(RuntimeError, match="needs num_worst_tokens > 0"):
-        refuse_capture_of_a_host_wait(0, across_nodes=False)
-    with pytest.raises(RuntimeError, match="across nodes waits on the host"):
-        refuse_capture_of_a_host_wait(64, across_nodes=True)
+    refuse_capture_on_the_kernels("dispatch", across_nodes=False)
+    refuse_capture_on_the_kernels("combine", across_nodes=False)
+    with pytest.raises(RuntimeError, match="^dispatch: capturing it in a CUDA graph needs num_worst_tokens > 0"):
+        refuse_capture_on_the_kernels("dispatch", across_nodes=False, waits_for_counts=True)
+    for call in ("dispatch", "combine"):
+        with pytest.raises(RuntimeError, match=f"^{call}: calls across nodes cannot be captured"):
+            refuse_capture_on_the_kernels(call, across_nodes=True)

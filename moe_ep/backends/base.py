@@ -117,18 +117,20 @@ class Backend:
         """Releases what the backend mapped (collective where the mapping was)."""
 
 
-def refuse_capture_of_a_host_wait(num_worst_tokens: int, across_nodes: bool) -> None:
-    """A kernels' dispatch that waits on the host for its received token counts cannot be captured in a
-    CUDA graph: a fresh one without num_worst_tokens, or across nodes any fresh one."""
+def refuse_capture_on_the_kernels(call: str, across_nodes: bool, waits_for_counts: bool = False) -> None:
+    """What a CUDA graph cannot hold on the normal kernels: any call across nodes, whose flags take their
+    values from the host's count of calls (a replay would reuse the captured ones, and its waits would
+    pass at once), and a dispatch that waits on the host for its received token counts (waits_for_counts:
+    one without num_worst_tokens)."""
     if not torch.cuda.is_current_stream_capturing():
         return
     if across_nodes:
         raise RuntimeError(
-            "dispatch: a fresh dispatch across nodes waits on the host for every rank's counts and cannot be "
-            "captured in a CUDA graph (num_worst_tokens or not): capture cached dispatches (handle=...) there"
+            f"{call}: calls across nodes cannot be captured in a CUDA graph (their flags' values come from "
+            "the host's count of calls, which a replay would repeat); run them eagerly"
         )
-    if not num_worst_tokens:
+    if waits_for_counts:
         raise RuntimeError(
-            "dispatch: capturing it in a CUDA graph needs num_worst_tokens > 0 (a dispatch without it "
+            f"{call}: capturing it in a CUDA graph needs num_worst_tokens > 0 (a dispatch without it "
             "waits on the host for the received token counts)"
         )
