@@ -78,17 +78,19 @@ void ll_dispatch_recv(const LowLatencyCtx& c, int64_t num_topk, bool use_fp8, bo
 
 // Launches the send kernel; returns `out`, or where none is given a new [num_tokens, hidden] bf16
 // tensor for the receive (allocated here for the same reason as ll_dispatch_send's outputs).
-// zero_copy_slot: -1, or the slot of this rank's buffer that x is (zero_copy_rows): then no row moves;
-// with stage_rows, the slot the received rows of x are copied into first (every rank mapped).
+// slot: the zero-copy rows (0 or 1) the combine owns; how: a low_latency::CombineSend (the module's
+// COMBINE_IN_SLOT, COMBINE_STAGE, COMBINE_PUSH).
 torch::Tensor ll_combine_send(const LowLatencyCtx& c, const torch::Tensor& x, const torch::Tensor& recv_count,
                               const torch::Tensor& recv_src_info, int64_t num_topk, int64_t num_tokens,
-                              const std::optional<torch::Tensor>& out, int64_t zero_copy_slot, bool stage_rows) {
+                              const std::optional<torch::Tensor>& out, int64_t slot, int64_t how) {
     const c10::cuda::CUDAGuard guard(x.device());
     check_rows(x, "x");
+    TORCH_CHECK(slot == 0 || slot == 1, "slot: 0 or 1, got ", slot);
+    TORCH_CHECK(how >= 0 && how <= static_cast<int>(low_latency::CombineSend::kPush), "how: a CombineSend, got ", how);
     auto target = out.has_value() ? *out : torch::empty({num_tokens, c.hidden}, x.options().dtype(torch::kBFloat16));
     low_latency::combine_send(make_ctx(c), x.data_ptr(), recv_count.data_ptr<int>(), recv_src_info.data_ptr<int>(),
-                              static_cast<int>(num_topk), num_sms_of_current_device(), static_cast<int>(zero_copy_slot),
-                              stage_rows);
+                              static_cast<int>(num_topk), num_sms_of_current_device(), static_cast<int>(slot),
+                              static_cast<low_latency::CombineSend>(how));
     return target;
 }
 
@@ -133,6 +135,9 @@ void bind_low_latency(py::module_& m) {
     m.def("ll_dispatch_send", &ll_dispatch_send, "low-latency dispatch: send");
     m.def("ll_dispatch_recv", &ll_dispatch_recv, "low-latency dispatch: receive (the hook)");
     m.def("ll_combine_send", &ll_combine_send, "low-latency combine: send");
+    m.attr("COMBINE_IN_SLOT") = static_cast<int>(low_latency::CombineSend::kInSlot);
+    m.attr("COMBINE_STAGE") = static_cast<int>(low_latency::CombineSend::kStage);
+    m.attr("COMBINE_PUSH") = static_cast<int>(low_latency::CombineSend::kPush);
     m.def("ll_combine_recv", &ll_combine_recv, "low-latency combine: receive (the hook)");
     m.def("ll_timeline_built", &low_latency::timeline_built, "whether the kernels stamp a timeline");
     m.def("ll_timeline_reset", &low_latency::timeline_reset, "clears the low-latency kernels' timeline");

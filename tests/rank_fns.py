@@ -439,6 +439,30 @@ def low_latency_round(p: Problem, use_fp8: bool, round_scale: bool = False, use_
                     zero_copy_in_place=in_place))
 
 
+def low_latency_combine_keeps_the_other_slot(p: Problem, calls_before: int) -> bool:
+    """After calls_before plain dispatch + combine pairs: a dispatch and its combine (which owns zero-copy
+    slot s), a second dispatch, slot s filled with a pattern, and the second dispatch's plain combine
+    (which owns the other slot). -> whether slot s still holds the pattern afterwards."""
+    inp = my_inputs(p)
+    buffer = low_latency_buffer(p)
+    zeros = torch.zeros(p.local_experts, p.num_ranks * p.max_tokens, p.hidden, dtype=torch.bfloat16, device=device())
+
+    def dispatch():
+        return buffer.low_latency_dispatch(inp["x"], inp["topk_idx"], p.max_tokens, p.num_experts, use_fp8=False)
+
+    for _ in range(calls_before):
+        handle = dispatch()[2]
+        buffer.low_latency_combine(zeros, inp["topk_idx"], inp["topk_weights"], handle)
+    handle = dispatch()[2]
+    kept = buffer.get_next_low_latency_combine_buffer(handle)
+    buffer.low_latency_combine(zeros, inp["topk_idx"], inp["topk_weights"], handle)
+    recv_x, _, handle, _, _ = dispatch()
+    kept.fill_(1.5)
+    buffer.low_latency_combine(expert_output(recv_x, dist.get_rank()), inp["topk_idx"], inp["topk_weights"], handle)
+    torch.cuda.synchronize()
+    return bool((kept == 1.5).all())
+
+
 def low_latency_differences(got: dict, want: dict, use_fp8: bool) -> list:
     """What differs between two low_latency_round results: recv_count, each expert's received rows (those
     before its count: the rest are not data), the combined tokens."""
@@ -1042,6 +1066,42 @@ def arena_too_small(p: Problem, capacity_rows: int):
         received = outputs[1][0].shape[0] if received is None else received
         same.append(same_bits(*outputs))
     return same, received
+
+
+def nvshmem_mapping_exchange(unreachable_rank: int, cannot_put_rank: int):
+    """NvshmemBuffers' mapping with the extension's entry points faked (any machine): unreachable_rank
+    (-1: none) reaches rank 0 only through puts, and cannot_put_rank's build (-1: none) has no NVSHMEM
+    device library. -> (puts_anywhere, None, released) or (None, the error's message, released), where
+    released says whether this rank freed its share of the heap."""
+    from types import SimpleNamespace
+
+    from moe_ep.backends import peers
+    from moe_ep.sync import ArrivalGate, next_buffer_serial, timeout_seconds
+
+    rank = dist.get_rank()
+    released = []
+    ops = SimpleNamespace(nvshmem_alloc=lambda n: 1 << 40, device_zero=lambda ptr, n: None,
+                          nvshmem_peer_pointer=lambda own, r: 0 if (rank, r) == (unreachable_rank, 0) else own + r,
+                          nvshmem_release=released.append)
+
+    def start(self, group):
+        self.ops, self.rank, self.num_ranks = ops, rank, dist.get_world_size(group)
+        self.unreachable, self.puts_anywhere, self.device_id = [], False, b"gpu"
+
+    saved = (peers.bootstrap_nvshmem, peers.NvshmemBuffers._start, peers.NvshmemBuffers._finish,
+             peers._native.has_nvshmem_device)
+    peers.bootstrap_nvshmem = lambda *args: None
+    peers.NvshmemBuffers._start, peers.NvshmemBuffers._finish = start, lambda *args: None
+    peers._native.has_nvshmem_device = lambda: rank != cannot_put_rank
+    try:
+        gate = ArrivalGate(dist.group.WORLD, next_buffer_serial(), timeout_seconds())
+        mapped = peers.NvshmemBuffers(dist.group.WORLD, gate, 4096, "low_latency_dispatch")
+        return mapped.puts_anywhere, None, bool(released)
+    except RuntimeError as e:
+        return None, str(e), bool(released)
+    finally:
+        (peers.bootstrap_nvshmem, peers.NvshmemBuffers._start, peers.NvshmemBuffers._finish,
+         peers._native.has_nvshmem_device) = saved
 
 
 def descriptor_round(skipping_rank: int = -1, unreachable_rank: int = -1):

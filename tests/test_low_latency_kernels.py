@@ -216,11 +216,26 @@ def test_low_latency_across_nodes_equals_portable(pools, gpu_pools, seed, num_ra
 @pytest.mark.parametrize("calls_before", [0, 3])
 def test_zero_copy_combine_through_puts_equals_portable(pools, gpu_pools, seed, calls_before):
     """Rows written into get_next_low_latency_combine_buffer's tensor reach peers that puts reach: they are
-    pushed from the slot, which the push also stages its rows in (each row onto itself, or into the other
-    slot), both slots in turn."""
+    put from where they lie (the push stages its rows in the combine's own slot), both slots in turn."""
     p = Problem(seed, 4, 16, 256, 4, max_tokens=16)
     variant = dict(use_fp8=True, zero_copy=True, calls_before=calls_before)
     on_gpu = gpu_pools(4).run(rank_fns.with_env, KERNELS, rank_fns.with_choices, PUTS,
                               rank_fns.low_latency_round, p, **variant)
     on_cpu = pools(4).run(rank_fns.low_latency_round, p, **variant)
     _compare(seed, on_gpu, on_cpu, True)
+
+
+@pytest.mark.parametrize("puts", [False, True])
+@pytest.mark.parametrize("calls_before", [0, 1])
+def test_a_combine_writes_no_slot_but_its_own(gpu_pools, seed, puts, calls_before):
+    """A plain combine stages its rows in the zero-copy slot it owns and nowhere else: the other slot,
+    filled before the combine, reads the same after it, whether the rows are pulled or put (the device's
+    call parity and the host's slot agree for one of calls_before 0 and 1 and differ for the other)."""
+    if puts and not _native.has_nvshmem_device():
+        pytest.skip(str(_native.internode_unavailable_reason()))
+    p = Problem(seed, 4, 16, 256, 4, max_tokens=16)
+    choices = PUTS if puts else {}
+    results = gpu_pools(4).run(rank_fns.with_env, KERNELS, rank_fns.with_choices, choices,
+                               rank_fns.low_latency_combine_keeps_the_other_slot, p, calls_before)
+    for rank, kept in enumerate(results):
+        assert kept, f"seed {seed} rank {rank}: the combine wrote into the other slot"

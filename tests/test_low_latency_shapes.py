@@ -27,8 +27,11 @@ class Recorder:
     def LowLatencyCtx(self, *args):
         return SimpleNamespace(args=args)
 
-    def ll_combine_send(self, ctx, x, recv_count, recv_src_info, num_topk, num_tokens, out, zero_copy_slot, stage_rows):
-        self.events.append(("combine_send", x, zero_copy_slot, stage_rows))
+    # The extension's module constants (low_latency::CombineSend), as names the events can show.
+    COMBINE_IN_SLOT, COMBINE_STAGE, COMBINE_PUSH = "in_slot", "stage", "push"
+
+    def ll_combine_send(self, ctx, x, recv_count, recv_src_info, num_topk, num_tokens, out, slot, how):
+        self.events.append(("combine_send", x, slot, how))
         return torch.empty(num_tokens, x.shape[-1])
 
     def ll_combine_recv(self, ctx, topk_idx, topk_weights, target, zero_copy_slot):
@@ -126,7 +129,7 @@ def test_what_the_kernels_refuse_is_checked_before_any_call(backend, monkeypatch
 def test_the_group_pulls_or_pushes_combine_rows(backend, puts_anywhere, zero_copy):
     """Where every rank is mapped, a combine's rows are read in its slot (staged there first unless
     zero-copy); where any rank of the group puts, every rank pushes them from x (a zero-copy combine's
-    slot included), and the receive reads its own region."""
+    slot included), staging its puts in the slot the combine owns, and the receive reads its own region."""
     from moe_ep.backends.low_latency import LowLatencyKernelState
 
     b, recorder = backend
@@ -135,8 +138,31 @@ def test_the_group_pulls_or_pushes_combine_rows(backend, puts_anywhere, zero_cop
     h.backend_state = LowLatencyKernelState(torch.zeros(4, dtype=torch.int32), torch.zeros(4, 128), received=True)
     x = torch.zeros(4, 128, 256, dtype=torch.bfloat16)
     idx, w = torch.zeros(8, 4, dtype=torch.int64), torch.zeros(8, 4)
-    b._combine(x, idx, w, h, return_recv_hook=False, out=None, slot=1, zero_copy=zero_copy)
-    (_, sent, slot, staged), (_, read_slot) = [e for e in recorder.events if e[0].startswith("combine")]
-    assert slot == read_slot == (-1 if puts_anywhere else 1)
-    assert staged == (not puts_anywhere and not zero_copy)
-    assert sent.data_ptr() == x.data_ptr()
+    for own in (1, 0):  # the host's slot, whatever the call's parity on the device
+        recorder.events.clear()
+        b._combine(x, idx, w, h, return_recv_hook=False, out=None, slot=own, zero_copy=zero_copy)
+        (_, sent, slot, how), (_, read_slot) = [e for e in recorder.events if e[0].startswith("combine")]
+        assert slot == own
+        assert read_slot == (-1 if puts_anywhere else own)
+        assert how == ("push" if puts_anywhere else "in_slot" if zero_copy else "stage")
+        assert sent.data_ptr() == x.data_ptr()
+
+
+@pytest.mark.parametrize("unreachable_rank, cannot_put_rank", [(-1, -1), (-1, 1), (2, -1), (2, 2), (2, 0)])
+def test_the_group_agrees_on_puts_when_it_maps(pools, unreachable_rank, cannot_put_rank):
+    """NvshmemBuffers' one exchange at mapping: where any rank reaches a peer only through puts, every rank
+    learns it (and pushes its combine rows); where a rank whose build cannot put would then have to, every
+    rank raises the same error naming it and frees the heap it allocated with the others, instead of the
+    others waiting for a rank that gave up."""
+    from . import rank_fns
+
+    results = pools(3).run(rank_fns.nvshmem_mapping_exchange, unreachable_rank, cannot_put_rank)
+    if unreachable_rank >= 0 and cannot_put_rank >= 0:
+        messages = {message for _, message, _ in results}
+        assert len(messages) == 1 and None not in messages, results
+        message = messages.pop()
+        assert f"rank(s) [{unreachable_rank}] reach some peers only through NVSHMEM puts" in message, message
+        assert f"the build of rank(s) [{cannot_put_rank}] cannot" in message, message
+        assert all(released for _, _, released in results), results
+    else:
+        assert results == [(unreachable_rank >= 0, None, False)] * 3, results

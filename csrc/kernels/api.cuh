@@ -247,12 +247,17 @@ void dispatch_send(const Ctx& ctx, const void* x, int num_tokens, const int64_t*
 // recv_src_info [L, R * max]: (source rank * max + token) * num_topk + slot of each row.
 void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, void* recv_x, void* recv_scales,
                    int* recv_count, int* stats, int* recv_src_info, int num_sms);
-// Sends row r of local expert e (x [L, R * max, H] bf16) back to the (token, slot) it came from. With
-// zero_copy_slot >= 0, x is that slot's rows in this rank's own buffer (regions().zero_copy_offset of
-// half zero_copy_slot): only each row's index goes to the token's rank, which reads the row in place;
-// with stage_rows as well, x is any tensor and its received rows are first copied into that slot.
+// How a combine's send hands its rows (x) to the tokens' ranks. `slot` is the zero-copy rows (0 or 1)
+// the combine owns in this rank's buffer (regions().zero_copy_offset of half `slot`).
+enum class CombineSend : int {
+    kInSlot = 0,  // x is the slot's rows: only each row's index goes to the token's rank, which reads it there
+    kStage = 1,   // x's received rows are copied into the slot first, then as kInSlot
+    kPush = 2,    // each row is written into its token's rank: stored where mapped, else put from the slot
+};
+// Sends row r of local expert e (x [L, R * max, H] bf16) back to the (token, slot) it came from, as
+// `how` says.
 void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const int* recv_src_info, int num_topk,
-                  int num_sms, int zero_copy_slot, bool stage_rows);
+                  int num_sms, int slot, CombineSend how);
 // out[t] = sum over slots k ascending with an expert of (weight * row), in float32 without FMA; the rows
 // come from this rank's receive region, or with zero_copy_slot >= 0 from the experts' ranks' buffers.
 void combine_recv(const Ctx& ctx, const int64_t* topk_idx, const float* topk_weights, int num_tokens, int num_topk,

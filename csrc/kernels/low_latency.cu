@@ -79,8 +79,8 @@ struct Env {
     __device__ uint8_t* recv(int r) const { return buffers[r] + half_offset + g.send; }
     // Rank r's rows of a zero-copy combine in host slot `slot`: [L, R * max, H] bf16 in the send region
     // of half `slot`, behind the send kernel's scratch (the slot alternates per combine on the host, the half
-    // per call on the device). A combine that pushes stages row g at row g of the call's half's slot, so
-    // zero-copy rows there are copied onto themselves.
+    // per call on the device). A combine that pushes stages row g for its put at row g of its own slot, so
+    // zero-copy rows are put from where they lie.
     __device__ const uint8_t* zero_copy_rows(int r, int slot) const {
         return buffers[r] + kHeaderBytes + slot * g.half + g.zero_copy_offset;
     }
@@ -91,11 +91,6 @@ struct Env {
     // Byte `offset` of any rank's buffer as NVSHMEM names it (this rank's own address: the symmetric
     // heap has the same layout on every PE).
     __device__ uint8_t* symmetric(int64_t offset) const { return buffers[rank] + offset; }
-#endif
-#ifdef MOE_EP_WITH_NVSHMEM_DEVICE
-    // Where this rank stages a combine's rows for puts: the send region of the call's half, behind the
-    // scratch.
-    __device__ uint8_t* staging() const { return buffers[rank] + half_offset + g.zero_copy_offset; }
 #endif
     // Rank r's dispatch message of token t in this call (messages `pitch` apart in its outbox, in the
     // send region of the call's half): the receive reads it there when rank r is mapped here.
@@ -645,7 +640,7 @@ __global__ void __launch_bounds__(kRecvThreads, kRecvBlocksPerSm) dispatch_recv_
 __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ctx c, const uint8_t* __restrict__ x,
                                                                 const int* __restrict__ recv_count,
                                                                 const int* __restrict__ recv_src_info, int num_topk,
-                                                                int zero_copy_slot, bool stage_rows) {
+                                                                int slot, CombineSend how) {
     extern __shared__ int first_row[];  // [num_local + 1]
     let_dependents_start();  // as in the dispatch send: the wait kernel after this one polls flags
     const Env e = make_env(c);
@@ -665,21 +660,22 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ctx c, const uin
         s = info / num_topk / e.max_tokens;
         entry = static_cast<int64_t>(t) * num_topk + k;
     };
+    // This rank's rows of the combine's slot: where rows are staged, for the tokens' ranks to read or to put.
+    uint8_t* const own_slot = const_cast<uint8_t*>(e.zero_copy_rows(e.rank, slot));
     if (!e.aborted()) {
         int64_t g, entry;
         int s;
-        if (stage_rows) {
+        if (how == CombineSend::kStage) {
             // A plain combine with every rank mapped: each row is copied into this rank's zero-copy rows
-            // of the call's slot (a local store), and the token's rank reads it there as in a zero-copy
+            // of the combine's slot (a local store), and the token's rank reads it there as in a zero-copy
             // combine (a load from a peer's buffer): pushing the rows into the token ranks' buffers
             // made eight combines on one GPU three times slower than eight zero-copy ones.
-            uint8_t* const staged = const_cast<uint8_t*>(e.zero_copy_rows(e.rank, zero_copy_slot));
             for (int i = warp_id; i < total; i += num_warps) {
                 locate(i, g, s, entry);
-                warp_copy<Src::kReadOnly>(staged + g * row_bytes, x + g * row_bytes, row_bytes, lane);
+                warp_copy<Src::kReadOnly>(own_slot + g * row_bytes, x + g * row_bytes, row_bytes, lane);
                 if (lane == 0) reinterpret_cast<int*>(e.recv(s))[entry] = static_cast<int>(g);
             }
-        } else if (zero_copy_slot >= 0) {
+        } else if (how == CombineSend::kInSlot) {
             for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
                 locate(i, g, s, entry);
                 reinterpret_cast<int*>(e.recv(s))[entry] = static_cast<int>(g);
@@ -694,9 +690,11 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(Ctx c, const uin
                     continue;
                 }
 #ifdef MOE_EP_WITH_NVSHMEM_DEVICE
-                // Staged in this rank's send region (registered memory a transport can read), then put.
-                uint8_t* staged = e.staging() + g * e.g.combine_message;
-                warp_copy<Src::kReadOnly>(staged, x + g * row_bytes, row_bytes, lane);
+                // Staged in the combine's own slot (registered memory a transport can read), then put; the
+                // rows of a zero-copy combine are there already. Never the other slot: a caller may have
+                // filled it for another combine.
+                uint8_t* const staged = own_slot + g * row_bytes;
+                if (staged != x + g * row_bytes) warp_copy<Src::kReadOnly>(staged, x + g * row_bytes, row_bytes, lane);
                 __threadfence_system();
                 __syncwarp();
                 nvshmemx_putmem_nbi_warp(e.symmetric(at), staged, row_bytes, s);
@@ -869,7 +867,7 @@ void dispatch_recv(const Ctx& ctx, int num_topk, bool use_fp8, bool use_ue8m0, v
 }
 
 void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const int* recv_src_info, int num_topk, int num_sms,
-                  int zero_copy_slot, bool stage_rows) {
+                  int slot, CombineSend how) {
     // Rows that can have arrived: every source's tokens, each in at most min(top-k, L) of this rank's
     // experts (and at most the L x R x max slots).
     const int64_t num_local = ctx.num_experts / ctx.num_ranks;
@@ -878,10 +876,10 @@ void combine_send(const Ctx& ctx, const void* x, const int* recv_count, const in
     (void)ready;
     const size_t smem = sizeof(int) * (num_local + 1);
     // A thread per row's index in a zero-copy combine, else a warp per row.
-    const int64_t warps = zero_copy_slot >= 0 && !stage_rows ? (rows + 31) / 32 : rows;
+    const int64_t warps = how == CombineSend::kInSlot ? (rows + 31) / 32 : rows;
     combine_send_kernel<<<blocks_for(warps, num_sms), kThreads, smem, ctx.stream>>>(ctx, static_cast<const uint8_t*>(x),
                                                                                       recv_count, recv_src_info, num_topk,
-                                                                                      zero_copy_slot, stage_rows);
+                                                                                      slot, how);
     MOE_EP_LAUNCH_CHECK("low_latency combine_send_kernel");
 }
 

@@ -227,12 +227,11 @@ class LowLatencyBackend(Backend):
         several times slower with ranks sharing a GPU). Where the group puts, every rank pushes its rows."""
         state: LowLatencyKernelState = handle.backend_state
         if self.peers.puts_anywhere:
-            # A peer reached through puts cannot read rows in place: they are pushed, zero-copy rows from
-            # their slot too. The push stages row g at row g of the call's half's slot, so rows that lie
-            # there are copied onto themselves, and rows in the other slot are read where they lie.
-            stage_rows, zero_copy_slot = False, -1
+            # A peer reached through puts cannot read rows in place: they are pushed (a put stages its row in
+            # this combine's slot, where zero-copy rows lie already), and the receive reads its own region.
+            how, read_slot = self.ops.COMBINE_PUSH, -1
         else:
-            stage_rows, zero_copy_slot = not zero_copy, slot
+            how, read_slot = (self.ops.COMBINE_IN_SLOT if zero_copy else self.ops.COMBINE_STAGE), slot
         ctx = self._begin("low_latency_combine", handle)
         x = aligned(x)
         topk_idx, topk_weights = topk_idx.contiguous(), topk_weights.contiguous()
@@ -240,11 +239,11 @@ class LowLatencyBackend(Backend):
         direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
         target = self.ops.ll_combine_send(
             ctx, x, state.recv_count, state.recv_src_info, handle.num_topk, handle.num_tokens, out if direct else None,
-            zero_copy_slot, stage_rows,
+            slot, how,
         )
 
         def receive():
-            self.ops.ll_combine_recv(ctx, topk_idx, topk_weights, target, zero_copy_slot)
+            self.ops.ll_combine_recv(ctx, topk_idx, topk_weights, target, read_slot)
             if out is not None and not direct:
                 out.copy_(target)
 

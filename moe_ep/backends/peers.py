@@ -394,16 +394,23 @@ class NvshmemBuffers(MappedBuffers):
         # Peers without a mapping (another host without NVLink) are reached through NVSHMEM puts, which
         # need the device library in the build.
         self.unreachable = [r for r, p in enumerate(pointers) if p == 0]
-        if self.unreachable and not (puts_reach_all or _native.has_nvshmem_device()):
-            raise RuntimeError(
-                f"{call}: ranks {self.unreachable} cannot be reached by loads and stores from rank {self.rank} "
-                f"(another host without NVLink), and this build cannot put to them: "
-                f"{_native.internode_unavailable_reason()}"
-            )
         # Whether rows are pulled or pushed is the group's choice, not a rank's: every rank learns whether
-        # any rank puts (a rank that reaches all its peers may still be put to by one that does not).
-        said = gate.exchange(f"{call} (peers reached through puts)", b"1" if self.unreachable else b"0")
-        self.puts_anywhere = b"1" in said
+        # any rank puts (a rank that reaches all its peers may still be put to by one that does not), and
+        # then every rank's kernels must put, so all learn too whose build cannot (and all raise alike).
+        can_put = puts_reach_all or _native.has_nvshmem_device()
+        word = (b"1" if self.unreachable else b"0") + \
+            (b"1" if can_put else b"0" + str(_native.internode_unavailable_reason()).encode())
+        said = gate.exchange(f"{call} (peers reached through puts)", word)
+        putting = [r for r, w in enumerate(said) if w[:1] == b"1"]
+        cannot = [r for r, w in enumerate(said) if w[1:2] == b"0"]
+        if putting and cannot:
+            self.ops.nvshmem_release(own)  # collective, like the allocation: every rank is here
+            raise RuntimeError(
+                f"{call}: rank(s) {putting} reach some peers only through NVSHMEM puts (another host without "
+                f"NVLink), so every rank's low-latency kernels must put, and the build of rank(s) {cannot} "
+                f"cannot: {said[cannot[0]][2:].decode(errors='replace')}"
+            )
+        self.puts_anywhere = bool(putting)
         # Every rank zeroed its part before any kernel may write to it; the GPU of each rank comes along.
         payloads = gate.exchange(f"{call} (NVSHMEM buffers ready)", self.device_id)
         self._own = own

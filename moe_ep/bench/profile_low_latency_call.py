@@ -47,7 +47,9 @@ class _NoLaunches:
     def ll_dispatch_send(self, *args):
         return self._outputs
 
-    def ll_combine_send(self, ctx, x, recv_count, recv_src_info, num_topk, num_tokens, out, zero_copy_slot, stage_rows):
+    COMBINE_IN_SLOT, COMBINE_STAGE, COMBINE_PUSH = "in_slot", "stage", "push"
+
+    def ll_combine_send(self, ctx, x, recv_count, recv_src_info, num_topk, num_tokens, out, slot, how):
         return out if out is not None else self._combined
 
     def __getattr__(self, name):
