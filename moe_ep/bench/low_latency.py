@@ -132,8 +132,11 @@ def _rank_bench(args, num_experts: int):
     results["dispatch_gbps"] = selections * per_selection["dispatch"] / results["dispatch_us"] / 1e3
     results["combine_gbps"] = selections * per_selection["combine"] / results["combine_us"] / 1e3
     topology = buffer.topology()
-    # "puts" where this rank reaches a peer through NVSHMEM puts (--puts, or a peer on another host).
-    puts = "nvshmem_put" in (topology["peers"]["low_latency"] or [])
+    # "puts" where any rank of the group reaches a peer through NVSHMEM puts (--puts, or a peer on another
+    # host): then every rank runs the kernels that put and pushes its combine rows.
+    said = [None] * dist.get_world_size()
+    dist.all_gather_object(said, "nvshmem_put" in (topology["peers"]["low_latency"] or []))
+    puts = any(said)
     results["backend"] = ("puts" if puts else "kernels") if topology["mapped"]["low_latency"] else "portable"
     # How the peers' buffers were mapped (the mapping moves these figures: `--peer-memory vmm` / `ipc`).
     results["peer_memory"] = topology["peer_memory"]["low_latency"]
