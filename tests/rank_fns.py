@@ -235,6 +235,12 @@ def internode_round(p: Problem, ranks_per_node: int, rounds: int = 1, small: boo
     buffer = internode_buffer(p, ranks_per_node, small)
     for _ in range(rounds):
         result = normal_round(p, buffer=buffer, **kwargs)
+    return _with_internode_path(buffer, result)
+
+
+def _with_internode_path(buffer: Buffer, result: dict) -> dict:
+    """result, with what ran the buffer's normal calls (backend, topology) and the bytes of the kernels'
+    buffer (0 on the portable backend); the buffer destroyed."""
     result["backend"] = type(kernel_backend(buffer) or buffer).__name__ if device().type == "cuda" else "portable"
     topology = buffer.topology()
     result["topology"] = (topology["normal_backend"], topology["peers"]["normal"])
@@ -242,6 +248,31 @@ def internode_round(p: Problem, ranks_per_node: int, rounds: int = 1, small: boo
     result["buffer_bytes"] = kernels.num_bytes if kernels is not None else 0
     buffer.destroy()
     return result
+
+
+def internode_capture_refused(p: Problem, ranks_per_node: int):
+    """On an internode_buffer: a fresh dispatch, a cached dispatch and a combine, each begun inside a CUDA
+    graph capture (which the capture aborts), then an eager round on the same Buffer. -> each call's error
+    (type, message), and the round's results."""
+    buffer = internode_buffer(p, ranks_per_node)
+    inp = my_inputs(p)
+    args = dispatch_args(buffer, inp, p)
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(inp["x"], **args)
+    y = expert_output(recv_x, dist.get_rank())
+    torch.cuda.synchronize()
+    calls = dict(fresh=lambda: buffer.dispatch(inp["x"], **args, num_worst_tokens=p.num_ranks * p.max_tokens),
+                 cached=lambda: buffer.dispatch(inp["x"], handle=handle),
+                 combine=lambda: buffer.combine(y, handle, topk_weights=recv_w))
+    errors = {}
+    for name, call in calls.items():
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                call()
+        except RuntimeError as e:
+            errors[name] = (type(e).__name__, str(e))
+        torch.cuda.synchronize()
+    return _with_internode_path(buffer, dict(errors=errors, **normal_round(p, buffer=buffer)))
 
 
 def buffers_made_while_calls_run(p: Problem, num_buffers: int = 3, arena: bool = None):

@@ -87,3 +87,19 @@ def test_a_buffer_too_small_grows(pools, gpu_pools, seed):
                                                 dtype=torch.float32), ranks_per_node)
     control = _native.internode_ops().layout()["control_bytes"]
     assert all(r["buffer_bytes"] > control + (1 << 20) for r in on_gpu), [r["buffer_bytes"] for r in on_gpu]
+
+
+def test_calls_across_nodes_are_refused_in_a_capture(pools, gpu_pools, seed):
+    """A fresh dispatch (num_worst_tokens or not), a cached dispatch and a combine across nodes, each begun
+    inside a CUDA-graph capture, raise RuntimeError before any rank communicates (a replay would reuse
+    the host's count of calls that their flags take); the same Buffer then makes an exact round."""
+    num_ranks, ranks_per_node = 4, 2
+    p = Problem(seed, num_ranks, num_ranks * 4, 256, 4, max_tokens=32)
+    on_gpu = gpu_pools(num_ranks).run(rank_fns.internode_capture_refused, p, ranks_per_node)
+    for rank, result in enumerate(on_gpu):
+        assert set(result["errors"]) == {"fresh", "cached", "combine"}, f"seed {seed} rank {rank}: {result['errors']}"
+        for name, (kind, message) in result["errors"].items():
+            call = "combine" if name == "combine" else "dispatch"
+            assert kind == "RuntimeError" and message.startswith(f"{call}: calls across nodes cannot be captured"), \
+                f"rank {rank} {name}: {message}"
+    _compare(seed, on_gpu, pools(num_ranks).run(rank_fns.internode_round, p, ranks_per_node), ranks_per_node)

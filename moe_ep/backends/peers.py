@@ -406,9 +406,9 @@ class NvshmemBuffers(MappedBuffers):
         if putting and cannot:
             self.ops.nvshmem_release(own)  # collective, like the allocation: every rank is here
             raise RuntimeError(
-                f"{call}: rank(s) {putting} reach some peers only through NVSHMEM puts (another host without "
-                f"NVLink), so every rank's low-latency kernels must put, and the build of rank(s) {cannot} "
-                f"cannot: {said[cannot[0]][2:].decode(errors='replace')}"
+                f"{call}: rank(s) {putting} reach some peers only through NVSHMEM puts, so every rank's "
+                f"low-latency kernels must put, and the build of rank(s) {cannot} cannot: "
+                f"{said[cannot[0]][2:].decode(errors='replace')}"
             )
         self.puts_anywhere = bool(putting)
         # Every rank zeroed its part before any kernel may write to it; the GPU of each rank comes along.
