@@ -7,7 +7,7 @@ independently of the backends' vectorised code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -29,6 +29,16 @@ class Problem:
     @property
     def local_experts(self) -> int:
         return self.num_experts // self.num_ranks
+
+
+def problem_where(make: Callable[[int], Problem], seed: int, holds: Callable[[Problem], bool]) -> Problem:
+    """make(s) for the first s of seed, seed + 1, ... whose problem holds a test's premise that a rare draw
+    breaks (some rank has tokens, say): a fresh problem each run, the same one for a pinned seed."""
+    for s in range(seed, seed + 1000):
+        p = make(s)
+        if holds(p):
+            return p
+    raise AssertionError(f"no problem from seed {seed} to {seed + 999} holds the test's premise")
 
 
 def make_inputs(p: Problem) -> List[Dict[str, torch.Tensor]]:

@@ -23,8 +23,10 @@ def test_fp8_dispatch_matches_the_dense_layer_within_fp8_tolerance(pools, seed, 
         assert not torch.equal(res["out"], res["ref_out"]), "the tokens should have travelled as fp8"
         # A linear expert's input gradient does not depend on its input: the bf16 backward is exact.
         torch.testing.assert_close(res["grad_x"], res["ref_grad_x"], rtol=1e-5, atol=1e-5)
+        # Through the softmax's Jacobian each logit's gradient takes the fp8 errors of every expert's
+        # output, weighted against their mean: up to about twice one row's bound (1.27x seen in 10,000 seeds).
         scale = res["ref_grad_logits"].abs().max()
-        torch.testing.assert_close(res["grad_logits"], res["ref_grad_logits"], rtol=0, atol=FP8_RTOL * scale)
+        torch.testing.assert_close(res["grad_logits"], res["ref_grad_logits"], rtol=0, atol=2 * FP8_RTOL * scale)
 
 
 def test_fp8_rows_padded_for_quantization(pools, seed):

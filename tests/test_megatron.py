@@ -120,8 +120,9 @@ def test_tensor_and_expert_parallel_groups(pools, seed):
 
 
 def test_padding_for_quantization_aligns_expert_rows(pools, seed):
+    """200 tokens a rank: every rank receives enough rows to pad each of its experts to a multiple of 16."""
     for rank, res in enumerate(pools(2).run(megatron_fns.moe_forward_backward, seed % 10000, 4, 2, 32, "deepep",
-                                            40, pad_for_fp8=True)):
+                                            200, pad_for_fp8=True)):
         assert all(n % 16 == 0 for n in res["tokens_per_expert"]), res["tokens_per_expert"]
         for key in ("out", "grad_x", "grad_logits"):
             torch.testing.assert_close(res[key], res["ref_" + key], rtol=1e-5, atol=1e-5,

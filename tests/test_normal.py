@@ -5,7 +5,8 @@ import torch
 from moe_ep import fp8
 
 from . import rank_fns
-from .problems import Problem, bias_for, expert_output, make_inputs, ref_combine, ref_dispatch, ref_recv_x, same_bits
+from .problems import (Problem, bias_for, expert_output, make_inputs, problem_where, ref_combine, ref_dispatch,
+                       ref_recv_x, same_bits)
 
 RANKS = [2, 3, 4, 8]
 
@@ -134,7 +135,11 @@ def test_uniform_routing_without_drops(pools, seed, num_ranks):
 
 
 def test_num_worst_tokens_too_small_raises_on_every_rank(pools, seed):
-    p = _problem(seed, 3, drop=0.0, zero_token_rank=False)
+    def some_rank_receives_two_rows(q):
+        inputs = make_inputs(q)
+        return max(len(ref_dispatch(q, inputs, dst)[0]) for dst in range(q.num_ranks)) >= 2
+
+    p = problem_where(lambda s: _problem(s, 3, drop=0.0, zero_token_rank=False), seed, some_rank_receives_two_rows)
     inputs = make_inputs(p)
     for dst, (outcome, received) in enumerate(pools(3).run(rank_fns.worst_tokens_too_small, p)):
         assert "num_worst_tokens=1 is too small" in outcome, outcome
@@ -191,21 +196,29 @@ def test_empty_combine_input_is_a_tensor_for_combine(pools):
 def test_combine_across_nodes_sums_each_node_first(pools, seed, num_ranks, ranks_per_node, num_biases):
     """With the group spread over nodes the dispatch is the same, and the combine sums each node's rows
     (rounded to bf16, as they cross the network back) before the biases and the other nodes' sums."""
-    p = _problem(seed, num_ranks, hidden=128)
+    def wants(q):
+        """Each rank's combined tokens, summed per node first and (to tell them apart) flat."""
+        inputs = make_inputs(q)
+        received = [ref_dispatch(q, inputs, dst)[0] for dst in range(num_ranks)]
+        returned = [expert_output(ref_recv_x(inputs, received[dst]), dst) for dst in range(num_ranks)]
+        per_node, flat = [], []
+        for src in range(num_ranks):
+            biases = [bias_for(q, src, inputs[src]["x"].shape[0], i) for i in range(num_biases)]
+            per_node.append(ref_combine(q, inputs, received, returned, src, biases, ranks_per_node))
+            flat.append(ref_combine(q, inputs, received, returned, src, biases))
+        return per_node, flat
+
+    def orders_differ(q):
+        return num_biases == 0 or any(not torch.equal(a, b) for a, b in zip(*wants(q)))
+
+    # With biases, a problem whose two orders round differently on some token, so that the test can tell
+    # them apart (a few tokens may round alike).
+    p = problem_where(lambda s: _problem(s, num_ranks, hidden=128), seed, orders_differ)
     results = pools(num_ranks).run(rank_fns.normal_round, p, num_biases=num_biases, ranks_per_node=ranks_per_node)
     inputs = make_inputs(p)
-    received = [ref_dispatch(p, inputs, dst)[0] for dst in range(num_ranks)]
-    returned = [expert_output(ref_recv_x(inputs, received[dst]), dst) for dst in range(num_ranks)]
-    flat_differs = False
-    for src, res in enumerate(results):
+    for src, (res, want) in enumerate(zip(results, wants(p)[0])):
         assert res["layout"][1] is not None, "several nodes: num_tokens_per_rdma_rank is counted"
-        n = inputs[src]["x"].shape[0]
-        biases = [bias_for(p, src, n, i) for i in range(num_biases)]
-        want = ref_combine(p, inputs, received, returned, src, biases, ranks_per_node)
         assert torch.equal(res["combined"], want), f"seed {seed} rank {src}: combined_x"
-        flat_differs |= not torch.equal(want, ref_combine(p, inputs, received, returned, src, biases))
         weights = torch.where(inputs[src]["topk_idx"] >= 0, inputs[src]["topk_weights"], 0.0)
         sent = (inputs[src]["topk_idx"] >= 0).any(1)
         assert torch.equal(res["combined_w"][sent], weights[sent])
-    # The two orders round differently on some token of a problem this size (a check that the test can tell).
-    assert flat_differs or num_biases == 0
