@@ -17,13 +17,14 @@ import torch
 from moe_ep import fp8
 from moe_ep.fp8_blockwise import blockwise_cast_to_fp8
 
+from . import command_name
 from .timing import cuda_kernel_us
 
 NUM_SETS = 6
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--json")

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from moe_ep import Buffer, _native
 
+from . import command_name
 from .timing import cuda_kernel_us, host_call_us
 from .torchrun import add_ranks_argument, gpus_of_the_ranks, rank_counts, start_ranks
 
@@ -54,7 +55,7 @@ def rank_bench(args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_ranks_argument(parser, RANKS)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--topk", type=int, default=8)

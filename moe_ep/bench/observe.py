@@ -8,7 +8,8 @@ after --warmup, in an order rotated every repeat, so that drift on a shared GPU 
 the table gives each setting's median us a round and its ratio to "off" from this run.
 
     moe-ep-bench observe --ranks 4                      # CUDA ranks (the default with a GPU)
-    moe-ep-bench observe --ranks 2 --cpu --tokens 64    # CPU ranks: checks the command
+    moe-ep-bench observe --ranks 2 --cpu --tokens 64 --hidden 256 --experts 16 --topk 4 --iters 5 --repeats 1
+        # CPU ranks: checks the command in seconds
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from moe_ep import Buffer
 from moe_ep.buffer import default_config_size_hints
 
+from . import command_name
 from .profile import normal_round, round_inputs
 from .report import Report, add_output_arguments
 from .timing import wall_seconds_per_call
@@ -88,7 +90,7 @@ def rank_costs(args, use_cuda: bool) -> dict:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_ranks_argument(parser, RANKS, "ranks")
     parser.add_argument("--cpu", action="store_true", help="CPU ranks over gloo (the default without a GPU)")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="calls to time (default: both)")

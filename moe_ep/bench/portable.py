@@ -14,6 +14,7 @@ import torch.distributed as dist
 from moe_ep import Buffer
 from moe_ep.buffer import default_config_size_hints
 
+from . import command_name
 from .torchrun import add_ranks_argument, rank_counts, start_ranks
 
 # What --ranks left out runs (under torchrun: the ranks it started instead).
@@ -59,7 +60,7 @@ def rank_bench(args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_ranks_argument(parser, RANKS, "ranks")
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=1024)

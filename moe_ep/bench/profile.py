@@ -15,6 +15,7 @@ from moe_ep import Buffer
 from moe_ep.buffer import default_config_size_hints
 from moe_ep.profiling import format_table
 
+from . import command_name
 from .torchrun import add_ranks_argument, rank_counts, start_ranks
 
 # What --ranks left out runs (under torchrun: the ranks it started instead).
@@ -58,7 +59,7 @@ def rank_rounds(args, use_cuda: bool):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_ranks_argument(parser, RANKS, "ranks")
     parser.add_argument("--cpu", action="store_true", help="CPU ranks over gloo (the default without a GPU)")
     parser.add_argument("--rounds", type=int, default=10)

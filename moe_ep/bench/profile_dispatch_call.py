@@ -38,6 +38,7 @@ from moe_ep.events import EventOverlap
 from moe_ep.handles import DispatchHandle
 from moe_ep.launch import free_port
 
+from . import command_name
 from .timing import host_call_us, own_time_per_call, print_own_times
 from .torchrun import add_ranks_argument, joined, one_node_only, rank_counts, start_ranks
 
@@ -330,7 +331,7 @@ def stubbed_python_layer(args) -> None:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_ranks_argument(parser, RANKS)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)

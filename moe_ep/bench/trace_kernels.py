@@ -28,6 +28,7 @@ from moe_ep import Buffer, fp8
 from moe_ep.buffer import default_config_size_hints
 from moe_ep.config import arena_bytes
 
+from . import command_name
 from .timing import device_sync
 from .torchrun import add_ranks_argument, rank_counts, start_ranks
 
@@ -130,7 +131,7 @@ def report(results, top: int) -> None:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_ranks_argument(parser, RANKS)
     parser.add_argument("--mode", choices=("low_latency", "normal"), default="low_latency")
     parser.add_argument("--tokens", type=int, help="default: 128 (low_latency) or 4096 (normal)")
