@@ -7,10 +7,12 @@ on the compiled kernels where they are built, and on the portable backend otherw
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
 import warnings
+import weakref
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -42,6 +44,21 @@ _NO_SHRINK = ("{call} needs a Buffer created with enable_shrink=True (without it
               "rank of the group takes part in every call)")
 HIDDEN_DTYPES = (torch.bfloat16, torch.float32)
 XLike = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+# Every Buffer alive, for _let_go_of_destroyed_groups.
+_buffers = weakref.WeakSet()
+
+
+@atexit.register
+def _let_go_of_destroyed_groups() -> None:
+    """At exit, once the process groups were destroyed, the Buffers still alive (a script's globals) let go
+    of what they hold, their group among it: a gloo group that outlived destroy_process_group() and met
+    its end in the interpreter's own teardown aborted the process now and then (4 runs in 25 of a
+    two-rank script; a bare reference to the group does the same without moe_ep)."""
+    if dist.is_available() and not dist.is_initialized():
+        for buffer in list(_buffers):
+            buffer.__dict__.clear()
 
 
 class Buffer:
@@ -110,6 +127,7 @@ class Buffer:
                 )
             )
         self.group = group
+        _buffers.add(self)
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)
         meeting = construction_gate(group)

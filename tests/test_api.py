@@ -184,3 +184,29 @@ def test_kernel_calls_a_graph_cannot_hold_are_refused_in_a_capture(monkeypatch):
     for call in ("dispatch", "combine"):
         with pytest.raises(RuntimeError, match=f"^{call}: calls across nodes cannot be captured"):
             refuse_capture_on_the_kernels(call, across_nodes=True)
+
+
+def test_buffers_let_go_of_their_group_at_exit_once_it_was_destroyed():
+    """A script's global Buffer outlives destroy_process_group(); at exit it lets go of what it holds (a gloo
+    group that the interpreter's own teardown destroyed aborted the process now and then), and not before
+    the groups are destroyed."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch.distributed as dist
+        from moe_ep import Buffer
+        from moe_ep.buffer import _let_go_of_destroyed_groups
+        from moe_ep.launch import free_port
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        buffer = Buffer(dist.group.WORLD)
+        _let_go_of_destroyed_groups()
+        print("alive", "group" in buffer.__dict__)
+        dist.destroy_process_group()
+        _let_go_of_destroyed_groups()
+        print("destroyed", "group" in buffer.__dict__)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["alive", "True", "destroyed", "False"], done.stdout
