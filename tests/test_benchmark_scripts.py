@@ -87,7 +87,7 @@ def test_gpu_benchmarks_without_a_gpu_say_to_pass_cpu():
                               text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
         assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
         said = "error: no GPU here: pass --cpu (CPU tensors on the portable backend)"
-        assert done.stderr.strip() == f"{name}.py: {said}", done.stderr
+        assert done.stderr.strip() == f"moe-ep-bench {name}: {said}", done.stderr
 
 
 def test_intranode_benchmark_times_only_the_modes_asked(tmp_path):

@@ -5,8 +5,11 @@ The figures in docs/BENCHMARKS.md and docs/DESIGN.md come from these, each with 
 it. `--help` on any of them lists its options; `moe-ep-bench` alone lists them all.
 """
 
+import argparse
 
-def command_name(spec) -> str:
-    """What benchmark module `spec` calls itself in its --help: `moe-ep-bench NAME` (argparse would name
-    the file)."""
-    return f"moe-ep-bench {spec.name.rsplit('.', 1)[-1]}"
+
+def command_parser(spec, description: str) -> argparse.ArgumentParser:
+    """Benchmark module `spec`'s command line: `moe-ep-bench NAME` in its --help (argparse would name the
+    file), its description printed as written."""
+    return argparse.ArgumentParser(prog=f"moe-ep-bench {spec.name.rsplit('.', 1)[-1]}", description=description,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)

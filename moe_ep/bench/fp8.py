@@ -9,7 +9,6 @@ measure the L2 cache (an H200 has 60 MB of it).
 """
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -17,14 +16,14 @@ import torch
 from moe_ep import fp8
 from moe_ep.fp8_blockwise import blockwise_cast_to_fp8
 
-from . import command_name
+from . import command_parser
 from .timing import cuda_kernel_us
 
 NUM_SETS = 6
 
 
 def main():
-    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__spec__, __doc__)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--json")

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from moe_ep import Buffer, fp8
 from moe_ep.buffer import default_config_size_hints
 
-from . import command_name
+from . import command_parser
 from .intranode import add_shape_arguments
 from .timing import wall_seconds_per_call
 from .torchrun import host_name, joined, start_ranks
@@ -128,7 +128,7 @@ def node_shapes(parser, given):
 
 
 def main():
-    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__spec__, __doc__)
     parser.add_argument("--nodes", type=node_shape, nargs="+",
                         help="NODESxRANKS_PER_NODE shapes (default 2x4 4x2; under torchrun its --nnodes x "
                              "--nproc-per-node)")

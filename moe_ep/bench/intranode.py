@@ -52,8 +52,7 @@ from moe_ep.diagnostics import kernel_backend
 from moe_ep.backends.choices import PEER_MEMORY_KINDS, overridden
 from moe_ep.backends.peers import Enumerators
 
-from . import command_name
-from . import copy_peer, deepep_peer, nccl_peer
+from . import command_parser, copy_peer, deepep_peer, nccl_peer
 from .inputs import intranode_inputs, row_bytes
 from .peers import (COPY, DEEP_EP, MOE_EP, NCCL, PEERS, PORTABLE, add_peer_arguments, note_hangs, ratio,
                     run_in_own_ranks, shown_ratio, skip_reasons)
@@ -309,7 +308,7 @@ def add_shape_arguments(parser: argparse.ArgumentParser, token_sweep: bool = Fal
 
 def make_parser() -> argparse.ArgumentParser:
     """The command line (`moe-ep-bench tune` builds its candidates' arguments with it too)."""
-    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__spec__, __doc__)
     add_ranks_argument(parser, RANKS)
     add_shape_arguments(parser, token_sweep=True)
     parser.add_argument("--sms", type=int, nargs="+", default=[24])

@@ -5,7 +5,6 @@ computes the same layout, side by side; all ranks run concurrently on the visibl
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
@@ -14,7 +13,7 @@ import torch.distributed as dist
 
 from moe_ep import Buffer, _native
 
-from . import command_name
+from . import command_parser
 from .timing import cuda_kernel_us, host_call_us
 from .torchrun import add_ranks_argument, gpus_of_the_ranks, rank_counts, start_ranks
 
@@ -55,7 +54,7 @@ def rank_bench(args):
 
 
 def main():
-    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__spec__, __doc__)
     add_ranks_argument(parser, RANKS)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--topk", type=int, default=8)

@@ -11,7 +11,6 @@ its earliest send block on any rank. A profiler cannot show this: it serializes 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from moe_ep._native import ops
 from moe_ep.backends.peers import KernelEnums
 
-from . import command_name
+from . import command_parser
 from .low_latency import RANKS, add_problem_arguments, make_problem
 from .torchrun import start_ranks
 from .timing import device_sync
@@ -97,7 +96,7 @@ def phases(tables, skip: int, enums: KernelEnums):
 
 
 def main():
-    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__spec__, __doc__)
     add_problem_arguments(parser)
     parser.add_argument("--calls", type=int, default=20, help="rounds captured in the graph (at most 30 with --combine)")
     parser.add_argument("--skip", type=int, default=2, help="first calls of the replay left out")

@@ -35,8 +35,7 @@ from moe_ep import Buffer
 from moe_ep.backends.choices import LOW_LATENCY_MEMORY_KINDS, overridden
 from moe_ep.launch import RankError
 
-from . import command_name
-from . import copy_peer, deepep_peer, nccl_peer
+from . import command_parser, copy_peer, deepep_peer, nccl_peer
 from .inputs import LOW_LATENCY_SEED, low_latency_inputs, low_latency_selection_bytes, selections_per_rank
 from .peers import (COPY, DEEP_EP, MOE_EP, NCCL, PORTABLE, add_peer_arguments, note_hangs, ratio, run_in_own_ranks,
                     shown_ratio, skip_reasons)
@@ -163,7 +162,7 @@ def peers_in_these_ranks(args, selections_to: list, device: str) -> dict:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__spec__, __doc__)
     add_problem_arguments(parser, experts_help="with 8 ranks the run uses 288 as well")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)

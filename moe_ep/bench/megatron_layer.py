@@ -26,7 +26,6 @@ which is not like for like, and the output says so. With a GPU a rank, alltoall 
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import warnings
@@ -36,7 +35,7 @@ import torch.distributed as dist
 
 from moe_ep.launch import sm_share_env
 
-from . import command_name
+from . import command_parser
 from .report import Report, add_output_arguments
 from .torchrun import add_ranks_argument, gpus_of_the_ranks, rank_counts, start_ranks
 from .timing import wall_seconds_per_call
@@ -173,7 +172,7 @@ def rank_layer_times(args) -> dict:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__spec__, __doc__)
     add_ranks_argument(parser, RANKS, "expert-parallel ranks")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens a rank (default 4096)")
     add_moe_shape_arguments(parser, ffn_hidden=4096)

@@ -15,14 +15,13 @@ runs' first-step losses (bf16 rounding only: the schedule reorders the same oper
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import warnings
 
 import torch
 import torch.distributed as dist
 
-from . import command_name
+from . import command_parser
 from .megatron_layer import DISPATCHERS, add_moe_shape_arguments, megatron_ranks, parse_rank_arguments
 from .report import Report
 from .timing import wall_seconds_per_call
@@ -141,7 +140,7 @@ def rank_step_times(args) -> dict:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__spec__, __doc__)
     add_ranks_argument(parser, RANKS, "expert-parallel ranks")
     parser.add_argument("--layers", type=int, default=2, help="transformer layers, each with an MoE (default 2)")
     add_moe_shape_arguments(parser, ffn_hidden=2816)

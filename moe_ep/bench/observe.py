@@ -13,7 +13,6 @@ the table gives each setting's median us a round and its ratio to "off" from thi
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 
@@ -23,7 +22,7 @@ import torch.distributed as dist
 from moe_ep import Buffer
 from moe_ep.buffer import default_config_size_hints
 
-from . import command_name
+from . import command_parser
 from .profile import normal_round, round_inputs
 from .report import Report, add_output_arguments
 from .timing import wall_seconds_per_call
@@ -90,7 +89,7 @@ def rank_costs(args, use_cuda: bool) -> dict:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__spec__, __doc__)
     add_ranks_argument(parser, RANKS, "ranks")
     parser.add_argument("--cpu", action="store_true", help="CPU ranks over gloo (the default without a GPU)")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="calls to time (default: both)")

@@ -11,7 +11,6 @@ bytes (`moe-ep-bench intranode --ranks 8 --sms 24 --profile-waits`).
 """
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -21,7 +20,7 @@ from moe_ep.backends.choices import PEER_MEMORY_KINDS
 from moe_ep.backends.peers import device_view, map_peer_buffers
 from moe_ep.sync import ArrivalGate
 
-from . import command_name
+from . import command_parser
 from .timing import wall_seconds_per_call
 from .torchrun import start_ranks
 
@@ -82,7 +81,7 @@ def rank_copy(args):
 
 
 def main():
-    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__.split("\n\n")[0])
+    parser = command_parser(__spec__, __doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--mib", type=int, default=256, help="bytes each rank moves per copy, in MiB")
     parser.add_argument("--warmup", type=int, default=3)

@@ -4,7 +4,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -14,7 +13,7 @@ import torch.distributed as dist
 from moe_ep import Buffer
 from moe_ep.buffer import default_config_size_hints
 
-from . import command_name
+from . import command_parser
 from .torchrun import add_ranks_argument, rank_counts, start_ranks
 
 # What --ranks left out runs (under torchrun: the ranks it started instead).
@@ -60,7 +59,7 @@ def rank_bench(args):
 
 
 def main():
-    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__spec__, __doc__)
     add_ranks_argument(parser, RANKS, "ranks")
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=1024)

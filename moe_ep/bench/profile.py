@@ -6,7 +6,6 @@ phase times, gathered on rank 0 and printed as one table.
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 import torch.distributed as dist
@@ -15,7 +14,7 @@ from moe_ep import Buffer
 from moe_ep.buffer import default_config_size_hints
 from moe_ep.profiling import format_table
 
-from . import command_name
+from . import command_parser
 from .torchrun import add_ranks_argument, rank_counts, start_ranks
 
 # What --ranks left out runs (under torchrun: the ranks it started instead).
@@ -59,7 +58,7 @@ def rank_rounds(args, use_cuda: bool):
 
 
 def main():
-    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__spec__, __doc__)
     add_ranks_argument(parser, RANKS, "ranks")
     parser.add_argument("--cpu", action="store_true", help="CPU ranks over gloo (the default without a GPU)")
     parser.add_argument("--rounds", type=int, default=10)

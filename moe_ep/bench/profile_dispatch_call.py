@@ -21,7 +21,6 @@ backend's dispatch as if the counts of `--ranks` ranks had arrived.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import statistics
 import time
@@ -38,7 +37,7 @@ from moe_ep.events import EventOverlap
 from moe_ep.handles import DispatchHandle
 from moe_ep.launch import free_port
 
-from . import command_name
+from . import command_parser
 from .timing import host_call_us, own_time_per_call, print_own_times
 from .torchrun import add_ranks_argument, joined, one_node_only, rank_counts, start_ranks
 
@@ -331,7 +330,7 @@ def stubbed_python_layer(args) -> None:
 
 
 def main():
-    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__spec__, __doc__)
     add_ranks_argument(parser, RANKS)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)

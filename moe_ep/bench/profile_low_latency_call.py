@@ -13,7 +13,6 @@ calls included) of the largest own time per call under cProfile, the device idle
 """
 from __future__ import annotations
 
-import argparse
 import types
 
 import torch
@@ -23,7 +22,7 @@ from moe_ep import Buffer
 from moe_ep.backends.low_latency import LowLatencyBackend
 from moe_ep.launch import free_port
 
-from . import command_name
+from . import command_parser
 from .timing import host_call_us, own_time_per_call, print_own_times
 
 TOKENS, HIDDEN, EXPERTS, TOPK = 128, 7168, 256, 8
@@ -71,7 +70,7 @@ def stub_kernels(buffer: Buffer) -> None:
 
 
 def main():
-    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__spec__, __doc__)
     parser.add_argument("--stub-kernels", action="store_true")
     parser.add_argument("--python-profile", type=int, default=0, metavar="N")
     args = parser.parse_args()

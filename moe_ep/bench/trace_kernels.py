@@ -16,7 +16,6 @@ script anywhere.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
@@ -28,7 +27,7 @@ from moe_ep import Buffer, fp8
 from moe_ep.buffer import default_config_size_hints
 from moe_ep.config import arena_bytes
 
-from . import command_name
+from . import command_parser
 from .timing import device_sync
 from .torchrun import add_ranks_argument, rank_counts, start_ranks
 
@@ -131,7 +130,7 @@ def report(results, top: int) -> None:
 
 
 def main():
-    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__spec__, __doc__)
     add_ranks_argument(parser, RANKS)
     parser.add_argument("--mode", choices=("low_latency", "normal"), default="low_latency")
     parser.add_argument("--tokens", type=int, help="default: 128 (low_latency) or 4096 (normal)")

@@ -38,8 +38,7 @@ import torch
 from moe_ep import tuning
 from moe_ep.config import DEFAULT_NUM_SMS, Config, default_combine_config, default_dispatch_config
 
-from . import command_name
-from . import intranode
+from . import command_parser, intranode
 from .peers import MOE_EP
 from .report import Report, add_output_arguments, progress
 from .torchrun import add_ranks_argument, one_node_only, rank_counts, start_ranks
@@ -182,7 +181,7 @@ def print_table(entries: dict) -> None:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=command_name(__spec__), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser(__spec__, __doc__)
     add_ranks_argument(parser, RANKS, "rank counts to tune, each on its own; required outside torchrun")
     parser.add_argument("--sms", type=int, nargs="+", default=[16, 24, 32], help="SM budgets to try")
     parser.add_argument("--recv-chunks", type=int, nargs="+", default=[64, 256, 1024],
