@@ -28,7 +28,8 @@ from .backends.internode import rdma_size_hint as internode_rdma_size_hint
 from .backends.intranode import IntranodeBackend, IntranodeDispatchState
 from .backends.low_latency import LowLatencyBackend, LowLatencyKernelState
 from .backends.portable import PortableBackend, dispatch_layout
-from .checks import FP8_BLOCK, check_expert_ids, check_fp8_pair, check_int, check_tensor, debug_checks_enabled
+from .checks import (FP8_BLOCK, check_distinct_expert_ids, check_expert_ids, check_fp8_pair, check_int, check_tensor,
+                     debug_checks_enabled)
 from .config import NUM_MAX_NVL_PEERS, NUM_MAX_TOPK, Config, combine_config, dispatch_config, low_latency_rdma_size_hint
 from .events import EventOverlap, capture_current_stream, finish_event, wait_previous
 from .handles import DispatchHandle, LowLatencyHandle
@@ -510,6 +511,10 @@ class Buffer:
             raise TypeError(f"async_finish: expected a bool, got {type(async_finish).__name__}")
         if not (previous_event is None or isinstance(previous_event, EventOverlap)):
             raise TypeError(f"previous_event: expected an EventOverlap or None, got {type(previous_event).__name__}")
+        if previous_event is not None and not (previous_event.event is None
+                                               or isinstance(previous_event.event, torch.cuda.Event)):
+            raise TypeError(f"previous_event: expected an EventOverlap of a torch.cuda.Event (or of None), got one "
+                            f"of {type(previous_event.event).__name__}")
         if allocate_on_comm_stream and (previous_event is None or not async_finish):
             raise ValueError(
                 "allocate_on_comm_stream=True needs previous_event (an EventOverlap) and async_finish=True"
@@ -998,6 +1003,7 @@ class Buffer:
             check_data = self._check_data(x, self._ll_kernels)
             if check_data:
                 check_expert_ids("topk_idx", topk_idx, num_experts)
+                check_distinct_expert_ids("topk_idx", topk_idx)
             handle = LowLatencyHandle(self.serial, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_tokens,
                                       topk_idx.shape[1], x.device)
             if x.is_cuda and self._low_latency is not None:

@@ -46,6 +46,8 @@ def check_tensor(
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.is_meta:  # it has a shape but no data to send or read
         raise ValueError(f"{name}: expected a tensor with data, got one on the meta device")
+    if t.layout != torch.strided:  # sparse or nested: no rows to read where the calls read them
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
     if dtype is not None and t.dtype != dtype:
         raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
     if dtypes is not None and t.dtype not in dtypes:
@@ -83,6 +85,19 @@ def check_expert_ids(name: str, topk_idx: torch.Tensor, num_experts: int, hint: 
     lo, hi = int(topk_idx.min()), int(topk_idx.max())
     if not (lo >= -1 and hi < num_experts):
         raise ValueError(f"{name}: expert ids must be -1 or in [0, {num_experts}){hint}, got values in [{lo}, {hi}]")
+
+
+def check_distinct_expert_ids(name: str, topk_idx: torch.Tensor) -> None:
+    """No token lists an expert twice (-1 aside): a low-latency expert has a row for each token of each
+    rank, no more. Reads the data."""
+    if topk_idx.shape[1] < 2 or topk_idx.numel() == 0:
+        return
+    ordered = topk_idx.sort(dim=1).values
+    twice = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    if bool(twice.any()):
+        token = int(twice.any(1).nonzero()[0])
+        raise ValueError(f"{name}: token {token} lists an expert more than once ({topk_idx[token].tolist()}); each "
+                         "expert can take a token once")
 
 
 def check_fp8_pair(name: str, x) -> tuple:

@@ -61,9 +61,16 @@ def timeout_seconds() -> float:
     return check_timeout("MOE_EP_TIMEOUT_S", value)
 
 
+# The store waits in whole milliseconds, and a wait of 0 ms is one without a deadline; the upper bound is
+# what a millisecond count of the store's C++ side can hold (about 24 days).
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1e-3, (2**31 - 1) / 1e3
+
+
 def check_timeout(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
-        raise ValueError(f"{name}: expected a positive, finite number of seconds, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S:
+        raise ValueError(f"{name}: expected a number of seconds from {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g}, "
+                         f"got {value!r}")
     return float(value)
 
 

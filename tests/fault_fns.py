@@ -101,7 +101,7 @@ BAD_CONSTRUCTIONS = {
     "num_rdma_bytes a float": (dict(num_rdma_bytes=1e6), {}, TypeError, "num_rdma_bytes: expected an int"),
     "num_qps_per_rank 0": (dict(num_qps_per_rank=0), {}, ValueError, "num_qps_per_rank: expected an int >= 1"),
     "num_arena_bytes negative": (dict(num_arena_bytes=-1), {}, ValueError, "num_arena_bytes: expected an int >= 0"),
-    "timeout_s 0": (dict(timeout_s=0), {}, ValueError, "timeout_s: expected a positive, finite number"),
+    "timeout_s 0": (dict(timeout_s=0), {}, ValueError, "timeout_s: expected a number of seconds from 0.001"),
     "low_latency_mode an int": (dict(low_latency_mode=1), {}, TypeError, "low_latency_mode: expected a bool"),
     "enable_shrink an int": (dict(enable_shrink=1), {}, TypeError, "enable_shrink: expected a bool"),
     "ranks_per_node not dividing": (dict(ranks_per_node=3), {}, ValueError, "ranks_per_node: must divide the group"),

@@ -626,6 +626,24 @@ def layout_across_nodes(ranks_per_node: int):
     return inp["topk_idx"], per_rdma, in_rank
 
 
+def layout_tensor_reused_after_dispatch(p: Problem):
+    """A dispatch, then the caller's is_token_in_rank overwritten (a static layout tensor the next layout
+    reuses), then a cached dispatch and a combine of that handle. -> (recv_x, cached recv_x, combined) of
+    that round and of the same round left alone."""
+    buffer = normal_buffer(p.hidden)
+    inp = my_inputs(p)
+    rounds = []
+    for reuse in (False, True):
+        args = dispatch_args(buffer, inp, p)
+        recv_x, _, recv_w, _, handle, _ = buffer.dispatch(inp["x"], **args)
+        if reuse:
+            args["is_token_in_rank"].copy_(~args["is_token_in_rank"])
+        cached = buffer.dispatch(inp["x"], handle=handle)[0]
+        combined = buffer.combine(expert_output(recv_x, dist.get_rank()), handle, topk_weights=recv_w)[0]
+        rounds.append(cpu([recv_x, cached, combined]))
+    return rounds
+
+
 def worst_tokens_too_small(p: Problem):
     """Every rank learns every rank's receive count, so all raise together and the Buffer stays usable."""
     inp = my_inputs(p)

@@ -222,3 +222,12 @@ def test_combine_across_nodes_sums_each_node_first(pools, seed, num_ranks, ranks
         weights = torch.where(inputs[src]["topk_idx"] >= 0, inputs[src]["topk_weights"], 0.0)
         sent = (inputs[src]["topk_idx"] >= 0).any(1)
         assert torch.equal(res["combined_w"][sent], weights[sent])
+
+
+def test_a_layout_tensor_reused_after_the_dispatch_changes_nothing(pools, seed):
+    """The handle keeps what it needs of is_token_in_rank: a caller that overwrites its tensor after the
+    dispatch (deep_ep's combine never reads it) gets the same cached dispatch and combine."""
+    p = _problem(seed, 3)
+    for rank, (left_alone, reused) in enumerate(pools(3).run(rank_fns.layout_tensor_reused_after_dispatch, p)):
+        for name, a, b in zip(("recv_x", "cached recv_x", "combined"), left_alone, reused):
+            assert same_bits(a, b), f"seed {seed} rank {rank}: {name}"

@@ -275,7 +275,9 @@ class PortableBackend(Backend):
             )
             handle = make_handle(
                 num_tokens=num_tokens,
-                is_token_in_rank=is_token_in_rank,
+                # A copy: the combine and cached dispatches order their rows by it, and a caller may reuse
+                # its tensor for the next layout meanwhile (deep_ep's combine never reads it).
+                is_token_in_rank=is_token_in_rank.clone(),
                 send_counts=recv_matrix[self.rank].tolist(),
                 recv_counts=recv_matrix[:, self.rank].tolist(),
                 num_worst_tokens=num_worst_tokens,
