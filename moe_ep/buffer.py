@@ -797,6 +797,16 @@ class Buffer:
                     f"{int(per_expert[expert])} tokens, got {int(num_tokens_per_expert[expert])}); pass both from "
                     "the same get_dispatch_layout"
                 )
+        else:
+            # Without top-k only the counts' bounds tell: an expert takes at most the tokens sent to its rank.
+            bound = num_tokens_per_rank.repeat_interleave(num_experts // self.group_size)
+            wrong = (num_tokens_per_expert < 0) | (num_tokens_per_expert > bound)
+            if bool(wrong.any()):
+                expert = int(wrong.nonzero()[0, 0])
+                raise ValueError(
+                    f"num_tokens_per_expert: expert {expert} counts {int(num_tokens_per_expert[expert])} tokens, "
+                    f"expected 0 to the {int(bound[expert])} that num_tokens_per_rank sends to its rank"
+                )
         sent = is_token_in_rank.sum(0, dtype=torch.int32)
         if not torch.equal(sent, num_tokens_per_rank):
             raise ValueError(

@@ -207,6 +207,11 @@ CASES = [
     ("num_tokens_per_expert counts", ValueError, "num_tokens_per_expert: disagrees with topk_idx (expert 0",
      lambda c: c.buf.dispatch(c.x, **c.layout_kwargs(num_tokens_per_expert=c.layout[2] + torch.arange(
          c.p.num_experts, dtype=torch.int32).eq(0).int()))),
+    ("num_tokens_per_expert negative without top-k", ValueError,
+     "num_tokens_per_expert: expert 0 counts -1 tokens, expected 0 to the",
+     lambda c: c.buf.dispatch(c.x, **c.layout_kwargs(topk_idx=None, topk_weights=None, num_tokens_per_expert=c.layout[2]
+                                                     - torch.arange(c.p.num_experts, dtype=torch.int32).eq(0).int()
+                                                     * (c.layout[2][0] + 1)))),
     ("EventOverlap wait on wrong object", TypeError, "previous_event: expected an EventOverlap",
      lambda c: c.buf.get_dispatch_layout(c.idx, c.p.num_experts, previous_event="event")),
 ]

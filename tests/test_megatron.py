@@ -268,3 +268,18 @@ def test_the_router_runs_without_transformer_engine_and_without_cpu_patches():
             "out = moe_utils.router_gating_linear(x, w, None, torch.float32)\n"
             "assert torch.allclose(out, x @ w.t(), atol=1e-5), out\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(moe_ep_num_sms=7), "moe_ep_num_sms: expected a multiple of 2, got 7"),
+    (dict(moe_deepep_num_sms=5), "moe_deepep_num_sms: expected a multiple of 2, got 5"),
+    (dict(moe_ep_timeout_s=-1), "moe_ep_timeout_s: expected a number of seconds from 0.001"),
+])
+def test_option_values_are_refused_under_the_configs_names(fields, message):
+    """An SM budget or timeout the Buffer would refuse is refused when the options are read, naming the
+    config's attribute, not the Buffer's argument."""
+    import types
+
+    from moe_ep.megatron.options import options_for
+    with pytest.raises(ValueError, match=f"^{message}"):
+        options_for(types.SimpleNamespace(**fields))

@@ -12,6 +12,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from ..checks import check_int
+from ..sync import check_timeout
+
 
 @dataclass
 class DispatcherOptions:
@@ -53,8 +56,10 @@ def options_for(config) -> DispatcherOptions:
     values = {}
     for f in dataclasses.fields(DispatcherOptions):
         values[f.name] = getattr(config, f.name, getattr(_defaults, f.name))
+    num_sms_name = "moe_ep_num_sms"
     if values["moe_ep_num_sms"] is None:
         values["moe_ep_num_sms"] = getattr(config, _MEGATRON_NUM_SMS, None)
+        num_sms_name = _MEGATRON_NUM_SMS
     for name in ("moe_ep_arena", "moe_ep_log_metrics"):
         if not isinstance(values[name], bool):
             raise TypeError(f"{name}: expected a bool, got {type(values[name]).__name__}")
@@ -63,6 +68,11 @@ def options_for(config) -> DispatcherOptions:
             f"moe_ep_fp8_dispatch: expected one of {FP8_DISPATCH_CHOICES}, got {values['moe_ep_fp8_dispatch']!r}"
         )
     _check_overlap_chunks(values["moe_ep_overlap_chunks"])
+    # Checked here under the names the config uses (the Buffer would name its own arguments, later).
+    if values["moe_ep_num_sms"] is not None:
+        check_int(num_sms_name, values["moe_ep_num_sms"], minimum=2, multiple_of=2)
+    if values["moe_ep_timeout_s"] is not None:
+        check_timeout("moe_ep_timeout_s", values["moe_ep_timeout_s"])
     if values["moe_ep_overlap_chunks"] > 1 and getattr(config, "overlap_moe_expert_parallel_comm", False):
         # Both hide the exchanges behind compute, each by running the phases in its own order.
         raise ValueError(f"moe_ep_overlap_chunks: expected 1 with overlap_moe_expert_parallel_comm (megatron's "
