@@ -28,8 +28,8 @@ from .backends.internode import rdma_size_hint as internode_rdma_size_hint
 from .backends.intranode import IntranodeBackend, IntranodeDispatchState
 from .backends.low_latency import LowLatencyBackend, LowLatencyKernelState
 from .backends.portable import PortableBackend, dispatch_layout
-from .checks import (FP8_BLOCK, check_distinct_expert_ids, check_expert_ids, check_fp8_pair, check_int, check_tensor,
-                     debug_checks_enabled)
+from .checks import (FP8_BLOCK, check_distinct_expert_ids, check_expert_ids, check_fp8_pair, check_int, check_num_sms,
+                     check_tensor, debug_checks_enabled)
 from .config import NUM_MAX_NVL_PEERS, NUM_MAX_TOPK, Config, combine_config, dispatch_config, low_latency_rdma_size_hint
 from .events import EventOverlap, capture_current_stream, finish_event, wait_previous
 from .handles import DispatchHandle, LowLatencyHandle
@@ -326,7 +326,7 @@ class Buffer:
     # ------------------------------------------------------------------ static helpers
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        check_int("new_num_sms", new_num_sms, minimum=2, multiple_of=2)
+        check_num_sms("new_num_sms", new_num_sms)
         Buffer.num_sms = new_num_sms
 
     @staticmethod

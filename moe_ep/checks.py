@@ -77,6 +77,11 @@ def check_int(name: str, value, *, minimum: Optional[int] = None, multiple_of: O
     return value
 
 
+def check_num_sms(name: str, value) -> int:
+    """An SM budget of the normal kernels: two SMs a channel (Config.num_channels), so an even count >= 2."""
+    return check_int(name, value, minimum=2, multiple_of=2)
+
+
 def check_expert_ids(name: str, topk_idx: torch.Tensor, num_experts: int, hint: str = "") -> None:
     """-1 means "no expert"; anything else must be a valid global expert id. Reads the data.
     hint: where num_experts came from, when not from an argument of that name."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
-from .checks import check_int
+from .checks import check_int, check_num_sms
 
 # A host's NVLink domain as the intranode kernels address it (peers mapped over CUDA IPC).
 NUM_MAX_NVL_PEERS = 8
@@ -37,7 +37,7 @@ class Config:
     num_max_rdma_chunked_recv_tokens: int = 256
 
     def __post_init__(self):
-        check_int("num_sms", self.num_sms, minimum=2, multiple_of=2)
+        check_num_sms("num_sms", self.num_sms)
         for name in (
             "num_max_nvl_chunked_send_tokens",
             "num_max_nvl_chunked_recv_tokens",

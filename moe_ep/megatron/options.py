@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from ..checks import check_int
+from ..checks import check_num_sms
 from ..sync import check_timeout
 
 
@@ -70,7 +70,7 @@ def options_for(config) -> DispatcherOptions:
     _check_overlap_chunks(values["moe_ep_overlap_chunks"])
     # Checked here under the names the config uses (the Buffer would name its own arguments, later).
     if values["moe_ep_num_sms"] is not None:
-        check_int(num_sms_name, values["moe_ep_num_sms"], minimum=2, multiple_of=2)
+        check_num_sms(num_sms_name, values["moe_ep_num_sms"])
     if values["moe_ep_timeout_s"] is not None:
         check_timeout("moe_ep_timeout_s", values["moe_ep_timeout_s"])
     if values["moe_ep_overlap_chunks"] > 1 and getattr(config, "overlap_moe_expert_parallel_comm", False):
