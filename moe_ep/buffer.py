@@ -257,7 +257,7 @@ class Buffer:
         reason = _native.unavailable_reason()
         if reason is not None:
             return reason
-        if self.ranks_per_node != self.group_size:
+        if self._spans_nodes:
             nodes = f"the group spans {self.group_size // self.ranks_per_node} nodes of {self.ranks_per_node} ranks"
             reason = _native.internode_unavailable_reason()
             if reason is not None:
@@ -295,13 +295,18 @@ class Buffer:
                       "(the low-latency kernels have no shrink mode), which is slower", RuntimeWarning, stacklevel=3)
         return False
 
+    @property
+    def _spans_nodes(self) -> bool:
+        """Whether the group's ranks sit on several nodes (its normal calls then run the internode kernels)."""
+        return self.ranks_per_node != self.group_size
+
     def _normal_backend(self, x: torch.Tensor) -> Backend:
         """The backend that moves x in normal calls; the first time the kernels do, maps the peers'
         buffers (every rank of the group makes the same call with tensors of the same kind, so this is
         collective)."""
         if not (x.is_cuda and self._kernels):
             return self._portable
-        if self.ranks_per_node != self.group_size:
+        if self._spans_nodes:
             if self._internode is None:
                 self._internode = InternodeBackend(self.group, self._gate, self.num_rdma_bytes, self.ranks_per_node,
                                                    self.get_comm_stream())
@@ -318,7 +323,7 @@ class Buffer:
             return self._portable
         if self._low_latency is None:
             memory = kernel_choices.low_latency_memory
-            if memory == "auto" and self.ranks_per_node != self.group_size:
+            if memory == "auto" and self._spans_nodes:
                 memory = "nvshmem"  # the one mapping that spans hosts, and puts to the peers it cannot map
             self._low_latency = LowLatencyBackend(self.group, self._gate, self.num_rdma_bytes, memory)
         return self._low_latency
@@ -653,12 +658,11 @@ class Buffer:
                 raise TypeError(f"config: expected a moe_ep.Config, got {type(config).__name__}")
             needed = self._check_nvl_size(hidden * max(x_parts[0].element_size(), 2), config, "dispatch", default)
             on_kernels = x_parts[0].is_cuda and self._kernels
-            across_nodes = self.ranks_per_node != self.group_size
             if handle is not None:
                 self._check_handle(handle, DispatchHandle, "dispatch")
                 # Before any check that waits on the device, which a capture refuses.
                 if on_kernels:
-                    refuse_capture_on_the_kernels("dispatch", across_nodes,
+                    refuse_capture_on_the_kernels("dispatch", self._spans_nodes,
                                                   waits_for_counts=not handle.num_worst_tokens)
                 for name, value in (
                     ("num_tokens_per_rank", num_tokens_per_rank),
@@ -676,7 +680,7 @@ class Buffer:
                 self._check_handle_backend(handle, x_parts[0], _KERNEL_STATES, self._kernels, "dispatch")
             else:
                 if on_kernels:
-                    refuse_capture_on_the_kernels("dispatch", across_nodes, waits_for_counts=not num_worst_tokens)
+                    refuse_capture_on_the_kernels("dispatch", self._spans_nodes, waits_for_counts=not num_worst_tokens)
                 self._check_layout_args(
                     num_tokens,
                     device,
@@ -856,7 +860,7 @@ class Buffer:
             biases = self._split_bias(bias, handle.num_tokens, x)
             self._check_handle_backend(handle, x, _KERNEL_STATES, self._kernels, "dispatch")
             if x.is_cuda and self._kernels:
-                refuse_capture_on_the_kernels("combine", self.ranks_per_node != self.group_size)
+                refuse_capture_on_the_kernels("combine", self._spans_nodes)
         call = CombineCall(x, handle, topk_weights, biases, config, previous_event, async_finish,
                            allocate_on_comm_stream)
         self._calls["combine"] += 1
