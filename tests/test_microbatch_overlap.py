@@ -85,6 +85,41 @@ def test_overlap_chunks_are_refused_with_microbatch_overlap():
     assert options_for(types.SimpleNamespace(moe_ep_overlap_chunks=2)).moe_ep_overlap_chunks == 2
 
 
+def test_the_policy_keeps_what_deepep_reads_wherever_megatron_keeps_it():
+    """megatron-core moved should_free_input between 0.16 and 0.19: the installed one's is wrapped, and a
+    "deepep" layer's dispatch input (the router's input) is never freed, nor the arena's rows."""
+    import inspect
+
+    from moe_ep.megatron import microbatch_overlap
+
+    wrapped = microbatch_overlap.keep_the_inputs_deepep_needs()
+    assert wrapped, "no should_free_input wrapped in this megatron-core"
+    for module_name in wrapped:
+        policy = __import__(module_name, fromlist=["should_free_input"]).should_free_input
+        assert policy._moe_ep_wrapped
+        extra = (2,) if len(inspect.signature(policy.__wrapped__).parameters) > 3 else ()
+        for arena in (True, False):
+            config = _config(moe_token_dispatcher_type="deepep")
+            config.moe_ep_arena = arena
+            assert not policy("moe_dispatch", True, config, *extra)
+            for name in ("mlp", "moe_combine"):
+                if arena:
+                    assert not policy(name, True, config, *extra)
+                else:  # the two-pass rows are ordinary tensors: megatron's own choice stands
+                    assert policy(name, True, config, *extra) == policy.__wrapped__(name, True, config, *extra)
+
+
+def test_a_megatron_core_without_a_known_policy_refuses_the_overlap(monkeypatch):
+    """A megatron-core whose combined 1F1B schedule frees inputs by a policy moe_ep cannot find would free
+    the router's input: the config check refuses the overlap, naming it, instead of training on freed memory."""
+    from moe_ep.megatron import microbatch_overlap
+
+    monkeypatch.setattr(microbatch_overlap, "_POLICY_MODULES", ("megatron.core.no_such_module",))
+    with pytest.raises(ValueError, match="overlap_moe_expert_parallel_comm .*should_free_input"):
+        _config()
+    assert not _config(overlap_moe_expert_parallel_comm=False).overlap_moe_expert_parallel_comm
+
+
 # bf16 parameters: on a GPU the streams may order the exchanges differently, not the arithmetic; the
 # tolerance allows a last-bit difference where a kernel's reduction order depends on its launch.
 GPU_TOLERANCE = dict(rtol=1.6e-2, atol=1e-5)

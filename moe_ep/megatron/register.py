@@ -9,7 +9,7 @@ import dataclasses
 import functools
 import weakref
 
-from .microbatch_overlap import keep_the_inputs_deepep_needs
+from .microbatch_overlap import check_microbatch_overlap_supported, keep_the_inputs_deepep_needs
 from .options import DispatcherOptions, set_defaults
 
 DISPATCHER_TYPE = "deepep"
@@ -139,6 +139,7 @@ def _accept_deepep_in_config_checks() -> None:
             return original(self)
         off = ["moe_shared_expert_overlap"]
         if getattr(self, "overlap_moe_expert_parallel_comm", False):
+            check_microbatch_overlap_supported()
             as_alltoall = copy.copy(self)
             as_alltoall.moe_token_dispatcher_type = _OVERLAP_CHECKED_AS
             original(as_alltoall)
