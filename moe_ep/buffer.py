@@ -35,7 +35,7 @@ from .events import EventOverlap, capture_current_stream, finish_event, wait_pre
 from .handles import DispatchHandle, LowLatencyHandle
 from .profiling import Profile, profiling_requested
 from .shrink import RankMask, SurvivorExchange
-from .slow_ranks import SlowRanks, slow_rank_ms
+from .slow_ranks import SlowRanks, slow_rank_settings
 from .sync import ArrivalGate, check_timeout, construction_gate, next_buffer_serial, timeout_seconds
 
 topk_idx_t = torch.int64
@@ -133,7 +133,7 @@ class Buffer:
         self.group_size = dist.get_world_size(group)
         meeting = construction_gate(group)
         try:
-            timeout_s, requested_ranks_per_node, self._backend, profiled, slow_ms = self._check_construction(
+            timeout_s, requested_ranks_per_node, self._backend, profiled, slow_ranks = self._check_construction(
                 num_nvl_bytes, num_rdma_bytes, num_qps_per_rank, num_arena_bytes, timeout_s, ranks_per_node,
                 dict(low_latency_mode=low_latency_mode, explicitly_destroy=explicitly_destroy,
                      allow_nvlink_for_low_latency_mode=allow_nvlink_for_low_latency_mode, allow_mnnvl=allow_mnnvl,
@@ -158,7 +158,7 @@ class Buffer:
         ib_traffic.apply(self.ib_traffic, os.environ)  # the ranks agree on them: NVSHMEM reads them when it starts
         self.serial = next_buffer_serial()
         self.timeout_s = timeout_s
-        self._gate = ArrivalGate(group, f"buffer{index}", self.timeout_s, slow_ranks=SlowRanks(self.rank, slow_ms))
+        self._gate = ArrivalGate(group, f"buffer{index}", self.timeout_s, slow_ranks=SlowRanks(self.rank, *slow_ranks))
         self._mask = RankMask(self.group_size) if enable_shrink else None
         survivors = SurvivorExchange(self._gate, self._mask) if enable_shrink else None
         self._portable = PortableBackend(group, self._gate, self.ranks_per_node, survivors)
@@ -187,7 +187,7 @@ class Buffer:
                             ranks_per_node, flags: Dict[str, object]):
         """This rank's own checks of the construction arguments and of the environment they default
         to -> (timeout_s, ranks_per_node or None to find from host names, MOE_EP_BACKEND, MOE_EP_PROFILE,
-        MOE_EP_SLOW_RANK_MS)."""
+        MOE_EP_SLOW_RANK_MS's threshold and whether to log)."""
         check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
         check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
         check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
@@ -206,7 +206,7 @@ class Buffer:
             check_int("ranks_per_node", ranks_per_node, minimum=1)
             if self.group_size % ranks_per_node != 0:
                 raise ValueError(f"ranks_per_node: must divide the group size {self.group_size}, got {ranks_per_node}")
-        return timeout_s, ranks_per_node, _native.requested_backend(), profiling_requested(), slow_rank_ms()
+        return timeout_s, ranks_per_node, _native.requested_backend(), profiling_requested(), slow_rank_settings()
 
     def _agree_on_construction(self, meeting: ArrivalGate, timeout_s: float, ranks_per_node: Optional[int]) -> int:
         """The construction's meeting, bounded by timeout_s: every rank's host name and the arguments

@@ -1,15 +1,17 @@
 """Slow ranks (moe_ep.slow_ranks): a rank that keeps its peers waiting at the portable backend's meetings
-is named in their stats()["slow_ranks"] and in a warning on the "moe_ep" logger."""
+is named in their stats()["slow_ranks"], and in a warning on the "moe_ep" logger where MOE_EP_SLOW_RANK_MS
+is set."""
 import logging
+import os
 import time
 
 import pytest
 import torch.distributed as dist
 
-from moe_ep.slow_ranks import DEFAULT_SLOW_RANK_MS, LOG_EVERY, SlowRanks, slow_rank_ms
+from moe_ep.slow_ranks import DEFAULT_SLOW_RANK_MS, LOG_EVERY, SlowRanks, slow_rank_settings
 
 from .problems import Problem
-from .rank_fns import construction_error, dispatch_args, my_inputs, normal_buffer, with_env
+from .rank_fns import construction_error, dispatch_args, my_inputs, normal_buffer, restored_environment, with_env
 
 SLEEP_S = 0.3
 
@@ -75,8 +77,33 @@ def test_a_late_rank_is_named_in_its_peers_stats_and_log(pools, seed):
         assert res["messages"][0].endswith(f" ms after rank {rank} at dispatch (1 time so far)")
 
 
+def without_slow_rank_setting(fn, *args):
+    """fn(*args) with MOE_EP_SLOW_RANK_MS unset."""
+    with restored_environment(["MOE_EP_SLOW_RANK_MS"]):
+        os.environ.pop("MOE_EP_SLOW_RANK_MS", None)
+        return fn(*args)
+
+
+def test_without_the_setting_a_late_rank_is_counted_but_not_logged(pools, seed):
+    p = Problem(seed, 2, 8, 128, 2, max_tokens=16)
+    late = 1
+    results = pools(2).run(without_slow_rank_setting, late_rank_dispatches, p, late, 2)
+    waiting = results[1 - late]
+    assert waiting["after_rounds"][late]["count"] == 2, waiting["after_rounds"]
+    assert SLEEP_S * 1e3 * 0.8 <= waiting["after_rounds"][late]["max_ms"]
+    assert all(res["messages"] == [] for res in results), [res["messages"] for res in results]
+
+
+def test_slow_ranks_count_without_logging_unless_asked(caplog):
+    quiet = SlowRanks(rank=0, threshold_ms=5.0)
+    with caplog.at_level(logging.WARNING, logger="moe_ep"):
+        quiet.record(1, 6.0, "dispatch")
+    assert caplog.records == []
+    assert quiet.read() == {1: dict(count=1, max_ms=6.0, total_ms=6.0)}
+
+
 def test_slow_ranks_log_the_first_wait_and_every_hundredth(caplog):
-    waits = SlowRanks(rank=0, threshold_ms=5.0)
+    waits = SlowRanks(rank=0, threshold_ms=5.0, log=True)
     with caplog.at_level(logging.WARNING, logger="moe_ep"):
         waits.record(2, 4.0, "combine")  # under the threshold: not a slow rank
         for i in range(2 * LOG_EVERY + 1):
@@ -92,13 +119,13 @@ def test_slow_ranks_log_the_first_wait_and_every_hundredth(caplog):
 
 def test_slow_rank_threshold_from_the_environment(monkeypatch):
     monkeypatch.delenv("MOE_EP_SLOW_RANK_MS", raising=False)
-    assert slow_rank_ms() == DEFAULT_SLOW_RANK_MS
+    assert slow_rank_settings() == (DEFAULT_SLOW_RANK_MS, False)  # counted, not logged
     monkeypatch.setenv("MOE_EP_SLOW_RANK_MS", "12.5")
-    assert slow_rank_ms() == 12.5
+    assert slow_rank_settings() == (12.5, True)
     for bad in ("0", "-1", "inf", "nan", "fast"):
         monkeypatch.setenv("MOE_EP_SLOW_RANK_MS", bad)
         with pytest.raises(ValueError, match="MOE_EP_SLOW_RANK_MS"):
-            slow_rank_ms()
+            slow_rank_settings()
 
 
 def test_a_bad_threshold_is_refused_at_construction(pools):
