@@ -5,6 +5,7 @@ beside it (what Buffer.dispatch sends). TE's `Float8BlockwiseQTensor` with 1D bl
 data as uint8 and its rowwise scale_inv "GEMM ready": transposed and padded, [K/128, roundup(M, 4)]
 (Float8BlockQuantizer.get_scale_shape, transformer_engine/pytorch/tensor/float8_blockwise_tensor.py).
 The layout conversions are plain torch and need no TE; building the TE tensor needs TE.
+check_te_blockwise_format holds the installed TE to the format moe_ep's cast reproduces.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Optional, Tuple
 import torch
 
 from .checks import FP8_BLOCK, FP8_DTYPE, check_tensor
-from .fp8_blockwise import columnwise_from_rowwise
+from .fp8_blockwise import blockwise_cast_to_fp8, columnwise_from_rowwise
 
 # TE's GEMM-ready scales pad the token dimension to a multiple of 4.
 SCALE_ROW_ALIGNMENT = 4
@@ -170,12 +171,69 @@ def from_float8_blockwise(tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return data.view(FP8_DTYPE), scales_from_gemm_layout(scale_inv, num_rows)
 
 
-def experts_take_te_tensors(experts) -> bool:
-    """Whether an MoE layer's experts are megatron's TEGroupedMLP (which reads a TE tensor's data as it is)."""
+def te_version() -> str:
+    import transformer_engine
+
+    return getattr(transformer_engine, "__version__", "of unknown version")
+
+
+# A probe of every magnitude an activation block can have, zeros and a block that saturates included.
+_PROBE_ROWS, _PROBE_HIDDEN = 8, 2 * FP8_BLOCK
+
+
+def _probe_rows(device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(_PROBE_ROWS, _PROBE_HIDDEN, generator=g)
+    rows = rows * torch.logspace(-30, 30, _PROBE_ROWS, base=2.0).unsqueeze(1)
+    rows[0, :FP8_BLOCK] = 0
+    rows[1, FP8_BLOCK:] = 1e30
+    return rows.to(device, torch.bfloat16)
+
+
+def _te_rowwise_cast(rows: torch.Tensor, pow2_scales: bool, amax_epsilon: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """TE's own 1x128 quantizer on `rows`: (e4m3 [M, K], scale_inv [M, K/128])."""
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+
+    quantizer = Float8BlockQuantizer(tex.DType.kFloat8E4M3, rowwise=True, columnwise=False,
+                                     amax_epsilon=amax_epsilon, force_pow_2_scales=pow2_scales, block_scaling_dim=1)
+    return from_float8_blockwise(quantizer(rows))
+
+
+def blockwise_format_difference(te_cast, device, pow2_scales: bool, amax_epsilon: float) -> Optional[str]:
+    """What of te_cast(rows, pow2_scales, amax_epsilon) -> (e4m3, scale_inv) differs from moe_ep's cast of
+    the probe rows on `device` ("e4m3 data" or "scales"), or None where both are the same bits."""
+    rows = _probe_rows(device)
+    theirs = te_cast(rows, pow2_scales, amax_epsilon)
+    ours = blockwise_cast_to_fp8(rows, pow2_scales, amax_epsilon)
+    for what, a, b in (("e4m3 data", theirs[0].view(torch.uint8), ours[0].view(torch.uint8)),
+                       ("scales", theirs[1], ours[1])):
+        if a.shape != b.shape or not torch.equal(a, b):
+            return what
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def check_te_blockwise_format() -> None:
+    """Where transformer-engine imports with a GPU: raises if its 1x128 quantizer, under the recipe's
+    settings, does not give bit for bit the fp8 rows and scales moe_ep's cast sends (fp8 dispatch relies on
+    TE's experts seeing what TE itself would have made of the same tokens). Once a process."""
     if not te_available():
-        return False
+        return
     try:
-        from megatron.core.transformer.moe.experts import TEGroupedMLP
-    except ImportError:
-        return False
-    return isinstance(experts, TEGroupedMLP)
+        pow2_scales, amax_epsilon = recipe_scaling()
+        if not torch.cuda.is_available():
+            return  # TE's quantizer runs on GPUs only; the recipe's fields were read
+        device = torch.device("cuda", torch.cuda.current_device())
+        difference = blockwise_format_difference(_te_rowwise_cast, device, pow2_scales, amax_epsilon)
+    except (AttributeError, TypeError, ValueError) as error:  # a class, field or argument moved
+        raise RuntimeError(
+            f"moe_ep_fp8_dispatch: transformer-engine {te_version()} has no 1x128 blockwise quantizer and recipe "
+            f"as moe_ep reads them ({type(error).__name__}: {error}); moe_ep was built against TE 2.20's "
+            "Float8BlockQuantizer and Float8BlockScaling. Set moe_ep_fp8_dispatch='off'") from error
+    if difference is not None:
+        raise RuntimeError(
+            f"moe_ep_fp8_dispatch: transformer-engine {te_version()}'s 1x128 blockwise cast differs from the one "
+            f"moe_ep sends (the {difference} differ on a probe; power-of-two scales {pow2_scales}, amax epsilon "
+            f"{amax_epsilon}), so its experts would not see TE's own fp8 rows. moe_ep matches TE 2.20's "
+            "Float8BlockQuantizer; set moe_ep_fp8_dispatch='off' with this TE")

@@ -94,11 +94,11 @@ def test_options_and_megatron_lm_flag():
         options.set_defaults(**{f: getattr(saved, f) for f in saved.__dataclass_fields__})
 
 
-def test_without_transformer_engine_the_experts_get_dequantised_rows():
-    from moe_ep.te import experts_take_te_tensors, te_available
+def test_without_transformer_engine_no_te_tensor_is_made():
+    from moe_ep.te import check_te_blockwise_format, te_available
     if te_available():
         pytest.skip("transformer-engine imports here")
-    assert not experts_take_te_tensors(object())
+    check_te_blockwise_format()  # nothing to hold to a format
     with pytest.raises(RuntimeError, match="transformer-engine"):
         from moe_ep.te import to_float8_blockwise
         to_float8_blockwise(torch.zeros(4, 128).to(torch.float8_e4m3fn), torch.ones(4, 1))
@@ -128,3 +128,33 @@ def test_training_30_steps_with_fp8_dispatch_tracks_the_bf16_run(tmp_path):
     assert max(diffs) <= 0.05, list(zip(fp8, full))
     assert max(diffs) > 0, "the fp8 run should differ in its last bits"
     assert fp8[-1] < 0.25 * fp8[0], "it trains"
+
+
+def test_a_te_cast_that_differs_from_moe_ep_s_is_found():
+    """The check a dispatcher with fp8 dispatch makes of the installed transformer-engine, with stand-ins
+    for TE's quantizer: the same cast passes; a scale or a byte off anywhere in the probe is named."""
+    from moe_ep.fp8_blockwise import blockwise_cast_to_fp8
+    from moe_ep.te import blockwise_format_difference
+
+    def scale_off(rows, pow2, eps):
+        data, scales = blockwise_cast_to_fp8(rows, pow2, eps)
+        scales = scales.clone()
+        scales[-1, -1] *= 2
+        return data, scales
+
+    def byte_off(rows, pow2, eps):
+        data, scales = blockwise_cast_to_fp8(rows, pow2, eps)
+        data = data.view(torch.uint8).clone()
+        data[3, 7] ^= 1
+        return data.view(torch.float8_e4m3fn), scales
+
+    def compact_layout_missing(rows, pow2, eps):
+        data, scales = blockwise_cast_to_fp8(rows, pow2, eps)
+        return data, scales.t().contiguous()
+
+    cpu = torch.device("cpu")
+    for pow2 in (True, False):
+        assert blockwise_format_difference(blockwise_cast_to_fp8, cpu, pow2, 0.0) is None
+        assert blockwise_format_difference(scale_off, cpu, pow2, 0.0) == "scales"
+        assert blockwise_format_difference(byte_off, cpu, pow2, 0.0) == "e4m3 data"
+        assert blockwise_format_difference(compact_layout_missing, cpu, pow2, 0.0) == "scales"

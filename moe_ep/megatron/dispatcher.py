@@ -13,8 +13,9 @@ rows once into regions recv_x owns, and the local unpermute writes into Buffer.e
 region the combine reads where it lies (both one pass, both ordinary tensors).
 FP8 dispatch (options.moe_ep_fp8_dispatch): token_dispatch casts the tokens once with transformer-engine's
 1x128 quantizer and sends (e4m3, scales); autograd follows a zero-stride stand-in for the received
-rows, and dispatch_postprocess permutes the fp8 rows with their scales (_PermuteFp8), then hands TE's
-grouped experts a Float8BlockwiseQTensor or dequantises for other experts. Gradients travel in bf16.
+rows, and dispatch_postprocess permutes the fp8 rows with their scales (_PermuteFp8) and dequantises
+them (exactly, with the recipe's power-of-two scales) for the experts: TE's grouped GEMM (2.20) takes no
+quantised input, and its own cast of those rows gives back the same fp8 values. Gradients travel in bf16.
 Chunks (options.moe_ep_overlap_chunks > 1): token_dispatch splits the tokens and starts the first chunk's
 dispatch, MoELayer hands its experts to experts_in_chunks (register.py), which runs each chunk's experts
 between that chunk's dispatch and combine, and combine_postprocess waits for every chunk's combine. The
@@ -43,7 +44,7 @@ from ..buffer import Buffer, default_config_size_hints
 from ..checks import FP8_BLOCK, debug_checks_enabled
 from ..fp8_blockwise import blockwise_cast_to_fp8, blockwise_dequantize
 from ..mps import bf16_share_warning, missing_sm_share
-from ..te import recipe_scaling, to_float8_blockwise
+from ..te import check_te_blockwise_format, recipe_scaling
 from .capacity import FixedRows, capacity_padded, fixed_rows, layer_capacity
 from .chunks import ChunkedBackward, Chunks, JoinChunks, split_into_chunks
 from .exchange import CommState, async_args, timed_call
@@ -196,12 +197,12 @@ class _Dispatch(torch.autograd.Function):
 
 
 class _PermuteFp8(torch.autograd.Function):
-    """megatron's permute of the received rows, on the fp8 rows and their scales together: TE's
-    blockwise tensor (to_te) or the rows dequantised into the stand-in's dtype. Backward: the gradient
-    rows summed back into the received rows (megatron's unpermute), in the gradient's dtype."""
+    """megatron's permute of the received rows, on the fp8 rows and their scales together, dequantised into
+    the stand-in's dtype. Backward: the gradient rows summed back into the received rows (megatron's
+    unpermute), in the gradient's dtype."""
 
     @staticmethod
-    def forward(ctx, stand_in, state: CommState, sorted_indices, to_te: bool, columnwise: bool):
+    def forward(ctx, stand_in, state: CommState, sorted_indices):
         data, scales = state.recv_fp8
         state.recv_fp8 = None
         fp8_dtype = data.dtype
@@ -214,8 +215,6 @@ class _PermuteFp8(torch.autograd.Function):
         data = data.view(fp8_dtype)
         ctx.save_for_backward(sorted_indices)
         ctx.num_rows = stand_in.shape[0]
-        if to_te:
-            return to_float8_blockwise(data, scales, stand_in.dtype, columnwise, *state.fp8_scaling)
         return blockwise_dequantize(data, scales, stand_in.dtype)
 
     @staticmethod
@@ -224,7 +223,7 @@ class _PermuteFp8(torch.autograd.Function):
         if ctx.routed_rows is not None:  # padding rows are constants (zeros): no gradient flows from them
             grad = grad.masked_fill(~ctx.routed_rows.unsqueeze(1), 0)
         rows = grad.new_zeros(ctx.num_rows, grad.shape[-1])
-        return rows.index_add_(0, sorted_indices, grad), None, None, None, None
+        return rows.index_add_(0, sorted_indices, grad), None, None
 
 
 class _Into:
@@ -290,8 +289,8 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         self.options = options_for(config)
         # megatron's drop-and-pad mode: the experts' inputs have fixed sizes, so nothing waits for counts.
         self.capacity_padded = capacity_padded(config)
-        # Set by the MoE layer (register.py) when its experts are TE's grouped MLP.
-        self.experts_take_te_tensors = False
+        if fp8_dispatch_wanted(self.options, config):
+            check_te_blockwise_format()  # the rows TE's experts get are its own cast's, or nothing runs
         if self.options.moe_ep_num_sms:
             Buffer.set_num_sms(self.options.moe_ep_num_sms)
         self.metrics: Optional[LayerMetrics] = None
@@ -439,10 +438,7 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
             _, permuted_probs, state.reversed_mapping = permute(no_rows, routing_map, probs=expert_probs,
                                                                 num_out_tokens=num_out, **fixed)[:3]
             self._mark_routed_rows(state)
-            to_te = self._hand_off_te_tensor(counts)
-            # The columnwise copy only where a weight gradient will read it.
-            columnwise = torch.is_grad_enabled() and hidden_states.requires_grad
-            permuted = _PermuteFp8.apply(hidden_states, state, state.reversed_mapping, to_te, columnwise)
+            permuted = _PermuteFp8.apply(hidden_states, state, state.reversed_mapping)
         else:
             # megatron-core 0.16 returns three values, 0.19 five (with padding info we do not use).
             permuted, permuted_probs, state.reversed_mapping = permute(
@@ -480,15 +476,6 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         blocks = state.reversed_mapping.view(self.num_local_experts, state.fixed.per_expert)
         state.routed_rows = state.local_routing_map.t().gather(1, blocks).reshape(-1)
         return True
-
-    def _hand_off_te_tensor(self, tokens_per_expert: List[int]) -> bool:
-        """TE's grouped experts read a TE tensor as it is only where their own padding has nothing to do
-        (every expert's rows already aligned, moe_router_padding_for_quantization) and no probability
-        multiplies their input; otherwise they get bf16 rows (and TE quantises them itself)."""
-        if not self.experts_take_te_tensors or getattr(self.config, "moe_apply_probs_on_input", False):
-            return False
-        multiple = get_align_size_for_quantization(self.config)
-        return all(count % multiple == 0 for count in tokens_per_expert)
 
     def _pad_for_quantization(self, routing_map: torch.Tensor, tokens_per_expert: torch.Tensor):
         """Rounds every expert's rows up to the fp8/fp4 GEMM alignment by routing extra received tokens
