@@ -54,10 +54,24 @@ def test_megatrons_config_check_accepts_deepep():
 
 
 def test_megatrons_other_refusals_stand():
-    # Other dispatcher types: megatron's refusal, untouched (its flex dispatcher has no overlap either).
-    for other in ("allgather", "flex"):
-        with pytest.raises(ValueError, match="moe_shared_expert_overlap only works with alltoall"):
-            _config(other)
+    # Other dispatcher types: megatron's own verdict, untouched (allgather refused; flex refused before
+    # megatron-core 0.17, accepted from it).
+    with pytest.raises(ValueError, match="moe_shared_expert_overlap only works with alltoall"):
+        _config("allgather")
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    megatrons_check = TransformerConfig.__post_init__.__wrapped__
+    try:
+        _config("flex")
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    config = _config("alltoall")
+    config.moe_token_dispatcher_type = "flex"
+    try:
+        megatrons_check(config)
+        assert refused is None, refused
+    except ValueError as error:
+        assert refused == str(error)
     # The other check that reads the flag still applies to "deepep".
     with pytest.raises(ValueError, match="shared_experts recompute cannot work"):
         _config("deepep", recompute_granularity="selective", recompute_modules=["shared_experts"])

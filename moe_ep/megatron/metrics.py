@@ -22,8 +22,8 @@ micro-batch):
 How they are counted: the token counts are the ones each dispatch already returns on the host (tokens
 received per local expert), added on the host (under a capacity, where the dispatch leaves them on the
 device, added there and read at logging time); the times are CUDA events (host clock for CPU tensors) read
-only at logging time. When megatron reduces its tracker (`reduce_aux_losses_tracker_across_ranks`, which
-registration wraps) every rank publishes its layers: one all-reduce over the expert-parallel group (each
+only at logging time. When megatron reports its tracker (`MoEMetricsTracker.report` from megatron-core 0.17,
+`reduce_aux_losses_tracker_across_ranks` before; registration wraps it) every rank publishes its layers: one all-reduce over the expert-parallel group (each
 rank holds its own experts' counts: the sum is every expert's) and one over the data-parallel group
 (the mean over the expert-parallel groups). Both groups lie within one pipeline stage; the entries of a
 stage hold its own layers (Megatron-LM writes the last stage's). Off, nothing is recorded or timed.
@@ -158,13 +158,13 @@ def _collective_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def publish(pg_collection=None) -> None:
+def publish(pg_collection=None) -> List[str]:
     """Writes this rank's layers' metrics since the last publish into megatron's tracker, reduced over the
     expert-parallel and data-parallel groups (collective over them: every rank with a layer that logs
-    metrics calls it, as megatron's training loop does when it logs)."""
+    metrics calls it, as megatron's training loop does when it logs). Returns the entries' names."""
     live = [metrics for metrics in list(_LIVE) if metrics.layer_number() is not None]
     if not live:
-        return
+        return []
     first = live[0]
     experts = first.num_experts
     # Rows: layers; columns: every expert's tokens, then communication, exposed and hidden ms.
@@ -183,11 +183,33 @@ def publish(pg_collection=None) -> None:
         dist.all_reduce(block, group=dp_group)
         block /= dist.get_world_size(dp_group)
     columns = block.float().t().contiguous()
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    names = metric_names(experts)
+    tracker = _metrics_tracker()
+    if tracker is None:  # megatron-core before 0.17: a dict of dicts, reduced by the function registration wraps
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-    tracker = get_moe_layer_wise_logging_tracker()
-    for column, name in zip(columns, metric_names(experts)):
-        tracker[name] = dict(values=column, reduce_group=None, avg_group=None, reduce_group_has_dp=False)
+        entries = get_moe_layer_wise_logging_tracker()
+        for column, name in zip(columns, names):
+            entries[name] = dict(values=column, reduce_group=None, avg_group=None, reduce_group_has_dp=False)
+        return names
+    from megatron.core.transformer.moe.moe_logging import MetricEntry
+
+    for name in [name for name in tracker.metrics if is_metric(name)]:  # a replaced layer's entries
+        del tracker.metrics[name]
+    for column, name in zip(columns.to(block.device), names):
+        # Already reduced over the data-parallel ranks; megatron still sums over the pipeline stages, each of
+        # which holds the rows of its own layers.
+        tracker.metrics[name] = MetricEntry(values=column.clone(), needs_dp_avg=False)
+    return names
+
+
+def _metrics_tracker():
+    """megatron-core's MoEMetricsTracker (0.17 and later), or None where it keeps the older dict."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:
+        return None
+    return get_moe_metrics_tracker()
 
 
 def is_metric(name: str) -> bool:
@@ -195,10 +217,16 @@ def is_metric(name: str) -> bool:
 
 
 def check_megatron_publishes() -> None:
-    """moe_ep_log_metrics needs megatron-core's layer-wise tracker and its reduction, which registration wraps."""
-    from megatron.core.transformer.moe import moe_utils
+    """moe_ep_log_metrics needs megatron-core's MoE metrics tracker (MoEMetricsTracker.report, or before 0.17
+    reduce_aux_losses_tracker_across_ranks), which registration wraps."""
+    tracker = _metrics_tracker()
+    if tracker is not None:
+        wrapped = getattr(type(tracker).report, "_moe_ep_wrapped", False)
+    else:
+        from megatron.core.transformer.moe import moe_utils
 
-    reduce = getattr(moe_utils, "reduce_aux_losses_tracker_across_ranks", None)
-    if not getattr(reduce, "_moe_ep_wrapped", False):
-        raise RuntimeError("moe_ep_log_metrics: this megatron-core has no reduce_aux_losses_tracker_across_ranks "
-                           "(its MoE logging tracker) to publish the metrics through; set it to False")
+        wrapped = getattr(getattr(moe_utils, "reduce_aux_losses_tracker_across_ranks", None), "_moe_ep_wrapped", False)
+    if not wrapped:
+        raise RuntimeError("moe_ep_log_metrics: this megatron-core has neither MoEMetricsTracker.report nor "
+                           "reduce_aux_losses_tracker_across_ranks (its MoE logging) to publish the metrics "
+                           "through; set it to False")

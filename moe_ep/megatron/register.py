@@ -7,6 +7,7 @@ import argparse
 import copy
 import dataclasses
 import functools
+import inspect
 import weakref
 
 from .microbatch_overlap import check_microbatch_overlap_supported, keep_the_inputs_deepep_needs
@@ -34,7 +35,6 @@ def register() -> None:
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, *args, **kwargs):
         if config.moe_token_dispatcher_type != DISPATCHER_TYPE:
             return original(self, config, submodules, layer_number, pg_collection, *args, **kwargs)
-        from ..te import experts_take_te_tensors
         from .dispatcher import MoEEPTokenDispatcher
 
         if pg_collection is None:
@@ -47,8 +47,6 @@ def register() -> None:
         self.token_dispatcher = MoEEPTokenDispatcher(
             self.num_local_experts, self.local_expert_indices, config=config, pg_collection=pg_collection
         )
-        # TE's grouped experts take fp8 tokens as a transformer-engine tensor; others get them dequantised.
-        self.token_dispatcher.experts_take_te_tensors = experts_take_te_tensors(self.experts)
         if self.shared_expert_overlap:
             self.token_dispatcher.set_shared_experts(self.shared_experts)
         if self.token_dispatcher.metrics is not None:  # its entries go to this layer's number
@@ -95,12 +93,38 @@ def _run_experts_in_chunks(layer_class) -> None:
 
 
 def _publish_metrics_when_megatron_logs() -> None:
-    """moe_ep_log_metrics: megatron's track_moe_metrics reduces its tracker across ranks before it writes
-    every entry; the wrapped reduction first publishes the dispatchers' metrics into the tracker (metrics.py)
-    and leaves them out of megatron's own reduction, which would sum them over the pipeline ranks again."""
-    from megatron.core.transformer.moe import moe_utils
-
+    """moe_ep_log_metrics: the dispatchers' metrics go into megatron's MoE tracker (metrics.py) when megatron
+    logs it. From megatron-core 0.17 its MoEMetricsTracker.report syncs and writes the entries it is asked
+    for; the wrapped report publishes ours first and adds their names to those asked for. Before, its
+    tracker is reduced across ranks before every entry is written; the wrapped reduction publishes ours
+    first and leaves them out of megatron's own reduction, which would sum them over the pipeline ranks
+    again."""
     from . import metrics
+
+    try:
+        from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
+    except ImportError:
+        MoEMetricsTracker = None
+    if MoEMetricsTracker is not None:
+        original = MoEMetricsTracker.report
+        if getattr(original, "_moe_ep_wrapped", False):
+            return
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def report(self, *args, **kwargs):
+            call = signature.bind(self, *args, **kwargs)
+            names = metrics.publish(call.arguments.get("pg_collection"))
+            asked = call.arguments.get("track_names")
+            if asked is not None and names:
+                call.arguments["track_names"] = ([asked] if isinstance(asked, str) else list(asked)) + names
+            return original(*call.args, **call.kwargs)
+
+        report._moe_ep_wrapped = True
+        MoEMetricsTracker.report = report
+        return
+
+    from megatron.core.transformer.moe import moe_utils
 
     original = getattr(moe_utils, "reduce_aux_losses_tracker_across_ranks", None)
     if original is None or getattr(original, "_moe_ep_wrapped", False):
