@@ -40,15 +40,19 @@ summary "gpu tests: $(tail -1 "$OUT/gpu_tests.log") in $(( $(date +%s) - t0 )) s
 fi
 
 # megatron-core: the CPU integration tests on this machine's Python, then the dispatcher comparison at
-# EP=1 on the GPU. A carried wheel (.whl/megatron_core-*.whl, see README) is installed first.
+# EP=1 on the GPU. A carried TE bundle (.te/, with its megatron-core) or wheel (.whl/megatron_core-*.whl,
+# see README) is installed first; with TE the tests that need its layers run too.
 if ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --target /tmp/mcore .whl/megatron_core-*.whl && export PYTHONPATH=/tmp/mcore${PYTHONPATH:+:$PYTHONPATH}
 fi
+install_te_bundle
 if $PY -c "import megatron.core" 2>/dev/null; then
-  summary "megatron-core $($PY -c 'import megatron.core as m; print(m.__version__)' 2>/dev/null)"
+  summary "$(te_versions)"
   if [[ ${MOE_EP_SKIP_TESTS:-0} != 1 ]]; then
-    $PY -m pytest -q tests/test_megatron.py tests/test_overlap_chunks.py tests/test_microbatch_overlap.py tests/test_capacity_padding.py > "$OUT/megatron_tests.log" 2>&1
-    summary "megatron tests (CPU ranks, and CUDA ranks where the kernels are built): $(tail -1 "$OUT/megatron_tests.log")"
+    $PY -m pytest -q tests/test_megatron.py tests/test_overlap_chunks.py tests/test_microbatch_overlap.py \
+      tests/test_capacity_padding.py tests/test_shared_expert_overlap.py tests/test_fp8_dispatch.py \
+      tests/test_te_experts.py > "$OUT/megatron_tests.log" 2>&1
+    summary "megatron tests (CPU ranks, CUDA ranks where the kernels are built, TE's layers where it imports): $(tail -1 "$OUT/megatron_tests.log")"
   fi
   if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
     # One MoE layer: the chunked pipeline, fp8 dispatch and the shared expert's overlap, bf16, 4 ranks; then

@@ -4,7 +4,7 @@
 # command line), e.g.
 #   TRAIN_VARIANTS=$'arena\ntwo_pass --no-arena' bash scripts/train_check.sh
 # Prints each run's errors (one line per distinct message) and its last steps; logs in $OUT/<name>.log.
-# A carried .whl/megatron_core-*.whl is installed first (README). TRAIN_NPROC (4), TRAIN_STEPS (12),
+# A carried .whl/megatron_core-*.whl or TE bundle (.te/) is installed first (README). TRAIN_NPROC (4), TRAIN_STEPS (12),
 # TRAIN_CONFIG (configs/single_gpu_small.yaml), TRAIN_TIMEOUT_S (150), MOE_EP_TIMEOUT_S (10). A step
 # longer than TRAIN_STALL_S (6) leaves every rank's Python stacks and Buffer progress in
 # $OUT/stalls_<name>/stall_rank<N>.txt.
@@ -17,6 +17,7 @@ if ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --target /tmp/mcore .whl/megatron_core-*.whl 2>/dev/null
   export PYTHONPATH=/tmp/mcore${PYTHONPATH:+:$PYTHONPATH}
 fi
+install_te_bundle  # a carried .te/: TE's layers for --transformer-impl transformer_engine
 export PYTHONWARNINGS=ignore MOE_EP_TIMEOUT_S=${MOE_EP_TIMEOUT_S:-10}
 steps=${TRAIN_STEPS:-12}
 while read -r name extra; do

@@ -38,8 +38,44 @@ def test_losses_that_differ_fail_the_run(capsys):
 
     from moe_ep.bench.report import Report
     args = SimpleNamespace(ranks=2, layers=1, hidden=64, ffn_hidden=128, experts=4, topk=2, seq=16, micro_batch=2,
-                           micro_batches=2, iters=1, warmup=1, dispatchers=["deepep"])
+                           micro_batches=2, iters=1, warmup=1, dispatchers=["deepep"], delay_wgrad=False,
+                           transformer_impl="local")
     row = dict(rank=0, ms={"deepep no overlap": 2.0, "deepep overlap": 1.0},
                losses={"deepep no overlap": [5.0, 5.0], "deepep overlap": [5.0, 6.0]})
     assert microbatch_overlap.report_results(args, [row], Report("microbatch_overlap")) is False
     assert "LOSSES DIFFER" in capsys.readouterr().out
+
+
+def test_the_delayed_wgrad_run_and_te_layers_are_asked_for_by_name():
+    """--delay-wgrad adds the overlap with delay_wgrad_compute, which megatron's local layers cannot do: it
+    needs --transformer-impl transformer_engine, refused where transformer-engine does not import."""
+    from moe_ep.te import te_available
+
+    with pytest.raises(SystemExit):
+        microbatch_overlap.parse_args(["--cpu", "--delay-wgrad"])
+    args = microbatch_overlap.parse_args(["--cpu", "--ranks", "2"])
+    assert [name for name, _, _ in microbatch_overlap.runs(args)] == ["no overlap", "overlap"]
+    if not te_available():
+        with pytest.raises(SystemExit):
+            microbatch_overlap.parse_args(["--transformer-impl", "transformer_engine"])
+        return
+    with pytest.raises(SystemExit):
+        microbatch_overlap.parse_args(["--cpu", "--transformer-impl", "transformer_engine"])
+    args = microbatch_overlap.parse_args(["--ranks", "2", "--transformer-impl", "transformer_engine", "--delay-wgrad"])
+    assert [name for name, _, _ in microbatch_overlap.runs(args)] == ["no overlap", "overlap", "overlap + delayed wgrad"]
+
+
+def test_the_delayed_wgrad_run_is_reported_beside_the_overlap(capsys):
+    from types import SimpleNamespace
+
+    from moe_ep.bench.report import Report
+    args = SimpleNamespace(ranks=2, layers=1, hidden=64, ffn_hidden=128, experts=4, topk=2, seq=16, micro_batch=2,
+                           micro_batches=2, iters=1, warmup=1, dispatchers=["deepep"], delay_wgrad=True,
+                           transformer_impl="transformer_engine")
+    row = dict(rank=0, ms={"deepep no overlap": 2.0, "deepep overlap": 1.5, "deepep overlap + delayed wgrad": 1.0},
+               losses={key: [5.0, 5.0] for key in ("deepep no overlap", "deepep overlap",
+                                                    "deepep overlap + delayed wgrad")})
+    report = Report("microbatch_overlap")
+    assert microbatch_overlap.report_results(args, [row], report) is True
+    out = capsys.readouterr().out
+    assert "overlap + delayed wgrad" in out and "0.50x" in out and "transformer_engine layers" in out

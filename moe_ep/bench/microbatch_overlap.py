@@ -1,16 +1,19 @@
 """megatron's micro-batch overlap (`overlap_moe_expert_parallel_comm`: one micro-batch's dispatch and
 combine beside another's attention and experts, megatron's combined 1F1B schedule) timed against the
-same training step without it, in one run: a bf16 GPT-MoE (megatron-core's local layers, no
-transformer-engine), the same seeds, batches and ranks, each step --micro-batches micro-batches of
-forward and backward as megatron's forward_backward_no_pipelining runs them: one after the other, or
-with the overlap its combined 1F1B schedule (called directly: the wrapper also makes CUDA tensors of its
-own, which CPU ranks cannot). Every rank is one expert-parallel rank.
+same training step without it, in one run: a bf16 GPT-MoE (megatron-core's local layers, or with
+--transformer-impl transformer_engine TE's layers and grouped experts), the same seeds, batches and ranks,
+each step --micro-batches micro-batches of forward and backward as megatron's forward_backward_no_pipelining
+runs them: one after the other, or with the overlap its combined 1F1B schedule (called directly: the
+wrapper also makes CUDA tensors of its own, which CPU ranks cannot). --delay-wgrad adds a third run, the
+overlap with delay_wgrad_compute (TE's layers compute their weight gradients where the schedule puts
+them). Every rank is one expert-parallel rank.
 
-Per dispatcher: ms a step without and with the overlap (the mean over ranks of host wall time of --iters
-steps after --warmup, device synchronised), their ratio, and the largest difference between the two
-runs' first-step losses (bf16 rounding only: the schedule reorders the same operations).
+Per dispatcher: ms a step without the overlap, with it (and with delayed weight gradients), their ratio to
+the step without, and the largest difference between each run's first-step losses and the first run's
+(bf16 rounding only: the schedule reorders the same operations).
 
     moe-ep-bench microbatch_overlap --ranks 4
+    moe-ep-bench microbatch_overlap --ranks 4 --transformer-impl transformer_engine --delay-wgrad
     moe-ep-bench microbatch_overlap --cpu --ranks 2 --layers 1 --hidden 64 --ffn-hidden 128 --seq 16 --experts 4
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from ..te import te_available
 from . import command_parser
 from .megatron_layer import DISPATCHERS, add_moe_shape_arguments, megatron_ranks, parse_rank_arguments
 from .report import Report
@@ -87,9 +91,22 @@ def _batches(args, device) -> list:
     return batches
 
 
-def _gpt(args, dispatcher: str, overlap: bool, device):
+# The runs of each dispatcher, in order: (name, overlap_moe_expert_parallel_comm, delay_wgrad_compute).
+RUNS = (("no overlap", False, False), ("overlap", True, False), ("overlap + delayed wgrad", True, True))
+# The JSON metrics of each run after the first: its step time, its ratio to the first's, its loss difference.
+METRICS = {"overlap": ("ms_overlap", "overlap_vs_not", "loss_rel_diff"),
+           "overlap + delayed wgrad": ("ms_overlap_delayed_wgrad", "overlap_delayed_wgrad_vs_not",
+                                       "loss_rel_diff_delayed_wgrad")}
+
+
+def runs(args) -> tuple:
+    return RUNS if args.delay_wgrad else RUNS[:2]
+
+
+def _gpt(args, dispatcher: str, overlap: bool, delay_wgrad: bool, device):
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                            get_gpt_layer_with_transformer_engine_spec)
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -100,10 +117,13 @@ def _gpt(args, dispatcher: str, overlap: bool, device):
         expert_model_parallel_size=dist.get_world_size(), use_cpu_initialization=device.type == "cpu",
         moe_router_dtype="fp32", moe_aux_loss_coeff=0.0, add_bias_linear=False, bf16=True,
         params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
-        overlap_moe_expert_parallel_comm=overlap)
+        overlap_moe_expert_parallel_comm=overlap, delay_wgrad_compute=delay_wgrad)
     torch.manual_seed(SEED)
     model_parallel_cuda_manual_seed(SEED, inference_rng_tracker=True)
-    spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False)
+    if args.transformer_impl == "transformer_engine":
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=args.experts, moe_grouped_gemm=True)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False)
     model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=args.seq).to(device)
     return Float16Module(config, model)
 
@@ -123,14 +143,14 @@ def rank_step_times(args) -> dict:
     batches = _batches(args, device)
     times, losses = {}, {}
     for dispatcher in args.dispatchers:
-        for overlap in (False, True):
-            model = _gpt(args, dispatcher, overlap, device)
+        for name, overlap, delay_wgrad in runs(args):
+            model = _gpt(args, dispatcher, overlap, delay_wgrad, device)
 
             def step():
                 model.zero_grad(set_to_none=True)
                 return (combined_schedule if overlap else one_by_one)(model, batches)
 
-            key = f"{dispatcher} {'overlap' if overlap else 'no overlap'}"
+            key = f"{dispatcher} {name}"
             losses[key] = [float(logged["lm loss"]) for logged in step()]
             times[key] = wall_seconds_per_call(step, args.warmup, args.iters) * 1e3
             del model
@@ -151,33 +171,51 @@ def parse_args(argv=None):
     parser.add_argument("--iters", type=int, default=5, help="timed steps (default 5)")
     parser.add_argument("--dispatchers", nargs="+", choices=DISPATCHERS, default=["deepep"],
                         help="megatron token dispatcher types to time (default: deepep)")
-    args = parse_rank_arguments(parser, argv, RANKS)
+    parser.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local",
+                        help="megatron's layers (local, the default) or transformer-engine's, with grouped experts")
+    parser.add_argument("--delay-wgrad", action="store_true",
+                        help="a third run: the overlap with delay_wgrad_compute (needs --transformer-impl "
+                             "transformer_engine)")
+    return parse_rank_arguments(parser, argv, RANKS, checks=_check_arguments)
+
+
+def _check_arguments(parser, args) -> None:
     if args.micro_batches < 2:
         parser.error("--micro-batches: at least 2 (the overlap pairs one micro-batch with another)")
-    return args
+    if args.delay_wgrad and args.transformer_impl != "transformer_engine":
+        parser.error("--delay-wgrad: megatron's local layers cannot defer their weight gradients; "
+                     "add --transformer-impl transformer_engine")
+    if args.transformer_impl == "transformer_engine" and not te_available():
+        parser.error("--transformer-impl transformer_engine: transformer-engine does not import here")
+    if args.transformer_impl == "transformer_engine" and args.cpu:
+        parser.error("--transformer-impl transformer_engine: transformer-engine's layers need CUDA ranks, not --cpu")
 
 
 def report_results(args, rows: list, report: Report) -> bool:
-    """The table and JSON lines; returns whether each dispatcher's two runs had the same first-step losses."""
+    """The table and JSON lines; returns whether each dispatcher's runs had the first run's first-step losses."""
     shape = dict(layers=args.layers, hidden=args.hidden, ffn_hidden=args.ffn_hidden, experts=args.experts,
-                 topk=args.topk, seq=args.seq, micro_batch=args.micro_batch, micro_batches=args.micro_batches)
+                 topk=args.topk, seq=args.seq, micro_batch=args.micro_batch, micro_batches=args.micro_batches,
+                 transformer_impl=args.transformer_impl)
     print(f"megatron training step, {args.ranks} ranks (EP={args.ranks}), {args.micro_batches} micro-batches of "
           f"{args.micro_batch} x {args.seq} tokens, {args.layers} layers, hidden {args.hidden}, top-{args.topk} of "
-          f"{args.experts} experts, bf16; {args.iters} steps after {args.warmup}")
-    print(f"{'dispatcher':<10} {'no overlap ms':>14} {'overlap ms':>11} {'overlap / not':>14} {'loss diff':>10}")
+          f"{args.experts} experts, bf16, {args.transformer_impl} layers; {args.iters} steps after {args.warmup}")
+    print(f"{'dispatcher':<10} {'run':<24} {'ms a step':>10} {'/ no overlap':>13} {'loss diff':>10}")
     matched = True
     for dispatcher in args.dispatchers:
-        off, on = (sum(r["ms"][f"{dispatcher} {kind}"] for r in rows) / len(rows) for kind in ("no overlap", "overlap"))
-        diff = max(abs(a - b) / max(1.0, abs(a)) for r in rows
-                   for a, b in zip(r["losses"][f"{dispatcher} no overlap"], r["losses"][f"{dispatcher} overlap"]))
-        same = diff <= LOSS_TOLERANCE and all(len(r["losses"][f"{dispatcher} overlap"]) == args.micro_batches
-                                              for r in rows)
-        matched &= same
-        print(f"{dispatcher:<10} {off:>14.2f} {on:>11.2f} {on / off:>13.2f}x {diff:>10.1e}"
-              + ("" if same else "  LOSSES DIFFER"))
-        for metric, value, unit in (("ms_no_overlap", off, "ms"), ("ms_overlap", on, "ms"),
-                                    ("overlap_vs_not", on / off, "x"), ("loss_rel_diff", diff, None)):
-            report.add("step", shape, args.ranks, dispatcher, metric, value, unit)
+        baseline = sum(r["ms"][f"{dispatcher} no overlap"] for r in rows) / len(rows)
+        print(f"{dispatcher:<10} {'no overlap':<24} {baseline:>10.2f}")
+        report.add("step", shape, args.ranks, dispatcher, "ms_no_overlap", baseline, "ms")
+        for name, _, _ in runs(args)[1:]:
+            key = f"{dispatcher} {name}"
+            ms = sum(r["ms"][key] for r in rows) / len(rows)
+            diff = max(abs(a - b) / max(1.0, abs(a)) for r in rows
+                       for a, b in zip(r["losses"][f"{dispatcher} no overlap"], r["losses"][key]))
+            same = diff <= LOSS_TOLERANCE and all(len(r["losses"][key]) == args.micro_batches for r in rows)
+            matched &= same
+            print(f"{dispatcher:<10} {name:<24} {ms:>10.2f} {ms / baseline:>12.2f}x {diff:>10.1e}"
+                  + ("" if same else "  LOSSES DIFFER"))
+            for metric, value, unit in zip(METRICS[name], (ms, ms / baseline, diff), ("ms", "x", None)):
+                report.add("step", shape, args.ranks, dispatcher, metric, value, unit)
     return matched
 
 
