@@ -57,7 +57,8 @@ def moe_forward_backward(seed: int, num_experts: int, topk: int, hidden: int, di
     if blockwise_fp8:
         config.fp8, config.fp8_recipe = "e4m3", "blockwise"
     if pad_for_fp8:   # set after construction: fp8 itself would need transformer-engine
-        config.fp8, config.fp8_recipe, config.moe_router_padding_for_quantization = "e4m3", "delayed", True
+        config.fp8, config.moe_router_padding_for_quantization = "e4m3", True
+        config.fp8_recipe = "blockwise" if blockwise_fp8 else "delayed"
     rank, world = dist.get_rank(), dist.get_world_size()
     ep_rank, tp_rank = rank // tp, rank % tp
     local = num_experts // (world // tp)

@@ -34,7 +34,7 @@ def test_fp8_rows_padded_for_quantization(pools, seed):
     rows like the others and every expert's count is aligned, as TE's grouped GEMM needs. 200 tokens a
     rank: every rank receives enough rows to pad each of its experts to the next multiple of 16."""
     results = pools(2).run(megatron_fns.moe_forward_backward, seed % 10000, 4, 2, 128, "deepep", 200,
-                           pad_for_fp8=True, moe_ep_options=dict(moe_ep_fp8_dispatch="on"))
+                           pad_for_fp8=True, blockwise_fp8=True, moe_ep_options=dict(moe_ep_fp8_dispatch="on"))
     for res in results:
         assert all(n % 16 == 0 for n in res["tokens_per_expert"]), res["tokens_per_expert"]
         torch.testing.assert_close(res["out"], res["ref_out"], rtol=0, atol=FP8_RTOL * res["ref_out"].abs().max())
@@ -45,7 +45,7 @@ def test_too_few_received_rows_to_pad_leave_the_counts_as_routed(pools, seed):
     """6 tokens a rank: at most 12 rows arrive, fewer than the 16 an expert's rows would pad to. The counts
     stay as routed (megatron's expert MLP pads them itself) and the layer is still right."""
     results = pools(2).run(megatron_fns.moe_forward_backward, seed % 10000, 4, 2, 128, "deepep", 6,
-                           pad_for_fp8=True, moe_ep_options=dict(moe_ep_fp8_dispatch="on"))
+                           pad_for_fp8=True, blockwise_fp8=True, moe_ep_options=dict(moe_ep_fp8_dispatch="on"))
     for res in results:
         assert all(n <= 12 for n in res["tokens_per_expert"]), res["tokens_per_expert"]
         torch.testing.assert_close(res["out"], res["ref_out"], rtol=0, atol=FP8_RTOL * res["ref_out"].abs().max())
@@ -64,6 +64,18 @@ def test_auto_follows_the_blockwise_recipe_and_falls_back_where_hidden_does_not_
     with pytest.raises(Exception, match="multiple of 128"):
         pools(2).run(megatron_fns.moe_forward_backward, seed % 10000, 4, 2, 32, "deepep", 24,
                      moe_ep_options=dict(moe_ep_fp8_dispatch="on"))
+
+
+def test_on_under_another_fp8_recipe_is_refused_when_the_dispatcher_is_built(pools, seed):
+    """'on' sends 1x128 blockwise fp8; under megatron's delayed-scaling recipe the experts would cast those
+    rows again in their own format: refused, naming the option and the recipe, before any call."""
+    with pytest.raises(Exception, match="moe_ep_fp8_dispatch='on': the config trains with fp8_recipe='delayed'"):
+        pools(2).run(megatron_fns.moe_forward_backward, seed % 10000, 4, 2, 128, "deepep", 24, pad_for_fp8=True,
+                     moe_ep_options=dict(moe_ep_fp8_dispatch="on"))
+    # "auto" under that recipe sends the tokens as they are, exactly.
+    for res in pools(2).run(megatron_fns.moe_forward_backward, seed % 10000, 4, 2, 128, "deepep", 24,
+                            pad_for_fp8=True):
+        torch.testing.assert_close(res["out"], res["ref_out"], rtol=1e-5, atol=1e-5)
 
 
 def test_options_and_megatron_lm_flag():

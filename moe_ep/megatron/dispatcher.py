@@ -49,7 +49,7 @@ from .capacity import FixedRows, capacity_padded, fixed_rows, layer_capacity
 from .chunks import ChunkedBackward, Chunks, JoinChunks, split_into_chunks
 from .exchange import CommState, async_args, timed_call
 from .metrics import LayerMetrics, check_megatron_publishes
-from .options import fp8_dispatch_wanted, options_for
+from .options import check_fp8_dispatch_recipe, fp8_dispatch_wanted, options_for
 
 
 def phase_range(name: str, prefix: str = "moe_ep"):
@@ -289,6 +289,7 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
         self.options = options_for(config)
         # megatron's drop-and-pad mode: the experts' inputs have fixed sizes, so nothing waits for counts.
         self.capacity_padded = capacity_padded(config)
+        check_fp8_dispatch_recipe(self.options, config)
         if fp8_dispatch_wanted(self.options, config):
             check_te_blockwise_format()  # the rows TE's experts get are its own cast's, or nothing runs
         if self.options.moe_ep_num_sms:

@@ -87,9 +87,27 @@ def _check_overlap_chunks(chunks) -> None:
         raise ValueError(f"moe_ep_overlap_chunks: expected an int >= 1, got {chunks!r}")
 
 
+def _fp8_recipe(config) -> Optional[str]:
+    """The config's fp8 recipe by name ("blockwise", "delayed", ...), None where it does not train in fp8."""
+    if not getattr(config, "fp8", None):
+        return None
+    recipe = getattr(config, "fp8_recipe", None)
+    return str(getattr(recipe, "value", recipe))
+
+
 def fp8_dispatch_wanted(options: DispatcherOptions, config) -> bool:
     """Whether moe_ep_fp8_dispatch asks for fp8 tokens with this config ("auto": TE's blockwise recipe)."""
     if options.moe_ep_fp8_dispatch != "auto":
         return options.moe_ep_fp8_dispatch == "on"
-    recipe = getattr(config, "fp8_recipe", None)
-    return bool(getattr(config, "fp8", None)) and str(getattr(recipe, "value", recipe)) == "blockwise"
+    return _fp8_recipe(config) == "blockwise"
+
+
+def check_fp8_dispatch_recipe(options: DispatcherOptions, config) -> None:
+    """moe_ep_fp8_dispatch='on' sends TE's 1x128 blockwise fp8: under another fp8 recipe the experts would
+    cast those rows again in their own format, a second rounding no recipe asked for."""
+    recipe = _fp8_recipe(config)
+    if options.moe_ep_fp8_dispatch == "on" and recipe not in (None, "blockwise"):
+        raise ValueError(
+            f"moe_ep_fp8_dispatch='on': the config trains with fp8_recipe={recipe!r}, whose experts quantise their "
+            "input in another format than the 1x128 blockwise fp8 the dispatch sends (fp8_recipe='blockwise'); "
+            "use 'auto' (fp8 dispatch under the blockwise recipe) or 'off'")
