@@ -8,6 +8,9 @@ on the compiled kernels where they are built, and on the portable backend otherw
 from __future__ import annotations
 
 import atexit
+import difflib
+import functools
+import inspect
 import json
 import os
 import socket
@@ -92,6 +95,20 @@ class Buffer:
     """
 
     num_sms = 20
+
+    def __new__(cls, *args, **kwargs):
+        """Arguments that bind to no parameter of __init__ (an unknown keyword, one too many) fail before
+        __init__ runs, so they are refused here, at the construction meeting as a bad value is: the peers
+        raise naming this rank at once, and every rank's count of the group's Buffers stays the same."""
+        try:
+            _init_signature(cls).bind(None, *args, **kwargs)
+        except TypeError as exc:
+            message = _unbound_message(cls, exc, kwargs)
+            group = args[0] if args else kwargs.get("group")
+            if isinstance(group, dist.ProcessGroup):
+                construction_gate(group).refuse(_CONSTRUCTION, f"TypeError: {message}")
+            raise TypeError(message) from None
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -598,6 +615,7 @@ class Buffer:
     ):
         self._check_alive()
         check_tensor("topk_idx", topk_idx, dtype=topk_idx_t, ndim=2)
+        _check_num_tokens("topk_idx", topk_idx.shape[0])
         self._check_num_experts(num_experts)
         self._check_events(previous_event, async_finish, allocate_on_comm_stream)
         if self._check_data(topk_idx):
@@ -645,6 +663,7 @@ class Buffer:
         with self._arguments("dispatch", x, self._kernels):
             x_parts = self._split_x(x)
             num_tokens, hidden = x_parts[0].shape
+            _check_num_tokens("x", num_tokens)
             device = x_parts[0].device
             check_int("expert_alignment", expert_alignment, minimum=1)
             check_int("num_worst_tokens", num_worst_tokens, minimum=0)
@@ -1179,6 +1198,31 @@ class Buffer:
 
 # The device state of a handle whose dispatch ran on the kernels (on one node, across nodes).
 _KERNEL_STATES = (IntranodeDispatchState, InternodeDispatchState)
+
+
+def _check_num_tokens(name: str, num_tokens: int) -> None:
+    """A rank's tokens are counted and indexed with 32-bit integers (the handle's source indices, the
+    kernels' counts): more rows than that fit no Buffer, whatever their strides."""
+    if num_tokens > INT32_MAX:
+        raise ValueError(f"{name}: expected at most {INT32_MAX} rows (a rank's tokens are counted and indexed with "
+                         f"32-bit integers), got {num_tokens}; dispatch them in several calls")
+
+
+@functools.lru_cache(maxsize=None)
+def _init_signature(cls: type) -> inspect.Signature:
+    return inspect.signature(cls.__init__)
+
+
+def _unbound_message(cls: type, exc: TypeError, kwargs: dict) -> str:
+    """What Buffer(...) says where its arguments bind to no parameter: an unknown keyword by name, with
+    the closest parameter where one is near."""
+    names = [name for name in _init_signature(cls).parameters if name != "self"]
+    unknown = [name for name in kwargs if name not in names]
+    if not unknown:
+        return f"{cls.__name__}(): {exc}"
+    close = difflib.get_close_matches(unknown[0], names, n=1)
+    hint = f"did you mean {close[0]}?" if close else f"its arguments are {', '.join(names)}"
+    return f"{unknown[0]}: not an argument of {cls.__name__}() ({hint})"
 
 
 class _Arguments:

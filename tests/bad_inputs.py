@@ -7,7 +7,7 @@ import torch.distributed as dist
 from moe_ep import Buffer, Config, EventOverlap, fp8
 
 from .problems import Problem
-from .rank_fns import low_latency_buffer, my_inputs, normal_buffer
+from .rank_fns import low_latency_buffer, my_inputs, normal_buffer, normal_round, outcome
 
 
 class Ctx:
@@ -214,6 +214,12 @@ CASES = [
                                                      * (c.layout[2][0] + 1)))),
     ("EventOverlap wait on wrong object", TypeError, "previous_event: expected an EventOverlap",
      lambda c: c.buf.get_dispatch_layout(c.idx, c.p.num_experts, previous_event="event")),
+    # Stride-0 views: rows that cost no memory, more of them than 32-bit counts hold.
+    ("x past 32-bit rows", ValueError, "x: expected at most 2147483647 rows",
+     lambda c: c.buf.dispatch(_ll_x(c, 1, c.p.hidden).expand(2**31, -1), **c.layout_kwargs())),
+    ("layout topk_idx past 32-bit rows", ValueError, "topk_idx: expected at most 2147483647 rows",
+     lambda c: c.buf.get_dispatch_layout(torch.zeros(1, c.p.num_topk, dtype=torch.int64).expand(2**31, -1),
+                                         c.p.num_experts)),
 ]
 
 
@@ -232,3 +238,51 @@ def run_cases(p: Problem):
         c.ll_round()
     assert isinstance(EventOverlap(), EventOverlap)
     return outcomes
+
+
+def unknown_argument_on_one_rank(p: Problem, bad_rank: int):
+    """Buffer() with a misspelt keyword on bad_rank and the right one on the others, then a Buffer and a
+    round on every rank -> (what the first construction raised, the shape of the round's combined x)."""
+    name = "num_nvl_byte" if dist.get_rank() == bad_rank else "num_nvl_bytes"
+    made = outcome(lambda: Buffer(dist.group.WORLD, **{name: 1 << 20}))
+    return made, tuple(normal_round(p)["combined"].shape)
+
+
+# Stride-0 rows of x whose full copy no machine can hold (2**22 rows of 2**26 bytes: 2**48 bytes, past a
+# 47-bit address space), of which a rank sends a few.
+HUGE_TOKENS, HUGE_HIDDEN = 2**22, 2**25
+
+
+def _huge_x() -> torch.Tensor:
+    return torch.ones(1, HUGE_HIDDEN, dtype=torch.bfloat16).expand(HUGE_TOKENS, -1)
+
+
+def _huge_dispatch(buffer: Buffer, is_token_in_rank: torch.Tensor):
+    num_ranks = dist.get_world_size()
+    return buffer.dispatch(_huge_x(), num_tokens_per_rank=is_token_in_rank.sum(0, dtype=torch.int32),
+                           is_token_in_rank=is_token_in_rank,
+                           num_tokens_per_expert=torch.zeros(num_ranks, dtype=torch.int32))
+
+
+def a_few_rows_of_a_huge_x():
+    """Each rank sends its token 0 of a stride-0 x to the next rank -> the rows received (their count, whether
+    each equals x's row)."""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    in_rank = torch.zeros(HUGE_TOKENS, num_ranks, dtype=torch.bool)
+    in_rank[0, (rank + 1) % num_ranks] = True
+    recv_x = _huge_dispatch(normal_buffer(HUGE_HIDDEN), in_rank)[0]
+    return recv_x.shape[0], bool((recv_x == 1).all())
+
+
+def more_rows_than_memory_on_one_rank(p: Problem, bad_rank: int):
+    """bad_rank dispatches every row of a stride-0 x to every rank (more bytes than memory holds), the
+    others a valid dispatch; then a round on the same Buffer -> (what the dispatch raised, the round's
+    combined x shape)."""
+    buffer = normal_buffer(HUGE_HIDDEN)
+    if dist.get_rank() == bad_rank:
+        everywhere = torch.ones(1, dist.get_world_size(), dtype=torch.bool).expand(HUGE_TOKENS, -1)
+        raised = outcome(lambda: _huge_dispatch(buffer, everywhere))
+    else:
+        none = torch.zeros(1, dist.get_world_size(), dtype=torch.bool)
+        raised = outcome(lambda: _huge_dispatch(buffer, none.expand(HUGE_TOKENS, -1)))
+    return raised, tuple(normal_round(p, buffer=buffer)["combined"].shape)

@@ -5,7 +5,7 @@ import pytest
 from moe_ep.launch import RankError, RankPool
 
 from . import bad_inputs, rank_fns
-from .problems import Problem
+from .problems import Problem, make_inputs
 
 # Peers that never come are named after this long.
 SHORT_TIMEOUT = {"MOE_EP_TIMEOUT_S": "1.5"}
@@ -21,6 +21,43 @@ def test_bad_inputs_raise_named_errors_and_leave_the_buffer_usable(pools, seed, 
             assert got_name == name
             assert got_type == exc_type.__name__, f"rank {rank}, {name}: raised {got_type}: {message}"
             assert text in message, f"rank {rank}, {name}: message {message!r} lacks {text!r}"
+
+
+def test_an_unknown_buffer_argument_on_one_rank_is_refused_and_later_buffers_work(pools, seed):
+    p = Problem(seed, 2, 4, 128, 2, max_tokens=8)
+    bad = 1
+    results = pools(2).run(rank_fns.with_env, SHORT_TIMEOUT, bad_inputs.unknown_argument_on_one_rank, p, bad)
+    inputs = make_inputs(p)
+    for rank, ((exc_type, message), combined_shape) in enumerate(results):
+        if rank == bad:
+            assert (exc_type, message) == ("TypeError", "num_nvl_byte: not an argument of Buffer() (did you mean "
+                                                        "num_nvl_bytes?)")
+        else:
+            assert exc_type == "RuntimeError", message
+            assert f"rank {bad} refused its arguments (TypeError: num_nvl_byte: not an argument" in message, message
+        assert combined_shape == tuple(inputs[rank]["x"].shape)  # the Buffers after it work
+
+
+def test_a_dispatch_packs_only_the_rows_it_sends(pools):
+    """x: stride-0 rows whose full copy no machine holds, of which each rank sends one."""
+    for count, equal in pools(2).run(bad_inputs.a_few_rows_of_a_huge_x):
+        assert (count, equal) == (1, True)
+
+
+def test_rows_past_memory_are_refused_before_any_rank_communicates(pools, seed):
+    p = Problem(seed, 2, 4, 128, 2, max_tokens=8)
+    bad = 0
+    results = pools(2).run(rank_fns.with_env, SHORT_TIMEOUT, bad_inputs.more_rows_than_memory_on_one_rank, p, bad)
+    inputs = make_inputs(p)
+    for rank, ((exc_type, message), combined_shape) in enumerate(results):
+        if rank == bad:
+            assert exc_type == "ValueError", message
+            assert message.startswith(f"x: cannot allocate the {2 * bad_inputs.HUGE_TOKENS} rows of "
+                                      f"{2 * bad_inputs.HUGE_HIDDEN + 4} bytes this rank sends on cpu ("), message
+        else:
+            assert exc_type == "RuntimeError", message
+            assert f"rank {bad} refused its arguments (ValueError: x: cannot allocate" in message, message
+        assert combined_shape == tuple(inputs[rank]["x"].shape)  # the Buffer stays usable
 
 
 def test_missing_rank_is_named_in_a_timeout(pools):

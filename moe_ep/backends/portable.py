@@ -233,24 +233,33 @@ class PortableBackend(Backend):
     ):
         num_tokens = x_parts[0].shape[0]
         device = x_parts[0].device
-        parts = list(x_parts)
-        if handle is None:  # the handle's recv_src_idx: each row's source token index travels with it
-            parts.append(torch.empty(num_tokens, 1, dtype=torch.int32, device=device))
-            if topk_idx is not None:
-                parts += [topk_idx, topk_weights]
-        # Fixed-size receive tensors are allocated before any rank communicates, so that a size that
-        # cannot be had fails on this rank alone, naming the argument, with every rank still in step.
+        # Before any rank communicates, so that a size that cannot be had fails on this rank alone, naming
+        # the argument, with every rank still in step: the rows this rank sends, selected before they are
+        # packed (a rank's x may be far larger than what it sends, stride-0 views of one row among them),
+        # and fixed-size receive tensors.
+        send_order = self._send_order(is_token_in_rank if handle is None else handle.is_token_in_rank)
+        fresh = handle is None  # each row then carries its source token (the handle's recv_src_idx) and top-k
+        topk = [t for t in (topk_idx, topk_weights) if t is not None] if fresh else []
+        specs = row_specs(x_parts) + ([(torch.int32, 1)] + row_specs(topk) if fresh else [])
+        row_bytes = sum(cols * dtype.itemsize for dtype, cols in specs)
+        try:
+            sent = [p[send_order] for p in x_parts]
+            if fresh:
+                sent += [send_order.to(torch.int32).unsqueeze(1)] + [t[send_order] for t in topk]
+            packed = pack_rows(sent)
+        except (RuntimeError, MemoryError) as exc:
+            raise self._refused_dispatch(f"x: cannot allocate the {len(send_order)} rows of {row_bytes} bytes this "
+                                         f"rank sends on {device} ({str(exc).splitlines()[0]})") from None
+        del sent  # packed holds them
         num_rows = handle.num_worst_tokens if handle is not None else num_worst_tokens
         padded = None
         if num_rows > 0:
             try:
-                padded = [torch.empty(num_rows, p.shape[1], dtype=p.dtype, device=device) for p in parts]
+                padded = [torch.empty(num_rows, cols, dtype=dtype, device=device) for dtype, cols in specs]
             except (RuntimeError, MemoryError) as exc:
-                row_bytes = sum(p.shape[1] * p.element_size() for p in parts)
-                message = (f"num_worst_tokens={num_rows}: cannot allocate the receive tensors of {num_rows} rows of "
-                           f"{row_bytes} bytes on {device} ({str(exc).splitlines()[0]})")
-                self.gate.refuse("dispatch", f"ValueError: {message}")
-                raise ValueError(message) from None
+                raise self._refused_dispatch(
+                    f"num_worst_tokens={num_rows}: cannot allocate the receive tensors of {num_rows} rows of "
+                    f"{row_bytes} bytes on {device} ({str(exc).splitlines()[0]})") from None
         gate_call = self.gate.enter("dispatch", form)
         if handle is None:
             num_experts = num_tokens_per_expert.shape[0]
@@ -288,11 +297,8 @@ class PortableBackend(Backend):
             cached = False
         else:
             cached = True
-        send_order = self._send_order(handle.is_token_in_rank)
-        if not cached:
-            parts[len(x_parts)] = torch.arange(num_tokens, dtype=torch.int32, device=device).unsqueeze(1)
-        received = self._exchange_rows(pack_rows(parts)[send_order], handle.send_counts, handle.recv_counts)
-        outs = unpack_rows(received, row_specs(parts))
+        received = self._exchange_rows(packed, handle.send_counts, handle.recv_counts)
+        outs = unpack_rows(received, specs)
         if padded is not None:
             for into, rows in zip(padded, outs):
                 into[: rows.shape[0]] = rows
@@ -308,6 +314,12 @@ class PortableBackend(Backend):
             recv_topk_idx, recv_topk_weights = self._to_local_experts(outs[-2], outs[-1], num_experts)
             recv_topk_idx[handle.num_recv_tokens :] = -1
         return recv_x, recv_topk_idx, recv_topk_weights, recv_counts_list, handle
+
+    def _refused_dispatch(self, message: str) -> ValueError:
+        """This rank's dispatch cannot be had (message says why): the peers are told, and raise naming
+        this rank; -> the ValueError for this rank to raise."""
+        self.gate.refuse("dispatch", f"ValueError: {message}")
+        return ValueError(message)
 
     def _to_local_experts(self, idx: torch.Tensor, weights: torch.Tensor, num_experts: int):
         local = num_experts // self.num_ranks
