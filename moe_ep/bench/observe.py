@@ -7,9 +7,11 @@ dispatch (fp8) and a combine. The settings take turns: --repeats times, each set
 after --warmup, in an order rotated every repeat, so that drift on a shared GPU falls on all of them;
 the table gives each setting's median us a round and its ratio to "off" from this run.
 
-    moe-ep-bench observe --ranks 4                      # CUDA ranks (the default with a GPU)
-    moe-ep-bench observe --ranks 2 --cpu --tokens 64 --hidden 256 --experts 16 --topk 4 --iters 5 --repeats 1
-        # CPU ranks: checks the command in seconds
+    moe-ep-bench observe             # CUDA ranks where a GPU is present, else CPU ranks
+    moe-ep-bench observe --cpu       # CPU ranks, sized to finish in seconds
+
+Without a GPU (or with --cpu) each option left out takes its CPU value (DEFAULTS): two ranks and a small
+problem, since CPU ranks run the portable backend, whose costs say nothing of the kernels'.
 """
 from __future__ import annotations
 
@@ -26,10 +28,15 @@ from . import command_parser
 from .profile import normal_round, round_inputs
 from .report import Report, add_output_arguments
 from .timing import wall_seconds_per_call
-from .torchrun import add_ranks_argument, rank_counts, start_ranks
+from .torchrun import rank_counts, start_ranks
 
-# What --ranks left out runs (under torchrun: the ranks it started instead).
-RANKS = 4
+# What each option left out takes, on CUDA ranks and on CPU ranks (--ranks: under torchrun, the ranks it
+# started instead). On CPU the portable backend serves every call: the GPU's shapes and rounds would take
+# minutes there to time a path that is not the kernels'.
+DEFAULTS = {
+    "cuda": dict(ranks=4, tokens=128, hidden=7168, topk=8, experts=256, warmup=5, iters=50, repeats=5),
+    "cpu": dict(ranks=2, tokens=64, hidden=256, topk=4, experts=16, warmup=1, iters=5, repeats=3),
+}
 SETTINGS = ("off", "stats", "profile")
 KINDS = ("normal", "low_latency")
 
@@ -90,19 +97,23 @@ def rank_costs(args, use_cuda: bool) -> dict:
 
 def parse_args(argv=None):
     parser = command_parser(__spec__, __doc__)
-    add_ranks_argument(parser, RANKS, "ranks")
+    gpu, cpu = DEFAULTS["cuda"], DEFAULTS["cpu"]
+    parser.add_argument("--ranks", type=int, help=f"ranks (default {gpu['ranks']} CUDA, {cpu['ranks']} CPU; under "
+                                                   "torchrun the ranks it started)")
     parser.add_argument("--cpu", action="store_true", help="CPU ranks over gloo (the default without a GPU)")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="calls to time (default: both)")
-    parser.add_argument("--tokens", type=int, default=128, help="tokens a rank (default 128)")
-    parser.add_argument("--hidden", type=int, default=7168, help="hidden size (default 7168)")
-    parser.add_argument("--topk", type=int, default=8, help="experts a token is routed to (default 8)")
-    parser.add_argument("--experts", type=int, default=256, help="experts in all (default 256)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed rounds before each timing (default 5)")
-    parser.add_argument("--iters", type=int, default=50, help="timed rounds a timing (default 50)")
-    parser.add_argument("--repeats", type=int, default=5, help="timings of each setting, taking turns (default 5)")
+    for name, what in (("tokens", "tokens a rank"), ("hidden", "hidden size"), ("topk", "experts a token is routed to"),
+                       ("experts", "experts in all"), ("warmup", "untimed rounds before each timing"),
+                       ("iters", "timed rounds a timing"), ("repeats", "timings of each setting, taking turns")):
+        parser.add_argument(f"--{name}", type=int, help=f"{what} (default {gpu[name]} CUDA, {cpu[name]} CPU)")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
-    args.ranks = rank_counts(parser, args.ranks, RANKS)
+    args.cpu = args.cpu or not torch.cuda.is_available()
+    defaults = DEFAULTS["cpu" if args.cpu else "cuda"]
+    for name, value in defaults.items():
+        if getattr(args, name) is None and name != "ranks":
+            setattr(args, name, value)
+    args.ranks = rank_counts(parser, args.ranks, defaults["ranks"])
     if args.experts % args.ranks:
         parser.error(f"--experts {args.experts} must be a multiple of --ranks {args.ranks}")
     return args
@@ -113,6 +124,8 @@ def report_costs(args, rows: list, use_cuda: bool, report: Report) -> None:
     print(f"observation cost: {args.ranks} {'CUDA' if use_cuda else 'CPU'} ranks, {args.tokens} tokens x "
           f"{args.hidden} bf16, top-{args.topk} of {args.experts} experts; median over {args.repeats} timings of "
           f"{args.iters} rounds, the slowest rank's")
+    if not use_cuda:
+        print("CPU ranks run the portable backend (torch.distributed): these are its costs, not the kernels'")
     print(f"{'kind':<12} {'setting':<8} {'us a round':>11} {'vs off':>7}")
     for kind in args.kinds:
         medians = {s: max(statistics.median(r[kind][s]) for r in rows) for s in SETTINGS}
@@ -126,7 +139,7 @@ def report_costs(args, rows: list, use_cuda: bool, report: Report) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    use_cuda = not args.cpu and torch.cuda.is_available()
+    use_cuda = not args.cpu
     report = Report("observe", args.jsonl, args.plot)
     with start_ranks(args.ranks, use_cuda=use_cuda) as pool:
         rows = pool.run(rank_costs, args, use_cuda)
