@@ -2,6 +2,11 @@
 dispatcher, then print step time, tokens/s and losses side by side and plot them.
 
     python examples/compare_dispatchers.py --config configs/tiny_cpu.yaml --nproc 4 --plot out/compare.png
+    python examples/compare_dispatchers.py --config configs/single_gpu_small.yaml --nproc 4 \
+        --transformer-impl transformer_engine --fp8-recipe blockwise
+
+Both runs train the same layers: --transformer-impl and --fp8-recipe go to train_moe.py for each (else the
+config's model section chooses them), and the summary names what they were.
 
 Each run starts --nproc ranks on this host with `python -m moe_ep.launch` (which starts MPS when ranks
 share a GPU), or a torchrun job when --torchrun-args is given (e.g. "--nnodes 2 --node-rank 0 ...").
@@ -15,12 +20,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DISPATCHERS = ("alltoall", "deepep")
 
 
-def run(dispatcher: str, args, log_path: str) -> list:
+def train_command(dispatcher: str, args, log_path: str) -> list:
+    """The command line of one dispatcher's train_moe.py run."""
     if args.torchrun_args:
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
                     *args.torchrun_args.split()]
@@ -34,12 +41,33 @@ def run(dispatcher: str, args, log_path: str) -> list:
         cmd += ["--no-arena"]
     if args.profile:
         cmd += ["--profile", os.path.join(args.profile, f"profile_{dispatcher}.txt")]
+    if args.transformer_impl:
+        cmd += ["--transformer-impl", args.transformer_impl]
+    if args.fp8_recipe:
+        cmd += ["--fp8-recipe", args.fp8_recipe]
+    return cmd
+
+
+def run(dispatcher: str, args, log_path: str) -> list:
+    """One dispatcher's run, its JSON log's records."""
+    cmd = train_command(dispatcher, args, log_path)
     # megatron-core warns at length about optional packages it falls back from; keep the table readable.
     env = dict(os.environ)
     env.setdefault("PYTHONWARNINGS", "ignore")
     subprocess.run(cmd, check=True, cwd=ROOT, env=env)
     with open(log_path) as f:
         return [json.loads(line) for line in f]
+
+
+def layers_trained(logs: dict) -> dict:
+    """The transformer impl and fp8 recipe the runs trained with, as train_moe.py logged them."""
+    first = next(iter(logs.values()))[0]
+    return dict(transformer_impl=first.get("transformer_impl"), fp8_recipe=first.get("fp8_recipe"))
+
+
+def layers_text(layers: dict) -> str:
+    """The layers and fp8 recipe in words, for the summary and the plot's title."""
+    return f"{layers['transformer_impl']} layers, fp8 recipe {layers['fp8_recipe'] or 'none'}"
 
 
 def summarize(logs: dict, warmup: int) -> list:
@@ -83,16 +111,18 @@ def plot(logs: dict, path: str, title: str = ""):
     return fig
 
 
-def plot_title(args) -> str:
-    """The run's config, ranks and device, as train_moe.py picks it (CUDA wherever torch sees a GPU)."""
+def plot_title(args, layers: Optional[dict] = None) -> str:
+    """The run's config, ranks, layers where given (layers_trained) and device, as train_moe.py picks it
+    (CUDA wherever torch sees a GPU)."""
     import torch
 
     ranks = f"{args.nproc} ranks" + (" per node" if args.torchrun_args else "")
+    trained = f"{layers_text(layers)}, " if layers else ""
     device = "CUDA" if torch.cuda.is_available() else "CPU"
-    return f"megatron alltoall vs moe_ep: {os.path.basename(args.config)}, {ranks}, {device}"
+    return f"megatron alltoall vs moe_ep: {os.path.basename(args.config)}, {ranks}, {trained}{device}"
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=os.path.join(ROOT, "configs", "tiny_cpu.yaml"))
     parser.add_argument("--nproc", type=int, default=4)
@@ -106,25 +136,35 @@ def main(argv=None) -> int:
                              "--no-arena)")
     parser.add_argument("--profile", metavar="DIR",
                         help="write each run's operator table of three steps here (train_moe.py --profile)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--transformer-impl", choices=["local", "transformer_engine"],
+                        help="both runs' layers (train_moe.py --transformer-impl; default: the config's, else local)")
+    parser.add_argument("--fp8-recipe", choices=["blockwise"],
+                        help="both runs' fp8 recipe (train_moe.py --fp8-recipe; needs --transformer-impl "
+                             "transformer_engine; default: the config's, else no fp8)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         logs = {d: run(d, args, os.path.join(tmp, f"{d}.jsonl")) for d in DISPATCHERS}
-    rows = summarize(logs, args.warmup)
+    rows, layers = summarize(logs, args.warmup), layers_trained(logs)
     max_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(logs["alltoall"], logs["deepep"]))
-    print(f"\n{'dispatcher':<10} {'step ms':>9} {'tokens/s':>10} {'final loss':>11}")
+    print(f"\nalltoall vs deepep, both with {layers_text(layers)}")
+    print(f"{'dispatcher':<10} {'step ms':>9} {'tokens/s':>10} {'final loss':>11}")
     for r in rows:
         print(f"{r['dispatcher']:<10} {r['step_ms']:>9.1f} {r['tokens_per_s']:>10.0f} {r['final_loss']:>11.5f}")
     speed = rows[0]["step_ms"] / rows[1]["step_ms"]
     print(f"max |loss difference| over {len(logs['deepep'])} steps: {max_diff:.3e}; "
           f"deepep step time = {1 / speed:.2f}x alltoall's")
     try:
-        plot(logs, args.plot, plot_title(args))
+        plot(logs, args.plot, plot_title(args, layers))
         print(f"plot: {args.plot}")
     except ImportError:
         print("plot skipped: matplotlib is not installed")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(rows=rows, max_loss_diff=max_diff), f, indent=1)
+            json.dump(dict(rows=rows, max_loss_diff=max_diff, **layers), f, indent=1)
     if args.profile:
         print(f"profiles: {', '.join(os.path.join(args.profile, f'profile_{d}.txt') for d in DISPATCHERS)}")
     return 0

@@ -8,15 +8,22 @@ share a GPU, under MPS via `python -m moe_ep.launch`), one agent per node:
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr host0 --master-port 29500 \\
         examples/train_moe.py --config configs/mixtral_8x7b_like.yaml      # node-rank 1 on the other node
 
+The layers are megatron's own (--transformer-impl local, float32 parameters) or transformer-engine's
+(--transformer-impl transformer_engine: TE's attention and linear layers, the experts TEGroupedMLP, bf16
+parameters), their GEMMs in fp8 with --fp8-recipe blockwise; a config's model section may choose both
+(transformer_impl, fp8_recipe, as configs/single_gpu_te_fp8.yaml does), and the flags override it:
+
+    python -m moe_ep.launch --nproc 4 examples/train_moe.py --config configs/single_gpu_te_fp8.yaml
+
 A rank uses GPU LOCAL_RANK (modulo the GPUs it sees). The ranks moe_ep treats as one node: --ranks-per-node,
 else MOE_EP_RANKS_PER_NODE, else, where torchrun runs several agents, an agent's ranks (LOCAL_WORLD_SIZE; so
 two agents on one host rehearse two nodes), else the ranks sharing a host name. Rank 0 prints, before the
 first step, the layout and what moe_ep was built with, and after it which backend served the calls.
 
-Writes one JSON line per step (loss, step time, tokens/s) to --json-log; --profile FILE writes where rank
-0's time went in three steps after the first three (torch.profiler's operator table, moe_ep's dispatcher
-phases among them as `moe_ep.*` ranges); --expert-load-plot PNG draws each expert's tokens per step as
-moe_ep's dispatcher logs them through megatron-core's MoE metrics (moe_ep_log_metrics).
+Writes one JSON line per step (loss, step time, tokens/s, the layers) to --json-log; --profile FILE writes
+where rank 0's time went in three steps after the first three (torch.profiler's operator table, moe_ep's
+dispatcher phases among them as `moe_ep.*` ranges); --expert-load-plot PNG draws each expert's tokens per
+step as moe_ep's dispatcher logs them through megatron-core's MoE metrics (moe_ep_log_metrics).
 """
 from __future__ import annotations
 
@@ -34,6 +41,13 @@ import torch.distributed as dist
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # moe_ep, when not installed
+
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+FP8_RECIPES = ("blockwise",)
+# The blockwise recipe's block: 1x128 for activations and gradients, 128x128 for weights.
+FP8_BLOCK = 128
+# TE's fp8 GEMMs take a token count that is a multiple of 8 (transformer_engine.pytorch.utils.assert_dim_for_fp8_exec).
+FP8_TOKEN_MULTIPLE = 8
 
 
 def positive_int(text: str) -> int:
@@ -54,6 +68,15 @@ def parse_args(argv=None):
     parser.add_argument("--no-arena", action="store_true",
                         help="moe_ep: the two-pass intranode calls and no arena (default: the dispatcher's arena, "
                              "one pass over memory per call)")
+    parser.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS,
+                        help="the layers: megatron's own (local, float32 parameters) or transformer-engine's "
+                             "(TE's attention and linear layers, the experts TEGroupedMLP, bf16 parameters); "
+                             "overrides model.transformer_impl (default local)")
+    parser.add_argument("--fp8-recipe", choices=FP8_RECIPES,
+                        help="train the transformer-engine layers' GEMMs in fp8 (e4m3) with this recipe (megatron's "
+                             "fp8='e4m3', fp8_recipe); needs --transformer-impl transformer_engine, hidden and FFN "
+                             f"sizes multiples of {FP8_BLOCK} and micro_batch_size x seq_length a multiple of "
+                             f"{FP8_TOKEN_MULTIPLE}; overrides model.fp8_recipe (default: no fp8)")
     parser.add_argument("--fp8-dispatch", choices=["auto", "on", "off"], default="auto",
                         help="moe_ep: send the tokens as 1x128 fp8 with their scales (moe_ep_fp8_dispatch; "
                              "auto: on with fp8_recipe=blockwise); the hidden size must be a multiple of 128")
@@ -88,6 +111,74 @@ def check_expert_load_plot(args, dispatcher_type: str) -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise SystemExit("--expert-load-plot: matplotlib is not installed (pip install matplotlib)") from None
+
+
+def choose_layers(args, model_cfg: dict) -> dict:
+    """The transformer impl and fp8 recipe to train with: the flags, else the config's model section
+    (whose keys are taken out of it: they are not passed on as they stand, see layer_fields), else
+    megatron's own layers without fp8."""
+    impl, recipe = model_cfg.pop("transformer_impl", "local"), model_cfg.pop("fp8_recipe", None)
+    return dict(transformer_impl=args.transformer_impl or impl, fp8_recipe=args.fp8_recipe or recipe)
+
+
+def check_layers(layers: dict, model_cfg: dict, data_cfg: dict) -> None:
+    """The chosen layers' needs, checked before any rank communicates: known names, the fp8 recipe with
+    transformer-engine's layers and sizes its blocks divide (transformer-engine's own needs: check_te)."""
+    impl, recipe = layers["transformer_impl"], layers["fp8_recipe"]
+    if impl not in TRANSFORMER_IMPLS:
+        raise SystemExit(f"--transformer-impl (model.transformer_impl): expected one of {TRANSFORMER_IMPLS}, "
+                         f"got {impl!r}")
+    if recipe is None:
+        return
+    if recipe not in FP8_RECIPES:
+        raise SystemExit(f"--fp8-recipe (model.fp8_recipe): expected one of {FP8_RECIPES}, got {recipe!r}")
+    if impl != "transformer_engine":
+        raise SystemExit(f"--fp8-recipe {recipe}: the fp8 GEMMs are transformer-engine's; expected --transformer-impl "
+                         f"transformer_engine, got --transformer-impl {impl}")
+    hidden = model_cfg["hidden_size"]
+    ffn_key = "moe_ffn_hidden_size" if model_cfg.get("moe_ffn_hidden_size") else "ffn_hidden_size"
+    ffn = model_cfg.get(ffn_key) or 4 * hidden  # the experts' size, with megatron's defaults
+    for key, size in (("hidden_size", hidden), (ffn_key, ffn)):
+        if size % FP8_BLOCK:
+            raise SystemExit(f"--fp8-recipe {recipe}: model.{key} {size} is not a multiple of {FP8_BLOCK} (the "
+                             f"recipe's block)")
+    tokens = data_cfg["micro_batch_size"] * data_cfg["seq_length"]
+    if tokens % FP8_TOKEN_MULTIPLE:
+        raise SystemExit(f"--fp8-recipe {recipe}: micro_batch_size x seq_length = {tokens} tokens a rank is not a "
+                         f"multiple of {FP8_TOKEN_MULTIPLE} (what TE's fp8 GEMMs take)")
+
+
+def check_te(use_cuda: bool) -> str:
+    """transformer-engine's version, where it imports and a GPU runs its layers; else SystemExit naming
+    --transformer-impl (called on the rank's own GPU: TE's import may open a CUDA context)."""
+    try:
+        import transformer_engine
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as error:  # ImportError, or a TE build whose library fails to load
+        raise SystemExit(f"--transformer-impl transformer_engine: transformer-engine does not import here "
+                         f"({type(error).__name__}: {error}); pass --transformer-impl local") from None
+    if not use_cuda:
+        raise SystemExit("--transformer-impl transformer_engine: transformer-engine's layers run on GPUs, and torch "
+                         "sees none here; pass --transformer-impl local")
+    return str(transformer_engine.__version__)
+
+
+def layer_fields(layers: dict) -> dict:
+    """The TransformerConfig fields of the chosen layers, as Megatron-LM's flags set them: transformer-engine's
+    train bf16 parameters (--bf16; TE's fused attention takes no float32) with grouped experts
+    (--moe-grouped-gemm), and e4m3 GEMMs under the fp8 recipe (--fp8-format e4m3 --fp8-recipe)."""
+    fields = dict(transformer_impl=layers["transformer_impl"])
+    if layers["transformer_impl"] == "transformer_engine":
+        fields.update(bf16=True, params_dtype=torch.bfloat16, moe_grouped_gemm=True)
+    if layers["fp8_recipe"]:
+        fields.update(fp8="e4m3", fp8_recipe=layers["fp8_recipe"])
+    return fields
+
+
+def layers_label(layers: dict, te_version: Optional[str]) -> str:
+    """The layers and fp8 recipe as the launch line names them."""
+    impl = layers["transformer_impl"] + (f" (TE {te_version})" if te_version else "")
+    return f"layers: {impl}, fp8 recipe: {layers['fp8_recipe'] or 'none'}"
 
 
 class ScalarLog:
@@ -188,19 +279,24 @@ class StepProfiler:
         self.profiler = None
 
 
-def init_distributed(use_cuda: bool) -> torch.device:
-    """The default process group, and this rank's device: GPU LOCAL_RANK modulo the GPUs visible (the
-    ranks of an agent share them round robin where they outnumber them). NCCL where each of the agent's
-    ranks has a GPU of its own, else gloo, since NCCL refuses two ranks on one GPU (agents sharing a host
-    must see different GPUs, through CUDA_VISIBLE_DEVICES, or all ranks share them under gloo)."""
-    backend, device = "gloo", torch.device("cpu")
-    if use_cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        if int(os.environ.get("LOCAL_WORLD_SIZE", 1)) <= torch.cuda.device_count():
-            backend = "nccl"
-    dist.init_process_group(backend)
+def rank_device(use_cuda: bool) -> torch.device:
+    """This rank's device, made the current one: GPU LOCAL_RANK modulo the GPUs visible (the ranks of an
+    agent share them round robin where they outnumber them), else the CPU."""
+    if not use_cuda:
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
     return device
+
+
+def init_distributed(device: torch.device) -> None:
+    """The default process group: NCCL where each of the agent's ranks has a GPU of its own, else gloo,
+    since NCCL refuses two ranks on one GPU (agents sharing a host must see different GPUs, through
+    CUDA_VISIBLE_DEVICES, or all ranks share them under gloo)."""
+    backend = "gloo"
+    if device.type == "cuda" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) <= torch.cuda.device_count():
+        backend = "nccl"
+    dist.init_process_group(backend)
 
 
 def choose_ranks_per_node(requested: Optional[int]) -> Tuple[Optional[int], str]:
@@ -218,8 +314,9 @@ def choose_ranks_per_node(requested: Optional[int]) -> Tuple[Optional[int], str]
     return None, "host names"
 
 
-def launch_line(device: torch.device, ranks_per_node_source: str) -> str:
-    """Rank 0's first line: the ranks, their nodes, this rank's device, and what moe_ep was built with."""
+def launch_line(device: torch.device, ranks_per_node_source: str, layers: str) -> str:
+    """Rank 0's first line: the ranks, their nodes, this rank's device, the layers (layers_label), and what
+    moe_ep was built with."""
     import moe_ep
     info = moe_ep.backend_info()
     if info["cuda_kernels"]:
@@ -228,7 +325,7 @@ def launch_line(device: torch.device, ranks_per_node_source: str) -> str:
         build = f"no kernels, {info['reason']}"
     return (f"train_moe: {dist.get_world_size()} ranks, {os.environ.get('LOCAL_WORLD_SIZE', '?')} per torchrun "
             f"agent, ranks per node from {ranks_per_node_source}; rank 0 on {device} "
-            f"(LOCAL_RANK {os.environ.get('LOCAL_RANK', 0)}), {dist.get_backend()}; moe_ep build: {build}")
+            f"(LOCAL_RANK {os.environ.get('LOCAL_RANK', 0)}), {dist.get_backend()}; {layers}; moe_ep build: {build}")
 
 
 def backend_line(use_cuda: bool) -> str:
@@ -253,27 +350,37 @@ def backend_line(use_cuda: bool) -> str:
             f"low-latency calls: {served(topo['low_latency_backend'], 'low_latency')}")
 
 
-def build_model(model_cfg: dict, data_cfg: dict, use_cuda: bool, seed: int, moe_ep_arena: bool = True,
+def build_model(model_cfg: dict, data_cfg: dict, use_cuda: bool, seed: int, layers: dict, moe_ep_arena: bool = True,
                 fp8_dispatch: str = "auto", log_metrics: bool = False, overlap_chunks: int = 1):
+    """The GPT-MoE of the config with the chosen layers (choose_layers) and moe_ep's options; TransformerBlock
+    enters TE's fp8 autocast around each layer itself where the config trains in fp8."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                            get_gpt_layer_with_transformer_engine_spec)
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=dist.get_world_size())
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
-    config = TransformerConfig(**model_cfg, expert_model_parallel_size=dist.get_world_size(),
-                               use_cpu_initialization=not use_cuda, moe_router_dtype="fp32")
+    config = TransformerConfig(**{**model_cfg, **layer_fields(layers)}, use_cpu_initialization=not use_cuda,
+                               expert_model_parallel_size=dist.get_world_size(), moe_router_dtype="fp32")
     # moe_ep's dispatcher reads its options from the config it is built with (moe_ep.megatron.options).
     config.moe_ep_arena = moe_ep_arena
     config.moe_ep_fp8_dispatch = fp8_dispatch
     config.moe_ep_log_metrics = log_metrics
     config.moe_ep_overlap_chunks = overlap_chunks
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    if layers["transformer_impl"] == "transformer_engine":
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=True)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     model = GPTModel(config, spec, vocab_size=data_cfg["vocab_size"], max_sequence_length=data_cfg["seq_length"])
-    # float32 parameters everywhere (TF32 matrix products on the GPU): the comparison is about the
-    # dispatchers, and megatron's bf16 wrapper needs the rest of its training loop.
-    return model.cuda() if use_cuda else model
+    model = model.cuda() if use_cuda else model
+    # Megatron's local layers keep float32 parameters (TF32 matrix products on the GPU): the comparison is
+    # about the dispatchers. TE's train bf16 ones inside megatron's Float16Module, which casts the inputs
+    # and hands the loss back in float32; AdamW steps them as they are, without the float32 main weights
+    # Megatron-LM's optimizer keeps.
+    return Float16Module(config, model) if config.bf16 else model
 
 
 def batch(step: int, rank: int, data_cfg: dict, device):
@@ -316,11 +423,15 @@ def train(args) -> list:
     model_cfg, data_cfg, train_cfg = dict(cfg["model"]), cfg["data"], cfg["train"]
     if args.dispatcher:
         model_cfg["moe_token_dispatcher_type"] = args.dispatcher
+    layers = choose_layers(args, model_cfg)
     steps = args.steps or train_cfg["steps"]
     check_expert_load_plot(args, model_cfg["moe_token_dispatcher_type"])
+    check_layers(layers, model_cfg, data_cfg)
     use_cuda = torch.cuda.is_available()
     torch.backends.cuda.matmul.allow_tf32 = True
-    device = init_distributed(use_cuda)
+    device = rank_device(use_cuda)
+    te_version = check_te(use_cuda) if layers["transformer_impl"] == "transformer_engine" else None
+    init_distributed(device)
     import moe_ep.megatron  # noqa: F401  (registers moe_token_dispatcher_type="deepep")
     from moe_ep.megatron.cpu_support import enable_cpu_execution
     enable_cpu_execution()
@@ -331,9 +442,9 @@ def train(args) -> list:
         label_alltoall_phases()
     rank = dist.get_rank()
     if rank == 0:
-        print(launch_line(device, ranks_per_node_source), flush=True)
+        print(launch_line(device, ranks_per_node_source, layers_label(layers, te_version)), flush=True)
     torch.manual_seed(train_cfg["seed"])
-    model = build_model(model_cfg, data_cfg, use_cuda, train_cfg["seed"], moe_ep_arena=not args.no_arena,
+    model = build_model(model_cfg, data_cfg, use_cuda, train_cfg["seed"], layers, moe_ep_arena=not args.no_arena,
                         fp8_dispatch=args.fp8_dispatch, log_metrics=bool(args.expert_load_plot),
                         overlap_chunks=args.overlap_chunks)
     optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg["lr"])
@@ -374,7 +485,7 @@ def train(args) -> list:
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         record = dict(step=step, loss=mean_loss.item() / dist.get_world_size(), step_time_s=elapsed,
-                      tokens_per_s=tokens_per_step / elapsed)
+                      tokens_per_s=tokens_per_step / elapsed, **layers)
         if args.expert_load_plot:
             record["expert_tokens"] = logged_expert_load(step, model_cfg["num_layers"], model_cfg["num_moe_experts"])
         log.append(record)

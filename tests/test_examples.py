@@ -18,8 +18,20 @@ from moe_ep.launch import free_port  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "examples", "train_moe.py")
+COMPARE = os.path.join(ROOT, "examples", "compare_dispatchers.py")
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+TINY_FP8 = os.path.join(ROOT, "configs", "tiny_cpu_fp8.yaml")
+TE_FP8 = os.path.join(ROOT, "configs", "single_gpu_te_fp8.yaml")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+TE_INSTALLED = importlib.util.find_spec("transformer_engine") is not None
+
+
+def _example(path: str):
+    """An example script imported as a module (its functions, without running it)."""
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _losses(path):
@@ -157,9 +169,7 @@ def test_expert_load_plot_refuses_what_it_cannot_draw(tmp_path):
 
 
 def test_expert_load_plot_without_matplotlib_says_so(monkeypatch):
-    spec = importlib.util.spec_from_file_location("train_moe", TRAIN)
-    train_moe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_moe)
+    train_moe = _example(TRAIN)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     with pytest.raises(SystemExit, match="--expert-load-plot: matplotlib is not installed"):
         train_moe.check_expert_load_plot(types.SimpleNamespace(expert_load_plot="load.png"), "deepep")
@@ -177,3 +187,129 @@ def test_training_in_chunks_follows_the_unchunked_run(tmp_path):
         losses[chunks] = _losses(log)
     assert len(losses[1]) == 5 and losses[1][-1] < losses[1][0]
     assert losses[2] == pytest.approx(losses[1], rel=1e-5), losses
+
+
+def _config_model(path: str) -> dict:
+    import yaml
+    with open(path) as f:
+        return dict(yaml.safe_load(f)["model"])
+
+
+def test_layer_flags_choose_the_layers_over_the_config():
+    """--transformer-impl and --fp8-recipe parse with Megatron-LM's names; left out, the config's model section
+    chooses (configs/single_gpu_te_fp8.yaml: TE layers, blockwise fp8), else megatron's own layers without fp8;
+    the model section's keys are taken out, for train_moe.py sets the fields they stand for itself."""
+    train_moe = _example(TRAIN)
+    args = train_moe.parse_args(["--config", TINY, "--transformer-impl", "transformer_engine",
+                                 "--fp8-recipe", "blockwise"])
+    assert (args.transformer_impl, args.fp8_recipe) == ("transformer_engine", "blockwise")
+    plain = train_moe.parse_args(["--config", TINY])
+    assert train_moe.choose_layers(plain, _config_model(TINY)) == dict(transformer_impl="local", fp8_recipe=None)
+    model = _config_model(TE_FP8)
+    assert train_moe.choose_layers(plain, model) == dict(transformer_impl="transformer_engine", fp8_recipe="blockwise")
+    assert "transformer_impl" not in model and "fp8_recipe" not in model
+    local = train_moe.parse_args(["--config", TE_FP8, "--transformer-impl", "local"])
+    assert train_moe.choose_layers(local, _config_model(TE_FP8))["transformer_impl"] == "local"
+    fields = train_moe.layer_fields(dict(transformer_impl="transformer_engine", fp8_recipe="blockwise"))
+    assert fields == dict(transformer_impl="transformer_engine", bf16=True, params_dtype=torch.bfloat16,
+                          moe_grouped_gemm=True, fp8="e4m3", fp8_recipe="blockwise")
+    assert train_moe.layer_fields(dict(transformer_impl="local", fp8_recipe=None)) == dict(transformer_impl="local")
+    with pytest.raises(SystemExit):
+        train_moe.parse_args(["--config", TINY, "--fp8-recipe", "delayed"])
+
+
+def test_fp8_recipe_without_transformer_engine_layers_is_refused_before_any_rank_starts():
+    """fp8 GEMMs are transformer-engine's: --fp8-recipe with megatron's own layers is refused, naming both flags
+    (from the command line, or the config's recipe under --transformer-impl local)."""
+    run = subprocess.run([sys.executable, TRAIN, "--config", TINY_FP8, "--fp8-recipe", "blockwise"], env=ENV, cwd=ROOT,
+                         timeout=300, capture_output=True, text=True)
+    assert run.returncode != 0, run.stdout
+    assert "--fp8-recipe blockwise" in run.stderr and "--transformer-impl transformer_engine" in run.stderr, run.stderr
+    assert "init_process_group" not in run.stderr  # refused before the rank looked for its peers
+    train_moe = _example(TRAIN)
+    args = train_moe.parse_args(["--config", TE_FP8, "--transformer-impl", "local"])
+    model = _config_model(TE_FP8)
+    with pytest.raises(SystemExit, match="--fp8-recipe blockwise: .*--transformer-impl transformer_engine"):
+        train_moe.check_layers(train_moe.choose_layers(args, model), model, dict(micro_batch_size=4, seq_length=1024))
+
+
+def test_fp8_recipe_refuses_sizes_its_blocks_do_not_divide():
+    train_moe = _example(TRAIN)
+    layers = dict(transformer_impl="transformer_engine", fp8_recipe="blockwise")
+    data = dict(micro_batch_size=4, seq_length=32)
+    with pytest.raises(SystemExit, match="model.hidden_size 64 is not a multiple of 128"):
+        train_moe.check_layers(layers, _config_model(TINY), data)
+    with pytest.raises(SystemExit, match="model.ffn_hidden_size 200 is not a multiple of 128"):
+        train_moe.check_layers(layers, dict(hidden_size=128, ffn_hidden_size=200), data)
+    with pytest.raises(SystemExit, match="= 12 tokens a rank is not a multiple of 8"):
+        train_moe.check_layers(layers, _config_model(TINY_FP8), dict(micro_batch_size=3, seq_length=4))
+    train_moe.check_layers(layers, _config_model(TINY_FP8), data)
+
+
+@pytest.mark.skipif(TE_INSTALLED, reason="transformer-engine is installed here")
+@pytest.mark.parametrize("choice", [["--config", TINY, "--transformer-impl", "transformer_engine"],
+                                    ["--config", TE_FP8]], ids=["flag", "config"])
+def test_transformer_engine_layers_are_refused_where_it_does_not_import(choice):
+    """Chosen by the flag or by the config, transformer-engine's layers are refused at once where TE does not
+    import, naming the flag, before the rank looks for its peers."""
+    run = subprocess.run([sys.executable, TRAIN, *choice], env=ENV, cwd=ROOT, timeout=300, capture_output=True,
+                         text=True)
+    assert run.returncode != 0, run.stdout
+    assert "--transformer-impl transformer_engine: transformer-engine does not import here" in run.stderr, run.stderr
+    assert "init_process_group" not in run.stderr
+
+
+def test_transformer_engine_that_fails_to_import_is_named(monkeypatch):
+    """The same check wherever TE is installed, with its import made to fail."""
+    train_moe = _example(TRAIN)
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)  # import transformer_engine raises ImportError
+    with pytest.raises(SystemExit, match="--transformer-impl transformer_engine: transformer-engine does not import"):
+        train_moe.check_te(use_cuda=True)
+
+
+def test_compare_dispatchers_gives_both_runs_the_layer_flags():
+    """Both dispatchers' train_moe.py commands carry --transformer-impl and --fp8-recipe where given, and leave
+    them to the config where not."""
+    compare = _example(COMPARE)
+    args = compare.parse_args(["--nproc", "4", "--transformer-impl", "transformer_engine", "--fp8-recipe", "blockwise"])
+    for dispatcher in compare.DISPATCHERS:
+        cmd = compare.train_command(dispatcher, args, "log.jsonl")
+        flags = cmd[cmd.index(TRAIN) + 1:]
+        assert ["--dispatcher", dispatcher] == flags[flags.index("--dispatcher"):flags.index("--dispatcher") + 2]
+        assert flags[flags.index("--transformer-impl") + 1] == "transformer_engine", cmd
+        assert flags[flags.index("--fp8-recipe") + 1] == "blockwise", cmd
+    plain = compare.train_command("deepep", compare.parse_args([]), "log.jsonl")
+    assert "--transformer-impl" not in plain and "--fp8-recipe" not in plain
+
+
+def test_compare_dispatchers_summary_names_the_layers_trained(tmp_path, monkeypatch, capsys):
+    """The summary and its JSON say which layers and fp8 recipe both runs trained, as train_moe.py logged them."""
+    compare = _example(COMPARE)
+    logged = dict(transformer_impl="transformer_engine", fp8_recipe="blockwise")
+    monkeypatch.setattr(compare, "run", lambda dispatcher, args, path: [
+        dict(step=s, loss=1.0 / (s + 1), step_time_s=0.01, tokens_per_s=1e5, **logged) for s in range(4)])
+    summary = tmp_path / "summary.json"
+    assert compare.main(["--json", str(summary), "--plot", str(tmp_path / "plot.png"), "--warmup", "1"]) == 0
+    result = json.loads(summary.read_text())
+    assert (result["transformer_impl"], result["fp8_recipe"]) == ("transformer_engine", "blockwise")
+    assert "both with transformer_engine layers, fp8 recipe blockwise" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("recipe", [[], ["--fp8-recipe", "blockwise"]], ids=["bf16", "fp8_blockwise"])
+def test_compare_dispatchers_trains_transformer_engine_layers(tmp_path, recipe):
+    """One GPU rank, configs/tiny_cpu_fp8.yaml (sizes the blockwise recipe takes) with transformer-engine's
+    layers, bf16 or fp8: both dispatchers train, and the summary names the layers."""
+    pytest.importorskip("transformer_engine")
+    summary = tmp_path / "summary.json"
+    done = subprocess.run([sys.executable, COMPARE, "--nproc", "1", "--steps", "3", "--config", TINY_FP8,
+                           "--transformer-impl", "transformer_engine", *recipe, "--json", str(summary),
+                           "--plot", str(tmp_path / "plot.png")], cwd=ROOT, timeout=600, capture_output=True,
+                          text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "layers: transformer_engine (TE " in done.stdout, done.stdout[-3000:]
+    result = json.loads(summary.read_text())
+    assert {r["dispatcher"] for r in result["rows"]} == {"alltoall", "deepep"}
+    assert (result["transformer_impl"], result["fp8_recipe"]) == ("transformer_engine", recipe[-1] if recipe else None)
+    assert all(r["final_loss"] == r["final_loss"] for r in result["rows"])  # not NaN
