@@ -9,7 +9,7 @@ Bandwidth in DeepEP's metric: dispatch moves (hidden + hidden/128 * 4 + 16) byte
 selection in fp8, combine hidden * 2 bytes per selection.
 
 Beside moe_ep, in the same run and on the same problem (moe_ep/bench/peers.py): DeepEP V1's low-latency
-calls where `import deep_ep` works (on ranks of their own), NCCL's all_to_all_single of the same bytes per
+calls where `import deep_ep` works and every rank has a GPU of its own (on ranks of their own), NCCL's all_to_all_single of the same bytes per
 rank pair where every rank has a GPU of its own, the portable backend (ranks of their own, no --graph),
 and a device copy of the same bytes; each peer's row gives moe_ep's speed over the peer's (the peer's
 time over moe_ep's), and a skipped peer its reason.
@@ -181,6 +181,13 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def peer_skip_reasons(args, num_ranks: int, num_gpus: int, given_up: dict, **checks) -> dict:
+    """peers.skip_reasons of the low-latency calls at num_ranks ranks on num_gpus GPUs (checks: its
+    deep_ep_check and portable_check, where a test gives its own)."""
+    return skip_reasons(args, num_ranks, num_gpus, args.tokens * args.hidden * 2, given_up=given_up,
+                        low_latency=True, **checks)
+
+
 def measure_peers(args, num_ranks: int, num_experts: int, rows: list, reasons: dict) -> dict:
     """{peer: its rows (a dict per rank of "*_us" times)} of this problem: NCCL's and the copy's from moe_ep's
     ranks, then DeepEP's and the portable backend's from ranks of their own; a peer that fails there gets
@@ -295,7 +302,7 @@ def main():
                  f"{'GB/s':>6} {'zero-copy us':>12} {'hook: send+recv us (dispatch / combine)':>40}")
         for num_ranks, num_experts in problems:
             bar.set_postfix_str(f"{num_ranks} ranks, {num_experts} experts")
-            reasons = skip_reasons(args, num_ranks, num_gpus, args.tokens * args.hidden * 2, given_up=given_up)
+            reasons = peer_skip_reasons(args, num_ranks, num_gpus, given_up)
             own = argparse.Namespace(**{**vars(args), "peers": [p for p in (NCCL, COPY) if not reasons[p]]})
             try:
                 with start_ranks(num_ranks, use_cuda=not args.cpu) as pool:

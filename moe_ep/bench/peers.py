@@ -2,7 +2,8 @@
 shapes and ranks, and why a peer is left out where it is:
 
 - deep_ep: DeepEP V1's Buffer (get_dispatch_layout / dispatch / combine, low_latency_dispatch / combine),
-  where `import deep_ep` works (a build of DeepEP's source on PYTHONPATH);
+  where `import deep_ep` works (a build of DeepEP's source on PYTHONPATH), and for the low-latency calls
+  where every rank has a GPU of its own (DEEP_EP_LOW_LATENCY_SHARED_GPU says why);
 - nccl: torch.distributed.all_to_all_single moving the same bytes per rank pair, where every rank has a
   GPU of its own (NCCL refuses several ranks on one GPU);
 - portable: moe_ep's own calls on the portable backend (MOE_EP_BACKEND=portable), where moe_ep itself
@@ -22,6 +23,11 @@ MOE_EP = "moe_ep"
 # Above this many bytes of bf16 input rows a rank, the portable peer is left out unless asked for: it
 # moves every row through the host, a call taking tens of milliseconds at the benchmarks' default shape.
 PORTABLE_CHEAP_BYTES = 16 << 20
+# DeepEP's low-latency mode starts NVSHMEM with its InfiniBand GPUDirect Async transport forced on
+# (NVSHMEM_IB_ENABLE_IBGDA=1, whatever the caller set), which does not start for ranks sharing a GPU: the
+# peer's ranks would wait out --peer-timeout at their first call instead.
+DEEP_EP_LOW_LATENCY_SHARED_GPU = ("{ranks} ranks share {gpus} GPU(s): DeepEP's low-latency mode starts NVSHMEM's "
+                                  "IBGDA transport, which needs a GPU a rank (run with one rank per GPU)")
 
 
 def add_peer_arguments(parser) -> None:
@@ -58,9 +64,10 @@ def moe_ep_on_portable() -> str:
 def skip_reasons(args, num_ranks: int, num_gpus: int, input_bytes: int,
                  deep_ep_check: Callable[[], str] = deep_ep_missing,
                  portable_check: Callable[[], str] = moe_ep_on_portable,
-                 given_up: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+                 given_up: Optional[Dict[str, str]] = None, low_latency: bool = False) -> Dict[str, str]:
     """{peer: why it is not measured in this run at num_ranks ranks} for every peer of PEERS ("" where it
-    is measured); input_bytes: a rank's bf16 input rows; given_up: {peer: why} of peers that hung earlier."""
+    is measured); input_bytes: a rank's bf16 input rows; given_up: {peer: why} of peers that hung earlier;
+    low_latency: the peers of the low-latency calls (else of the normal ones)."""
     reasons = {}
     on_portable = portable_check() if PORTABLE in args.peers and not args.cpu else ""
     for peer in PEERS:
@@ -69,7 +76,12 @@ def skip_reasons(args, num_ranks: int, num_gpus: int, input_bytes: int,
         elif given_up and peer in given_up:
             reasons[peer] = given_up[peer]
         elif peer == DEEP_EP:
-            reasons[peer] = "CPU ranks (--cpu): DeepEP's calls take CUDA tensors" if args.cpu else deep_ep_check()
+            if args.cpu:
+                reasons[peer] = "CPU ranks (--cpu): DeepEP's calls take CUDA tensors"
+            else:
+                reasons[peer] = deep_ep_check()
+                if not reasons[peer] and low_latency and num_ranks > num_gpus:
+                    reasons[peer] = DEEP_EP_LOW_LATENCY_SHARED_GPU.format(ranks=num_ranks, gpus=num_gpus)
         elif peer == NCCL:
             if args.cpu:
                 reasons[peer] = "CPU ranks (--cpu): NCCL moves CUDA tensors"
