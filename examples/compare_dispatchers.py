@@ -79,6 +79,40 @@ def summarize(logs: dict, warmup: int) -> list:
     return rows
 
 
+def max_loss_diff(logs: dict) -> float:
+    """The largest |loss difference| between the two runs at any step."""
+    return max(abs(a["loss"] - b["loss"]) for a, b in zip(logs["alltoall"], logs["deepep"]))
+
+
+def loss_agreement(max_diff: float) -> str:
+    """How far apart the runs' losses are, in words."""
+    return f"identical (max |difference| {max_diff:g})" if max_diff == 0 else f"max |difference| {max_diff:.3g}"
+
+
+def reference_backend_note(use_cuda: bool) -> str:
+    """Where moe_ep ran its portable reference backend (every CPU run; a CUDA run without the kernels), why
+    its step times are no speed claim; else ""."""
+    from moe_ep import _native
+
+    caveat = "a correctness demo, not a speed comparison"
+    if not use_cuda:
+        return f"on CPU moe_ep runs its portable reference backend, not its CUDA kernels: {caveat}"
+    why = "MOE_EP_BACKEND=portable" if _native.requested_backend() == "portable" else _native.unavailable_reason()
+    if why is None:
+        return ""
+    return f"moe_ep ran its portable reference backend, not its CUDA kernels ({why}): {caveat}"
+
+
+def print_summary(logs: dict, rows: list, layers: dict, max_diff: float, backend_note: str) -> None:
+    print(f"\nalltoall vs deepep, both with {layers_text(layers)}")
+    print(f"{'dispatcher':<10} {'step ms':>9} {'tokens/s':>10} {'final loss':>11}")
+    for r in rows:
+        print(f"{r['dispatcher']:<10} {r['step_ms']:>9.1f} {r['tokens_per_s']:>10.0f} {r['final_loss']:>11.5f}")
+    speed = rows[0]["step_ms"] / rows[1]["step_ms"]
+    print(f"losses over {len(logs['deepep'])} steps: {loss_agreement(max_diff)}")
+    print(f"deepep step time = {1 / speed:.2f}x alltoall's" + (f": {backend_note}" if backend_note else ""))
+
+
 LABELS = {"alltoall": "megatron alltoall", "deepep": "moe_ep (deepep)"}
 # The loss curves agree bit for bit on CPU: the first is drawn wide and pale, the later ones dashed on top,
 # so that every one stays visible.
@@ -86,24 +120,32 @@ STYLES = (dict(linestyle="-", linewidth=4, alpha=0.45, marker="o", markersize=7)
           dict(linestyle="--", linewidth=1.5, marker="x", markersize=6))
 
 
-def plot(logs: dict, path: str, title: str = ""):
-    """Loss and step time per step of each run, saved to `path`; returns the figure."""
+def plot(logs: dict, path: str, title: str = "", backend_note: str = ""):
+    """Loss and step time per step of each run, saved to `path`; returns the figure. The loss panel says
+    how far the runs' losses are apart; backend_note (reference_backend_note), where given, goes under the
+    title."""
+    import textwrap
+
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(10, 4.4))
+    from matplotlib.ticker import MaxNLocator
+    note = textwrap.wrap(backend_note, 90)  # the figure's width holds about 100 characters of a title
+    fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(10, 4.4 + 0.25 * len(note)))
     for i, (name, log) in enumerate(logs.items()):
         steps = [r["step"] for r in log]
         style = dict(STYLES[min(i, len(STYLES) - 1)], label=LABELS.get(name, name),
                      markevery=max(1, len(steps) // 20), zorder=2 + i)
         ax_loss.plot(steps, [r["loss"] for r in log], **style)
         ax_time.plot(steps, [r["step_time_s"] * 1e3 for r in log], **style)
-    ax_loss.set(xlabel="step", ylabel="loss", title="training loss")
+    agreement = f"\n{loss_agreement(max_loss_diff(logs))}" if {"alltoall", "deepep"} <= set(logs) else ""
+    ax_loss.set(xlabel="step", ylabel="loss", title=f"training loss{agreement}")
     ax_time.set(xlabel="step", ylabel="ms", title="step time")
     for ax in (ax_loss, ax_time):
         ax.legend()
-    if title:
-        fig.suptitle(title)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if title or note:
+        fig.suptitle("\n".join([title] * bool(title) + note))
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -111,14 +153,19 @@ def plot(logs: dict, path: str, title: str = ""):
     return fig
 
 
+def use_cuda() -> bool:
+    """Whether the runs' ranks have CUDA devices: train_moe.py takes one wherever torch sees a GPU."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def plot_title(args, layers: Optional[dict] = None) -> str:
     """The run's config, ranks, layers where given (layers_trained) and device, as train_moe.py picks it
     (CUDA wherever torch sees a GPU)."""
-    import torch
-
     ranks = f"{args.nproc} ranks" + (" per node" if args.torchrun_args else "")
     trained = f"{layers_text(layers)}, " if layers else ""
-    device = "CUDA" if torch.cuda.is_available() else "CPU"
+    device = "CUDA" if use_cuda() else "CPU"
     return f"megatron alltoall vs moe_ep: {os.path.basename(args.config)}, {ranks}, {trained}{device}"
 
 
@@ -148,17 +195,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         logs = {d: run(d, args, os.path.join(tmp, f"{d}.jsonl")) for d in DISPATCHERS}
-    rows, layers = summarize(logs, args.warmup), layers_trained(logs)
-    max_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(logs["alltoall"], logs["deepep"]))
-    print(f"\nalltoall vs deepep, both with {layers_text(layers)}")
-    print(f"{'dispatcher':<10} {'step ms':>9} {'tokens/s':>10} {'final loss':>11}")
-    for r in rows:
-        print(f"{r['dispatcher']:<10} {r['step_ms']:>9.1f} {r['tokens_per_s']:>10.0f} {r['final_loss']:>11.5f}")
-    speed = rows[0]["step_ms"] / rows[1]["step_ms"]
-    print(f"max |loss difference| over {len(logs['deepep'])} steps: {max_diff:.3e}; "
-          f"deepep step time = {1 / speed:.2f}x alltoall's")
+    rows, layers, max_diff = summarize(logs, args.warmup), layers_trained(logs), max_loss_diff(logs)
+    backend_note = reference_backend_note(use_cuda())
+    print_summary(logs, rows, layers, max_diff, backend_note)
     try:
-        plot(logs, args.plot, plot_title(args, layers))
+        plot(logs, args.plot, plot_title(args, layers), backend_note)
         print(f"plot: {args.plot}")
     except ImportError:
         print("plot skipped: matplotlib is not installed")

@@ -70,6 +70,55 @@ def test_compare_dispatchers_plot_shows_identical_curves_and_names_the_run(tmp_p
     assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["megatron alltoall", "moe_ep (deepep)"]
 
 
+def _compare_dispatchers():
+    spec = importlib.util.spec_from_file_location("compare_dispatchers", _example("compare_dispatchers.py"))
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    return compare
+
+
+def _short_logs(slower: str = "deepep"):
+    return {name: [dict(step=s, loss=5.0 / (s + 1), step_time_s=0.02 + 0.01 * (name == slower), tokens_per_s=1e4)
+                   for s in range(4)] for name in ("alltoall", "deepep")}
+
+
+def test_compare_dispatchers_plot_says_the_losses_are_identical_and_what_ran(tmp_path):
+    """A short run's plot: whole steps on the x axes, the losses' agreement on the loss panel, and under the
+    title that moe_ep ran its portable reference backend (on CPU): no speed comparison."""
+    pytest.importorskip("matplotlib")
+    compare = _compare_dispatchers()
+    note = compare.reference_backend_note(use_cuda=False)
+    assert note == ("on CPU moe_ep runs its portable reference backend, not its CUDA kernels: a correctness demo, "
+                    "not a speed comparison")
+    fig = compare.plot(_short_logs(), str(tmp_path / "compare.png"), "the title", note)
+    assert fig._suptitle.get_text().replace("\n", " ") == f"the title {note}"
+    assert fig.axes[0].get_title() == "training loss\nidentical (max |difference| 0)"
+    for ax in fig.axes:
+        ticks = [t for t in ax.get_xticks() if 0 <= t <= 3]
+        assert ticks and all(t == int(t) for t in ticks), ticks
+    apart = _short_logs()
+    apart["deepep"][2]["loss"] += 1e-3
+    fig = compare.plot(apart, str(tmp_path / "apart.png"))
+    assert fig.axes[0].get_title() == "training loss\nmax |difference| 0.001"
+
+
+def test_compare_dispatchers_summary_on_cpu_makes_no_speed_claim(capsys):
+    compare = _compare_dispatchers()
+    logs = _short_logs()
+    compare.print_summary(logs, compare.summarize(logs, 1), dict(transformer_impl="local", fp8_recipe=None),
+                          compare.max_loss_diff(logs), compare.reference_backend_note(use_cuda=False))
+    out = capsys.readouterr().out
+    assert "losses over 4 steps: identical (max |difference| 0)" in out, out
+    assert ("deepep step time = 1.50x alltoall's: on CPU moe_ep runs its portable reference backend, not its CUDA "
+            "kernels: a correctness demo, not a speed comparison") in out, out
+
+
+def test_the_demo_says_what_its_cpu_times_are():
+    out = _run(_example("demo.py"), "--ranks", "2", "--experts", "16")
+    assert ("backend: portable backend (torch.distributed), moe_ep's reference implementation: the ms column "
+            "times it, not the CUDA kernels") in out, out
+
+
 def test_demos_run_under_the_launcher():
     """Started as torchrun starts them (RANK, WORLD_SIZE, ...), here by moe_ep.launch: rank 0 prints."""
     for script, args in (("demo.py", ["--experts", "16"]), ("decode_low_latency.py", ["--steps", "1"])):
