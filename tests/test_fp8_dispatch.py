@@ -66,6 +66,16 @@ def test_auto_follows_the_blockwise_recipe_and_falls_back_where_hidden_does_not_
                      moe_ep_options=dict(moe_ep_fp8_dispatch="on"))
 
 
+def test_auto_sends_the_tokens_as_they_are_where_none_leaves_the_rank(pools, seed):
+    """One rank (EP=1): no byte to save, so "auto" skips the cast under the blockwise recipe; "on" still casts."""
+    for res in pools(1).run(megatron_fns.moe_forward_backward, seed % 10000, 4, 2, 128, "deepep", 24,
+                            blockwise_fp8=True):
+        torch.testing.assert_close(res["out"], res["ref_out"], rtol=1e-5, atol=1e-5)
+    for res in pools(1).run(megatron_fns.moe_forward_backward, seed % 10000, 4, 2, 128, "deepep", 24,
+                            moe_ep_options=dict(moe_ep_fp8_dispatch="on")):
+        assert not torch.equal(res["out"], res["ref_out"])
+
+
 def test_on_under_another_fp8_recipe_is_refused_when_the_dispatcher_is_built(pools, seed):
     """'on' sends 1x128 blockwise fp8; under megatron's delayed-scaling recipe the experts would cast those
     rows again in their own format: refused, naming the option and the recipe, before any call."""

@@ -395,6 +395,8 @@ class MoEEPTokenDispatcher(MoETokenDispatcher):
     def _fp8_dispatch(self, hidden: int) -> bool:
         if not fp8_dispatch_wanted(self.options, self.config):
             return False
+        if self.options.moe_ep_fp8_dispatch == "auto" and self.group.size() == 1:
+            return False  # no token leaves the rank: the cast would save no byte and cost its passes
         if hidden % FP8_BLOCK == 0:
             return True
         if self.options.moe_ep_fp8_dispatch == "on":
