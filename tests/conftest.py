@@ -1,3 +1,4 @@
+import collections
 import os
 import random
 import sys
@@ -78,3 +79,21 @@ def seed(request):
     request.node.user_properties.append(("seed", value))
     print(f"seed={value}")
     return value
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per reason a test was skipped, with how many it skipped (pytest's -rs writes a line per
+    place, hundreds where the GPU tests skip on a CPU machine)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    reasons = collections.Counter(_skip_reason(report) for report in skipped)
+    terminalreporter.section(f"{len(skipped)} skipped, by reason", sep="-")
+    for reason, count in reasons.most_common():
+        terminalreporter.write_line(f"{count:>5}  {reason}")
+
+
+def _skip_reason(report) -> str:
+    """A skip's reason without its place: the longrepr of a skip is (path, line, "Skipped: reason")."""
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
