@@ -99,9 +99,11 @@ class Buffer:
     def __new__(cls, *args, **kwargs):
         """Arguments that bind to no parameter of __init__ (an unknown keyword, one too many) fail before
         __init__ runs, so they are refused here, at the construction meeting as a bad value is: the peers
-        raise naming this rank at once, and every rank's count of the group's Buffers stays the same."""
+        raise naming this rank at once, and every rank's count of the group's Buffers stays the same.
+        copy and pickle call it without arguments: nothing to bind then."""
         try:
-            _init_signature(cls).bind(None, *args, **kwargs)
+            if args or kwargs:
+                _init_signature(cls).bind(None, *args, **kwargs)
         except TypeError as exc:
             message = _unbound_message(cls, exc, kwargs)
             group = args[0] if args else kwargs.get("group")
