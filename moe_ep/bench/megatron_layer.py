@@ -79,8 +79,9 @@ def transports(cpu: bool, ranks_share_gpu: bool) -> dict:
 
 def deepep_dispatches(args) -> list:
     """(name, moe_ep_fp8_dispatch) of deepep's runs before chunks, its own dispatch first: unquantised
-    tokens, and fp8 ones where --fp8-dispatch asks; under --fp8-recipe the recipe's choice ("auto": fp8
-    tokens), and unquantised ones where --fp8-dispatch asks, so that the pair still compares the two."""
+    tokens, and fp8 ones where --fp8-dispatch asks; under --fp8-recipe the dispatcher's choice for the
+    recipe ("auto": fp8 tokens, unless one rank has nothing to send), and unquantised ones where
+    --fp8-dispatch asks, so that the pair still compares the two."""
     if args.fp8_recipe:
         return [("deepep", "auto")] + ([("deepep bf16-dispatch", "off")] if args.fp8_dispatch else [])
     return [("deepep", "off")] + ([("deepep fp8", "on")] if args.fp8_dispatch else [])
