@@ -38,7 +38,7 @@ if [[ ${MOE_EP_SKIP_SANITIZER:-0} != 1 ]] && command -v compute-sanitizer >/dev/
   # The overlapped training on the kernels with the arena off (megatron frees the rows it may), two ranks:
   # memcheck reports any access to memory freed or reused while a stream still uses it.
   t0=$(date +%s)
-  timeout 300 compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 --print-limit 20 \
+  timeout "${SANITIZER_TIMEOUT_S:-300}" compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 --print-limit 20 \
     $PY -m moe_ep.bench microbatch_overlap --ranks 2 --transformer-impl transformer_engine --delay-wgrad --layers 1 \
     --hidden 512 --ffn-hidden 1024 --experts 4 --seq 256 --micro-batches 3 --warmup 0 --iters 1 \
     > "$OUT/sanitizer.log" 2>&1
@@ -55,12 +55,13 @@ if [[ ${MOE_EP_SKIP_BENCH:-0} != 1 ]]; then
     timeout 200 $PY -m moe_ep.bench megatron_layer --ranks 4 --dtype bfloat16 --transformer-impl transformer_engine \
       $recipe --fp8-dispatch --jsonl "$OUT/bench.jsonl" 2>&1 | tail -12 | tee -a "$OUT/summary.txt"
   done
-  for recipe in "" "--fp8-recipe blockwise"; do
-    # EP=1, like for like (no peer: both dispatchers' exchanges are local).
-    # shellcheck disable=SC2086
-    timeout 240 $PY examples/compare_dispatchers.py --config configs/single_gpu_te_fp8.yaml --nproc 1 --steps 30 \
-      --warmup 5 --no-arena --transformer-impl transformer_engine $recipe --json "$OUT/compare_ep1_te${recipe:+_fp8}.json" \
-      --plot "$OUT/compare_ep1_te${recipe:+_fp8}.png" 2>&1 | grep -v "step/s" | tail -6 | tee -a "$OUT/summary.txt"
+  # EP=1, like for like (no peer: both dispatchers' exchanges are local): TE's layers in bf16, then under
+  # the fp8 blockwise recipe (the config selects both).
+  for run in "te_bf16 configs/single_gpu_small.yaml" "te_fp8 configs/single_gpu_te_fp8.yaml"; do
+    read -r name config <<< "$run"
+    timeout 240 $PY examples/compare_dispatchers.py --config "$config" --nproc 1 --steps 30 --warmup 5 --no-arena \
+      --transformer-impl transformer_engine --json "$OUT/compare_ep1_$name.json" --plot "$OUT/compare_ep1_$name.png" \
+      2>&1 | grep -v "step/s" | tail -6 | tee -a "$OUT/summary.txt"
   done
 fi
 exit $status
