@@ -2,7 +2,7 @@
 # megatron-core with transformer-engine on a GPU machine, ranks sharing its GPU: the tests that need TE's
 # layers, one overlapped training under compute-sanitizer, and the dispatcher comparisons with TE's layers
 # (bf16 and fp8 blockwise), each against megatron's alltoall in the same run. Needs the TE bundle as .te/
-# (README: "megatron-core with transformer-engine"). Writes into ${OUT:-out}/.
+# (README, "Build the CUDA extension"). Writes into ${OUT:-out}/.
 #   MOE_EP_SKIP_TESTS=1: build and benchmarks only; MOE_EP_SKIP_BENCH=1: build and tests only;
 #   MOE_EP_SKIP_SANITIZER=1: no compute-sanitizer run. TE_TESTS: the test files (default below).
 set -uo pipefail
