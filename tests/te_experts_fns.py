@@ -6,44 +6,22 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-PARAMETER_SEED = 1234
-
 
 def _te_moe_layer(dispatcher_type: str, fp8: bool, num_experts: int, topk: int, hidden: int, ffn_hidden: int,
                   moe_ep_options: dict):
-    """megatron's MoELayer with TE's spec and grouped experts, made after the same seeds every time (so
-    every dispatcher's layer has the same weights); EP = world size."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    """megatron's MoELayer with TE's grouped experts, bf16, built alike for every dispatcher (seeded_layer)."""
     from megatron.core.transformer.moe.experts import TEGroupedMLP
-    from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    import moe_ep.megatron  # noqa: F401  (registers "deepep")
+    from moe_ep.megatron.seeded_layer import moe_layer_config, seeded_moe_layer
 
-    world = dist.get_world_size()
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
-    fields = dict(num_layers=1, hidden_size=hidden, ffn_hidden_size=ffn_hidden, num_attention_heads=4,
-                  num_moe_experts=num_experts, moe_router_topk=topk, moe_token_dispatcher_type=dispatcher_type,
-                  expert_model_parallel_size=world, moe_router_dtype="fp32", moe_grouped_gemm=True,
-                  add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
-                  moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
-    if fp8:
-        fields.update(fp8="e4m3", fp8_recipe="blockwise")
-    config = TransformerConfig(**fields)
+    config = moe_layer_config(num_experts, topk, hidden, dispatcher_type, dist.get_world_size(),
+                              transformer_impl="transformer_engine", fp8_recipe="blockwise" if fp8 else None,
+                              ffn_hidden_size=ffn_hidden, add_bias_linear=False, bf16=True,
+                              params_dtype=torch.bfloat16, moe_router_load_balancing_type="none",
+                              moe_aux_loss_coeff=0.0)
     for name, value in moe_ep_options.items():  # moe_ep's options are config attributes
         setattr(config, name, value)
-    torch.manual_seed(PARAMETER_SEED)
-    model_parallel_cuda_manual_seed(PARAMETER_SEED, inference_rng_tracker=True)
-    pg = ProcessGroupCollection.use_mpu_process_groups()
-    spec = get_moe_module_spec(use_te=True, num_experts=num_experts, moe_grouped_gemm=True)
-    if not callable(spec) or hasattr(spec, "module"):  # a ModuleSpec (megatron-core 0.16), else a partial
-        layer = build_module(spec, config=config, pg_collection=pg)
-    else:
-        layer = spec(config=config, pg_collection=pg)
+    layer = seeded_moe_layer(config, num_experts)
     assert isinstance(layer.experts, TEGroupedMLP), type(layer.experts)
     return config, layer.cuda()
 
