@@ -13,17 +13,12 @@ source "$(dirname "$0")/gpu_env.sh"
 export MOE_EP_TIMEOUT_S=${MOE_EP_TIMEOUT_S:-20}
 # A pool call stuck past every kernel deadline fails in two minutes instead of ten.
 export MOE_EP_TEST_CALL_TIMEOUT_S=${MOE_EP_TEST_CALL_TIMEOUT_S:-120}
-summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 : > "$OUT/summary.txt"
 summary "gpu_check $(date -u +%FT%TZ) on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
 summary "torch $($PY -c 'import torch; print(torch.__version__)')"
 
-t0=$(date +%s)
-# A carried build (build/ and the .so, see README) is reused: setup.py rebuilds only what changed.
-if ! $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
-  summary "BUILD FAILED (tail of build.log follows)"; tail -40 "$OUT/build.log"; exit 1
-fi
-summary "build: ok in $(( $(date +%s) - t0 )) s; $($PY -c 'import moe_ep, json; print(json.dumps(moe_ep.backend_info()))')"
+build_extension || exit 1
+summary "backends: $($PY -c 'import moe_ep, json; print(json.dumps(moe_ep.backend_info()))')"
 
 status=0
 if [[ ${MOE_EP_SKIP_TESTS:-0} != 1 ]]; then  # benchmarks alone: a second call on the still-warm machine

@@ -31,3 +31,16 @@ try:
 except Exception: t += ', no megatron-core'
 print(t)" 2>/dev/null
 }
+
+# One line of a run's summary, printed and kept in $OUT/summary.txt.
+summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
+# The extension built in place (a carried build is reused: setup.py rebuilds only what changed); the
+# summary says how long it took, or the build log's tail where it failed (then a non-zero status).
+build_extension() {
+  local t0
+  t0=$(date +%s)
+  if ! $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
+    summary "BUILD FAILED (tail of build.log follows)"; tail -40 "$OUT/build.log"; return 1
+  fi
+  summary "build: ok in $(( $(date +%s) - t0 )) s"
+}

@@ -9,18 +9,13 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 export MOE_EP_TIMEOUT_S=${MOE_EP_TIMEOUT_S:-30} MOE_EP_TEST_CALL_TIMEOUT_S=${MOE_EP_TEST_CALL_TIMEOUT_S:-240}
 export PYTHONWARNINGS=ignore
-summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 : > "$OUT/summary.txt"
 summary "gpu_megatron_te $(date -u +%FT%TZ) on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 t0=$(date +%s)
 [[ -x .te/install_on_device.sh ]] || { summary "no .te/ bundle: nothing to run"; exit 1; }
 install_te_bundle || exit 1
 summary "$(te_versions), torch $($PY -c 'import torch; print(torch.__version__)'); installed in $(( $(date +%s) - t0 )) s"
-t0=$(date +%s)
-if ! $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
-  summary "BUILD FAILED (tail of build.log follows)"; tail -40 "$OUT/build.log"; exit 1
-fi
-summary "build: ok in $(( $(date +%s) - t0 )) s"
+build_extension || exit 1
 
 status=0
 if [[ ${MOE_EP_SKIP_TESTS:-0} != 1 ]]; then

@@ -12,17 +12,12 @@ GPUS=$(nvidia-smi -L | wc -l)
 RANKS=${RANKS:-$GPUS}
 PARTS=" ${PARTS:-tests bench sweep low_latency megatron} "
 part() { [[ $PARTS == *" $1 "* ]]; }
-summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 : > "$OUT/summary.txt"
 summary "multi_gpu_check $(date -u +%FT%TZ): $GPUS x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $RANKS ranks"
 nvidia-smi topo -m > "$OUT/topology.txt" 2>&1
 cat "$OUT/topology.txt" >> "$OUT/summary.txt"
 
-t0=$(date +%s)
-if ! $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
-  summary "BUILD FAILED"; tail -40 "$OUT/build.log"; exit 1
-fi
-summary "build: ok in $(( $(date +%s) - t0 )) s"
+build_extension || exit 1
 
 # The GPU tests first: here ranks spread over the GPUs (rank % GPUs), so the kernels' peers are on other
 # GPUs (NVLink). MOE_EP_SKIP_TESTS=1 skips them; TESTS_S (420): their time limit.

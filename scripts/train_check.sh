@@ -10,9 +10,7 @@
 # $OUT/stalls_<name>/stall_rank<N>.txt.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-if ! $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
-  echo "BUILD FAILED"; tail -30 "$OUT/build.log"; exit 1
-fi
+build_extension || exit 1
 if ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --target /tmp/mcore .whl/megatron_core-*.whl 2>/dev/null
   export PYTHONPATH=/tmp/mcore${PYTHONPATH:+:$PYTHONPATH}
