@@ -30,9 +30,9 @@ from .backends.internode import InternodeBackend, InternodeDispatchState
 from .backends.internode import rdma_size_hint as internode_rdma_size_hint
 from .backends.intranode import IntranodeBackend, IntranodeDispatchState
 from .backends.low_latency import LowLatencyBackend, LowLatencyKernelState
-from .backends.portable import PortableBackend, dispatch_layout, layout_of_rows, tokens_per_rank_and_node
+from .backends.portable import PortableBackend, dispatch_layout
 from .checks import (FP8_BLOCK, check_distinct_expert_ids, check_expert_ids, check_fp8_pair, check_int, check_num_sms,
-                     check_tensor, debug_checks_enabled, repeated_row)
+                     check_tensor, debug_checks_enabled)
 from .config import NUM_MAX_NVL_PEERS, NUM_MAX_TOPK, Config, combine_config, dispatch_config, low_latency_rdma_size_hint
 from .events import EventOverlap, capture_current_stream, finish_event, wait_previous
 from .handles import DispatchHandle, LowLatencyHandle
@@ -627,12 +627,11 @@ class Buffer:
         profile = self._profile
         mark = profile.start(topk_idx.device) if profile is not None else None
         if topk_idx.is_cuda and _native.has_kernels():
-            def layout(idx, *args):
-                return _native.ops().get_dispatch_layout(idx.contiguous(), *args)
+            outs = _native.ops().get_dispatch_layout(
+                topk_idx.contiguous(), num_experts, self.group_size, self.ranks_per_node
+            )
         else:
-            layout = dispatch_layout
-        *counts, in_rank = layout_of_rows(layout, topk_idx, num_experts, self.group_size, self.ranks_per_node)
-        outs = (*counts, in_rank.contiguous())  # a tensor of its own, where the rows of topk_idx are one row
+            outs = dispatch_layout(topk_idx, num_experts, self.group_size, self.ranks_per_node)
         if profile is not None:
             profile.stop("layout", mark)
         return (*outs, finish_event(async_finish, [topk_idx, *outs]))
@@ -796,17 +795,13 @@ class Buffer:
         """The layout tensors must say what topk_idx says (they come from one get_dispatch_layout):
         otherwise tokens reach ranks that hold none of their experts or miss ranks that do."""
         num_experts = num_tokens_per_expert.shape[0]
-        # The column sums of is_token_in_rank, and its tokens per node: from topk_idx's layout where they agree.
-        sent = in_node = None
         if topk_idx is not None:
             check_expert_ids("topk_idx", topk_idx, num_experts,
                              hint=f" (num_tokens_per_expert has {num_experts} entries, one per expert)")
-            sent, in_node, per_expert, in_rank = layout_of_rows(dispatch_layout, topk_idx, num_experts,
-                                                                self.group_size, self.ranks_per_node)
-            if not _same_rows(is_token_in_rank, in_rank):
-                differs = is_token_in_rank != in_rank
-                token = int(differs.any(1).to(torch.uint8).argmax())  # the first, without an index per difference
-                rank = int(differs[token].to(torch.uint8).argmax())
+            per_rank, per_rdma_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.group_size,
+                                                                           self.ranks_per_node)
+            if not torch.equal(is_token_in_rank, in_rank):
+                token, rank = (is_token_in_rank != in_rank).nonzero()[0].tolist()
                 experts = [e for e in topk_idx[token].tolist() if e >= 0]
                 local = num_experts // self.group_size
                 if is_token_in_rank[token, rank]:
@@ -837,16 +832,15 @@ class Buffer:
                     f"num_tokens_per_expert: expert {expert} counts {int(num_tokens_per_expert[expert])} tokens, "
                     f"expected 0 to the {int(bound[expert])} that num_tokens_per_rank sends to its rank"
                 )
-        if sent is None:
-            sent, in_node = tokens_per_rank_and_node(is_token_in_rank, self.ranks_per_node)
+        sent = is_token_in_rank.sum(0, dtype=torch.int32)
         if not torch.equal(sent, num_tokens_per_rank):
             raise ValueError(
                 f"num_tokens_per_rank: disagrees with is_token_in_rank (whose column sums are {sent.tolist()}, "
                 f"got {num_tokens_per_rank.tolist()}); pass both from the same get_dispatch_layout"
             )
         if num_tokens_per_rdma_rank is not None:
-            if in_node is None:  # one node
-                in_node = tokens_per_rank_and_node(is_token_in_rank, self.ranks_per_node)[1]
+            num_nodes = self.group_size // self.ranks_per_node
+            in_node = is_token_in_rank.view(-1, num_nodes, self.ranks_per_node).any(-1).sum(0, dtype=torch.int32)
             if not torch.equal(in_node, num_tokens_per_rdma_rank):
                 raise ValueError(
                     f"num_tokens_per_rdma_rank: disagrees with is_token_in_rank (which sends {in_node.tolist()} tokens "
@@ -1206,14 +1200,6 @@ class Buffer:
 
 # The device state of a handle whose dispatch ran on the kernels (on one node, across nodes).
 _KERNEL_STATES = (IntranodeDispatchState, InternodeDispatchState)
-
-
-def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """torch.equal of two tensors of one shape, read from one row where each is one row in memory."""
-    row_a, row_b = repeated_row(a), repeated_row(b)
-    if row_a is not None and row_b is not None:
-        return torch.equal(row_a, row_b)
-    return torch.equal(a, b)
 
 
 def _check_num_tokens(name: str, num_tokens: int) -> None:

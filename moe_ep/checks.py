@@ -82,21 +82,11 @@ def check_num_sms(name: str, value) -> int:
     return check_int(name, value, minimum=2, multiple_of=2)
 
 
-def repeated_row(t: torch.Tensor) -> Optional[torch.Tensor]:
-    """t's first row where every row of t is that row in memory (stride 0 along the rows, as expand
-    makes), else None: what depends on the rows' values alone is then read from one."""
-    if t.dim() >= 1 and t.shape[0] > 1 and t.stride(0) == 0:
-        return t[:1]
-    return None
-
-
 def check_expert_ids(name: str, topk_idx: torch.Tensor, num_experts: int, hint: str = "") -> None:
     """-1 means "no expert"; anything else must be a valid global expert id. Reads the data.
     hint: where num_experts came from, when not from an argument of that name."""
     if topk_idx.numel() == 0:
         return
-    row = repeated_row(topk_idx)
-    topk_idx = topk_idx if row is None else row
     lo, hi = int(topk_idx.min()), int(topk_idx.max())
     if not (lo >= -1 and hi < num_experts):
         raise ValueError(f"{name}: expert ids must be -1 or in [0, {num_experts}){hint}, got values in [{lo}, {hi}]")
@@ -107,8 +97,6 @@ def check_distinct_expert_ids(name: str, topk_idx: torch.Tensor) -> None:
     rank, no more. Reads the data."""
     if topk_idx.shape[1] < 2 or topk_idx.numel() == 0:
         return
-    row = repeated_row(topk_idx)
-    topk_idx = topk_idx if row is None else row
     ordered = topk_idx.sort(dim=1).values
     twice = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
     if bool(twice.any()):

@@ -1,8 +1,6 @@
 """Bad inputs: each case is a call that must raise before any communication, naming the argument."""
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
@@ -288,50 +286,3 @@ def more_rows_than_memory_on_one_rank(p: Problem, bad_rank: int):
         none = torch.zeros(1, dist.get_world_size(), dtype=torch.bool)
         raised = outcome(lambda: _huge_dispatch(buffer, none.expand(HUGE_TOKENS, -1)))
     return raised, tuple(normal_round(p, buffer=buffer)["combined"].shape)
-
-
-# Stride-0 tokens that cost no memory, so many that a temporary per token costs GBs and reading them one
-# by one seconds; top-k 2 of 8 experts.
-MANY_TOKENS, MANY_TOPK, MANY_EXPERTS = 2**24, 2, 8
-
-
-def _peak_growth(fn):
-    """fn() -> (what it did (outcome), its seconds, how far it raised this process's peak resident memory
-    in bytes)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak (VmHWM) starts again from the memory resident now
-    start_rss, start = _resident_kib("VmRSS"), time.perf_counter()
-    result = outcome(fn)
-    return result, time.perf_counter() - start, (_resident_kib("VmHWM") - start_rss) * 1024
-
-
-def _resident_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
-def many_stride0_tokens(bad_rank: int):
-    """Every rank lays out and dispatches MANY_TOKENS stride-0 tokens of HUGE_HIDDEN: bad_rank's go to an
-    expert (rows no machine holds), the others' to none; then all ranks dispatch tokens of no expert. ->
-    for each of the three calls (layout, the first dispatch, the second) (its outcome, seconds, peak memory
-    growth), and the shape of recv_x of the second."""
-    buffer = normal_buffer(HUGE_HIDDEN)
-    x = _huge_x()[:1].expand(MANY_TOKENS, -1)
-    weights = torch.ones(1, MANY_TOPK).expand(MANY_TOKENS, -1)
-
-    def dispatch(expert: int):
-        topk_idx = torch.full((1, MANY_TOPK), expert, dtype=torch.int64).expand(MANY_TOKENS, -1)
-        layout = []
-        measured = [_peak_growth(lambda: layout.extend(buffer.get_dispatch_layout(topk_idx, MANY_EXPERTS)))]
-        if not layout:
-            return measured * 2, [torch.empty(0)]
-        per_rank, _, per_expert, in_rank, _ = layout
-        recv = [torch.empty(0)]
-        measured.append(_peak_growth(lambda: recv.__setitem__(0, buffer.dispatch(
-            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=topk_idx, topk_weights=weights)[0])))
-        return measured, recv
-
-    (layout, refused), _ = dispatch(MANY_EXPERTS - 1 if dist.get_rank() == bad_rank else -1)
-    (_, sent_none), recv = dispatch(-1)
-    return layout, refused, sent_none, tuple(recv[0].shape)

@@ -867,44 +867,6 @@ def with_env(env: dict, fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
-def with_small_chunks(fn, *args, **kwargs):
-    """fn(*args, **kwargs) with the portable backend's layout reading topk_idx (and is_token_in_rank) a few
-    tokens at a time and its dispatch packing two rows of a test's size at a time: every chunk boundary
-    falls inside the test's tokens."""
-    from moe_ep.backends import portable
-
-    saved = portable.LAYOUT_CHUNK_ENTRIES, portable.PACK_CHUNK_BYTES
-    portable.LAYOUT_CHUNK_ENTRIES, portable.PACK_CHUNK_BYTES = 9, 1200
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        portable.LAYOUT_CHUNK_ENTRIES, portable.PACK_CHUNK_BYTES = saved
-
-
-def stride0_round(p: Problem, num_tokens: int, ranks_per_node: int = None):
-    """Layout and dispatch of num_tokens copies of one token of this rank (its last expert -1), as stride-0
-    views and as tensors of their own -> (whether every result has the same bits, whether the stride-0
-    layout's is_token_in_rank is a tensor of its own)."""
-    g = torch.Generator().manual_seed(p.seed * 1000 + dist.get_rank())
-    row = {"x": torch.randn(1, p.hidden, generator=g).to(torch.bfloat16),
-           "topk_idx": torch.randperm(p.num_experts, generator=g)[: p.num_topk].unsqueeze(0),
-           "topk_weights": torch.rand(1, p.num_topk, generator=g)}
-    row["topk_idx"][0, -1] = -1
-    buffer = normal_buffer(p.hidden, **({} if ranks_per_node is None else dict(ranks_per_node=ranks_per_node)))
-    results = []
-    for own in (False, True):
-        x, idx, weights = (row[name].expand(num_tokens, -1) for name in ("x", "topk_idx", "topk_weights"))
-        if own:
-            x, idx, weights = x.contiguous(), idx.contiguous(), weights.contiguous()
-        layout = buffer.get_dispatch_layout(idx, p.num_experts)[:4]
-        per_rank, _, per_expert, in_rank = layout
-        recv = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                               num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=weights)[:4]
-        results.append((layout, recv))
-    own_tensor = results[0][0][3].is_contiguous() and results[0][0][3].stride(0) != 0
-    return same_bits(*results), own_tensor
-
-
 def with_choices(choices: dict, fn, *args, **kwargs):
     """fn(*args, **kwargs) with the kernels' choices of moe_ep.backends.choices overridden (e.g.
     stream_combine=True): the Backends of the Buffers fn makes take them. They live in the process, so

@@ -231,22 +231,3 @@ def test_a_layout_tensor_reused_after_the_dispatch_changes_nothing(pools, seed):
     for rank, (left_alone, reused) in enumerate(pools(3).run(rank_fns.layout_tensor_reused_after_dispatch, p)):
         for name, a, b in zip(("recv_x", "cached recv_x", "combined"), left_alone, reused):
             assert same_bits(a, b), f"seed {seed} rank {rank}: {name}"
-
-
-@pytest.mark.parametrize("num_ranks,ranks_per_node", [(2, None), (4, 2)])
-def test_a_round_with_layout_and_packing_in_small_chunks_gives_the_same_bits(pools, seed, num_ranks, ranks_per_node):
-    p = _problem(seed, num_ranks)
-    pool = pools(num_ranks)
-    whole = pool.run(rank_fns.normal_round, p, ranks_per_node=ranks_per_node)
-    chunked = pool.run(rank_fns.with_small_chunks, rank_fns.normal_round, p, ranks_per_node=ranks_per_node)
-    for rank, (want, got) in enumerate(zip(whole, chunked)):
-        for key in want:
-            assert same_bits(got[key], want[key]), f"seed {seed} rank {rank}: {key}"
-
-
-@pytest.mark.parametrize("num_ranks,ranks_per_node", [(2, None), (4, 2)])
-def test_stride0_tokens_lay_out_and_dispatch_as_their_copies(pools, seed, num_ranks, ranks_per_node):
-    """A stride-0 topk_idx is laid out from its one row; is_token_in_rank is still a tensor of its own."""
-    p = _problem(seed, num_ranks)
-    for same, own_tensor in pools(num_ranks).run(rank_fns.stride0_round, p, 1000, ranks_per_node):
-        assert same and own_tensor

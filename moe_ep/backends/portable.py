@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .. import fp8
-from ..checks import FP8_DTYPE, repeated_row
+from ..checks import FP8_DTYPE
 from ..events import finish_event, wait_previous
 from ..handles import DispatchHandle, LowLatencyHandle
 from ..profiling import Profile
@@ -37,71 +37,24 @@ from .base import Backend, CombineCall, DispatchCall, LowLatencyCombineCall, Low
 from .forms import combine_form, dispatch_form, low_latency_combine_form, low_latency_dispatch_form
 
 
-# Top-k entries dispatch_layout reads at once: its temporaries are a few bytes per entry of one such
-# chunk, whatever the number of tokens.
-LAYOUT_CHUNK_ENTRIES = 1 << 20
-# Bytes of sent rows a dispatch gathers at once before copying them into the rows it sends: bounds the
-# temporaries to one chunk beside those rows.
-PACK_CHUNK_BYTES = 64 << 20
-
-
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_node: int):
     """(num_tokens_per_rank, num_tokens_per_rdma_rank or None, num_tokens_per_expert, is_token_in_rank)."""
     experts_per_rank = num_experts // num_ranks
-    num_tokens, num_topk = topk_idx.shape
-    device = topk_idx.device
-    # A spare last expert (and so a spare last rank) takes the -1 entries ("no expert").
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
-    is_token_in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=device)
-    step = max(1, LAYOUT_CHUNK_ENTRIES // max(num_topk, 1))
-    for start in range(0, num_tokens, step):
-        idx = topk_idx[start : start + step]
-        expert = torch.where(idx >= 0, idx, num_experts)
-        counts += torch.bincount(expert.view(-1), minlength=num_experts + 1)
-        hit = torch.zeros(idx.shape[0], num_ranks + 1, dtype=torch.bool, device=device)
-        hit.scatter_(1, expert.div_(experts_per_rank, rounding_mode="floor"), True)
-        is_token_in_rank[start : start + step] = hit[:, :num_ranks]
-    num_tokens_per_expert = counts[:num_experts].to(torch.int32)
-    num_tokens_per_rank, num_tokens_per_rdma_rank = tokens_per_rank_and_node(is_token_in_rank, ranks_per_node)
-    if ranks_per_node == num_ranks:
-        num_tokens_per_rdma_rank = None
-    return num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank
-
-
-def tokens_per_rank_and_node(is_token_in_rank: torch.Tensor, ranks_per_node: int):
-    """[N, R] bool -> int32 (tokens sent to each rank, to each node of ranks_per_node ranks), read in
-    chunks of rows: a sum over the rows of a bool tensor converts all of it to the sum's dtype first."""
-    num_tokens, num_ranks = is_token_in_rank.shape
-    row = repeated_row(is_token_in_rank)
-    if row is not None:
-        return tuple(_times_rows(counts, num_tokens) for counts in tokens_per_rank_and_node(row, ranks_per_node))
-    num_nodes = num_ranks // ranks_per_node
-    per_rank = torch.zeros(num_ranks, dtype=torch.int64, device=is_token_in_rank.device)
-    per_node = torch.zeros(num_nodes, dtype=torch.int64, device=is_token_in_rank.device)
-    step = max(1, LAYOUT_CHUNK_ENTRIES // max(num_ranks, 1))
-    for start in range(0, num_tokens, step):
-        in_rank = is_token_in_rank[start : start + step]
-        per_rank += in_rank.sum(0)
-        per_node += in_rank.reshape(-1, num_nodes, ranks_per_node).any(-1).sum(0)
-    return per_rank.to(torch.int32), per_node.to(torch.int32)
-
-
-def layout_of_rows(layout: Callable, topk_idx: torch.Tensor, *args):
-    """layout(topk_idx, *args) (dispatch_layout, or the kernels' layout). Where every row of topk_idx is
-    one row in memory (a stride-0 view), the layout of that row, its counts times the rows, with
-    is_token_in_rank a stride-0 view of its row: no work or memory per token."""
-    row = repeated_row(topk_idx)
-    if row is None:
-        return layout(topk_idx, *args)
     num_tokens = topk_idx.shape[0]
-    per_rank, per_rdma_rank, per_expert, in_rank = layout(row, *args)
-    return (_times_rows(per_rank, num_tokens), _times_rows(per_rdma_rank, num_tokens),
-            _times_rows(per_expert, num_tokens), in_rank.expand(num_tokens, -1))
-
-
-def _times_rows(counts: Optional[torch.Tensor], num_tokens: int) -> Optional[torch.Tensor]:
-    """Counts of one row -> those of num_tokens such rows, int32 (wrapping as a count row by row does)."""
-    return None if counts is None else (counts.to(torch.int64) * num_tokens).to(torch.int32)
+    valid = topk_idx >= 0
+    expert = topk_idx.clamp(min=0)
+    num_tokens_per_expert = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
+    num_tokens_per_expert.index_add_(0, expert[valid], torch.ones_like(expert[valid], dtype=torch.int32))
+    is_token_in_rank = torch.zeros(num_tokens, num_ranks, dtype=torch.bool, device=topk_idx.device)
+    rows = torch.arange(num_tokens, dtype=torch.int64, device=topk_idx.device).unsqueeze(1).expand_as(topk_idx)
+    is_token_in_rank[rows[valid], (expert // experts_per_rank)[valid]] = True
+    num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
+    num_tokens_per_rdma_rank = None
+    if ranks_per_node < num_ranks:
+        num_nodes = num_ranks // ranks_per_node
+        in_node = is_token_in_rank.view(num_tokens, num_nodes, ranks_per_node).any(-1)
+        num_tokens_per_rdma_rank = in_node.sum(0, dtype=torch.int32)
+    return num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank
 
 
 def pack_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -284,26 +237,20 @@ class PortableBackend(Backend):
         # the argument, with every rank still in step: the rows this rank sends, selected before they are
         # packed (a rank's x may be far larger than what it sends, stride-0 views of one row among them),
         # and fixed-size receive tensors.
+        send_order = self._send_order(is_token_in_rank if handle is None else handle.is_token_in_rank)
         fresh = handle is None  # each row then carries its source token (the handle's recv_src_idx) and top-k
         topk = [t for t in (topk_idx, topk_weights) if t is not None] if fresh else []
         specs = row_specs(x_parts) + ([(torch.int32, 1)] + row_specs(topk) if fresh else [])
         row_bytes = sum(cols * dtype.itemsize for dtype, cols in specs)
-        # The counts the peers are told (the Buffer checked them against is_token_in_rank): the rows sent are
-        # allocated before anything per sent row is computed, so that what cannot be held is refused at once.
-        num_sent = sum(num_tokens_per_rank.tolist() if fresh else handle.send_counts)
         try:
-            packed = torch.empty(num_sent, row_bytes, dtype=torch.uint8, device=device)
-            send_order = self._send_order(is_token_in_rank if fresh else handle.is_token_in_rank)
-            step = max(1, PACK_CHUNK_BYTES // max(row_bytes, 1))
-            for start in range(0, num_sent, step):
-                order = send_order[start : start + step]
-                rows = [p[order] for p in x_parts]
-                if fresh:
-                    rows += [order.to(torch.int32).unsqueeze(1)] + [t[order] for t in topk]
-                torch.cat([_row_bytes(r) for r in rows], dim=1, out=packed[start : start + step])
+            sent = [p[send_order] for p in x_parts]
+            if fresh:
+                sent += [send_order.to(torch.int32).unsqueeze(1)] + [t[send_order] for t in topk]
+            packed = pack_rows(sent)
         except (RuntimeError, MemoryError) as exc:
-            raise self._refused_dispatch(f"x: cannot allocate the {num_sent} rows of {row_bytes} bytes this "
+            raise self._refused_dispatch(f"x: cannot allocate the {len(send_order)} rows of {row_bytes} bytes this "
                                          f"rank sends on {device} ({str(exc).splitlines()[0]})") from None
+        del sent  # packed holds them
         num_rows = handle.num_worst_tokens if handle is not None else num_worst_tokens
         padded = None
         if num_rows > 0:
